@@ -1,0 +1,5 @@
+import sys
+
+from .hook import main
+
+sys.exit(main())

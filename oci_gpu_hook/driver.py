@@ -1,0 +1,134 @@
+"""What an NVIDIA driver installation consists of: the facts every other module looks up.
+
+Capabilities and the files each brings, device numbers, IPC sockets and config files, as the
+NVIDIA container stack defines them, so that images and pod specs written for it behave the
+same here. Pure data; no I/O.
+"""
+
+# Driver capabilities a container can ask for in NVIDIA_DRIVER_CAPABILITIES.
+CAPABILITIES = ("compute", "compat32", "graphics", "utility", "video", "display", "ngx")
+DEFAULT_CAPABILITIES = ("utility", "compute")
+
+# A capability that implies others: video needs the CUDA libraries, display the GL ones.
+IMPLIED_CAPABILITIES = {"video": ("compute",), "display": ("graphics",)}
+
+# Library name prefixes per capability; a cache entry matches when its name is the prefix plus
+# ".<driver version>" (libraries of another driver version stay out).
+LIBRARIES = {
+    "utility": ("libnvidia-ml.so", "libnvidia-cfg.so", "libnvidia-nscq.so"),
+    "compute": (
+        "libcuda.so",
+        "libcudadebugger.so",
+        "libnvidia-opencl.so",
+        "libnvidia-gpucomp.so",
+        "libnvidia-ptxjitcompiler.so",
+        "libnvidia-fatbinaryloader.so",
+        "libnvidia-allocator.so",
+        "libnvidia-compiler.so",
+        "libnvidia-pkcs11.so",
+        "libnvidia-pkcs11-openssl3.so",
+        "libnvidia-nvvm.so",
+    ),
+    "video": ("libvdpau_nvidia.so", "libnvidia-encode.so", "libnvidia-opticalflow.so", "libnvcuvid.so"),
+    "graphics": (
+        "libnvidia-eglcore.so",
+        "libnvidia-glcore.so",
+        "libnvidia-tls.so",
+        "libnvidia-glsi.so",
+        "libnvidia-fbc.so",
+        "libnvidia-ifr.so",
+        "libnvidia-rtcore.so",
+        "libnvoptix.so",
+        "libGLX_nvidia.so",
+        "libEGL_nvidia.so",
+        "libGLESv2_nvidia.so",
+        "libGLESv1_CM_nvidia.so",
+        "libnvidia-glvkspirv.so",
+        "libnvidia-cbl.so",
+    ),
+    "ngx": ("libnvidia-ngx.so",),
+}
+
+BINARIES = {
+    "utility": ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced"),
+    "compute": ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server"),
+}
+
+# IPC endpoints: host paths, mounted at the same path, skipped when absent.
+IPC_SOCKETS = {
+    "utility": ("/var/run/nvidia-persistenced/socket", "/var/run/nvidia-fabricmanager/socket"),
+}
+MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
+
+# Graphics configuration files; NVIDIA's own hook never injects them, which breaks Vulkan/EGL.
+GRAPHICS_CONFIG_FILES = (
+    "/usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+    "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
+    "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json",
+    "/etc/vulkan/icd.d/nvidia_icd.json",
+    "/etc/vulkan/implicit_layer.d/nvidia_layers.json",
+    "/etc/OpenCL/vendors/nvidia.icd",
+)
+
+FIRMWARE_DIR = "/lib/firmware/nvidia"  # + /<driver version>/gsp*.bin
+
+# Device numbers. The "nvidia" major is fixed; nvidia-uvm and nvidia-caps are dynamic and must
+# be read from /proc/devices.
+NVIDIA_MAJOR = 195
+NVIDIACTL_MINOR = 255
+NVIDIA_MODESET_MINOR = 254
+PROC_DEVICES_NAMES = ("nvidia", "nvidia-uvm", "nvidia-caps")
+UVM_MINOR = 0
+UVM_TOOLS_MINOR = 1
+
+# /dev/nvidia-caps minors of the MIG capabilities, as /proc/driver/nvidia-caps/mig-minors lists
+# them: config 1, monitor 2, then per GPU minor 15 GPU instances of (1 access + 8 compute
+# instances) minors each.
+MIG_CONFIG_CAP_MINOR = 1
+MIG_MONITOR_CAP_MINOR = 2
+MIG_MAX_GPU_INSTANCES = 15
+MIG_MAX_COMPUTE_INSTANCES = 8
+
+
+def mig_gi_cap_minor(gpu_minor: int, gi: int) -> int:
+    return (
+        3 + gpu_minor * MIG_MAX_GPU_INSTANCES * (1 + MIG_MAX_COMPUTE_INSTANCES) + gi * (1 + MIG_MAX_COMPUTE_INSTANCES)
+    )
+
+
+def mig_ci_cap_minor(gpu_minor: int, gi: int, ci: int) -> int:
+    return mig_gi_cap_minor(gpu_minor, gi) + 1 + ci
+
+
+# NVML's nvmlBrandType_t, by value; NVIDIA_REQUIRE_BRAND compares against these names.
+BRANDS = (
+    "Unknown",
+    "Quadro",
+    "Tesla",
+    "NVS",
+    "GRID",
+    "GeForce",
+    "TITAN",
+    "VApps",
+    "VPC",
+    "VCS",
+    "VWS",
+    "CloudGaming",
+    "QuadroRTX",
+    "NvidiaRTX",
+    "Nvidia",
+    "GeForceRTX",
+    "TitanRTX",
+)
+
+
+def library_capability(name: str, driver_version: str):
+    """The capability a library file name belongs to, or None (another driver, not a driver file)."""
+    suffix = "." + driver_version
+    if not name.endswith(suffix):
+        return None
+    prefix = name[: -len(suffix)]
+    for capability, prefixes in LIBRARIES.items():
+        if prefix in prefixes:
+            return capability
+    return None

@@ -1,0 +1,48 @@
+"""The program's entry point: the runtime runs it on every container start.
+
+Standard library only at import time. Commands a runtime calls take the fast path here; any
+other command loads the click CLI (cli/) on demand. Whatever happens, the user sees one line on
+stderr and an exit status, never a traceback (OCI_GPU_HOOK_DEBUG=1 shows one for bug reports).
+"""
+
+import os
+import sys
+
+PROG = "oci-gpu-hook"
+INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE
+
+
+def report(message: str) -> None:
+    sys.stderr.write(f"{PROG}: {message}\n")
+    sys.stderr.flush()
+
+
+def run(argv) -> int:
+    from .cli import main as cli_main
+
+    return cli_main(argv)
+
+
+def main(argv=None) -> int:
+    from .errors import HookError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return run(argv)
+    except HookError as e:
+        report(e.message)
+        return e.exit_code
+    except KeyboardInterrupt:
+        report("interrupted")
+        return 130
+    except Exception as e:  # a bug: say so in one line, keep the traceback for those who ask
+        if os.environ.get("OCI_GPU_HOOK_DEBUG") == "1":
+            import traceback
+
+            traceback.print_exc()
+        report(f"internal error: {type(e).__name__}: {e} (please report this; OCI_GPU_HOOK_DEBUG=1 shows details)")
+        return INTERNAL_ERROR_EXIT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

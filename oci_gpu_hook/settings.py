@@ -1,0 +1,127 @@
+"""The hook's configuration: where it is found, how it is checked, what it holds.
+
+Found at --config FILE, else $OCI_GPU_HOOK_CONFIG, else /etc/oci-gpu-hook/config.yaml (whose
+absence means defaults). Checked against schemas/config.schema.json; every error names the file,
+the key and what is accepted. YAML and jsonschema load lazily: the hook's start path must not pay
+for them when it has no file to read.
+"""
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping, Optional
+
+from .errors import ConfigError
+
+DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
+ENV_VAR = "OCI_GPU_HOOK_CONFIG"
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas", "config.schema.json")
+MAX_CONFIG_BYTES = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSettings:
+    level: str = "info"
+    file: Optional[str] = None
+    syslog: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    driver_root: str = "/"
+    dev_root: str = "/"
+    proc_root: str = "/"
+    logging: LoggingSettings = LoggingSettings()
+    source: Optional[str] = None  # the file these settings came from; None for built-in defaults
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: Optional[str]) -> "Settings":
+        """Build from an already validated mapping."""
+        values = dict(data)
+        values["logging"] = LoggingSettings(**values.get("logging", {}))
+        return cls(source=source, **values)
+
+
+def config_path(explicit: Optional[str], environ: Mapping[str, str]) -> Optional[str]:
+    """The file to read, or None when defaults apply."""
+    if explicit:
+        return explicit
+    if environ.get(ENV_VAR):
+        return environ[ENV_VAR]
+    return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
+
+
+def load(explicit: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> Settings:
+    path = config_path(explicit, environ)
+    if path is None:
+        return Settings()
+    return parse(read_config_file(path), path)
+
+
+def read_config_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: the configuration file is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: the configuration file is not UTF-8 text") from None
+
+
+def parse(text: str, path: str) -> Settings:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    validate(data, path)
+    return Settings.from_mapping(data, path)
+
+
+def _schema() -> dict:
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
+
+
+def validate(data: Any, path: str) -> None:
+    import jsonschema
+
+    schema = _schema()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the configuration must be a mapping of keys to values")
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError(describe_error(errors[0], schema, path))
+
+
+def describe_error(error, schema: dict, path: str) -> str:
+    """One line: file, dotted key, what is wrong and what is accepted."""
+    keys = [str(k) for k in error.absolute_path]
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(allowed))
+        key = ".".join(keys + [unknown[0]])
+        return f"{path}: {key}: unknown key (accepted keys here: {', '.join(allowed)})"
+    key = ".".join(keys) or "(top level)"
+    accepted = _description(schema, error.absolute_path)
+    value = (
+        json.dumps(error.instance) if not isinstance(error.instance, (dict, list)) else type(error.instance).__name__
+    )
+    return f"{path}: {key}: {value} is not accepted (expected {accepted})"
+
+
+def _description(schema: dict, keys) -> str:
+    node = schema
+    for key in keys:
+        node = node.get("properties", {}).get(key, {})
+    return node.get("description", "a valid value")

@@ -1,0 +1,18 @@
+#!/bin/sh
+# Install the Debian packages oci-gpu-hook's demo and test suite need; a no-op when all are there.
+# RHEL 9 equivalent: dnf install python3 gcc glibc-devel glibc-devel.i686 runc podman busybox libcap-devel
+set -eu
+packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux"
+missing=""
+for p in $packages; do
+    dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing="$missing $p"
+done
+[ -z "$missing" ] && exit 0
+if [ "$(id -u)" != 0 ]; then
+    echo "setup-host: missing packages:$missing; run as root (or install them) first" >&2
+    exit 1
+fi
+echo "setup-host: installing$missing"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends $missing >/dev/null
