@@ -9,8 +9,9 @@ for them when it has no file to read.
 import dataclasses
 import json
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
+from . import driver
 from .errors import ConfigError
 
 DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
@@ -31,6 +32,14 @@ class Settings:
     driver_root: str = "/"
     dev_root: str = "/"
     proc_root: str = "/"
+    supported_capabilities: Tuple[str, ...] = driver.CAPABILITIES
+    accept_envvar_when_unprivileged: bool = True
+    accept_volume_mounts: bool = False
+    accept_cdi_annotations: bool = True
+    cdi_kind: str = "nvidia.com/gpu"
+    disable_require: bool = False
+    mps_pipe_directories: Tuple[str, ...] = (driver.MPS_PIPE_DIRECTORY,)
+    inventory_cache: str = "/run/oci-gpu-hook/inventory.json"
     logging: LoggingSettings = LoggingSettings()
     source: Optional[str] = None  # the file these settings came from; None for built-in defaults
 
@@ -39,6 +48,11 @@ class Settings:
         """Build from an already validated mapping."""
         values = dict(data)
         values["logging"] = LoggingSettings(**values.get("logging", {}))
+        caps = values.get("supported_capabilities")
+        if caps is not None:
+            values["supported_capabilities"] = driver.CAPABILITIES if "all" in caps else tuple(caps)
+        if "mps_pipe_directories" in values:
+            values["mps_pipe_directories"] = tuple(values["mps_pipe_directories"])
         return cls(source=source, **values)
 
 
@@ -121,7 +135,9 @@ def describe_error(error, schema: dict, path: str) -> str:
 
 
 def _description(schema: dict, keys) -> str:
-    node = schema
+    node, described = schema, "a valid value"
     for key in keys:
-        node = node.get("properties", {}).get(key, {})
-    return node.get("description", "a valid value")
+        # A list item is described by its list ("a list of ...").
+        node = node.get("items", {}) if isinstance(key, int) else node.get("properties", {}).get(key, {})
+        described = node.get("description", described)
+    return described

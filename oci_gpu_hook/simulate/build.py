@@ -39,7 +39,9 @@ def find_tool(name: str) -> str:
 def _run(argv: List[str], what: str) -> None:
     result = subprocess.run(argv, env=_TOOL_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
-        first = (result.stdout.strip().splitlines() or ["(no output)"])[0]
+        lines = result.stdout.strip().splitlines() or ["(no output)"]
+        # Compilers open with context lines ("In function ..."); the error line says what broke.
+        first = next((line for line in lines if "error" in line.lower()), lines[0])
         raise SimulateError(f"{what} failed: {first}")
 
 
@@ -286,7 +288,9 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
     for d in (lib64, lib32_dir, bindir):
         os.makedirs(d, exist_ok=True)
 
-    # One stub object per word size, linked once per library with that library's SONAME.
+    # One stub object per word size, linked once per library with that library's SONAME. Real
+    # driver libraries need libc, and ldconfig classifies a library by that (libc6 vs plain ELF).
+    needs_libc = ["-Wl,--no-as-needed", "-lc"]
     stub64 = os.path.join(workdir, "stub64.o")
     stub32 = os.path.join(workdir, "stub32.o")
     _run([gcc, *cflags, "-fPIC", "-c", "-o", stub64, os.path.join(CSRC, "driver_stub.c")], "compiling the library stub")
@@ -312,10 +316,10 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
     for lib in host.libraries:
         if lib.prefix != "libnvidia-ml.so":
             out = os.path.join(lib64, f"{lib.prefix}.{version}")
-            jobs.append([gcc, "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub64])
+            jobs.append([gcc, "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub64, *needs_libc])
         if lib.lib32 and lib32:
             out = os.path.join(lib32_dir, f"{lib.prefix}.{version}")
-            jobs.append([gcc, "-m32", "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub32])
+            jobs.append([gcc, "-m32", "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub32, *needs_libc])
     for tool in driver.BINARIES["utility"] + driver.BINARIES["compute"]:
         if tool != "nvidia-smi":
             jobs.append(

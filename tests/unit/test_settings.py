@@ -38,7 +38,7 @@ def test_empty_file_means_defaults(tmp_path):
 @pytest.mark.parametrize(
     "text, expected",
     [
-        ("drivr_root: /x\n", "drivr_root: unknown key (accepted keys here: dev_root, driver_root, logging, proc_root)"),
+        ("drivr_root: /x\n", "drivr_root: unknown key (accepted keys here: accept_cdi_annotations"),
         ("logging:\n  colour: red\n", "logging.colour: unknown key (accepted keys here: file, level, syslog)"),
         ("driver_root: relative/path\n", 'driver_root: "relative/path" is not accepted (expected an absolute path'),
         (
@@ -47,6 +47,11 @@ def test_empty_file_means_defaults(tmp_path):
         ),
         ("logging:\n  syslog: maybe\n", 'logging.syslog: "maybe" is not accepted (expected true or false'),
         ("- a\n- b\n", "the configuration must be a mapping"),
+        (
+            "supported_capabilities: [compute, gpus]\n",
+            'supported_capabilities.1: "gpus" is not accepted (expected a list',
+        ),
+        ("cdi_kind: gpu\n", 'cdi_kind: "gpu" is not accepted (expected a CDI device kind vendor/class'),
         ("driver_root: [unclosed\n", "not valid YAML at line 2"),
     ],
 )
@@ -69,3 +74,23 @@ def test_binary_file_is_an_error(tmp_path):
     path.write_bytes(b"\xff\xfe\x00driver_root")
     with pytest.raises(ConfigError, match="not UTF-8"):
         settings.load(str(path), environ={})
+
+
+def test_request_policy_keys(tmp_path):
+    path = write(
+        tmp_path,
+        "supported_capabilities: [utility, compute]\naccept_volume_mounts: true\nmps_pipe_directories: [/run/mps]\n",
+    )
+    s = settings.load(path, environ={})
+    assert s.supported_capabilities == ("utility", "compute")
+    assert s.accept_volume_mounts is True and s.accept_envvar_when_unprivileged is True
+    assert s.mps_pipe_directories == ("/run/mps",)
+    assert settings.load(write(tmp_path, "supported_capabilities: [all]\n"), environ={}).supported_capabilities == (
+        "compute",
+        "compat32",
+        "graphics",
+        "utility",
+        "video",
+        "display",
+        "ngx",
+    )

@@ -1,0 +1,722 @@
+/* Simulated libnvidia-ml.so: the subset of NVML that container tooling and
+ * the pynvml bindings use, with the C ABI of nvml.h (function names, struct
+ * layouts, return codes), so unmodified clients can load it by SONAME.
+ *
+ * The GPUs come from sim_host.h, compiled in.  Which of them a process sees
+ * is decided at init from the device nodes it can reach, as with the real
+ * driver inside a container: the library carries the whole host, the mount
+ * namespace decides what is visible. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "sim_host.h"
+#include "sim_nvml.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* Upper bound on MIG devices per GPU: A100/H100 allow 7 compute instances. */
+#define SIM_MAX_MIG 16
+
+/* A handle is a pointer to one of these; they live in static storage so a
+ * stale handle kept across shutdown/init is still safe to dereference. */
+struct nvmlDevice_st {
+    const struct sim_gpu *gpu;
+    const struct sim_mig *mig;        /* NULL for a physical GPU */
+    struct nvmlDevice_st *parent;     /* MIG: its GPU */
+    int visible;
+    unsigned index;                   /* among visible GPUs / the GPU's visible MIGs */
+    unsigned n_mig;                   /* GPU: visible MIG devices, in migs[] */
+    struct nvmlDevice_st *migs[SIM_MAX_MIG];
+};
+
+/* +1: a host description may have no GPUs, and C has no empty arrays. */
+static struct nvmlDevice_st g_gpus[SIM_N_GPUS + 1];
+static struct nvmlDevice_st g_migs[SIM_N_GPUS + 1][SIM_MAX_MIG];
+static struct nvmlDevice_st *g_visible[SIM_N_GPUS + 1];
+static unsigned g_n_visible;
+static unsigned g_refcount;
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Existence only: the nodes may be real character devices or, in tests,
+ * plain files; opening them would reach no driver either way. */
+static int exists(const char *dir, const char *name, long number)
+{
+    char path[4096];
+    int n = number >= 0 ? snprintf(path, sizeof path, "%s/%s%ld", dir, name, number)
+                        : snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (n < 0 || (size_t)n >= sizeof path)
+        return 0;
+    return access(path, F_OK) == 0;
+}
+
+/* Where the device nodes are: if the simulated host's procfs is reachable we
+ * run on the host and its dev directory applies; otherwise we are inside a
+ * container, whose runtime put (some of) the nodes under the real /dev. */
+static const char *device_root(void)
+{
+    if (access(SIM_ROOT "/proc/driver/nvidia/version", F_OK) == 0)
+        return SIM_ROOT "/dev";
+    return "/dev";
+}
+
+static nvmlReturn_t scan_devices(void)
+{
+    const char *dev = device_root();
+    char caps[4096];
+    int n = snprintf(caps, sizeof caps, "%s/nvidia-caps", dev);
+    if (n < 0 || (size_t)n >= sizeof caps)
+        return NVML_ERROR_UNKNOWN;
+    /* The real library talks to the driver through nvidiactl; without it
+     * there is no driver as far as this process can tell. */
+    if (!exists(dev, "nvidiactl", -1))
+        return NVML_ERROR_DRIVER_NOT_LOADED;
+
+    g_n_visible = 0;
+    for (unsigned i = 0; i < SIM_N_GPUS; i++) {
+        const struct sim_gpu *gpu = &SIM_GPUS[i];
+        struct nvmlDevice_st *d = &g_gpus[i];
+        memset(d, 0, sizeof *d);
+        d->gpu = gpu;
+        if (!exists(dev, "nvidia", gpu->minor))
+            continue;
+        d->visible = 1;
+        d->index = g_n_visible;
+        g_visible[g_n_visible++] = d;
+        if (!gpu->mig_enabled)
+            continue;
+        for (unsigned m = 0; m < gpu->n_mig && m < SIM_MAX_MIG; m++) {
+            const struct sim_mig *mig = &gpu->mig[m];
+            struct nvmlDevice_st *md = &g_migs[i][m];
+            memset(md, 0, sizeof *md);
+            md->gpu = gpu;
+            md->mig = mig;
+            md->parent = d;
+            if (!exists(caps, "nvidia-cap", mig->gi_cap_minor) ||
+                !exists(caps, "nvidia-cap", mig->ci_cap_minor))
+                continue;
+            md->visible = 1;
+            md->index = d->n_mig;
+            d->migs[d->n_mig++] = md;
+        }
+    }
+    return NVML_SUCCESS;
+}
+
+static void forget_devices(void)
+{
+    memset(g_gpus, 0, sizeof g_gpus);
+    memset(g_migs, 0, sizeof g_migs);
+    g_n_visible = 0;
+}
+
+static int initialized(void)
+{
+    pthread_mutex_lock(&g_lock);
+    int ok = g_refcount > 0;
+    pthread_mutex_unlock(&g_lock);
+    return ok;
+}
+
+/* Every device query starts here: a handle is valid only if it points into
+ * our tables and names a device visible in the current session. */
+static nvmlReturn_t check(nvmlDevice_t device)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (device == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uintptr_t p = (uintptr_t)device;
+    uintptr_t gpus = (uintptr_t)g_gpus, migs = (uintptr_t)g_migs;
+    uintptr_t base;
+    if (p >= gpus && p < gpus + SIM_N_GPUS * sizeof g_gpus[0])
+        base = gpus;
+    else if (p >= migs && p < migs + sizeof g_migs)
+        base = migs;
+    else
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if ((p - base) % sizeof(struct nvmlDevice_st) != 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!device->visible || device->gpu == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t copy_string(char *dst, unsigned length, const char *src)
+{
+    if (dst == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(src) + 1 > length)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(dst, src, strlen(src) + 1);
+    return NVML_SUCCESS;
+}
+
+/* MIG is a GA100/GH100/GB100-class feature; the host header only says
+ * whether it is enabled, so infer the capability from the architecture. */
+static int mig_capable(const struct sim_gpu *gpu)
+{
+    if (gpu->mig_enabled || gpu->n_mig > 0)
+        return 1;
+    return (gpu->cc_major == 8 && gpu->cc_minor == 0) || gpu->cc_major == 9 || gpu->cc_major == 10;
+}
+
+/* ---- init / shutdown ---------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
+{
+    (void)flags; /* NO_GPUS is the behaviour anyway: zero visible GPUs is not an error */
+    nvmlReturn_t ret = NVML_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (g_refcount == 0)
+        ret = scan_devices();
+    if (ret == NVML_SUCCESS)
+        g_refcount++;
+    else
+        forget_devices();
+    pthread_mutex_unlock(&g_lock);
+    return ret;
+}
+
+EXPORT nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+EXPORT nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+EXPORT nvmlReturn_t nvmlShutdown(void)
+{
+    nvmlReturn_t ret = NVML_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    if (g_refcount == 0)
+        ret = NVML_ERROR_UNINITIALIZED;
+    else if (--g_refcount == 0)
+        forget_devices();
+    pthread_mutex_unlock(&g_lock);
+    return ret;
+}
+
+EXPORT const char *nvmlErrorString(nvmlReturn_t result)
+{
+    switch (result) {
+    case NVML_SUCCESS: return "Success";
+    case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
+    case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
+    case NVML_ERROR_NO_PERMISSION: return "Insufficient Permissions";
+    case NVML_ERROR_ALREADY_INITIALIZED: return "Already Initialized";
+    case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
+    case NVML_ERROR_INSUFFICIENT_POWER: return "Insufficient External Power";
+    case NVML_ERROR_DRIVER_NOT_LOADED: return "Driver Not Loaded";
+    case NVML_ERROR_TIMEOUT: return "Timeout";
+    case NVML_ERROR_IRQ_ISSUE: return "Interrupt Request Issue";
+    case NVML_ERROR_LIBRARY_NOT_FOUND: return "NVML Shared Library Not Found";
+    case NVML_ERROR_FUNCTION_NOT_FOUND: return "Function Not Found";
+    case NVML_ERROR_CORRUPTED_INFOROM: return "Corrupted infoROM";
+    case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
+    case NVML_ERROR_RESET_REQUIRED: return "GPU requires restart";
+    case NVML_ERROR_OPERATING_SYSTEM: return "The operating system has blocked the request.";
+    case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "Driver/library version mismatch";
+    case NVML_ERROR_IN_USE: return "In use by another client";
+    case NVML_ERROR_MEMORY: return "Insufficient Memory";
+    case NVML_ERROR_NO_DATA: return "No data";
+    case NVML_ERROR_VGPU_ECC_NOT_SUPPORTED:
+        return "The requested vgpu operation is not available on target device, because ECC is enabled";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Insufficient resources";
+    case NVML_ERROR_FREQ_NOT_SUPPORTED: return "The requested frequency is not supported";
+    case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
+    case NVML_ERROR_DEPRECATED: return "Deprecated";
+    case NVML_ERROR_NOT_READY: return "Not ready";
+    case NVML_ERROR_GPU_NOT_FOUND: return "GPU not found";
+    case NVML_ERROR_INVALID_STATE: return "Invalid state";
+    case NVML_ERROR_RESET_TYPE_NOT_SUPPORTED: return "Reset type not supported";
+    case NVML_ERROR_UNKNOWN: return "Unknown Error";
+    }
+    return "Unknown Error";
+}
+
+/* ---- system queries ----------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    return copy_string(version, length, SIM_DRIVER_VERSION);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length)
+{
+    /* The real library answers this one without nvmlInit. */
+    return copy_string(version, length, SIM_NVML_VERSION);
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *cudaDriverVersion)
+{
+    /* Also answered before init: the real one asks libcuda, not the driver. */
+    if (cudaDriverVersion == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *cudaDriverVersion = SIM_CUDA_VERSION;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *cudaDriverVersion)
+{
+    return nvmlSystemGetCudaDriverVersion(cudaDriverVersion);
+}
+
+/* ---- device enumeration ------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (deviceCount == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *deviceCount = g_n_visible;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCount(unsigned int *deviceCount)
+{
+    return nvmlDeviceGetCount_v2(deviceCount);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (device == NULL || index >= g_n_visible)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = g_visible[index];
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (uuid == NULL || device == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < g_n_visible; i++) {
+        struct nvmlDevice_st *d = g_visible[i];
+        if (strcmp(d->gpu->uuid, uuid) == 0) {
+            *device = d;
+            return NVML_SUCCESS;
+        }
+        for (unsigned m = 0; m < d->n_mig; m++) {
+            if (strcmp(d->migs[m]->mig->uuid, uuid) == 0) {
+                *device = d->migs[m];
+                return NVML_SUCCESS;
+            }
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+/* Accepts what the real one does: "domain:bus:device.function" or
+ * "bus:device.function", hex, any case, with or without leading zeros. */
+static int parse_bus_id(const char *s, unsigned *domain, unsigned *bus, unsigned *dev,
+                        unsigned *fn)
+{
+    char tail;
+    if (sscanf(s, "%x:%x:%x.%x%c", domain, bus, dev, fn, &tail) == 4)
+        return 1;
+    *domain = 0;
+    if (sscanf(s, "%x:%x.%x%c", bus, dev, fn, &tail) == 3)
+        return 1;
+    return 0;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *pciBusId, nvmlDevice_t *device)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    unsigned domain, bus, dev, fn;
+    if (pciBusId == NULL || device == NULL || !parse_bus_id(pciBusId, &domain, &bus, &dev, &fn))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < g_n_visible; i++) {
+        const struct sim_gpu *g = g_visible[i]->gpu;
+        if (g->domain == domain && g->bus == bus && g->device == dev && fn == 0) {
+            *device = g_visible[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevice_t *device)
+{
+    return nvmlDeviceGetHandleByPciBusId_v2(pciBusId, device);
+}
+
+/* ---- device identity ---------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (device->mig == NULL)
+        return copy_string(name, length, device->gpu->name);
+    /* MIG devices are named after their parent and profile, as the real one does. */
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s MIG %s", device->gpu->name, device->mig->profile);
+    return copy_string(name, length, buf);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, nvmlBrandType_t *type)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (type == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *type = device->gpu->brand;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    return copy_string(uuid, length, device->mig ? device->mig->uuid : device->gpu->uuid);
+}
+
+/* Minor and index identify physical GPUs only; tools find a MIG device's
+ * nodes through its parent. */
+EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (minorNumber == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *minorNumber = device->gpu->minor;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (index == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *index = device->index;
+    return NVML_SUCCESS;
+}
+
+static void fill_pci(const struct sim_gpu *g, nvmlPciInfo_t *pci)
+{
+    memset(pci, 0, sizeof *pci);
+    /* Formatted from the numbers, not copied: NVML prints upper-case hex. */
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT,
+             g->domain & 0xffff, g->bus & 0xff, g->device & 0xff);
+    snprintf(pci->busId, sizeof pci->busId, NVML_DEVICE_PCI_BUS_ID_FMT, g->domain, g->bus & 0xff,
+             g->device & 0xff);
+    pci->domain = g->domain;
+    pci->bus = g->bus;
+    pci->device = g->device;
+    pci->pciDeviceId = g->pci_device_id;
+    pci->pciSubSystemId = g->pci_subsystem_id;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (pci == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    fill_pci(device->gpu, pci);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci)
+{
+    return nvmlDeviceGetPciInfo_v3(device, pci);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v1_t *pci)
+{
+    nvmlPciInfo_t full;
+    nvmlReturn_t ret = nvmlDeviceGetPciInfo_v3(device, pci ? &full : NULL);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    memset(pci, 0, sizeof *pci);
+    memcpy(pci->busId, full.busIdLegacy, sizeof pci->busId);
+    pci->domain = full.domain;
+    pci->bus = full.bus;
+    pci->device = full.device;
+    pci->pciDeviceId = full.pciDeviceId;
+    pci->pciSubSystemId = full.pciSubSystemId;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPciInfoExt(nvmlDevice_t device, nvmlPciInfoExt_v1_t *pci)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (pci == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (pci->version != nvmlPciInfoExt_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    nvmlPciInfo_t full;
+    fill_pci(device->gpu, &full);
+    memset(pci, 0, sizeof *pci);
+    pci->version = nvmlPciInfoExt_v1;
+    pci->domain = full.domain;
+    pci->bus = full.bus;
+    pci->device = full.device;
+    pci->pciDeviceId = full.pciDeviceId;
+    pci->pciSubSystemId = full.pciSubSystemId;
+    pci->baseClass = 0x03; /* display controller / 3D controller */
+    pci->subClass = 0x02;
+    memcpy(pci->busId, full.busId, sizeof pci->busId);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (major == NULL || minor == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *major = device->gpu->cc_major;
+    *minor = device->gpu->cc_minor;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, nvmlDeviceArchitecture_t *arch)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (arch == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* nvmlDeviceArchitecture_t values by compute capability. */
+    int cc = device->gpu->cc_major * 10 + device->gpu->cc_minor;
+    if (cc >= 100)
+        *arch = 10; /* Blackwell */
+    else if (cc >= 90)
+        *arch = 9; /* Hopper */
+    else if (cc == 89)
+        *arch = 8; /* Ada */
+    else if (cc >= 80)
+        *arch = 7; /* Ampere */
+    else if (cc >= 75)
+        *arch = 6; /* Turing */
+    else if (cc >= 70)
+        *arch = 5; /* Volta */
+    else if (cc >= 60)
+        *arch = 4; /* Pascal */
+    else
+        *arch = 0xffffffffu; /* unknown */
+    return NVML_SUCCESS;
+}
+
+/* ---- state -------------------------------------------------------------- */
+
+static void memory_of(nvmlDevice_t device, unsigned long long *total, unsigned long long *used)
+{
+    if (device->mig) {
+        *total = device->mig->memory_total;
+        *used = 0;
+    } else {
+        *total = device->gpu->memory_total;
+        *used = device->gpu->memory_used;
+    }
+    if (*used > *total)
+        *used = *total;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memory_of(device, &memory->total, &memory->used);
+    memory->free = memory->total - memory->used;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (memory == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (memory->version != nvmlMemory_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    memory_of(device, &memory->total, &memory->used);
+    memory->reserved = 0;
+    memory->free = memory->total - memory->used;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (utilization == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* With MIG on, the GPU has no single utilization figure (nvidia-smi shows N/A). */
+    if (device->mig || device->gpu->mig_enabled)
+        return NVML_ERROR_NOT_SUPPORTED;
+    utilization->gpu = device->gpu->util_gpu;
+    utilization->memory = device->gpu->util_memory;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (mode == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mode = NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+/* No process ever runs on a simulated GPU; the count protocol still holds:
+ * a NULL array with a count is the size query, and 0 needs no buffer. */
+static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *infoCount)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (infoCount == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *infoCount = 0;
+    return NVML_SUCCESS;
+}
+
+#define PROCESS_QUERY(fn, type)                                                 \
+    EXPORT nvmlReturn_t fn(nvmlDevice_t device, unsigned int *infoCount, type *infos) \
+    {                                                                           \
+        (void)infos;                                                            \
+        return no_processes(device, infoCount);                                 \
+    }
+
+PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t)
+PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_t)
+PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t)
+PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t)
+PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_t)
+PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t)
+PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t)
+PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t)
+PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
+
+/* ---- MIG ---------------------------------------------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                         unsigned int *pendingMode)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (currentMode == NULL || pendingMode == NULL || device->mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!mig_capable(device->gpu))
+        return NVML_ERROR_NOT_SUPPORTED;
+    *currentMode = *pendingMode = device->gpu->mig_enabled ? 1 : 0;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (count == NULL || device->mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* Seven compute slices on every MIG-capable part; zero when MIG is off. */
+    unsigned max = device->gpu->mig_enabled ? 7 : 0;
+    if (device->gpu->mig_enabled && device->gpu->n_mig > max)
+        max = device->gpu->n_mig < SIM_MAX_MIG ? device->gpu->n_mig : SIM_MAX_MIG;
+    *count = max;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                        nvmlDevice_t *migDevice)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    unsigned max = 0;
+    nvmlDeviceGetMaxMigDeviceCount(device, &max);
+    if (migDevice == NULL || device->mig || index >= max)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (index >= device->n_mig)
+        return NVML_ERROR_NOT_FOUND;
+    *migDevice = device->migs[index];
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (isMigDevice == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isMigDevice = device->mig != NULL;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (id == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig == NULL)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *id = device->mig->gi_id;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (id == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig == NULL)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *id = device->mig->ci_id;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
+                                                                 nvmlDevice_t *device)
+{
+    nvmlReturn_t ret = check(migDevice);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (device == NULL || migDevice->mig == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = migDevice->parent;
+    return NVML_SUCCESS;
+}

@@ -1,0 +1,96 @@
+"""The container's configuration (bundle/config.json): the parts the hook reads.
+
+Only data: rootfs location, environment, capabilities, mounts, annotations, SELinux mount label.
+Paths inside the rootfs are never resolved here (see rootfs.py); this module does no I/O except
+reading config.json itself.
+"""
+
+import dataclasses
+import os
+from typing import Dict, FrozenSet, Mapping, Optional, Tuple
+
+from .state import StateError, load_json
+
+MAX_CONFIG_BYTES = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Mount:
+    destination: str
+    source: str
+    type: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    rootfs: str  # absolute host path of the container's root
+    readonly_rootfs: bool
+    env: Mapping[str, str]
+    bounding_capabilities: FrozenSet[str]
+    mounts: Tuple[Mount, ...]
+    annotations: Mapping[str, str]
+    mount_label: Optional[str]
+
+
+def environment(entries) -> Dict[str, str]:
+    """process.env as a dict; a later duplicate wins, as in the process it becomes."""
+    env = {}
+    for entry in entries:
+        if isinstance(entry, str):
+            key, sep, value = entry.partition("=")
+            if sep and key:
+                env[key] = value
+    return env
+
+
+def _dict(doc: dict, key: str) -> dict:
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _list(doc: dict, key: str) -> list:
+    value = doc.get(key)
+    return value if isinstance(value, list) else []
+
+
+def parse(doc, bundle: str) -> Spec:
+    if not isinstance(doc, dict):
+        raise StateError(f"{bundle}/config.json is not a JSON object")
+    root = _dict(doc, "root")
+    root_path = root.get("path")
+    if not isinstance(root_path, str) or not root_path or "\0" in root_path:
+        raise StateError(f"{bundle}/config.json has no valid root.path")
+    process = _dict(doc, "process")
+    mounts = tuple(
+        Mount(m["destination"], m.get("source") or "", m.get("type") or "")
+        for m in _list(doc, "mounts")
+        if isinstance(m, dict)
+        and isinstance(m.get("destination"), str)
+        and isinstance(m.get("source", ""), str)
+        and isinstance(m.get("type", ""), str)
+    )
+    annotations = {k: v for k, v in _dict(doc, "annotations").items() if isinstance(k, str) and isinstance(v, str)}
+    label = _dict(doc, "linux").get("mountLabel")
+    return Spec(
+        rootfs=os.path.normpath(os.path.join(bundle, root_path)),
+        readonly_rootfs=root.get("readonly") is True,
+        env=environment(_list(process, "env")),
+        bounding_capabilities=frozenset(
+            c for c in _list(_dict(process, "capabilities"), "bounding") if isinstance(c, str)
+        ),
+        mounts=mounts,
+        annotations=annotations,
+        mount_label=label if isinstance(label, str) and label else None,
+    )
+
+
+def load(bundle: str) -> Spec:
+    path = os.path.join(bundle, "config.json")
+    try:
+        # O_NOFOLLOW: the bundle belongs to the runtime, but a config.json symlink is never expected.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise StateError(f"{path}: cannot read the container configuration: {e.strerror}") from None
+    return parse(load_json(data, path, MAX_CONFIG_BYTES), bundle)
