@@ -198,8 +198,10 @@ def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: Optional[in
     devices = []
     for key, uuid in order:
         if key not in instances:
-            raise InventoryError(f"NVML lists MIG device gi{key[0]}/ci{key[1]} of GPU minor {gpu_minor}, "
-                                 f"but {base}/gi{key[0]}/ci{key[1]}/access does not exist")  # fmt: skip
+            raise InventoryError(
+                f"NVML lists MIG device gi{key[0]}/ci{key[1]} of GPU minor {gpu_minor}, "
+                f"but {base}/gi{key[0]}/ci{key[1]}/access does not exist"
+            )
         if caps_major is None:
             raise InventoryError("MIG devices exist but /proc/devices has no 'nvidia-caps' major")
         gi_access, ci_access = instances[key]

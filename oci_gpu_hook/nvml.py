@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+
 from .errors import InventoryError
 
 DEFAULT_TIMEOUT = 20.0
@@ -21,8 +22,7 @@ def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     try:
         result = subprocess.run(
             [sys.executable, "-I", "-m", "oci_gpu_hook.nvml", library_path],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            capture_output=True,
             timeout=timeout,
             env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"},
             cwd="/",

@@ -9,7 +9,6 @@ import dataclasses
 import os
 from typing import Dict, List, Optional, Tuple
 
-from . import driver
 from .errors import InventoryError, RequestError, RequirementError
 from .inventory import DeviceNode, DriverFile, GpuInfo, Inventory, MigDevice, host_path
 from .request import GpuRequest
@@ -181,7 +180,7 @@ class Plan:
                     "mig_uuid": d.mig.uuid if d.mig else None,
                 }
                 for d in self.devices
-            ],  # fmt: skip
+            ],
             "capabilities": sorted(self.request.capabilities),
             "device_source": self.request.source,
             "notes": list(self.request.notes),
@@ -257,8 +256,9 @@ def check_requirements(request: GpuRequest, inventory: Inventory, devices: Tuple
         return
     for device in devices:
         gpu = device.gpu  # a MIG device is judged by its parent GPU
-        facts = GpuFacts(cuda=inventory.cuda_version, driver=inventory.driver_version,
-                         arch=gpu.compute_capability, brand=gpu.brand)  # fmt: skip
+        facts = GpuFacts(
+            cuda=inventory.cuda_version, driver=inventory.driver_version, arch=gpu.compute_capability, brand=gpu.brand
+        )
         try:
             request.requirements.check(facts)
         except RequirementError as e:

@@ -196,8 +196,12 @@ def parse_request(spec: Spec, settings: Settings) -> Optional[GpuRequest]:
         return None
     requirements = parse_requirements(env)
     if legacy and env["CUDA_VERSION"]:
-        requirements = parse_requirements({"NVIDIA_REQUIRE_CUDA": legacy_cuda_requirement(env["CUDA_VERSION"]),
-                                           **{k: v for k, v in env.items() if k != "NVIDIA_REQUIRE_CUDA"}})  # fmt: skip
+        requirements = parse_requirements(
+            {
+                "NVIDIA_REQUIRE_CUDA": legacy_cuda_requirement(env["CUDA_VERSION"]),
+                **{k: v for k, v in env.items() if k != "NVIDIA_REQUIRE_CUDA"},
+            }
+        )
     mps_directory, mps_note = _mps_pipe_directory(spec, settings)
     return GpuRequest(
         devices=devices,

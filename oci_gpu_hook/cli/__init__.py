@@ -39,10 +39,10 @@ def cli(ctx, config):
 
 
 def _register():
-    from . import info, simulate
+    from . import info, inventory, plan, simulate
 
-    cli.add_command(info.info)
-    cli.add_command(simulate.simulate)
+    for command in (info.info, inventory.inventory, plan.plan, simulate.simulate):
+        cli.add_command(command)
 
 
 _register()

@@ -34,8 +34,14 @@ def print_inventory(inventory) -> None:
     click.echo("Control devices:")
     for node in inventory.control_devices.values():
         click.echo(f"  {_node(node)}")
-    for kind, title in (("library", "Libraries"), ("library32", "32-bit libraries"), ("binary", "Programs"),
-                        ("firmware", "Firmware"), ("ipc", "IPC sockets"), ("config", "Graphics config files")):  # fmt: skip
+    for kind, title in (
+        ("library", "Libraries"),
+        ("library32", "32-bit libraries"),
+        ("binary", "Programs"),
+        ("firmware", "Firmware"),
+        ("ipc", "IPC sockets"),
+        ("config", "Graphics config files"),
+    ):
         files = [f for f in inventory.files if f.kind == kind]
         if files:
             click.echo(f"{title}:")

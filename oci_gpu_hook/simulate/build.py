@@ -417,6 +417,7 @@ def config_text(target: str) -> str:
         f"driver_root: {json.dumps(target)}\n"
         f"dev_root: {json.dumps(target)}\n"
         f"proc_root: {json.dumps(target)}\n"
+        f"inventory_cache: {json.dumps(target + '/inventory-cache.json')}\n"
         "logging:\n"
         "  level: info\n"
     )

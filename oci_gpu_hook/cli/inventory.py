@@ -1,0 +1,22 @@
+"""`oci-gpu-hook inventory`: manage the inventory cache the hook reads on every start."""
+
+import click
+
+
+@click.group()
+def inventory():
+    """Manage the inventory cache (see inventory_cache in docs/configuration.md)."""
+
+
+@inventory.command()
+@click.pass_obj
+def refresh(obj):
+    """Discover the host now and rewrite the cache atomically."""
+    from .. import inventory_cache
+
+    settings = obj.settings
+    result = inventory_cache.refresh(settings)
+    click.echo(
+        f"{settings.inventory_cache}: driver {result.driver_version}, {len(result.gpus)} GPU(s), "
+        f"{len(result.files)} driver files"
+    )

@@ -1,0 +1,39 @@
+"""`oci-gpu-hook plan`: the dry run: what the hook would do for a bundle, without doing it."""
+
+import json
+import os
+
+import click
+
+
+@click.command()
+@click.option("--bundle", required=True, type=click.Path(file_okay=False), help="OCI bundle directory (config.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (stable, see docs/plan.md).")
+@click.option("--no-cache", is_flag=True, help="Discover the host now instead of using the inventory cache.")
+@click.pass_obj
+def plan(obj, bundle, as_json, no_cache):
+    """Print the operations the hook would perform for the container in BUNDLE.
+
+    The rootfs may be absent; libraries then go to /usr/lib64 (as for a non-Debian image).
+    """
+    from .. import inventory_cache, request, spec
+    from ..inventory import discover
+    from ..plan import LibraryLayout, build_plan
+    from ..rootfs import has_debian_layout
+
+    container = spec.load(os.path.abspath(bundle))
+    settings = obj.settings
+    gpu_request = request.parse_request(container, settings)
+    if gpu_request is None:
+        if as_json:
+            click.echo(json.dumps({"gpu_container": False, "operations": []}, indent=2))
+        else:
+            click.echo("not a GPU container (NVIDIA_VISIBLE_DEVICES unset, empty or void): the hook does nothing")
+        return
+    inventory = discover(settings) if no_cache else inventory_cache.load(settings)
+    layout = LibraryLayout.for_rootfs(has_debian_layout(container.rootfs))
+    result = build_plan(gpu_request, inventory, layout)
+    if as_json:
+        click.echo(json.dumps(result.to_json(), indent=2))
+    else:
+        click.echo(result.describe())
