@@ -17,11 +17,11 @@ $(VENV)/.installed: pyproject.toml scripts/setup-host.sh
 	touch $@
 
 demo: setup
-	$(HOOK) simulate $(DEMO_DIR)/host --gpus 4 --mig 1
-	@echo "--- nvidia-smi -L on the simulated host"
+	@echo "=== a real runc container with NVIDIA_VISIBLE_DEVICES=1 on a simulated 4-GPU host"
+	$(HOOK) demo --dir $(DEMO_DIR) --devices 1
+	@echo "=== the simulated host itself: nvidia-smi -L and oci-gpu-hook info"
 	LD_LIBRARY_PATH=$(DEMO_DIR)/host/usr/lib64 $(DEMO_DIR)/host/usr/bin/nvidia-smi -L
-	@echo "--- oci-gpu-hook info of the simulated host"
-	$(HOOK) --config $(DEMO_DIR)/host/config.yaml info
+	$(HOOK) --config $(DEMO_DIR)/host/config.yaml info --no-nvml | head -20
 
 lint: setup
 	$(VENV)/bin/ruff check oci_gpu_hook tests

@@ -17,7 +17,24 @@ def report(message: str) -> None:
     sys.stderr.flush()
 
 
+RUNTIME_COMMANDS = ("prestart", "createRuntime")
+
+
+def _split_config(argv):
+    """(--config value or None, the rest) for the runtime's fast path; click parses the rest."""
+    if argv and argv[0] == "--config" and len(argv) > 1:
+        return argv[1], argv[2:]
+    if argv and argv[0].startswith("--config="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    return None, argv
+
+
 def run(argv) -> int:
+    config, rest = _split_config(argv)
+    if rest and rest[0] in RUNTIME_COMMANDS and len(rest) == 1:
+        from .prestart import run as prestart
+
+        return prestart(config)
     from .cli import main as cli_main
 
     return cli_main(argv)

@@ -1,49 +1,223 @@
-"""Paths inside a container's rootfs, resolved inside the rootfs.
+"""Paths inside a container's rootfs, resolved inside the rootfs, through file descriptors.
 
-The rootfs belongs to whoever wrote the image: every lookup walks it one component at a time
-from a directory descriptor with O_NOFOLLOW, so no symlink, `..` or magic link in the image can
-lead a lookup to the host.
+The rootfs belongs to whoever wrote the image. Every lookup starts from a descriptor of the rootfs
+and resolves symlinks as if the rootfs were '/' (openat2 RESOLVE_IN_ROOT; on kernels without
+openat2, a component-by-component O_NOFOLLOW walk that follows links itself, inside the root).
+Magic links (/proc/self/root, /proc/<pid>/fd/N) are never followed by the kernel. Callers get
+descriptors and act on them (mount onto /proc/self/fd/N, *at calls), never on a path string
+walked again. Whatever is created is recorded in an UndoLog.
 """
 
+import errno
 import os
 import stat
+from typing import Callable, List, Tuple
 
-_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+from . import _linux
+
+MAX_SYMLINKS = 40
+_O_PATH = os.O_PATH | os.O_CLOEXEC
+_openat2_works = None  # unknown until tried; False on kernels before 5.6 or under seccomp
 
 
-def _walk(root_fd: int, path: str):
-    """fd of path under root_fd, or None when a component is missing or a symlink."""
-    fd = os.dup(root_fd)
-    try:
-        for part in [p for p in path.split("/") if p and p != "."]:
-            if part == "..":
-                return None
+class UndoLog:
+    """Undo actions in the order things were done; rollback() runs them in reverse."""
+
+    def __init__(self):
+        self._actions: List[Tuple[str, Callable[[], None]]] = []
+        self.fds: List[int] = []
+
+    def add(self, description: str, action: Callable[[], None]) -> None:
+        self._actions.append((description, action))
+
+    def keep_fd(self, fd: int) -> int:
+        self.fds.append(fd)
+        return fd
+
+    def rollback(self) -> List[str]:
+        """Undo everything; returns what could not be undone (for the log)."""
+        failures = []
+        while self._actions:
+            description, action = self._actions.pop()
             try:
-                next_fd = os.open(part, _FLAGS, dir_fd=fd)
+                action()
+            except OSError as e:
+                failures.append(f"{description}: {e.strerror or e}")
+        return failures
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
             except OSError:
-                return None
+                pass
+        self.fds = []
+
+
+def _split(path: str) -> List[str]:
+    return [part for part in path.split("/") if part and part != "."]
+
+
+class Rootfs:
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    # --- lookups ------------------------------------------------------------------------------
+
+    def open(self, path: str, flags: int = _O_PATH) -> int:
+        """A descriptor of path, symlinks resolved inside the rootfs. Raises OSError."""
+        global _openat2_works
+        if _openat2_works is not False:
+            try:
+                fd = _linux.openat2(
+                    self.fd,
+                    path.lstrip("/") or ".",
+                    flags | os.O_CLOEXEC,
+                    _linux.RESOLVE_IN_ROOT | _linux.RESOLVE_NO_MAGICLINKS,
+                )
+                _openat2_works = True
+                return fd
+            except OSError as e:
+                if e.errno not in (errno.ENOSYS, errno.EPERM) or _openat2_works:
+                    raise
+                _openat2_works = False
+        fd = self._walk(path)
+        if flags & ~(os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW):
+            try:
+                return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+            finally:
+                os.close(fd)
+        return fd
+
+    def _walk(self, path: str) -> int:
+        """Resolve without openat2: never let the kernel follow a link; follow it here, in root."""
+        parts = _split(path)
+        stack = [os.dup(self.fd)]  # descriptors of the directories walked, for '..'
+        links = 0
+        try:
+            while parts:
+                name = parts.pop(0)
+                if name == "..":
+                    if len(stack) > 1:
+                        os.close(stack.pop())
+                    continue
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISLNK(mode):
+                    target = os.readlink("", dir_fd=fd)
+                    os.close(fd)
+                    links += 1
+                    if links > MAX_SYMLINKS:
+                        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                    if target.startswith("/"):
+                        for d in stack[1:]:
+                            os.close(d)
+                        del stack[1:]
+                    parts = _split(target) + parts
+                    continue
+                if parts and not stat.S_ISDIR(mode):
+                    os.close(fd)
+                    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+                stack.append(fd)
+            return os.dup(stack[-1])
+        finally:
+            for d in stack:
+                os.close(d)
+
+    def exists_as(self, path: str, kind: Callable[[int], bool]) -> bool:
+        try:
+            fd = self.open(path)
+        except OSError:
+            return False
+        try:
+            return kind(os.fstat(fd).st_mode)
+        finally:
             os.close(fd)
-            fd = next_fd
-        result, fd = fd, -1
-        return result
-    finally:
-        if fd >= 0:
+
+    # --- creating -----------------------------------------------------------------------------
+
+    def ensure_dir(self, path: str, undo: UndoLog) -> int:
+        """O_PATH descriptor of directory path, creating missing components (recorded in undo)."""
+        try:
+            fd = self.open(path)
+        except FileNotFoundError:
+            parent, name = os.path.split(path.rstrip("/"))
+            parent_fd = self.ensure_dir(parent or "/", undo)
+            try:
+                os.mkdir(name, 0o755, dir_fd=parent_fd)
+            except FileExistsError:
+                # A dangling symlink: it points nowhere inside the rootfs; never create its target.
+                raise OSError(errno.EEXIST, "a dangling symlink or a race is in the way", path) from None
+            undo.keep_fd(parent_fd)
+            undo.add(f"remove directory {path}", lambda: os.rmdir(name, dir_fd=parent_fd))
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
+            return fd
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
             os.close(fd)
+            raise OSError(errno.ENOTDIR, "not a directory", path)
+        return fd
+
+    def ensure_target(self, path: str, directory: bool, mode: int, undo: UndoLog) -> int:
+        """O_PATH descriptor of a mount target: an existing file/dir of the right type, or a new
+        empty one made with mode (recorded in undo)."""
+        if directory:
+            return self.ensure_dir(path, undo)
+        try:
+            fd = self.open(path)
+        except FileNotFoundError:
+            parent, name = os.path.split(path)
+            parent_fd = self.ensure_dir(parent, undo)
+            try:
+                created = os.open(
+                    name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd
+                )
+            except FileExistsError:
+                os.close(parent_fd)
+                raise OSError(errno.EEXIST, "a dangling symlink or a race is in the way", path) from None
+            os.fchmod(created, mode)  # the umask must not change what the source's mode says
+            os.close(created)
+            undo.keep_fd(parent_fd)
+            undo.add(f"remove file {path}", lambda: os.unlink(name, dir_fd=parent_fd))
+            return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        st_mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(st_mode):
+            os.close(fd)
+            what = "a directory" if stat.S_ISDIR(st_mode) else "not a regular file"
+            raise OSError(errno.EEXIST, f"is {what}, expected a file", path)
+        return fd
+
+    def ensure_symlink(self, path: str, value: str, undo: UndoLog) -> str:
+        """Create symlink path -> value; returns 'created', 'present' or 'kept' (the image's own
+        file stays: an image may ship its own library on purpose)."""
+        parent, name = os.path.split(path)
+        parent_fd = self.ensure_dir(parent, undo)
+        try:
+            try:
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                os.symlink(value, name, dir_fd=parent_fd)
+                undo.keep_fd(os.dup(parent_fd))
+                fd = undo.fds[-1]
+                undo.add(f"remove symlink {path}", lambda: os.unlink(name, dir_fd=fd))
+                return "created"
+            if stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=parent_fd) == value:
+                return "present"
+            return "kept"
+        finally:
+            os.close(parent_fd)
 
 
 def has_debian_layout(rootfs: str) -> bool:
     """Whether the image is Debian-like (/etc/debian_version is a regular file inside it)."""
     try:
-        root_fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        root = Rootfs(rootfs)
     except OSError:
         return False
     try:
-        fd = _walk(root_fd, "/etc/debian_version")
-        if fd is None:
-            return False
-        try:
-            return stat.S_ISREG(os.fstat(fd).st_mode)
-        finally:
-            os.close(fd)
+        return root.exists_as("/etc/debian_version", stat.S_ISREG)
     finally:
-        os.close(root_fd)
+        root.close()

@@ -23,7 +23,7 @@ MAX_CONFIG_BYTES = 1 << 20
 @dataclasses.dataclass(frozen=True)
 class LoggingSettings:
     level: str = "info"
-    file: Optional[str] = None
+    file: Optional[str] = "/var/log/oci-gpu-hook.log"
     syslog: bool = False
 
 
@@ -40,6 +40,8 @@ class Settings:
     disable_require: bool = False
     mps_pipe_directories: Tuple[str, ...] = (driver.MPS_PIPE_DIRECTORY,)
     inventory_cache: str = "/run/oci-gpu-hook/inventory.json"
+    cgroups: str = "auto"
+    deadline_seconds: float = 8.0
     logging: LoggingSettings = LoggingSettings()
     source: Optional[str] = None  # the file these settings came from; None for built-in defaults
 

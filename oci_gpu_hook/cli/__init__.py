@@ -39,9 +39,11 @@ def cli(ctx, config):
 
 
 def _register():
-    from . import info, inventory, plan, simulate
+    from . import demo, info, inventory, plan, runtime, simulate
 
-    for command in (info.info, inventory.inventory, plan.plan, simulate.simulate):
+    commands = (demo.demo, info.info, inventory.inventory, plan.plan, runtime.prestart, runtime.create_runtime,
+                simulate.simulate)  # fmt: skip
+    for command in commands:
         cli.add_command(command)
 
 

@@ -420,6 +420,7 @@ def config_text(target: str) -> str:
         f"inventory_cache: {json.dumps(target + '/inventory-cache.json')}\n"
         "logging:\n"
         "  level: info\n"
+        f"  file: {json.dumps(target + '/hook.log')}\n"
     )
 
 

@@ -1,0 +1,311 @@
+"""Carry out a plan inside the container, all or nothing.
+
+A forked, single-threaded child joins the container's mount namespace (through a pidfd, so a
+recycled pid cannot redirect it), performs the operations in plan order, and records an undo
+action for each change. Any error, or the deadline passing, rolls every change back in reverse
+order before the child reports. The parent only waits and relays the child's verdict.
+"""
+
+import errno
+import json
+import os
+import signal
+import stat
+from typing import List, Optional
+
+from . import _linux, cgroups, ldconfig
+from .errors import HookError
+from .plan import (
+    BindMount,
+    CopyFile,
+    DeviceRule,
+    MountDevice,
+    MountTmpfs,
+    Plan,
+    RefreshLdcache,
+    Remount,
+    Symlink,
+)
+from .rootfs import Rootfs, UndoLog
+from .settings import Settings
+from .spec import Spec
+from .state import ContainerState
+
+FAULT_ENV = "OCI_GPU_HOOK_FAULT_AT"  # tests: fail the Nth operation (set only in the hook's own env)
+_GRACE_SECONDS = 5.0
+
+
+class ApplyError(HookError):
+    exit_code = 11
+
+
+class DeadlineExceeded(ApplyError):
+    pass
+
+
+def _fd_path(fd: int) -> str:
+    return f"/proc/self/fd/{fd}"
+
+
+class Applier:
+    """The child's side: executes operations against the rootfs, keeps the undo log."""
+
+    def __init__(self, plan: Plan, state: ContainerState, spec: Spec, settings: Settings, rootfs: Rootfs):
+        self.plan = plan
+        self.state = state
+        self.spec = spec
+        self.settings = settings
+        self.rootfs = rootfs
+        self.undo = UndoLog()
+        self.skipped: List[str] = []
+        self._skipped_trees: List[str] = []
+        self._cgroup_dir: Optional[str] = None
+        self._cgroup_mode: Optional[str] = None
+        fault = os.environ.get(FAULT_ENV, "")
+        self.fault_at = int(fault) if fault.isdigit() else None
+
+    def run(self) -> None:
+        for number, op in enumerate(self.plan.operations, 1):
+            if self.fault_at == number:
+                raise ApplyError(f"operation {number} ({op.describe()}): injected fault")
+            target = getattr(op, "target", None)
+            if target and any(target == t or target.startswith(t + "/") for t in self._skipped_trees):
+                self.skipped.append(op.describe())
+                continue
+            try:
+                getattr(self, "do_" + type(op).__name__)(op)
+            except OSError as e:
+                raise ApplyError(f"{op.describe()}: {e.strerror or e}") from None
+
+    # --- mounts -------------------------------------------------------------------------------
+
+    def _bind(self, source: str, target_fd: int, op) -> None:
+        _linux.mount(source, _fd_path(target_fd), None, _linux.MS_BIND)
+        mounted = self.undo.keep_fd(self.rootfs.open(op.target))
+        self.undo.add(f"unmount {op.target}", lambda: _linux.umount2(_fd_path(mounted), _linux.MNT_DETACH))
+        src, got = os.stat(source), os.fstat(mounted)
+        if (src.st_dev, src.st_ino) != (got.st_dev, got.st_ino):
+            raise ApplyError(f"{op.target}: the mounted file is not {source} (the rootfs changed during the mount)")
+        flags = _linux.MS_REMOUNT | _linux.MS_BIND | _linux.mount_flags(op.flags)
+        _linux.mount(None, _fd_path(mounted), None, flags)
+        _linux.mount(None, _fd_path(mounted), None, _linux.MS_PRIVATE)
+
+    def do_MountDevice(self, op: MountDevice) -> None:
+        st = os.lstat(op.source)
+        if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (op.major, op.minor):
+            raise ApplyError(f"{op.source}: not char device {op.major}:{op.minor} (the host's device node changed)")
+        fd = self.rootfs.ensure_target(op.target, False, stat.S_IMODE(st.st_mode), self.undo)
+        try:
+            self._bind(op.source, fd, op)
+        finally:
+            os.close(fd)
+
+    def do_BindMount(self, op: BindMount) -> None:
+        try:
+            st = os.stat(op.source)
+        except FileNotFoundError:
+            if op.optional:
+                self.skipped.append(op.describe())
+                return
+            raise ApplyError(f"{op.source}: missing on the host (run `oci-gpu-hook inventory refresh`)") from None
+        is_dir = stat.S_ISDIR(st.st_mode)
+        if is_dir != (op.kind == "dir"):
+            raise ApplyError(f"{op.source}: expected a {op.kind} on the host")
+        fd = self.rootfs.ensure_target(op.target, is_dir, stat.S_IMODE(st.st_mode), self.undo)
+        try:
+            self._bind(op.source, fd, op)
+        finally:
+            os.close(fd)
+
+    def do_MountTmpfs(self, op: MountTmpfs) -> None:
+        try:
+            fd = self.rootfs.open(op.target)
+        except FileNotFoundError:
+            if op.target.startswith("/proc/"):
+                # The container's procfs shows the driver's files only where a driver is loaded
+                # (not on a simulated host); nothing there to mask.
+                self._skipped_trees.append(op.target)
+                self.skipped.append(op.describe())
+                return
+            fd = self.rootfs.ensure_dir(op.target, self.undo)
+        try:
+            flags = _linux.mount_flags(op.flags)
+            _linux.mount("tmpfs", _fd_path(fd), "tmpfs", flags, f"mode={op.mode:04o}")
+        finally:
+            os.close(fd)
+        mounted = self.undo.keep_fd(self.rootfs.open(op.target))
+        self.undo.add(f"unmount {op.target}", lambda: _linux.umount2(_fd_path(mounted), _linux.MNT_DETACH))
+
+    def do_CopyFile(self, op: CopyFile) -> None:
+        with open(op.source, "rb") as f:
+            lines = f.read(1 << 20).decode("utf-8", "replace").splitlines(keepends=True)
+        for prefix, replacement in op.rewrite:
+            lines = [replacement + "\n" if line.startswith(prefix) else line for line in lines]
+        parent, name = os.path.split(op.target)
+        parent_fd = self.undo.keep_fd(self.rootfs.ensure_dir(parent, self.undo))
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=parent_fd)
+        self.undo.add(f"remove file {op.target}", lambda: os.unlink(name, dir_fd=parent_fd))
+        with os.fdopen(fd, "wb") as f:
+            f.write("".join(lines).encode())
+
+    def do_Remount(self, op: Remount) -> None:
+        fd = self.rootfs.open(op.target)
+        try:
+            _linux.mount(None, _fd_path(fd), None, _linux.MS_REMOUNT | _linux.mount_flags(op.flags))
+        finally:
+            os.close(fd)
+
+    def do_Symlink(self, op: Symlink) -> None:
+        if self.rootfs.ensure_symlink(op.target, op.value, self.undo) == "kept":
+            self.skipped.append(op.describe() + " (the image's own file kept)")
+
+    # --- cgroups and ld cache -----------------------------------------------------------------
+
+    def _cgroup(self):
+        if self._cgroup_mode is None:
+            wanted = self.settings.cgroups
+            if wanted == "off":
+                self._cgroup_mode = "off"
+                return self._cgroup_mode, None
+            text = cgroups.read_cgroup_file(self.state.pid)
+            found = cgroups.detect_version(text)
+            mode = found if wanted == "auto" else wanted
+            if mode == "v2" or (mode == "v1" and found != "v1"):
+                raise ApplyError(
+                    f"cgroup {found} device rules are not supported yet for this container; "
+                    "set 'cgroups: off' in the configuration to start it without device rules"
+                )
+            if mode == "none":
+                raise ApplyError("the container is in no device cgroup; set 'cgroups: off' to skip device rules")
+            with open("/proc/self/mountinfo") as f:
+                directory = cgroups.v1_devices_path(text, f.read())
+            if directory is None:
+                raise ApplyError(f"the devices cgroup of pid {self.state.pid} is not mounted where the hook can see it")
+            self._cgroup_mode, self._cgroup_dir = mode, directory
+        return self._cgroup_mode, self._cgroup_dir
+
+    def do_DeviceRule(self, op: DeviceRule) -> None:
+        mode, directory = self._cgroup()
+        if mode == "off":
+            self.skipped.append(op.describe())
+            return
+        rule = cgroups.v1_rule(op.major, op.minor, op.access)
+        cgroups.write_v1(directory, "devices.allow", rule)
+        self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
+
+    def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
+        remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)
+        ldconfig.refresh(self.rootfs.fd, op.directories, timeout=remaining)
+
+
+# --- the two processes --------------------------------------------------------------------------
+
+
+def _join_mount_namespace(pid: int) -> None:
+    try:
+        pidfd = _linux.pidfd_open(pid)
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            raise ApplyError(f"the container process {pid} does not exist (any more)") from None
+        pidfd = None  # kernels before 5.3: fall back to the procfs handle
+    if pidfd is not None:
+        try:
+            _linux.setns(pidfd, _linux.CLONE_NEWNS)
+            return
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: setns(pidfd) needs 5.8
+                raise ApplyError(f"cannot join the mount namespace of pid {pid}: {e.strerror}") from None
+        finally:
+            os.close(pidfd)
+    try:
+        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ApplyError(f"cannot open the mount namespace of pid {pid}: {e.strerror}") from None
+    try:
+        _linux.setns(fd, _linux.CLONE_NEWNS)
+    finally:
+        os.close(fd)
+
+
+def _on_deadline(signum, frame):
+    raise DeadlineExceeded("the hook's deadline passed; every change was rolled back")
+
+
+def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings) -> dict:
+    signal.signal(signal.SIGALRM, _on_deadline)
+    signal.setitimer(signal.ITIMER_REAL, settings.deadline_seconds)
+    applier = None
+    try:
+        _join_mount_namespace(state.pid)
+        os.chdir("/")
+        try:
+            rootfs = Rootfs(spec.rootfs)
+        except OSError as e:
+            raise ApplyError(f"{spec.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
+        applier = Applier(plan, state, spec, settings, rootfs)
+        applier.run()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        return {"ok": True, "skipped": applier.skipped}
+    except BaseException as e:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # the rollback itself must not be interrupted
+        failures = applier.undo.rollback() if applier else []
+        if isinstance(e, HookError):
+            return {"ok": False, "error": e.message, "exit_code": e.exit_code, "undo_failures": failures}
+        return {
+            "ok": False,
+            "error": f"internal error: {type(e).__name__}: {e}",
+            "exit_code": 70,
+            "undo_failures": failures,
+        }
+    finally:
+        if applier:
+            applier.undo.close()
+
+
+def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings) -> dict:
+    """Apply in a child; returns its report, or raises ApplyError (after the child's rollback)."""
+    if state.pid is None:
+        raise ApplyError("the OCI state has no pid: the runtime must run the hook at prestart or createRuntime")
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        os.close(read_fd)
+        code = 0
+        try:
+            report = _child(plan, state, spec, settings)
+            code = 0 if report["ok"] else 1
+            os.write(write_fd, json.dumps(report).encode())
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    deadline = settings.deadline_seconds + _GRACE_SECONDS
+    signal.signal(signal.SIGALRM, _on_deadline)
+    signal.setitimer(signal.ITIMER_REAL, deadline)
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.waitpid(pid, 0)
+    except DeadlineExceeded:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise ApplyError("the hook's child did not finish in time and was killed; its changes may remain") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        os.close(read_fd)
+    try:
+        report = json.loads(b"".join(chunks))
+    except ValueError:
+        raise ApplyError("the hook's child died without a report") from None
+    if not report["ok"]:
+        error = ApplyError(
+            report["error"]
+            + ("" if not report["undo_failures"] else f" (rollback incomplete: {'; '.join(report['undo_failures'])})")
+        )
+        error.exit_code = report["exit_code"]
+        error.undo_failures = report["undo_failures"]
+        raise error
+    return report

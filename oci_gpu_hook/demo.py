@@ -1,0 +1,170 @@
+"""`oci-gpu-hook demo`: a real runc container on a simulated GPU host, with the hook wired in.
+
+Also the builders the end-to-end tests use: a minimal rootfs (busybox-static, plus the host's
+glibc loader and libc so dynamically linked programs such as nvidia-smi run) and an OCI bundle
+whose prestart hook is this program.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from .errors import PrerequisiteError
+
+BUSYBOX = "/bin/busybox"
+APPLETS = ("sh", "ls", "cat", "echo", "head", "grep", "test", "stat", "readlink", "mount", "true", "false", "dd", "wc")
+LOADER = "/lib64/ld-linux-x86-64.so.2"
+LIBC_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
+HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
+DEFAULT_CAPS = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
+
+
+def _host_libc() -> str:
+    for directory in LIBC_DIRS:
+        path = os.path.join(directory, "libc.so.6")
+        if os.path.exists(path):
+            return os.path.realpath(path)
+    raise PrerequisiteError("the host's libc.so.6 was not found")
+
+
+def make_rootfs(path: str, debian: bool = False) -> str:
+    """A minimal rootfs at path; Debian-like (multiarch dirs, /etc/debian_version) or not."""
+    if not os.path.exists(BUSYBOX):
+        raise PrerequisiteError(f"{BUSYBOX} is missing (on Debian: apt-get install busybox-static)")
+    for d in ("bin", "etc", "dev", "proc", "sys", "tmp", "lib64", "usr/bin"):
+        os.makedirs(os.path.join(path, d), exist_ok=True)
+    shutil.copy2(BUSYBOX, os.path.join(path, "bin/busybox"))
+    for applet in APPLETS:
+        link = os.path.join(path, "bin", applet)
+        if not os.path.lexists(link):
+            os.symlink("busybox", link)
+    libdir = "usr/lib/x86_64-linux-gnu" if debian else "usr/lib64"
+    os.makedirs(os.path.join(path, libdir), exist_ok=True)
+    shutil.copy2(_host_libc(), os.path.join(path, libdir, "libc.so.6"))
+    shutil.copy2(os.path.realpath(LOADER), os.path.join(path, "lib64/ld-linux-x86-64.so.2"))
+    if debian:
+        with open(os.path.join(path, "etc/debian_version"), "w") as f:
+            f.write("12.0\n")
+    with open(os.path.join(path, "etc/passwd"), "w") as f:
+        f.write("root:x:0:0:root:/:/bin/sh\n")
+    return path
+
+
+def hook_command() -> List[str]:
+    """argv of this program as a runtime must run it: an absolute path, with the interpreter."""
+    return [sys.executable, "-I", "-m", "oci_gpu_hook"]
+
+
+def make_config(
+    args: Sequence[str],
+    env: Dict[str, str],
+    config_file: Optional[str],
+    caps: Sequence[str] = DEFAULT_CAPS,
+    hook_env: Sequence[str] = HOOK_ENV,
+    readonly: bool = True,
+    with_hook: bool = True,
+) -> dict:
+    """config.json for runc: like `runc spec`, with our prestart hook and a deny-all device cgroup."""
+    hook_args = hook_command() + (["--config", config_file] if config_file else []) + ["prestart"]
+    config = {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": list(args),
+            "env": ["PATH=/usr/bin:/bin"] + [f"{k}={v}" for k, v in env.items()],
+            "cwd": "/",
+            "capabilities": {k: list(caps) for k in ("bounding", "effective", "permitted", "ambient")},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 1024, "soft": 1024}],
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": readonly},
+        "hostname": "gpu",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {
+                "destination": "/dev",
+                "type": "tmpfs",
+                "source": "tmpfs",
+                "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+            },
+            {
+                "destination": "/dev/pts",
+                "type": "devpts",
+                "source": "devpts",
+                "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"],
+            },
+            {
+                "destination": "/dev/shm",
+                "type": "tmpfs",
+                "source": "shm",
+                "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+            },
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
+        ],  # fmt: skip
+        "linux": {
+            "resources": {"devices": [{"allow": False, "access": "rwm"}]},
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "maskedPaths": ["/proc/kcore", "/proc/keys", "/proc/timer_list", "/sys/firmware"],
+            "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+        },
+    }
+    if with_hook:
+        config["hooks"] = {"prestart": [{"path": hook_args[0], "args": hook_args, "env": list(hook_env),
+                                         "timeout": 10}]}  # fmt: skip
+    return config
+
+
+def make_bundle(path: str, rootfs_debian: bool = False, **config_options) -> str:
+    os.makedirs(path, exist_ok=True)
+    make_rootfs(os.path.join(path, "rootfs"), debian=rootfs_debian)
+    write_config(path, **config_options)
+    return path
+
+
+def write_config(bundle: str, **config_options) -> None:
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(make_config(**config_options), f, indent=2)
+
+
+def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    runc = shutil.which("runc")
+    if runc is None:
+        raise PrerequisiteError("runc is not installed (on Debian: apt-get install runc)")
+    try:
+        return subprocess.run([runc, "run", "--bundle", bundle, container_id], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    finally:
+        subprocess.run([runc, "delete", "--force", container_id], capture_output=True)
+
+
+SHOW = (
+    "echo '$ nvidia-smi -L'; nvidia-smi -L; "
+    "echo '$ ls -l /dev/nvidia*'; ls -l /dev/nvidia* /dev/nvidia-caps 2>/dev/null; "
+    "echo '$ mounted driver files'; grep -E 'nvidia|libcuda|firmware' /proc/self/mountinfo | "
+    'while read a b c d e rest; do echo "  $e"; done'
+)
+
+
+def run_demo(directory: str, devices: str = "1") -> int:
+    from .simulate import simulate
+
+    directory = os.path.abspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    host = simulate(os.path.join(directory, "host"), gpus=4, mig=[2])
+    print(f"simulated GPU host: {host['root']} ({len(host['gpus'])} GPUs, driver {host['driver_version']})")
+    bundle = os.path.join(directory, "bundle")
+    if os.path.isdir(bundle):
+        shutil.rmtree(bundle)
+    make_bundle(bundle, args=["sh", "-c", SHOW], env={"NVIDIA_VISIBLE_DEVICES": devices},
+                config_file=os.path.join(host["root"], "config.yaml"))  # fmt: skip
+    print(f"runc run with NVIDIA_VISIBLE_DEVICES={devices} (bundle {bundle}):")
+    result = runc_run(bundle, f"oci-gpu-hook-demo-{os.getpid()}")
+    sys.stdout.write(result.stdout)
+    if result.returncode != 0:
+        sys.stderr.write(result.stderr)
+    return result.returncode
