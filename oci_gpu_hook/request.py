@@ -190,7 +190,7 @@ def parse_request(spec: Spec, settings: Settings) -> Optional[GpuRequest]:
     env = spec.env
     privileged = PRIVILEGED_CAPABILITY in spec.bounding_capabilities
     # Images built before NVIDIA_REQUIRE_CUDA existed carry only CUDA_VERSION.
-    legacy = "CUDA_VERSION" in env and "NVIDIA_REQUIRE_CUDA" not in env
+    legacy = "CUDA_VERSION" in env and not env.get("NVIDIA_REQUIRE_CUDA")
     devices, source = select_devices(spec, settings, privileged, legacy)
     if devices is None:
         return None

@@ -100,6 +100,8 @@ def parse(text: str, path: str) -> Settings:
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
     if data is None:
         data = {}
+    if isinstance(data, dict) and data.get("cgroups") is False:
+        data["cgroups"] = "off"  # YAML 1.1 reads an unquoted `off` as false; the user meant "off"
     validate(data, path)
     return Settings.from_mapping(data, path)
 

@@ -121,6 +121,10 @@ def test_legacy_image_gets_all_gpus_all_capabilities_and_a_cuda_requirement():
     assert "cuda>=10.2" in r.requirements.describe()
 
 
+def test_empty_require_cuda_is_still_legacy():
+    assert request({"CUDA_VERSION": "11.0.3", "NVIDIA_REQUIRE_CUDA": ""}).source == "legacy-image"
+
+
 def test_image_with_require_cuda_is_not_legacy():
     assert request({"CUDA_VERSION": "12.4.1", "NVIDIA_REQUIRE_CUDA": "cuda>=12.4"}) is None
 

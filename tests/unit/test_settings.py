@@ -94,3 +94,7 @@ def test_request_policy_keys(tmp_path):
         "display",
         "ngx",
     )
+
+
+def test_unquoted_off_means_off(tmp_path):
+    assert settings.load(write(tmp_path, "cgroups: off\n"), environ={}).cgroups == "off"

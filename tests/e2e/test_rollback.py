@@ -1,0 +1,107 @@
+"""All or nothing: make the Nth operation fail, for every N, and show nothing the hook did remains.
+
+The container is a real process in its own mount namespace (unshare) with a rootfs, in a fresh
+cgroup v1 devices group that denies everything: what a runtime gives the hook at prestart, but
+kept alive after the failure so the namespace and the cgroup can be inspected.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from oci_gpu_hook import demo
+
+CGROUP_ROOT = "/sys/fs/cgroup/devices"
+
+
+def snapshot(root):
+    """Every path under root with its type, mode and symlink target (what 'nothing changed' means)."""
+    seen = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            seen[os.path.relpath(path, root)] = (st.st_mode, os.readlink(path) if os.path.islink(path) else None)
+    return seen
+
+
+@pytest.fixture
+def container(tmp_path, simulated_host, require):
+    """A live 'container': (state JSON, bundle, pid, cgroup dir)."""
+    require("root", "unshare", "busybox", "gcc")
+    if not os.path.isdir(CGROUP_ROOT):
+        pytest.fail("the cgroup v1 devices hierarchy is not mounted at /sys/fs/cgroup/devices")
+    host = simulated_host(gpus=2, mig=[1])
+    bundle = demo.make_bundle(str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0,1:0"},
+                              config_file=None)  # fmt: skip
+    cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-rollback-{os.getpid()}-{time.monotonic_ns()}")
+    os.mkdir(cgroup)
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "600"])
+    try:
+        time.sleep(0.2)
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(proc.pid))
+        with open(os.path.join(cgroup, "devices.deny"), "w") as f:
+            f.write("a")
+        state = {"ociVersion": "1.0.2", "id": "rollback", "status": "creating", "pid": proc.pid, "bundle": bundle}
+        yield json.dumps(state), bundle, proc.pid, cgroup, host
+    finally:
+        proc.kill()
+        proc.wait()
+        for _ in range(50):
+            try:
+                os.rmdir(cgroup)
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def host_files(tree):
+    # The hook's own log and inventory cache are the host files it is meant to write.
+    return {path: kind for path, kind in tree.items() if path not in ("hook.log", "inventory-cache.json")}
+
+
+def hook(config, state, fault=None):
+    env = {"PATH": "/usr/bin:/bin"}
+    if fault is not None:
+        env["OCI_GPU_HOOK_FAULT_AT"] = str(fault)
+    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"],
+                          input=state, capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+
+
+def mounts_of(pid):
+    with open(f"/proc/{pid}/mountinfo") as f:
+        return sorted(line.split()[4] for line in f)
+
+
+def device_rules(cgroup):
+    with open(os.path.join(cgroup, "devices.list")) as f:
+        return f.read()
+
+
+def test_every_operation_failing_rolls_everything_back(container, tmp_path):
+    state, bundle, pid, cgroup, host = container
+    config = f"{host['root']}/config.yaml"
+    planned = subprocess.run([sys.executable, "-m", "oci_gpu_hook", "--config", config, "plan", "--bundle", bundle,
+                              "--json"], capture_output=True, text=True, check=True)  # fmt: skip
+    count = len(json.loads(planned.stdout)["operations"])
+    assert count > 40
+    before = (mounts_of(pid), snapshot(bundle), snapshot(host["root"]), device_rules(cgroup))
+    for n in range(1, count + 1):
+        out = hook(config, state, fault=n)
+        assert out.returncode != 0, f"operation {n} did not fail"
+        assert len(out.stderr.splitlines()) == 1 and f"operation {n} (" in out.stderr, out.stderr
+        after = (mounts_of(pid), snapshot(bundle), snapshot(host["root"]), device_rules(cgroup))
+        assert after[0] == before[0], f"mounts left after failing operation {n}"
+        assert after[1] == before[1], f"files left in the bundle after failing operation {n}"
+        assert host_files(after[2]) == host_files(before[2]), f"host tree changed after failing operation {n}"
+        assert after[3] == before[3], f"device rules left after failing operation {n}"
+    # and without a fault, the same container is configured: mounts and rules appear
+    out = hook(config, state)
+    assert out.returncode == 0, out.stderr
+    assert len(mounts_of(pid)) > len(before[0])
+    assert "c 195:255 rw" in device_rules(cgroup)

@@ -1,0 +1,107 @@
+"""The hook in real runc containers on a simulated GPU host (root, runc, busybox-static, gcc)."""
+
+import os
+import re
+
+import pytest
+
+from oci_gpu_hook import demo
+
+
+@pytest.fixture(scope="module")
+def host(simulated_host, require):
+    require("root", "runc", "busybox", "gcc")
+    return simulated_host(gpus=4, mig=[2], scramble_minors=True)
+
+
+def config_with(host, tmp_path, extra: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(open(f"{host['root']}/config.yaml").read() + extra)
+    return str(path)
+
+
+def run(tmp_path, host, script, env, debian=False, config=None, with_hook=True, name="c"):
+    bundle = demo.make_bundle(
+        str(tmp_path / f"bundle-{name}"), rootfs_debian=debian, args=["sh", "-c", script], env=env,
+        config_file=config or f"{host['root']}/config.yaml", with_hook=with_hook,
+    )  # fmt: skip
+    return demo.runc_run(bundle, f"ocigpu-{os.getpid()}-{name}")
+
+
+def listed_uuids(stdout):
+    return re.findall(r"UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", stdout)
+
+
+def gpu(host, i):
+    return host["gpus"][i]
+
+
+CASES = {
+    "all": lambda h: [g["uuid"] for g in h["gpus"]],
+    "1": lambda h: [gpu(h, 1)["uuid"]],
+    "uuid": lambda h: [gpu(h, 3)["uuid"]],
+    "0,3": lambda h: [gpu(h, 0)["uuid"], gpu(h, 3)["uuid"]],
+    "2:1": lambda h: [gpu(h, 2)["uuid"], gpu(h, 2)["mig"][1]["uuid"]],
+}
+
+
+@pytest.mark.parametrize("debian", [False, True], ids=["lib64-rootfs", "debian-rootfs"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_nvidia_smi_lists_exactly_the_requested_gpus(tmp_path, host, case, debian):
+    value = gpu(host, 3)["uuid"] if case == "uuid" else case
+    out = run(tmp_path, host, "nvidia-smi -L", {"NVIDIA_VISIBLE_DEVICES": value}, debian=debian)
+    assert out.returncode == 0, out.stderr
+    assert listed_uuids(out.stdout) == CASES[case](host)
+
+
+def test_all_on_a_mig_gpu_shows_the_gpu_without_its_mig_devices(tmp_path, host):
+    # The whole GPU is given, but no MIG capability nodes: NVML inside cannot see the instances.
+    out = run(tmp_path, host, "nvidia-smi -L; ls /dev/nvidia-caps 2>&1", {"NVIDIA_VISIBLE_DEVICES": "all"})
+    assert "MIG-" not in out.stdout and "No such file or directory" in out.stdout
+
+
+def test_none_gives_a_working_nvidia_smi_and_no_gpu(tmp_path, host):
+    script = "nvidia-smi -L; echo rc=$?; ls /dev"
+    out = run(tmp_path, host, script, {"NVIDIA_VISIBLE_DEVICES": "none"})
+    assert out.returncode == 0, out.stderr
+    assert "No devices were found" in out.stdout and "rc=6" in out.stdout
+    devs = out.stdout.split("rc=6", 1)[1].split()
+    assert "nvidiactl" in devs and not [d for d in devs if re.fullmatch(r"nvidia\d+", d)]
+
+
+MOUNTS = "cut -d' ' -f5 /proc/self/mountinfo | sort; ls /usr/bin /usr/lib64"
+
+
+@pytest.mark.parametrize("env", [{"NVIDIA_VISIBLE_DEVICES": "void"}, {}], ids=["void", "unset"])
+def test_non_gpu_container_is_untouched(tmp_path, host, env):
+    with_hook = run(tmp_path, host, MOUNTS, env, name="hook")
+    without = run(tmp_path, host, MOUNTS, env, with_hook=False, name="plain")
+    assert with_hook.returncode == 0 and without.returncode == 0, with_hook.stderr + without.stderr
+    assert with_hook.stdout == without.stdout
+    assert "nvidia" not in with_hook.stdout
+
+
+def test_requested_gpu_is_allowed_by_the_device_cgroup(tmp_path, host):
+    minor = gpu(host, 1)["minor"]
+    other = gpu(host, 0)["minor"]
+    script = f"dd if=/dev/nvidia{minor} of=/dev/null count=1; test -e /dev/nvidia{other} && echo OTHER-PRESENT"
+    out = run(tmp_path, host, script, {"NVIDIA_VISIBLE_DEVICES": "1"})
+    # No driver serves major 195 here: the cgroup allowed the open, the kernel found no device.
+    assert "No such device or address" in out.stdout + out.stderr
+    assert "OTHER-PRESENT" not in out.stdout
+
+
+def test_cgroups_off_leaves_the_device_denied(tmp_path, host):
+    minor = gpu(host, 1)["minor"]
+    config = config_with(host, tmp_path, "cgroups: off\n")
+    out = run(tmp_path, host, f"dd if=/dev/nvidia{minor} of=/dev/null count=1", {"NVIDIA_VISIBLE_DEVICES": "1"},
+              config=config)  # fmt: skip
+    assert "Operation not permitted" in out.stdout + out.stderr
+
+
+def test_failure_reaches_the_user_as_one_line(tmp_path, host):
+    out = run(tmp_path, host, "true", {"NVIDIA_VISIBLE_DEVICES": "7"})
+    assert out.returncode != 0
+    assert "oci-gpu-hook: 7: unknown device" in out.stderr
+    log = open(f"{host['root']}/hook.log").read().splitlines()
+    assert any('"message": "7: unknown device"' in line and "ocigpu-" in line for line in log)
