@@ -28,7 +28,7 @@ lint: setup
 	$(VENV)/bin/vermin --target=3.9- --violations --eval-annotations --no-tips oci_gpu_hook tests
 
 test: setup lint
-	$(PY) -m pytest -q tests
+	$(VENV)/bin/pytest -q tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

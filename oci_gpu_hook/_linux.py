@@ -79,3 +79,23 @@ def mount_flags(names) -> int:
     for name in names:
         flags |= MOUNT_FLAGS[name]
     return flags
+
+
+# libselinux, loaded on first use: only containers with a mount label on SELinux hosts pay for it.
+_libselinux = None
+
+
+def _selinux_lib():
+    global _libselinux
+    if _libselinux is None:
+        _libselinux = ctypes.CDLL("libselinux.so.1", use_errno=True)
+    return _libselinux
+
+
+def is_selinux_enabled() -> bool:
+    return _selinux_lib().is_selinux_enabled() == 1
+
+
+def lsetfilecon(path: str, context: str) -> None:
+    """Label path itself (a final symlink is not followed)."""
+    _check(_selinux_lib().lsetfilecon(path.encode(), context.encode()), "lsetfilecon", path)

@@ -13,7 +13,7 @@ import signal
 import stat
 from typing import List, Optional
 
-from . import _linux, cgroups, ldconfig
+from . import _linux, cgroups, labels, ldconfig
 from .errors import HookError
 from .plan import (
     BindMount,
@@ -128,9 +128,10 @@ class Applier:
                 self.skipped.append(op.describe())
                 return
             fd = self.rootfs.ensure_dir(op.target, self.undo)
+        labeler = self.rootfs.labeler
+        options = f"mode={op.mode:04o}" + (labeler.tmpfs_option() if labeler else "")
         try:
-            flags = _linux.mount_flags(op.flags)
-            _linux.mount("tmpfs", _fd_path(fd), "tmpfs", flags, f"mode={op.mode:04o}")
+            _linux.mount("tmpfs", _fd_path(fd), "tmpfs", _linux.mount_flags(op.flags), options)
         finally:
             os.close(fd)
         mounted = self.undo.keep_fd(self.rootfs.open(op.target))
@@ -145,6 +146,7 @@ class Applier:
         parent_fd = self.undo.keep_fd(self.rootfs.ensure_dir(parent, self.undo))
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=parent_fd)
         self.undo.add(f"remove file {op.target}", lambda: os.unlink(name, dir_fd=parent_fd))
+        self.rootfs.created(parent_fd, name)
         with os.fdopen(fd, "wb") as f:
             f.write("".join(lines).encode())
 
@@ -196,6 +198,12 @@ class Applier:
     def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
         remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)
         ldconfig.refresh(self.rootfs.fd, op.directories, timeout=remaining)
+        if self.rootfs.labeler is not None:  # ldconfig wrote the cache for us: label it like our files
+            etc = self.rootfs.open("/etc")
+            try:
+                self.rootfs.created(etc, "ld.so.cache")
+            finally:
+                os.close(etc)
 
 
 # --- the two processes --------------------------------------------------------------------------
@@ -239,7 +247,7 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings) ->
         _join_mount_namespace(state.pid)
         os.chdir("/")
         try:
-            rootfs = Rootfs(spec.rootfs)
+            rootfs = Rootfs(spec.rootfs, labels.labeler_for(spec.mount_label))
         except OSError as e:
             raise ApplyError(f"{spec.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
         applier = Applier(plan, state, spec, settings, rootfs)

@@ -66,6 +66,7 @@ def make_config(
     hook_env: Sequence[str] = HOOK_ENV,
     readonly: bool = True,
     with_hook: bool = True,
+    mount_label: Optional[str] = None,
 ) -> dict:
     """config.json for runc: like `runc spec`, with our prestart hook and a deny-all device cgroup."""
     hook_args = hook_command() + (["--config", config_file] if config_file else []) + ["prestart"]
@@ -113,6 +114,8 @@ def make_config(
             "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
         },
     }
+    if mount_label:
+        config["linux"]["mountLabel"] = mount_label
     if with_hook:
         config["hooks"] = {"prestart": [{"path": hook_args[0], "args": hook_args, "env": list(hook_env),
                                          "timeout": 10}]}  # fmt: skip

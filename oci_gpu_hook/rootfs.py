@@ -59,9 +59,14 @@ def _split(path: str) -> List[str]:
 
 
 class Rootfs:
-    def __init__(self, path: str):
+    def __init__(self, path: str, labeler=None):
         self.path = path
         self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.labeler = labeler  # labels.Labeler when SELinux wants what we create labelled
+
+    def created(self, dir_fd: int, name: str) -> None:
+        if self.labeler is not None:
+            self.labeler.label(dir_fd, name)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -154,6 +159,7 @@ class Rootfs:
                 raise OSError(errno.EEXIST, "a dangling symlink or a race is in the way", path) from None
             undo.keep_fd(parent_fd)
             undo.add(f"remove directory {path}", lambda: os.rmdir(name, dir_fd=parent_fd))
+            self.created(parent_fd, name)
             fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
             return fd
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
@@ -182,6 +188,7 @@ class Rootfs:
             os.close(created)
             undo.keep_fd(parent_fd)
             undo.add(f"remove file {path}", lambda: os.unlink(name, dir_fd=parent_fd))
+            self.created(parent_fd, name)
             return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
         st_mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(st_mode):
@@ -203,6 +210,7 @@ class Rootfs:
                 undo.keep_fd(os.dup(parent_fd))
                 fd = undo.fds[-1]
                 undo.add(f"remove symlink {path}", lambda: os.unlink(name, dir_fd=fd))
+                self.created(fd, name)
                 return "created"
             if stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=parent_fd) == value:
                 return "present"

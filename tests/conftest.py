@@ -61,7 +61,7 @@ def hook_cli():
 
     def run(*args, env=None, input=None):
         return subprocess.run(
-            [sys.executable, "-m", "oci_gpu_hook", *args],
+            [sys.executable, "-I", "-m", "oci_gpu_hook", *args],
             capture_output=True,
             text=True,
             env=env,

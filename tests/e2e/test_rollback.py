@@ -9,13 +9,8 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
-
-from oci_gpu_hook import demo
-
-CGROUP_ROOT = "/sys/fs/cgroup/devices"
 
 
 def snapshot(root):
@@ -27,37 +22,6 @@ def snapshot(root):
             st = os.lstat(path)
             seen[os.path.relpath(path, root)] = (st.st_mode, os.readlink(path) if os.path.islink(path) else None)
     return seen
-
-
-@pytest.fixture
-def container(tmp_path, simulated_host, require):
-    """A live 'container': (state JSON, bundle, pid, cgroup dir)."""
-    require("root", "unshare", "busybox", "gcc")
-    if not os.path.isdir(CGROUP_ROOT):
-        pytest.fail("the cgroup v1 devices hierarchy is not mounted at /sys/fs/cgroup/devices")
-    host = simulated_host(gpus=2, mig=[1])
-    bundle = demo.make_bundle(str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0,1:0"},
-                              config_file=None)  # fmt: skip
-    cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-rollback-{os.getpid()}-{time.monotonic_ns()}")
-    os.mkdir(cgroup)
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "600"])
-    try:
-        time.sleep(0.2)
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(proc.pid))
-        with open(os.path.join(cgroup, "devices.deny"), "w") as f:
-            f.write("a")
-        state = {"ociVersion": "1.0.2", "id": "rollback", "status": "creating", "pid": proc.pid, "bundle": bundle}
-        yield json.dumps(state), bundle, proc.pid, cgroup, host
-    finally:
-        proc.kill()
-        proc.wait()
-        for _ in range(50):
-            try:
-                os.rmdir(cgroup)
-                break
-            except OSError:
-                time.sleep(0.05)
 
 
 def host_files(tree):
@@ -81,6 +45,11 @@ def mounts_of(pid):
 def device_rules(cgroup):
     with open(os.path.join(cgroup, "devices.list")) as f:
         return f.read()
+
+
+@pytest.fixture
+def container(live_container):
+    return live_container(env={"NVIDIA_VISIBLE_DEVICES": "0,1:0"})
 
 
 def test_every_operation_failing_rolls_everything_back(container, tmp_path):
