@@ -145,10 +145,46 @@ def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.
         subprocess.run([runc, "delete", "--force", container_id], capture_output=True)
 
 
+PODMAN_OPTIONS = [
+    # This sandbox's hard limits make runc fail unless the container asks for smaller ones.
+    "--runtime", "runc", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
+]  # fmt: skip
+
+
+def write_hooks_dir(directory: str, config_file: Optional[str]) -> str:
+    """A hooks.d directory with the shipped oci-gpu-hook.json, pointed at this installation."""
+    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hooks.d", "oci-gpu-hook.json")
+    with open(shipped) as f:
+        doc = json.load(f)
+    argv = hook_command() + (["--config", config_file] if config_file else []) + ["prestart"]
+    doc["hook"]["path"], doc["hook"]["args"] = argv[0], argv
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "oci-gpu-hook.json"), "w") as f:
+        json.dump(doc, f, indent=2)
+    return directory
+
+
+def podman_image(rootfs: str, tag: str) -> str:
+    """Import a rootfs directory as a podman image (no registry is needed)."""
+    tar = subprocess.Popen(["tar", "-C", rootfs, "-cf", "-", "."], stdout=subprocess.PIPE)
+    subprocess.run(["podman", "import", "-", tag], stdin=tar.stdout, check=True, capture_output=True)
+    tar.wait()
+    return tag
+
+
+def podman_run(hooks_dir: Optional[str], image: str, args: Sequence[str], env: Dict[str, str],
+               timeout: float = 120) -> subprocess.CompletedProcess:  # fmt: skip
+    argv = ["podman"] + (["--hooks-dir", hooks_dir] if hooks_dir else []) + ["run", "--rm"] + PODMAN_OPTIONS
+    for key, value in env.items():
+        argv += ["-e", f"{key}={value}"]
+    return subprocess.run(argv + [image, *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+
+
 SHOW = (
     "echo '$ nvidia-smi -L'; nvidia-smi -L; "
     "echo '$ ls -l /dev/nvidia*'; ls -l /dev/nvidia* /dev/nvidia-caps 2>/dev/null; "
-    "echo '$ mounted driver files'; grep -E 'nvidia|libcuda|firmware' /proc/self/mountinfo | "
+    "echo '$ mounted driver files'; grep -E 'nvidia|libcuda|/lib/firmware' /proc/self/mountinfo | "
     'while read a b c d e rest; do echo "  $e"; done'
 )
 
@@ -167,6 +203,17 @@ def run_demo(directory: str, devices: str = "1") -> int:
                 config_file=os.path.join(host["root"], "config.yaml"))  # fmt: skip
     print(f"runc run with NVIDIA_VISIBLE_DEVICES={devices} (bundle {bundle}):")
     result = runc_run(bundle, f"oci-gpu-hook-demo-{os.getpid()}")
+    sys.stdout.write(result.stdout)
+    if result.returncode != 0:
+        sys.stderr.write(result.stderr)
+        return result.returncode
+    if shutil.which("podman") is None:
+        print("(podman is not installed: skipping the podman part of the demo)")
+        return 0
+    hooks_dir = write_hooks_dir(os.path.join(directory, "hooks.d"), os.path.join(host["root"], "config.yaml"))
+    image = podman_image(os.path.join(bundle, "rootfs"), "localhost/oci-gpu-hook-demo:latest")
+    print(f"podman --hooks-dir {hooks_dir} run -e NVIDIA_VISIBLE_DEVICES={devices} {image} nvidia-smi -L:")
+    result = podman_run(hooks_dir, image, ["nvidia-smi", "-L"], {"NVIDIA_VISIBLE_DEVICES": devices})
     sys.stdout.write(result.stdout)
     if result.returncode != 0:
         sys.stderr.write(result.stderr)
