@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOOK := $(VENV)/bin/oci-gpu-hook
 DEMO_DIR ?= /tmp/oci-gpu-hook-demo
 
-.PHONY: setup demo test lint unit clean
+.PHONY: setup demo test lint unit clean rpm bench
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,26 @@ lint: setup
 
 test: setup lint
 	$(VENV)/bin/pytest -q tests
+
+bench: setup
+	$(PY) bench/run.py --runs 30
+
+# `make rpm`: the oci-gpu-hook and oci-gpu-hook-selinux RPMs (noarch) from the working tree, with
+# rpmbuild (Debian's works; see rpm/oci-gpu-hook.spec), left in $(RPM_TOPDIR)/RPMS/noarch/.
+RPM_SPEC := rpm/oci-gpu-hook.spec
+RPM_VERSION := $(shell awk '/^Version:/ {print $$2; exit}' $(RPM_SPEC))
+RPM_TOPDIR ?= $(CURDIR)/build/rpm
+RPM_SOURCES := README.md pyproject.toml oci_gpu_hook selinux rpm hooks.d docs
+
+rpm:
+	./scripts/setup-host.sh
+	rm -rf $(RPM_TOPDIR)
+	mkdir -p $(RPM_TOPDIR)/SOURCES
+	tar -czf $(RPM_TOPDIR)/SOURCES/oci-gpu-hook-$(RPM_VERSION).tar.gz --sort=name --owner=0 --group=0 \
+		--exclude=__pycache__ --exclude='*.pyc' --exclude=tmp --exclude='*.pp' --exclude='*.pp.bz2' \
+		--transform 's,^,oci-gpu-hook-$(RPM_VERSION)/,S' $(RPM_SOURCES)
+	rpmbuild -bb --nodeps --quiet --define "_topdir $(RPM_TOPDIR)" $(RPM_SPEC)
+	@ls -1 $(RPM_TOPDIR)/RPMS/noarch/*.rpm
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

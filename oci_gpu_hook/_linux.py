@@ -99,3 +99,17 @@ def is_selinux_enabled() -> bool:
 def lsetfilecon(path: str, context: str) -> None:
     """Label path itself (a final symlink is not followed)."""
     _check(_selinux_lib().lsetfilecon(path.encode(), context.encode()), "lsetfilecon", path)
+
+
+SYS_bpf = 321
+
+
+def bpf(cmd: int, attr: bytearray, what: str = "bpf") -> int:
+    """bpf(2): attr is the union bpf_attr, zero-padded; the kernel writes its outputs back into it."""
+    view = (ctypes.c_char * len(attr)).from_buffer(attr)
+    return _check(_libc.syscall(SYS_bpf, cmd, view, len(attr)), what)
+
+
+def address_of(buf: bytearray) -> int:
+    """Address of buf's bytes, for a pointer field in a bpf_attr; valid while buf lives and keeps its size."""
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))

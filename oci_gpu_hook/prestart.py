@@ -5,8 +5,9 @@ Standard library only, and a container that cannot be asking for a GPU leaves af
 small JSON documents, before any configuration file or inventory is read.
 """
 
+from __future__ import annotations
+
 import sys
-from typing import Optional
 
 from . import report
 from . import spec as spec_module
@@ -29,7 +30,7 @@ def may_ask_for_gpus(spec) -> bool:
     )
 
 
-def run(config: Optional[str], stdin=None) -> int:
+def run(config: str | None, stdin=None) -> int:
     stdin = stdin if stdin is not None else sys.stdin.buffer
     container = state_module.parse(stdin.read(state_module.MAX_STATE_BYTES + 1))
     spec = spec_module.load(container.bundle)

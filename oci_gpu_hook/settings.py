@@ -2,8 +2,11 @@
 
 Found at --config FILE, else $OCI_GPU_HOOK_CONFIG, else /etc/oci-gpu-hook/config.yaml (whose
 absence means defaults). Checked against schemas/config.schema.json; every error names the file,
-the key and what is accepted. YAML and jsonschema load lazily: the hook's start path must not pay
-for them when it has no file to read.
+the key and what is accepted.
+
+YAML and jsonschema cost the hook more than everything else it does (~100 ms of imports), so a
+validated file is also kept compiled, as JSON, under /run/oci-gpu-hook, keyed by the file's path,
+inode, size and modification time; the start path reads that while the file is unchanged.
 """
 
 import dataclasses
@@ -15,6 +18,7 @@ from . import driver
 from .errors import ConfigError
 
 DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
+COMPILED_DIR = "/run/oci-gpu-hook"
 ENV_VAR = "OCI_GPU_HOOK_CONFIG"
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas", "config.schema.json")
 MAX_CONFIG_BYTES = 1 << 20
@@ -71,7 +75,68 @@ def load(explicit: Optional[str] = None, environ: Mapping[str, str] = os.environ
     path = config_path(explicit, environ)
     if path is None:
         return Settings()
-    return parse(read_config_file(path), path)
+    path = os.path.abspath(path)
+    key = _file_key(path)
+    compiled = _read_compiled(path, key)
+    if compiled is not None:
+        return Settings.from_mapping(compiled, path)
+    data = parse_mapping(read_config_file(path), path)
+    _write_compiled(path, key, data)
+    return Settings.from_mapping(data, path)
+
+
+def _file_key(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # read_config_file reports it
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def compiled_path(path: str) -> str:
+    # Readable and collision-tolerant: the file records its source path, checked on read.
+    return os.path.join(COMPILED_DIR, "settings" + path.replace("_", "__").replace("/", "_") + ".json")
+
+
+def _trusted(st) -> bool:
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def _read_compiled(path: str, key) -> Optional[dict]:
+    if key is None:
+        return None
+    try:
+        fd = os.open(compiled_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        # Written by us (same owner) and by nobody else: this file decides where mounts come from.
+        if not _trusted(os.fstat(fd)) or not _trusted(os.stat(COMPILED_DIR)):
+            return None
+        doc = json.loads(os.read(fd, MAX_CONFIG_BYTES))
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict) or doc.get("path") != path or doc.get("key") != key:
+        return None
+    return doc.get("settings") if isinstance(doc.get("settings"), dict) else None
+
+
+def _write_compiled(path: str, key, data: dict) -> None:
+    if key is None:
+        return
+    import tempfile
+
+    try:
+        os.makedirs(COMPILED_DIR, mode=0o755, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".settings-", dir=COMPILED_DIR)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"path": path, "key": key, "settings": data}, f)
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, compiled_path(path))
+    except OSError:
+        pass  # a read-only /run costs speed, not correctness
 
 
 def read_config_file(path: str) -> str:
@@ -89,6 +154,11 @@ def read_config_file(path: str) -> str:
 
 
 def parse(text: str, path: str) -> Settings:
+    return Settings.from_mapping(parse_mapping(text, path), path)
+
+
+def parse_mapping(text: str, path: str) -> dict:
+    """The validated mapping of a configuration file's text."""
     import yaml
 
     try:
@@ -103,7 +173,7 @@ def parse(text: str, path: str) -> Settings:
     if isinstance(data, dict) and data.get("cgroups") is False:
         data["cgroups"] = "off"  # YAML 1.1 reads an unquoted `off` as false; the user meant "off"
     validate(data, path)
-    return Settings.from_mapping(data, path)
+    return data
 
 
 def _schema() -> dict:

@@ -5,34 +5,49 @@ Paths inside the rootfs are never resolved here (see rootfs.py); this module doe
 reading config.json itself.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import os
-from typing import Dict, FrozenSet, Mapping, Optional, Tuple
 
 from .state import StateError, load_json
 
 MAX_CONFIG_BYTES = 16 << 20
 
 
-@dataclasses.dataclass(frozen=True)
 class Mount:
-    destination: str
-    source: str
-    type: str
+    __slots__ = ("destination", "source", "type")
+
+    def __init__(self, destination: str, source: str, type: str):
+        self.destination = destination
+        self.source = source
+        self.type = type
 
 
-@dataclasses.dataclass(frozen=True)
 class Spec:
-    rootfs: str  # absolute host path of the container's root
-    readonly_rootfs: bool
-    env: Mapping[str, str]
-    bounding_capabilities: FrozenSet[str]
-    mounts: Tuple[Mount, ...]
-    annotations: Mapping[str, str]
-    mount_label: Optional[str]
+    """Plain classes here, not dataclasses: see state.ContainerState."""
+
+    __slots__ = ("rootfs", "readonly_rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label")
+
+    def __init__(
+        self,
+        rootfs: str,  # absolute host path of the container's root
+        readonly_rootfs: bool,
+        env: dict,
+        bounding_capabilities: frozenset,
+        mounts: tuple,
+        annotations: dict,
+        mount_label: str | None,
+    ):
+        self.rootfs = rootfs
+        self.readonly_rootfs = readonly_rootfs
+        self.env = env
+        self.bounding_capabilities = bounding_capabilities
+        self.mounts = mounts
+        self.annotations = annotations
+        self.mount_label = mount_label
 
 
-def environment(entries) -> Dict[str, str]:
+def environment(entries) -> dict:
     """process.env as a dict; a later duplicate wins, as in the process it becomes."""
     env = {}
     for entry in entries:

@@ -3,17 +3,14 @@
 Untrusted size and shape are bounded here; everything after works on a checked ContainerState.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import json
 import os
-import re
-from typing import Any, Mapping, Optional
 
 from .errors import HookError
 
 MAX_STATE_BYTES = 1 << 20
-# runtime-spec 1.x; a 2.x state may mean anything, so it is refused rather than guessed at.
-_OCI_VERSION_RE = re.compile(r"^1\.\d+\.\d+(-[0-9A-Za-z.+-]+)?$")
 
 
 class StateError(HookError):
@@ -22,17 +19,29 @@ class StateError(HookError):
     exit_code = 8
 
 
-@dataclasses.dataclass(frozen=True)
 class ContainerState:
-    oci_version: str
-    id: str
-    status: str
-    pid: Optional[int]
-    bundle: str
-    annotations: Mapping[str, str]
+    """A plain class, not a dataclass: this module is on every container's start path, and
+    importing dataclasses (with inspect) costs more than the rest of a non-GPU start."""
+
+    __slots__ = ("oci_version", "id", "status", "pid", "bundle", "annotations")
+
+    def __init__(self, oci_version: str, id: str, status: str, pid: int | None, bundle: str, annotations: dict):
+        self.oci_version = oci_version
+        self.id = id
+        self.status = status
+        self.pid = pid
+        self.bundle = bundle
+        self.annotations = annotations
 
 
-def load_json(data: bytes, what: str, limit: int) -> Any:
+def supported_oci_version(version: str) -> bool:
+    """runtime-spec 1.x.y (with an optional -suffix); a 2.x state may mean anything, so it is
+    refused rather than guessed at."""
+    core = version.split("-", 1)[0].split(".")
+    return len(core) == 3 and core[0] == "1" and all(p.isdigit() and p.isascii() for p in core)
+
+
+def load_json(data: bytes, what: str, limit: int):
     """JSON from untrusted bytes: bounded size, one-line errors for every way it can be bad."""
     if len(data) > limit:
         raise StateError(f"{what} is larger than {limit} bytes")
@@ -60,7 +69,7 @@ def parse(data: bytes) -> ContainerState:
         return value
 
     oci_version = field("ociVersion", str)
-    if not _OCI_VERSION_RE.match(oci_version):
+    if not supported_oci_version(oci_version):
         raise StateError(f"the OCI state has ociVersion {oci_version[:40]!r}; supported: 1.x.y")
     container_id = field("id", str)
     if not container_id or len(container_id) > 1024 or "\0" in container_id:

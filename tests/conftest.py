@@ -89,3 +89,25 @@ def simulated_host(tmp_path_factory, require):
         return built[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _compiled_settings_in_tmp(tmp_path_factory, monkeypatch):
+    """In-process tests keep compiled settings out of the host's /run."""
+    from oci_gpu_hook import settings
+
+    monkeypatch.setattr(settings, "COMPILED_DIR", str(tmp_path_factory.mktemp("run")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _clean_compiled_settings_of_subprocesses():
+    yield
+    from oci_gpu_hook import settings
+
+    try:
+        names = os.listdir(settings.COMPILED_DIR)
+    except OSError:
+        return
+    for name in names:
+        if "pytest-of-" in name:
+            os.unlink(os.path.join(settings.COMPILED_DIR, name))

@@ -1,3 +1,6 @@
+import json
+import os
+
 import pytest
 
 from oci_gpu_hook import settings
@@ -98,3 +101,31 @@ def test_request_policy_keys(tmp_path):
 
 def test_unquoted_off_means_off(tmp_path):
     assert settings.load(write(tmp_path, "cgroups: off\n"), environ={}).cgroups == "off"
+
+
+def test_compiled_settings_serve_later_loads_without_yaml(tmp_path, mocker):
+    path = write(tmp_path, "driver_root: /first\n")
+    assert settings.load(path, environ={}).driver_root == "/first"
+    parse = mocker.patch.object(settings, "parse_mapping", side_effect=AssertionError("parsed again"))
+    assert settings.load(path, environ={}).driver_root == "/first"
+    assert parse.call_count == 0
+
+
+def test_compiled_settings_are_stale_once_the_file_changes(tmp_path):
+    path = write(tmp_path, "driver_root: /first\n")
+    settings.load(path, environ={})
+    os.utime(path, ns=(1, 1))  # another mtime, as an edit gives
+    with open(path, "w") as f:
+        f.write("driver_root: /second\n")
+    assert settings.load(path, environ={}).driver_root == "/second"
+
+
+def test_compiled_settings_writable_by_others_are_ignored(tmp_path):
+    path = write(tmp_path, "driver_root: /first\n")
+    settings.load(path, environ={})
+    compiled = settings.compiled_path(path)
+    doc = json.load(open(compiled))
+    doc["settings"]["driver_root"] = "/forged"
+    json.dump(doc, open(compiled, "w"))
+    os.chmod(compiled, 0o666)
+    assert settings.load(path, environ={}).driver_root == "/first"

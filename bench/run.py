@@ -1,0 +1,200 @@
+"""Benchmark the container start path: `make bench` (root, runc, gcc, busybox-static).
+
+Interleaved, repeated runs in one invocation (a warm-up round first), so drift in the machine's
+state hits every case alike:
+- floor: `python -I -c pass` with the interpreter the hook runs on;
+- runc run of a trivial container without the hook, and with it for a non-GPU container, 1 GPU
+  (utility+compute), 8 GPUs with all capabilities, and a MIG device, on a simulated 8-GPU host;
+- the hook alone for the same cases: the non-GPU case from its state, the GPU cases against a
+  fresh live container each time (a process in its own mount namespace and devices cgroup;
+  setting it up is not timed).
+The hook runs from a regular install (not the developer's editable one, whose import hook costs
+every Python start ~15 ms), launched like an installed /usr/bin/oci-gpu-hook: `python3 -I`.
+Writes bench/results.json and prints a table; docs/performance.md explains the results.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+from oci_gpu_hook import demo  # noqa: E402
+from oci_gpu_hook.simulate import simulate  # noqa: E402
+
+PYTHON = os.path.realpath(sys.executable)  # the interpreter itself, not a venv's wrapper
+CGROUP_ROOT = "/sys/fs/cgroup/devices"
+
+
+def install(work: str) -> str:
+    """A regular install of the project and its dependencies under work/site; returns a launcher."""
+    site = os.path.join(work, "site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--target", site, REPO],
+                   check=True, stderr=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run([PYTHON, "-m", "compileall", "-q", site], check=True)
+    launcher = os.path.join(work, "oci-gpu-hook")
+    with open(launcher, "w") as f:
+        f.write(f"#!{PYTHON} -I\nimport sys\nsys.path.insert(0, {site!r})\n"
+                "from oci_gpu_hook.hook import main\nsys.exit(main())\n")  # fmt: skip
+    os.chmod(launcher, 0o755)
+    return launcher
+
+
+def timed(argv, stdin=None):
+    """(seconds, peak RSS in KiB, exit status) of one process, its waited-for children included."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    if stdin is not None:
+        proc.stdin.write(stdin)
+        proc.stdin.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    err = proc.stderr.read()
+    proc.stderr.close()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{argv[0]} failed ({code}): {err.decode(errors='replace').strip()}")
+    return elapsed, usage.ru_maxrss
+
+
+class LiveContainer:
+    """A process in its own mount namespace and a fresh deny-all devices cgroup: what the hook sees."""
+
+    def __init__(self, bundle: str, n: int):
+        self.cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-bench-{os.getpid()}-{n}")
+        os.mkdir(self.cgroup)
+        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
+        time.sleep(0.05)
+        with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(self.proc.pid))
+        with open(os.path.join(self.cgroup, "devices.deny"), "w") as f:
+            f.write("a")
+        self.state = json.dumps({"ociVersion": "1.0.2", "id": f"bench{n}", "status": "creating",
+                                 "pid": self.proc.pid, "bundle": bundle}).encode()  # fmt: skip
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait()
+        for _ in range(100):
+            try:
+                os.rmdir(self.cgroup)
+                return
+            except OSError:
+                time.sleep(0.02)
+
+
+def summary(samples):
+    times = sorted(s[0] for s in samples)
+    p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
+    return {"median_ms": statistics.median(times) * 1e3, "p95_ms": p95 * 1e3, "runs": len(times),
+            "peak_rss_kib": max(s[1] for s in samples)}  # fmt: skip
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--output", default=os.path.join(HERE, "results.json"))
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        raise SystemExit("make bench needs root (runc, mount namespaces, cgroups)")
+    work = tempfile.mkdtemp(prefix="oci-gpu-hook-bench-")
+    try:
+        launcher = install(work)
+        host = simulate(os.path.join(work, "host"), gpus=8, mig=[1])
+        config = os.path.join(host["root"], "config.yaml")
+        hook = [launcher, "--config", config, "prestart"]
+        subprocess.run([launcher, "--config", config, "inventory", "refresh"], check=True, capture_output=True)
+        envs = {
+            "nongpu": {},
+            "gpu1": {"NVIDIA_VISIBLE_DEVICES": "0"},
+            "gpu8": {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"},
+            "mig": {"NVIDIA_VISIBLE_DEVICES": "1:0"},
+        }
+        bundles = {}
+        for name, env in envs.items():
+            bundles[name] = demo.make_bundle(os.path.join(work, name), args=["true"], env=env, config_file=config)
+            with open(os.path.join(bundles[name], "config.json")) as f:
+                doc = json.load(f)
+            doc["hooks"]["prestart"][0].update(path=launcher, args=[launcher, "--config", config, "prestart"])
+            with open(os.path.join(bundles[name], "config.json"), "w") as f:
+                json.dump(doc, f)
+        plain = demo.make_bundle(os.path.join(work, "plain"), args=["true"], env={}, config_file=None, with_hook=False)
+        runc = shutil.which("runc")
+        samples = {}
+        counter = [0]
+
+        def runc_case(bundle):
+            counter[0] += 1
+            cid = f"ocigpu-bench-{os.getpid()}-{counter[0]}"
+            return timed([runc, "run", "--bundle", bundle, cid])
+
+        def hook_case(name):
+            if name == "nongpu":
+                state = json.dumps({"ociVersion": "1.0.2", "id": "b", "status": "creating", "pid": os.getpid(),
+                                    "bundle": bundles[name]}).encode()  # fmt: skip
+                return timed(hook, state)
+            counter[0] += 1
+            live = LiveContainer(bundles[name], counter[0])
+            try:
+                return timed(hook, live.state)
+            finally:
+                live.close()
+
+        cases = [("floor", lambda: timed([PYTHON, "-I", "-c", "pass"])), ("runc", lambda: runc_case(plain))]
+        for name in envs:
+            cases.append((f"runc+hook:{name}", lambda n=name: runc_case(bundles[n])))
+            cases.append((f"hook:{name}", lambda n=name: hook_case(n)))
+        for round_ in range(args.runs + 1):  # round 0 warms up caches and is not kept
+            for name, case in cases:
+                result = case()
+                if round_:
+                    samples.setdefault(name, []).append(result)
+        results = {name: summary(s) for name, s in samples.items()}
+        floor, runc_ms = results["floor"]["median_ms"], results["runc"]["median_ms"]
+        for r in results.values():
+            r["x_floor"] = r["median_ms"] / floor
+            r["x_runc"] = r["median_ms"] / runc_ms
+        gpu1, gpu8 = results["hook:gpu1"]["median_ms"], results["hook:gpu8"]["median_ms"]
+        peak = max(r["peak_rss_kib"] for n, r in results.items() if n.startswith("hook:"))
+        targets = {
+            "hook:nongpu <= 1.3x floor": results["hook:nongpu"]["x_floor"] <= 1.3,
+            "hook:gpu1 <= 2.0x floor": results["hook:gpu1"]["x_floor"] <= 2.0,
+            "runc+hook:gpu1 <= 2.0x runc": results["runc+hook:gpu1"]["x_runc"] <= 2.0,
+            "hook:gpu8 <= 1.25x hook:gpu1": gpu8 <= 1.25 * gpu1,
+            "hook peak RSS <= 30 MiB": peak <= 30 << 10,
+        }
+        cpu = next(
+            (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
+        )
+        machine = {
+            "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(), "cpu": cpu,
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+            "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
+        }  # fmt: skip
+        doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets,
+               "command": "make bench"}  # fmt: skip
+        with open(args.output, "w") as f:
+            json.dump(doc, f, indent=2)
+        print(f"{'case':24} {'median ms':>10} {'p95 ms':>8} {'x floor':>8} {'x runc':>7} {'peak RSS MiB':>12}")
+        for name, r in results.items():
+            print(f"{name:24} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['x_floor']:8.2f} {r['x_runc']:7.2f} "
+                  f"{r['peak_rss_kib'] / 1024:12.1f}")  # fmt: skip
+        for target, met in targets.items():
+            print(f"{'met ' if met else 'MISSED'} {target}")
+        print(f"wrote {args.output}")
+    finally:
+        subprocess.run(["rm", "-rf", work])
+
+
+if __name__ == "__main__":
+    main()
