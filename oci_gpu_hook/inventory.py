@@ -6,14 +6,15 @@ brand, compute capability, memory and MIG UUIDs. The result is plain, serialisab
 hook reads it from the cache (inventory_cache.py) instead of discovering on every start.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import glob
 import os
 import stat
-from typing import Dict, Optional, Tuple
 
 from . import driver, ldcache, procfs
 from .errors import InventoryError
+from .record import Record
 from .settings import Settings
 
 NVIDIA_PROC = "/proc/driver/nvidia"
@@ -21,67 +22,90 @@ BINARY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
 FIRMWARE_DIRS = ("/lib/firmware/nvidia", "/usr/lib/firmware/nvidia")
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceNode:
+class DeviceNode(Record):
+    __slots__ = ("path", "major", "minor", "problem")
+    _defaults = {"problem": None}
     path: str  # path under dev_root, the same inside the container: /dev/nvidia0
     major: int
     minor: int
-    problem: Optional[str] = None  # why the node cannot be trusted (missing, wrong type or numbers)
+    problem: str | None  # why the node cannot be trusted (missing, wrong type or numbers)
 
 
-@dataclasses.dataclass(frozen=True)
-class MigDevice:
+class MigDevice(Record):
+    __slots__ = ("index", "gi", "ci", "uuid", "gi_cap", "ci_cap", "gi_access", "ci_access")
     index: int  # among its GPU's MIG devices, NVML order: the "1" of "0:1"
     gi: int
     ci: int
-    uuid: Optional[str]  # None when NVML was not available
+    uuid: str | None  # None when NVML was not available
     gi_cap: DeviceNode
     ci_cap: DeviceNode
     gi_access: str  # procfs path (under proc_root) of the GPU instance's access file
     ci_access: str
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuInfo:
+class GpuInfo(Record):
+    __slots__ = (
+        "index",
+        "minor",
+        "uuid",
+        "bus_id",
+        "model",
+        "node",
+        "brand",
+        "compute_capability",
+        "memory_total",
+        "mig",
+    )
+    _defaults = {"brand": None, "compute_capability": None, "memory_total": None, "mig": ()}
     index: int  # NVML index: PCI bus order
     minor: int  # /dev/nvidia<minor>
     uuid: str
     bus_id: str  # 0000:07:00.0
     model: str
     node: DeviceNode
-    brand: Optional[str] = None
-    compute_capability: Optional[str] = None
-    memory_total: Optional[int] = None
-    mig: Tuple[MigDevice, ...] = ()
+    brand: str | None
+    compute_capability: str | None
+    memory_total: int | None
+    mig: tuple[MigDevice, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class DriverFile:
+class DriverFile(Record):
+    __slots__ = ("capability", "kind", "path", "soname")
+    _defaults = {"soname": None}
     capability: str
     kind: str  # library, library32, binary, firmware, ipc, config
     path: str  # host path under driver_root: /usr/lib64/libcuda.so.550.54.15
-    soname: Optional[str] = None  # libraries: the SONAME link name, libcuda.so.1
+    soname: str | None  # libraries: the SONAME link name, libcuda.so.1
 
 
-@dataclasses.dataclass(frozen=True)
-class Inventory:
+class Inventory(Record):
+    __slots__ = (
+        "driver_version",
+        "cuda_version",
+        "nvml",
+        "driver_root",
+        "dev_root",
+        "proc_root",
+        "majors",
+        "gpus",
+        "control_devices",
+        "mig_caps",
+        "files",
+    )
     driver_version: str
-    cuda_version: Optional[str]
+    cuda_version: str | None
     nvml: bool  # whether NVML answered (brand, arch, memory and MIG UUIDs are known)
     driver_root: str
     dev_root: str
     proc_root: str
-    majors: Dict[str, int]
-    gpus: Tuple[GpuInfo, ...]
-    control_devices: Dict[str, DeviceNode]  # nvidiactl, nvidia-modeset, nvidia-uvm, nvidia-uvm-tools
-    mig_caps: Dict[str, DeviceNode]  # config, monitor
-    files: Tuple[DriverFile, ...]
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+    majors: dict[str, int]
+    gpus: tuple[GpuInfo, ...]
+    control_devices: dict[str, DeviceNode]  # nvidiactl, nvidia-modeset, nvidia-uvm, nvidia-uvm-tools
+    mig_caps: dict[str, DeviceNode]  # config, monitor
+    files: tuple[DriverFile, ...]
 
     @classmethod
-    def from_json(cls, data: dict) -> "Inventory":
+    def from_json(cls, data: dict) -> Inventory:
         def node(d):
             return DeviceNode(**d)
 
@@ -101,7 +125,7 @@ class Inventory:
             )
         )
 
-    def files_for(self, capabilities, kinds=None) -> Tuple[DriverFile, ...]:
+    def files_for(self, capabilities, kinds=None) -> tuple[DriverFile, ...]:
         return tuple(f for f in self.files if f.capability in capabilities and (kinds is None or f.kind in kinds))
 
 
@@ -118,7 +142,7 @@ def read_text(path: str, limit: int = 1 << 20) -> str:
         raise InventoryError(f"{path}: {e.strerror}") from None
 
 
-def _bus_order(bus_id: str) -> Tuple[int, ...]:
+def _bus_order(bus_id: str) -> tuple[int, ...]:
     domain, bus, rest = bus_id.split(":")
     device, function = rest.split(".")
     return (int(domain, 16), int(bus, 16), int(device, 16), int(function, 16))
@@ -148,7 +172,7 @@ def read_driver_version(settings: Settings) -> str:
     return procfs.parse_driver_version(read_text(path), path)
 
 
-def read_majors(settings: Settings) -> Dict[str, int]:
+def read_majors(settings: Settings) -> dict[str, int]:
     path = host_path(settings.proc_root, "/proc/devices")
     majors = procfs.parse_proc_devices(read_text(path))
     found = {name: majors[name] for name in driver.PROC_DEVICES_NAMES if name in majors}
@@ -178,7 +202,7 @@ def read_procfs_gpus(settings: Settings):
     return found
 
 
-def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: Optional[int], nvml_mig) -> Tuple[MigDevice, ...]:
+def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None, nvml_mig) -> tuple[MigDevice, ...]:
     """MIG devices of one GPU: cap minors from procfs, order and UUIDs from NVML when known."""
     base = f"{NVIDIA_PROC}/capabilities/gpu{gpu_minor}/mig"
     instances = {}
@@ -227,7 +251,7 @@ def _inside(root: str, path: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def find_libraries(settings: Settings, version: str) -> Tuple[DriverFile, ...]:
+def find_libraries(settings: Settings, version: str) -> tuple[DriverFile, ...]:
     """Driver libraries from the driver root's ld.so.cache, resolved to the versioned file."""
     cache = host_path(settings.driver_root, "/etc/ld.so.cache")
     if not os.path.exists(cache):
@@ -253,7 +277,7 @@ def find_libraries(settings: Settings, version: str) -> Tuple[DriverFile, ...]:
     return tuple(sorted(files.values(), key=lambda f: (f.kind, f.path)))
 
 
-def find_other_files(settings: Settings, version: str) -> Tuple[DriverFile, ...]:
+def find_other_files(settings: Settings, version: str) -> tuple[DriverFile, ...]:
     def exists(path, want=os.path.isfile):
         return want(host_path(settings.driver_root, path))
 

@@ -7,11 +7,11 @@ recomputes the fingerprint (a few stat calls and two small reads) and uses the c
 still matches. Standard library only: this is on the start path.
 """
 
-import json
-import os
-import tempfile
-from typing import Optional
+from __future__ import annotations
 
+import os
+
+from . import jsonio
 from .inventory import Inventory, host_path
 from .settings import Settings
 
@@ -26,7 +26,7 @@ def _stat_key(path: str):
     return [st.st_ino, st.st_size, st.st_mtime_ns]
 
 
-def _read_small(path: str) -> Optional[str]:
+def _read_small(path: str) -> str | None:
     try:
         with open(path, "rb") as f:
             return f.read(1 << 16).decode("utf-8", "replace")
@@ -68,11 +68,11 @@ def fingerprint(settings: Settings) -> dict:
     }
 
 
-def read(settings: Settings, current: Optional[dict] = None) -> Optional[Inventory]:
+def read(settings: Settings, current: dict | None = None) -> Inventory | None:
     """The cached inventory if it is present and still matches the host, else None."""
     try:
         with open(settings.inventory_cache, "rb") as f:
-            doc = json.loads(f.read())
+            doc = jsonio.loads(f.read())
         if doc.get("format") != FORMAT:
             return None
         if doc.get("fingerprint") != (current if current is not None else fingerprint(settings)):
@@ -84,6 +84,9 @@ def read(settings: Settings, current: Optional[dict] = None) -> Optional[Invento
 
 def write(settings: Settings, inventory: Inventory, print_=None) -> None:
     """Write atomically: readers see the old file or the new one, never a torn one."""
+    import json
+    import tempfile
+
     path = settings.inventory_cache
     directory = os.path.dirname(path)
     os.makedirs(directory, mode=0o755, exist_ok=True)

@@ -22,7 +22,10 @@ def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     # -I keeps the caller's environment out; the package (and pynvml beside it) is imported from
     # where this process found it, which -I alone would not search for a non-system install.
     parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    code = f"import sys; sys.path.insert(0, {parent!r}); from oci_gpu_hook.nvml import _main; sys.exit(_main(sys.argv[1:]))"
+    code = (
+        f"import sys; sys.path.insert(0, {parent!r}); "
+        "from oci_gpu_hook.nvml import _main; sys.exit(_main(sys.argv[1:]))"
+    )
     try:
         result = subprocess.run(
             [sys.executable, "-I", "-c", code, library_path],

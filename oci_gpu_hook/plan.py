@@ -5,12 +5,13 @@ that apply.py carries out mechanically and that `oci-gpu-hook plan` prints (the 
 Sources are host paths (under the configured roots); targets are paths inside the container.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import os
-from typing import Dict, List, Optional, Tuple
 
 from .errors import InventoryError, RequestError, RequirementError
 from .inventory import DeviceNode, DriverFile, GpuInfo, Inventory, MigDevice, host_path
+from .record import Record
 from .request import GpuRequest
 from .requirements import GpuFacts
 
@@ -23,15 +24,15 @@ TMPFS_FLAGS = ("nosuid", "nodev", "noexec")
 PROC_NVIDIA = "/proc/driver/nvidia"
 
 
-@dataclasses.dataclass(frozen=True)
-class LibraryLayout:
+class LibraryLayout(Record):
     """Where the container's loader looks for libraries (decided from the rootfs by the caller)."""
 
+    __slots__ = ("lib64", "lib32")
     lib64: str
     lib32: str
 
     @classmethod
-    def for_rootfs(cls, debian: bool) -> "LibraryLayout":
+    def for_rootfs(cls, debian: bool) -> LibraryLayout:
         if debian:
             return cls("/usr/lib/x86_64-linux-gnu", "/usr/lib/i386-linux-gnu")
         return cls("/usr/lib64", "/usr/lib")
@@ -40,47 +41,51 @@ class LibraryLayout:
 # --- operations ---------------------------------------------------------------------------------
 
 
-class Operation:
+class Operation(Record):
     """Base of every planned step: printable, serialisable, frozen."""
+
+    __slots__ = ()
 
     def describe(self) -> str:
         raise NotImplementedError
 
     def to_json(self) -> dict:
-        return dict(op=type(self).__name__, **dataclasses.asdict(self))
+        return dict(op=type(self).__name__, **Record.to_json(self))
 
 
-@dataclasses.dataclass(frozen=True)
 class MountDevice(Operation):
     """Bind-mount a device node after checking it is char major:minor."""
 
+    __slots__ = ("source", "target", "major", "minor", "flags")
+    _defaults = {"flags": DEVICE_FLAGS}
     source: str
     target: str
     major: int
     minor: int
-    flags: Tuple[str, ...] = DEVICE_FLAGS
+    flags: tuple[str, ...]
 
     def describe(self) -> str:
         return f"device  {self.target} (char {self.major}:{self.minor}) from {self.source} [{','.join(self.flags)}]"
 
 
-@dataclasses.dataclass(frozen=True)
 class BindMount(Operation):
     """Bind-mount a host file or directory, then remount with flags."""
 
+    __slots__ = ("source", "target", "kind", "flags", "optional")
+    _defaults = {"optional": False}
     source: str
     target: str
     kind: str  # file or dir
-    flags: Tuple[str, ...]
-    optional: bool = False  # skipped when the source is absent (IPC endpoints)
+    flags: tuple[str, ...]
+    optional: bool  # skipped when the source is absent (IPC endpoints)
 
     def describe(self) -> str:
         note = " (if present)" if self.optional else ""
         return f"bind    {self.target} from {self.source} [{','.join(self.flags)}]{note}"
 
 
-@dataclasses.dataclass(frozen=True)
 class Symlink(Operation):
+    __slots__ = ("target", "value")
     target: str  # the link's path in the container
     value: str  # what it points to
 
@@ -88,66 +93,70 @@ class Symlink(Operation):
         return f"symlink {self.target} -> {self.value}"
 
 
-@dataclasses.dataclass(frozen=True)
 class MountTmpfs(Operation):
+    __slots__ = ("target", "mode", "flags")
+    _defaults = {"flags": TMPFS_FLAGS}
     target: str
     mode: int
-    flags: Tuple[str, ...] = TMPFS_FLAGS
+    flags: tuple[str, ...]
 
     def describe(self) -> str:
         return f"tmpfs   {self.target} (mode {self.mode:04o}) [{','.join(self.flags)}]"
 
 
-@dataclasses.dataclass(frozen=True)
 class CopyFile(Operation):
     """Write a sanitised copy of a host file (into a tmpfs the hook mounted)."""
 
+    __slots__ = ("source", "target", "rewrite")
+    _defaults = {"rewrite": ()}
     source: str
     target: str
-    rewrite: Tuple[Tuple[str, str], ...] = ()  # (line prefix, replacement line)
+    rewrite: tuple[tuple[str, str], ...]  # (line prefix, replacement line)
 
     def describe(self) -> str:
         note = "".join(f"; {old!r} -> {new!r}" for old, new in self.rewrite)
         return f"copy    {self.target} from {self.source}{note}"
 
 
-@dataclasses.dataclass(frozen=True)
 class Remount(Operation):
+    __slots__ = ("target", "flags")
     target: str
-    flags: Tuple[str, ...]
+    flags: tuple[str, ...]
 
     def describe(self) -> str:
         return f"remount {self.target} [{','.join(self.flags)}]"
 
 
-@dataclasses.dataclass(frozen=True)
 class DeviceRule(Operation):
     """Allow a char device in the container's device cgroup."""
 
+    __slots__ = ("major", "minor", "access")
+    _defaults = {"access": "rw"}
     major: int
     minor: int
-    access: str = "rw"
+    access: str
 
     def describe(self) -> str:
         return f"cgroup  allow c {self.major}:{self.minor} {self.access}"
 
 
-@dataclasses.dataclass(frozen=True)
 class RefreshLdcache(Operation):
     """Rebuild the container's /etc/ld.so.cache with the host's ldconfig, confined to the rootfs."""
 
-    directories: Tuple[str, ...]
+    __slots__ = ("directories",)
+    directories: tuple[str, ...]
 
     def describe(self) -> str:
         return f"ldcache refresh /etc/ld.so.cache for {', '.join(self.directories)}"
 
 
-@dataclasses.dataclass(frozen=True)
-class SelectedDevice:
+class SelectedDevice(Record):
     """A GPU or MIG device the container gets, as users name them."""
 
+    __slots__ = ("gpu", "mig")
+    _defaults = {"mig": None}
     gpu: GpuInfo
-    mig: Optional[MigDevice] = None
+    mig: MigDevice | None
 
     @property
     def name(self) -> str:
@@ -156,11 +165,11 @@ class SelectedDevice:
         return f"MIG {self.gpu.index}:{self.mig.index} ({self.mig.uuid or f'gi{self.mig.gi}/ci{self.mig.ci}'})"
 
 
-@dataclasses.dataclass(frozen=True)
-class Plan:
+class Plan(Record):
+    __slots__ = ("request", "devices", "operations")
     request: GpuRequest
-    devices: Tuple[SelectedDevice, ...]
-    operations: Tuple[Operation, ...]
+    devices: tuple[SelectedDevice, ...]
+    operations: tuple[Operation, ...]
 
     def describe(self) -> str:
         lines = [f"request: {self.request.describe()}"]
@@ -191,7 +200,7 @@ class Plan:
 # --- device selection ---------------------------------------------------------------------------
 
 
-def _normalize_bus_id(value: str) -> Optional[str]:
+def _normalize_bus_id(value: str) -> str | None:
     parts = value.lower().split(":")
     if len(parts) == 2:
         parts.insert(0, "0")
@@ -238,17 +247,17 @@ def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
     raise RequestError(f"{device_id}: unknown device")
 
 
-def select_devices(request: GpuRequest, inventory: Inventory) -> Tuple[SelectedDevice, ...]:
+def select_devices(request: GpuRequest, inventory: Inventory) -> tuple[SelectedDevice, ...]:
     if request.all_devices:
         return tuple(SelectedDevice(gpu) for gpu in inventory.gpus)
-    selected: Dict[Tuple[int, Optional[int]], SelectedDevice] = {}
+    selected: dict[tuple[int, int | None], SelectedDevice] = {}
     for device_id in request.devices:
         device = resolve_device(device_id, inventory)
         selected.setdefault((device.gpu.index, device.mig.index if device.mig else None), device)
     return tuple(selected.values())
 
 
-def check_requirements(request: GpuRequest, inventory: Inventory, devices: Tuple[SelectedDevice, ...]) -> None:
+def check_requirements(request: GpuRequest, inventory: Inventory, devices: tuple[SelectedDevice, ...]) -> None:
     if request.disable_require:
         return
     if not devices:
@@ -271,7 +280,7 @@ def check_requirements(request: GpuRequest, inventory: Inventory, devices: Tuple
 class _Builder:
     def __init__(self, inventory: Inventory):
         self.inventory = inventory
-        self.operations: List[Operation] = []
+        self.operations: list[Operation] = []
         self.targets = set()
 
     def add(self, op: Operation) -> None:
@@ -295,7 +304,7 @@ class _Builder:
         self.add(BindMount(host_path(self.inventory.driver_root, f.path), target, "file", flags))
 
 
-def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout) -> Tuple[str, ...]:
+def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout) -> tuple[str, ...]:
     inventory, caps = builder.inventory, request.capabilities
     kinds = ("library", "library32") if "compat32" in caps else ("library",)
     dirs = []
@@ -314,7 +323,7 @@ def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout) ->
     return tuple(dirs)
 
 
-def _proc_driver(builder: _Builder, devices: Tuple[SelectedDevice, ...], request: GpuRequest) -> None:
+def _proc_driver(builder: _Builder, devices: tuple[SelectedDevice, ...], request: GpuRequest) -> None:
     """Mask /proc/driver/nvidia: only sanitised driver files and the selected GPUs show."""
     inventory = builder.inventory
     proc = inventory.proc_root

@@ -4,9 +4,10 @@ The runtime shows the user one line (stderr); operators get this record in the l
 syslog. Writing it must never make a container fail: errors here are swallowed.
 """
 
-import json
 import os
 import time
+
+from . import jsonio
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -21,7 +22,7 @@ def record(settings, container_id: str, level: str, message: str, **details) -> 
             fd = os.open(settings.logging.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o640)  # fmt: skip
             try:
-                os.write(fd, (json.dumps(entry, sort_keys=True) + "\n").encode())
+                os.write(fd, (jsonio.dumps(entry, sort_keys=True) + "\n").encode())
             finally:
                 os.close(fd)
         except OSError:

@@ -7,13 +7,14 @@ host directory to mount through CUDA_MPS_PIPE_DIRECTORY) we are stricter, and sa
 Device ids are checked for syntax here and matched against the host in plan.py.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import os
 import re
-from typing import FrozenSet, Optional, Tuple
 
 from . import driver
 from .errors import RequestError
+from .record import Record
 from .requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
 from .settings import Settings
 from .spec import Spec
@@ -41,18 +42,30 @@ _DEVICE_ID_RES = (
 ALL = "all"
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuRequest:
-    devices: Tuple[str, ...]  # ("all",), () for none, or device ids in the order given
+class GpuRequest(Record):
+    __slots__ = (
+        "devices",
+        "source",
+        "capabilities",
+        "requirements",
+        "disable_require",
+        "privileged",
+        "mig_config",
+        "mig_monitor",
+        "mps_pipe_directory",
+        "notes",
+    )
+    _defaults = {"notes": ()}
+    devices: tuple[str, ...]  # ("all",), () for none, or device ids in the order given
     source: str  # where the device list came from: env, volume-mounts, cdi-annotation, legacy-image
-    capabilities: FrozenSet[str]
+    capabilities: frozenset[str]
     requirements: Requirements
     disable_require: bool
     privileged: bool
     mig_config: bool
     mig_monitor: bool
-    mps_pipe_directory: Optional[str]  # host directory to share, None when the image's choice is not allowed
-    notes: Tuple[str, ...] = ()  # what was ignored, for the log and the dry run
+    mps_pipe_directory: str | None  # host directory to share, None when the image's choice is not allowed
+    notes: tuple[str, ...]  # what was ignored, for the log and the dry run
 
     @property
     def all_devices(self) -> bool:
@@ -72,7 +85,7 @@ def _bounded(name: str, value: str) -> str:
     return value
 
 
-def parse_device_list(value: str, name: str) -> Optional[Tuple[str, ...]]:
+def parse_device_list(value: str, name: str) -> tuple[str, ...] | None:
     """A device list value -> None (not a GPU container), () (none), ("all",) or checked ids."""
     _bounded(name, value)
     entries = [entry.strip() for entry in value.split(",")]
@@ -95,7 +108,7 @@ def _short(value: str) -> str:
     return value if len(value) <= 120 else value[:120] + "..."
 
 
-def _volume_mount_devices(spec: Spec) -> Tuple[str, ...]:
+def _volume_mount_devices(spec: Spec) -> tuple[str, ...]:
     names = [
         os.path.basename(m.destination)
         for m in spec.mounts
@@ -104,7 +117,7 @@ def _volume_mount_devices(spec: Spec) -> Tuple[str, ...]:
     return tuple(names)
 
 
-def _cdi_annotation_devices(spec: Spec, kind: str) -> Tuple[str, ...]:
+def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[str, ...]:
     names = []
     for key in sorted(spec.annotations):
         if key.startswith(CDI_ANNOTATION_PREFIX):
@@ -136,7 +149,7 @@ def select_devices(spec: Spec, settings: Settings, privileged: bool, legacy: boo
     return parse_device_list(value, VISIBLE_DEVICES), "env"
 
 
-def parse_capabilities(value: Optional[str], supported: Tuple[str, ...], legacy: bool) -> FrozenSet[str]:
+def parse_capabilities(value: str | None, supported: tuple[str, ...], legacy: bool) -> frozenset[str]:
     if value is None and legacy:
         asked = set(driver.CAPABILITIES)
     elif not value or not value.strip():
@@ -186,7 +199,7 @@ def _mps_pipe_directory(spec: Spec, settings: Settings):
     )
 
 
-def parse_request(spec: Spec, settings: Settings) -> Optional[GpuRequest]:
+def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
     env = spec.env
     privileged = PRIVILEGED_CAPABILITY in spec.bounding_capabilities
     # Images built before NVIDIA_REQUIRE_CUDA existed carry only CUDA_VERSION.

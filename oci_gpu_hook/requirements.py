@@ -52,12 +52,13 @@ NVIDIA_DISABLE_REQUIRE
     as in the toolkit, which ignores the parse error.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import re
-from typing import Mapping, Optional, Tuple
 
 from . import driver
 from .errors import RequestError, RequirementError
+from .record import Record
 
 PREFIX = "NVIDIA_REQUIRE_"
 IGNORED_PREFIX = "NVIDIA_REQUIRE_JETPACK"
@@ -85,7 +86,7 @@ _ACCEPTED_VALUES = {
 _FACT_NAMES = {"cuda": "CUDA version", "driver": "driver version", "arch": "compute capability"}
 
 
-def parse_bool(value: Optional[str]) -> bool:
+def parse_bool(value: str | None) -> bool:
     """Go's strconv.ParseBool, with an unparsable value (or None) read as false, as NVIDIA's toolkit does.
 
     True: 1, t, T, TRUE, true, True. Everything else, including " true" or "yes", is false.
@@ -99,13 +100,13 @@ def _show(text: str, limit: int = 100) -> str:
     return shown + ("..." if len(text) > limit else "")
 
 
-def _version(text: str) -> Optional[Tuple[int, ...]]:
+def _version(text: str) -> tuple[int, ...] | None:
     if not _VERSION.fullmatch(text):
         return None
     return tuple(int(field) for field in text.split("."))
 
 
-def _compare(left: Tuple[int, ...], right: Tuple[int, ...]) -> int:
+def _compare(left: tuple[int, ...], right: tuple[int, ...]) -> int:
     width = max(len(left), len(right))
     left = left + (0,) * (width - len(left))
     right = right + (0,) * (width - len(right))
@@ -122,23 +123,25 @@ _OP_HOLDS = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuFacts:
+class GpuFacts(Record):
     """What requirements are checked against; None is unknown, and a term on an unknown fact holds."""
 
-    cuda: Optional[str]  # the driver's CUDA version, 12.4
-    driver: Optional[str]  # the kernel module version, 535.104.05
-    arch: Optional[str] = None  # compute capability, 8.0; None with no GPU selected
-    brand: Optional[str] = None  # NVML brand name (driver.BRANDS); None with no GPU selected
+    __slots__ = ("cuda", "driver", "arch", "brand")
+    _defaults = {"arch": None, "brand": None}
+    cuda: str | None  # the driver's CUDA version, 12.4
+    driver: str | None  # the kernel module version, 535.104.05
+    arch: str | None  # compute capability, 8.0; None with no GPU selected
+    brand: str | None  # NVML brand name (driver.BRANDS); None with no GPU selected
 
 
-@dataclasses.dataclass(frozen=True)
-class Term:
+class Term(Record):
+    __slots__ = ("key", "op", "value", "text", "version")
+    _defaults = {"version": None}
     key: str  # one of KEYS, lower case
     op: str  # one of OPERATORS
     value: str  # as written
     text: str  # the whole term as written, for messages
-    version: Optional[Tuple[int, ...]] = None  # the value parsed, except for brand
+    version: tuple[int, ...] | None  # the value parsed, except for brand
 
     def holds(self, facts: GpuFacts) -> bool:
         fact = getattr(facts, self.key)
@@ -155,12 +158,12 @@ class Term:
         return _OP_HOLDS[self.op](_compare(host, self.version))
 
 
-@dataclasses.dataclass(frozen=True)
-class Requirement:
+class Requirement(Record):
     """One NVIDIA_REQUIRE_* variable: it holds when any alternative has all its terms holding."""
 
+    __slots__ = ("variable", "alternatives")
     variable: str
-    alternatives: Tuple[Tuple[Term, ...], ...]  # never empty
+    alternatives: tuple[tuple[Term, ...], ...]  # never empty
 
     def describe(self) -> str:
         return " or ".join(",".join(t.text for t in alternative) for alternative in self.alternatives)
@@ -176,16 +179,17 @@ class Requirement:
         raise RequirementError(message)
 
 
-@dataclasses.dataclass(frozen=True)
-class Requirements:
+class Requirements(Record):
     """The conditions of one container, in variable name order; empty when the image states none."""
 
-    requirements: Tuple[Requirement, ...] = ()
+    __slots__ = ("requirements",)
+    _defaults = {"requirements": ()}
+    requirements: tuple[Requirement, ...]
 
     def __bool__(self) -> bool:
         return bool(self.requirements)
 
-    def check(self, facts: Optional[GpuFacts]) -> None:
+    def check(self, facts: GpuFacts | None) -> None:
         """Raise RequirementError unless every variable holds for these facts (None: nothing known)."""
         facts = facts if facts is not None else GpuFacts(cuda=None, driver=None)
         for requirement in self.requirements:
@@ -229,7 +233,7 @@ def _parse_term(variable: str, value: str, text: str) -> Term:
     return Term(key=canonical, op=op, value=operand, text=text, version=version)
 
 
-def parse_requirement(variable: str, value: str) -> Optional[Requirement]:
+def parse_requirement(variable: str, value: str) -> Requirement | None:
     """One variable's value -> its Requirement, or None when it states none. Raises RequestError."""
     if len(value) > MAX_VALUE_LENGTH:
         raise RequestError(f"{variable}: the value is longer than {MAX_VALUE_LENGTH} characters")
@@ -241,7 +245,7 @@ def parse_requirement(variable: str, value: str) -> Optional[Requirement]:
     return Requirement(variable, alternatives) if alternatives else None
 
 
-def parse_requirements(env: Mapping[str, str]) -> Requirements:
+def parse_requirements(env: dict) -> Requirements:
     """Every NVIDIA_REQUIRE_* variable (but NVIDIA_REQUIRE_JETPACK*) of an environment. Raises RequestError."""
     names = sorted(name for name in env if name.startswith(PREFIX) and not name.startswith(IGNORED_PREFIX))
     if len(names) > MAX_VARIABLES:

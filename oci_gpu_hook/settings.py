@@ -9,13 +9,14 @@ validated file is also kept compiled, as JSON, under /run/oci-gpu-hook, keyed by
 inode, size and modification time; the start path reads that while the file is unchanged.
 """
 
-import dataclasses
+from __future__ import annotations
+
 import json
 import os
-from typing import Any, Mapping, Optional, Tuple
 
 from . import driver
 from .errors import ConfigError
+from .record import Record
 
 DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
 COMPILED_DIR = "/run/oci-gpu-hook"
@@ -24,33 +25,67 @@ SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas"
 MAX_CONFIG_BYTES = 1 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class LoggingSettings:
-    level: str = "info"
-    file: Optional[str] = "/var/log/oci-gpu-hook.log"
-    syslog: bool = False
+class LoggingSettings(Record):
+    __slots__ = ("level", "file", "syslog")
+    _defaults = {"level": "info", "file": "/var/log/oci-gpu-hook.log", "syslog": False}
+    level: str
+    file: str | None
+    syslog: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    driver_root: str = "/"
-    dev_root: str = "/"
-    proc_root: str = "/"
-    supported_capabilities: Tuple[str, ...] = driver.CAPABILITIES
-    accept_envvar_when_unprivileged: bool = True
-    accept_volume_mounts: bool = False
-    accept_cdi_annotations: bool = True
-    cdi_kind: str = "nvidia.com/gpu"
-    disable_require: bool = False
-    mps_pipe_directories: Tuple[str, ...] = (driver.MPS_PIPE_DIRECTORY,)
-    inventory_cache: str = "/run/oci-gpu-hook/inventory.json"
-    cgroups: str = "auto"
-    deadline_seconds: float = 8.0
-    logging: LoggingSettings = LoggingSettings()
-    source: Optional[str] = None  # the file these settings came from; None for built-in defaults
+class Settings(Record):
+    __slots__ = (
+        "driver_root",
+        "dev_root",
+        "proc_root",
+        "supported_capabilities",
+        "accept_envvar_when_unprivileged",
+        "accept_volume_mounts",
+        "accept_cdi_annotations",
+        "cdi_kind",
+        "disable_require",
+        "mps_pipe_directories",
+        "inventory_cache",
+        "cgroups",
+        "deadline_seconds",
+        "logging",
+        "source",
+    )
+    _defaults = {
+        "driver_root": "/",
+        "dev_root": "/",
+        "proc_root": "/",
+        "supported_capabilities": driver.CAPABILITIES,
+        "accept_envvar_when_unprivileged": True,
+        "accept_volume_mounts": False,
+        "accept_cdi_annotations": True,
+        "cdi_kind": "nvidia.com/gpu",
+        "disable_require": False,
+        "mps_pipe_directories": (driver.MPS_PIPE_DIRECTORY,),
+        "inventory_cache": "/run/oci-gpu-hook/inventory.json",
+        "cgroups": "auto",
+        "deadline_seconds": 8.0,
+        "logging": LoggingSettings(),
+        "source": None,
+    }
+    driver_root: str
+    dev_root: str
+    proc_root: str
+    supported_capabilities: tuple[str, ...]
+    accept_envvar_when_unprivileged: bool
+    accept_volume_mounts: bool
+    accept_cdi_annotations: bool
+    cdi_kind: str
+    disable_require: bool
+    mps_pipe_directories: tuple[str, ...]
+    inventory_cache: str
+    cgroups: str
+    deadline_seconds: float
+    logging: LoggingSettings
+    source: str | None  # the file these settings came from; None for built-in defaults
 
     @classmethod
-    def from_mapping(cls, data: Mapping[str, Any], source: Optional[str]) -> "Settings":
+    def from_mapping(cls, data: dict, source: str | None) -> Settings:
         """Build from an already validated mapping."""
         values = dict(data)
         values["logging"] = LoggingSettings(**values.get("logging", {}))
@@ -62,7 +97,7 @@ class Settings:
         return cls(source=source, **values)
 
 
-def config_path(explicit: Optional[str], environ: Mapping[str, str]) -> Optional[str]:
+def config_path(explicit: str | None, environ: dict) -> str | None:
     """The file to read, or None when defaults apply."""
     if explicit:
         return explicit
@@ -71,7 +106,7 @@ def config_path(explicit: Optional[str], environ: Mapping[str, str]) -> Optional
     return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
 
 
-def load(explicit: Optional[str] = None, environ: Mapping[str, str] = os.environ) -> Settings:
+def load(explicit: str | None = None, environ: dict = os.environ) -> Settings:
     path = config_path(explicit, environ)
     if path is None:
         return Settings()
@@ -102,7 +137,7 @@ def _trusted(st) -> bool:
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
 
 
-def _read_compiled(path: str, key) -> Optional[dict]:
+def _read_compiled(path: str, key) -> dict | None:
     if key is None:
         return None
     try:
@@ -181,7 +216,7 @@ def _schema() -> dict:
         return json.load(f)
 
 
-def validate(data: Any, path: str) -> None:
+def validate(data: object, path: str) -> None:
     import jsonschema
 
     schema = _schema()

@@ -5,9 +5,9 @@ Untrusted size and shape are bounded here; everything after works on a checked C
 
 from __future__ import annotations
 
-import json
 import os
 
+from . import jsonio
 from .errors import HookError
 
 MAX_STATE_BYTES = 1 << 20
@@ -46,7 +46,7 @@ def load_json(data: bytes, what: str, limit: int):
     if len(data) > limit:
         raise StateError(f"{what} is larger than {limit} bytes")
     try:
-        return json.loads(data)
+        return jsonio.loads(data)
     except RecursionError:
         raise StateError(f"{what} is nested too deeply") from None
     except UnicodeDecodeError:

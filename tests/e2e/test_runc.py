@@ -1,5 +1,6 @@
 """The hook in real runc containers on a simulated GPU host (root, runc, busybox-static, gcc)."""
 
+import json
 import os
 import re
 
@@ -103,5 +104,5 @@ def test_failure_reaches_the_user_as_one_line(tmp_path, host):
     out = run(tmp_path, host, "true", {"NVIDIA_VISIBLE_DEVICES": "7"})
     assert out.returncode != 0
     assert "oci-gpu-hook: 7: unknown device" in out.stderr
-    log = open(f"{host['root']}/hook.log").read().splitlines()
-    assert any('"message": "7: unknown device"' in line and "ocigpu-" in line for line in log)
+    records = [json.loads(line) for line in open(f"{host['root']}/hook.log")]
+    assert any(r["message"] == "7: unknown device" and r["container"].startswith("ocigpu-") for r in records)
