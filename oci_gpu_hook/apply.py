@@ -6,12 +6,13 @@ action for each change. Any error, or the deadline passing, rolls every change b
 order before the child reports. The parent only waits and relays the child's verdict.
 """
 
+from __future__ import annotations
+
+import _signal as signal  # the C core of signal: the same calls, without its enum wrappers (~5 ms)
 import errno
-import json
+import marshal
 import os
-import signal
 import stat
-from typing import List, Optional
 
 from . import _linux, cgroups, labels, ldconfig
 from .errors import HookError
@@ -57,10 +58,10 @@ class Applier:
         self.settings = settings
         self.rootfs = rootfs
         self.undo = UndoLog()
-        self.skipped: List[str] = []
-        self._skipped_trees: List[str] = []
-        self._cgroup_dir: Optional[str] = None
-        self._cgroup_mode: Optional[str] = None
+        self.skipped: list[str] = []
+        self._skipped_trees: list[str] = []
+        self._cgroup_dir: str | None = None
+        self._cgroup_mode: str | None = None
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_at = int(fault) if fault.isdigit() else None
 
@@ -282,7 +283,7 @@ def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings) -> 
         try:
             report = _child(plan, state, spec, settings)
             code = 0 if report["ok"] else 1
-            os.write(write_fd, json.dumps(report).encode())
+            os.write(write_fd, marshal.dumps(report))  # plain data, between two copies of this program
         finally:
             os._exit(code)
     os.close(write_fd)
@@ -305,8 +306,8 @@ def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings) -> 
         signal.setitimer(signal.ITIMER_REAL, 0)
         os.close(read_fd)
     try:
-        report = json.loads(b"".join(chunks))
-    except ValueError:
+        report = marshal.loads(b"".join(chunks))
+    except (EOFError, ValueError, TypeError):
         raise ApplyError("the hook's child died without a report") from None
     if not report["ok"]:
         error = ApplyError(

@@ -5,8 +5,9 @@ its `devices` line in /proc/<pid>/cgroup, joined to where this process sees that
 mounted (mountinfo). cgroup v2 (eBPF device programs) is not handled yet.
 """
 
+from __future__ import annotations
+
 import os
-from typing import Optional
 
 from .errors import HookError
 
@@ -35,7 +36,7 @@ def detect_version(cgroup_text: str) -> str:
     return "v2" if v2 else "none"
 
 
-def v1_devices_path(cgroup_text: str, mountinfo_text: str) -> Optional[str]:
+def v1_devices_path(cgroup_text: str, mountinfo_text: str) -> str | None:
     """Directory of the container's v1 devices cgroup as seen from this process."""
     relative = None
     for line in cgroup_text.splitlines():

@@ -1,18 +1,18 @@
 """What the host offers: driver, GPUs, MIG instances, device nodes, driver files.
 
 Discovery reads procfs, device nodes and the driver root's ld.so.cache (cheap, always there on a
-loaded driver) and asks NVML (nvml.py, a child process) only for what procfs lacks: CUDA version,
+loaded driver; the parsers load only when discovering, not on the hook's cache hit) and asks NVML
+(nvml.py, a child process) only for what procfs lacks: CUDA version,
 brand, compute capability, memory and MIG UUIDs. The result is plain, serialisable data; the
 hook reads it from the cache (inventory_cache.py) instead of discovering on every start.
 """
 
 from __future__ import annotations
 
-import glob
 import os
 import stat
 
-from . import driver, ldcache, procfs
+from . import driver
 from .errors import InventoryError
 from .record import Record
 from .settings import Settings
@@ -166,6 +166,8 @@ def check_node(dev_root: str, path: str, major: int, minor: int) -> DeviceNode:
 
 
 def read_driver_version(settings: Settings) -> str:
+    from . import procfs
+
     path = host_path(settings.proc_root, f"{NVIDIA_PROC}/version")
     if not os.path.exists(path):
         raise InventoryError(f"{path}: not found: the NVIDIA kernel driver is not loaded")
@@ -173,6 +175,8 @@ def read_driver_version(settings: Settings) -> str:
 
 
 def read_majors(settings: Settings) -> dict[str, int]:
+    from . import procfs
+
     path = host_path(settings.proc_root, "/proc/devices")
     majors = procfs.parse_proc_devices(read_text(path))
     found = {name: majors[name] for name in driver.PROC_DEVICES_NAMES if name in majors}
@@ -184,6 +188,8 @@ def read_majors(settings: Settings) -> dict[str, int]:
 
 def read_procfs_gpus(settings: Settings):
     """[(information dict)] in NVML index order (PCI bus order)."""
+    from . import procfs
+
     gpus_dir = host_path(settings.proc_root, f"{NVIDIA_PROC}/gpus")
     try:
         entries = sorted(os.listdir(gpus_dir))
@@ -204,6 +210,10 @@ def read_procfs_gpus(settings: Settings):
 
 def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None, nvml_mig) -> tuple[MigDevice, ...]:
     """MIG devices of one GPU: cap minors from procfs, order and UUIDs from NVML when known."""
+    import glob
+
+    from . import procfs
+
     base = f"{NVIDIA_PROC}/capabilities/gpu{gpu_minor}/mig"
     instances = {}
     for gi_access in glob.glob(host_path(settings.proc_root, f"{base}/gi*/access")):
@@ -253,6 +263,8 @@ def _inside(root: str, path: str) -> bool:
 
 def find_libraries(settings: Settings, version: str) -> tuple[DriverFile, ...]:
     """Driver libraries from the driver root's ld.so.cache, resolved to the versioned file."""
+    from . import ldcache
+
     cache = host_path(settings.driver_root, "/etc/ld.so.cache")
     if not os.path.exists(cache):
         raise InventoryError(f"{cache}: not found: run ldconfig on the host after installing the driver")
@@ -278,6 +290,8 @@ def find_libraries(settings: Settings, version: str) -> tuple[DriverFile, ...]:
 
 
 def find_other_files(settings: Settings, version: str) -> tuple[DriverFile, ...]:
+    import glob
+
     def exists(path, want=os.path.isfile):
         return want(host_path(settings.driver_root, path))
 

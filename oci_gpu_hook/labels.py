@@ -11,8 +11,9 @@ that, on RHEL, starts the system Python to find the real bindings (tens of milli
 container start) and, on Debian, offers stubs.
 """
 
+from __future__ import annotations
+
 import os
-from typing import Optional
 
 from . import _linux
 from .errors import HookError
@@ -48,7 +49,7 @@ class Labeler:
         return f',context="{self.context}"'
 
 
-def labeler_for(mount_label: Optional[str]) -> Optional[Labeler]:
+def labeler_for(mount_label: str | None) -> Labeler | None:
     if not mount_label or not selinux_enabled():
         return None
     return Labeler(mount_label)

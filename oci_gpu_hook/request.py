@@ -10,7 +10,6 @@ Device ids are checked for syntax here and matched against the host in plan.py.
 from __future__ import annotations
 
 import os
-import re
 
 from . import driver
 from .errors import RequestError
@@ -30,14 +29,45 @@ MAX_VALUE_LENGTH = 64 << 10
 MAX_DEVICE_IDS = 1024
 
 ACCEPTED_DEVICES = "all, none, void, GPU indices, GPU-<uuid>, PCI bus ids, MIG-<uuid>, <gpu index>:<mig index>"
-_DEVICE_ID_RES = (
-    re.compile(r"^\d{1,4}$"),  # NVML index
-    re.compile(r"^GPU-[0-9a-fA-F-]{1,64}$"),
-    re.compile(r"^([0-9a-fA-F]{4,8}:)?[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$"),  # PCI bus id
-    re.compile(r"^MIG-[0-9a-fA-F-]{1,64}$"),
-    re.compile(r"^MIG-GPU-[0-9a-fA-F-]{1,64}/\d{1,2}/\d{1,2}$"),  # pre-R470 MIG naming
-    re.compile(r"^\d{1,4}:\d{1,2}$"),  # <gpu index>:<mig index>
-)
+_HEX = frozenset("0123456789abcdefABCDEF")
+_DIGITS = frozenset("0123456789")
+
+
+def _digits(text: str, most: int) -> bool:
+    return 0 < len(text) <= most and _DIGITS.issuperset(text)
+
+
+def _uuid_like(text: str) -> bool:
+    return 0 < len(text) <= 64 and _HEX.union("-").issuperset(text)
+
+
+def _bus_id(text: str) -> bool:
+    """[domain:]bus:device.function, as 0000:3b:00.0 or 3b:00.0 (4 to 8 hex digits of domain)."""
+    parts = text.split(":")
+    if len(parts) == 3:
+        domain = parts.pop(0)
+        if not (4 <= len(domain) <= 8 and _HEX.issuperset(domain)):
+            return False
+    if len(parts) != 2 or len(parts[0]) != 2 or not _HEX.issuperset(parts[0]):
+        return False
+    device, dot, function = parts[1].partition(".")
+    return len(device) == 2 and _HEX.issuperset(device) and dot == "." and function in tuple("01234567")
+
+
+def valid_device_id(device_id: str) -> bool:
+    """Syntax of one NVIDIA_VISIBLE_DEVICES id (string checks, not re: this is the start path)."""
+    if device_id.startswith("MIG-GPU-"):  # pre-R470 MIG naming: MIG-GPU-<uuid>/<gi>/<ci>
+        parts = device_id[8:].split("/")
+        return len(parts) == 3 and _uuid_like(parts[0]) and _digits(parts[1], 2) and _digits(parts[2], 2)
+    if device_id.startswith(("GPU-", "MIG-")):
+        return _uuid_like(device_id[4:])
+    if _digits(device_id, 4):
+        return True
+    gpu, colon, mig = device_id.partition(":")
+    if colon and _digits(gpu, 4) and _digits(mig, 2):
+        return True
+    return _bus_id(device_id)
+
 
 ALL = "all"
 
@@ -98,7 +128,7 @@ def parse_device_list(value: str, name: str) -> tuple[str, ...] | None:
     if len(ids) > MAX_DEVICE_IDS:
         raise RequestError(f"{name}: {len(ids)} device ids; at most {MAX_DEVICE_IDS} are accepted")
     for device_id in ids:
-        if not any(r.match(device_id) for r in _DEVICE_ID_RES):
+        if not valid_device_id(device_id):
             shown = device_id if len(device_id) <= 80 else device_id[:80] + "..."
             raise RequestError(f"{name}={_short(value)}: {shown}: unknown device (accepted: {ACCEPTED_DEVICES})")
     return tuple(dict.fromkeys(ids))  # duplicates collapse, order kept

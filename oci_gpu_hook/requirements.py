@@ -54,8 +54,6 @@ NVIDIA_DISABLE_REQUIRE
 
 from __future__ import annotations
 
-import re
-
 from . import driver
 from .errors import RequestError, RequirementError
 from .record import Record
@@ -72,10 +70,45 @@ KEYS = ("cuda", "driver", "arch", "brand")
 CUDA_HINT = ", please update your driver to a newer version, or use an earlier cuda container"
 
 _TRUE = frozenset(("1", "t", "T", "TRUE", "true", "True"))
-_SEPARATORS = re.compile(r"[ \t\n\r\f\v]+")
-_VERSION = re.compile(r"[0-9]{1,9}(?:\.[0-9]{1,9}){0,3}")
-_BRAND = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_LEGACY_CUDA = re.compile(r"v?([0-9]{1,9})(?:\.([0-9]{1,9}))?(?:\.[0-9]{1,9}){0,4}(?:[-+][0-9A-Za-z.+-]{0,64})?")
+# String checks rather than re: this module is on the start path, and re (with enum and
+# functools) would cost every GPU container several milliseconds of imports.
+_DIGITS = frozenset("0123456789")
+_BRAND_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_SUFFIX_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.+-")
+_ASCII_SPACE = " \t\n\r\f\v"
+
+
+def _number(text: str) -> bool:
+    """1 to 9 ASCII digits."""
+    return 0 < len(text) <= 9 and _DIGITS.issuperset(text)
+
+
+def _is_version(text: str, max_fields: int = 4) -> bool:
+    """1 to max_fields numbers separated by dots."""
+    fields = text.split(".")
+    return len(fields) <= max_fields and all(_number(f) for f in fields)
+
+
+def _split_space(value: str) -> list:
+    """Split on runs of ASCII whitespace only (Unicode spaces stay inside terms, and fail there)."""
+    for c in _ASCII_SPACE[1:]:
+        value = value.replace(c, " ")
+    return value.split(" ")
+
+
+def _legacy_cuda(text: str):
+    """(major, minor or None) of a semver-like CUDA_VERSION, or None: v?M(.m)?(.p){0,4}([-+]suffix)?"""
+    if text.startswith("v"):
+        text = text[1:]
+    cut = min((i for i in (text.find("-"), text.find("+")) if i >= 0), default=len(text))
+    core, suffix = text[:cut], text[cut + 1 :]
+    if cut < len(text) and (len(suffix) > 64 or not _SUFFIX_CHARS.issuperset(suffix)):
+        return None
+    if not _is_version(core, max_fields=6):
+        return None
+    fields = core.split(".")
+    return fields[0], fields[1] if len(fields) > 1 else None
+
 
 _ACCEPTED_VALUES = {
     "cuda": "a CUDA version such as 12.4",
@@ -101,7 +134,7 @@ def _show(text: str, limit: int = 100) -> str:
 
 
 def _version(text: str) -> tuple[int, ...] | None:
-    if not _VERSION.fullmatch(text):
+    if not _is_version(text):
         return None
     return tuple(int(field) for field in text.split("."))
 
@@ -224,7 +257,7 @@ def _parse_term(variable: str, value: str, text: str) -> Term:
     if canonical == "brand":
         if op not in ("=", "!="):
             raise fail(f"brand cannot be ordered: {shown!r}", "brand=NAME or brand!=NAME")
-        if not _BRAND.fullmatch(operand):
+        if not (0 < len(operand) <= 64 and _BRAND_CHARS.issuperset(operand)):
             raise fail(f"{_show(operand)!r} in {shown!r} is not a brand name", _ACCEPTED_VALUES["brand"])
         return Term(key=canonical, op=op, value=operand, text=text)
     version = _version(operand)
@@ -237,7 +270,7 @@ def parse_requirement(variable: str, value: str) -> Requirement | None:
     """One variable's value -> its Requirement, or None when it states none. Raises RequestError."""
     if len(value) > MAX_VALUE_LENGTH:
         raise RequestError(f"{variable}: the value is longer than {MAX_VALUE_LENGTH} characters")
-    texts = [[t for t in alternative.split(",") if t] for alternative in _SEPARATORS.split(value)]
+    texts = [[t for t in alternative.split(",") if t] for alternative in _split_space(value) if alternative]
     texts = [alternative for alternative in texts if alternative]
     if sum(len(alternative) for alternative in texts) > MAX_TERMS:
         raise RequestError(f"{variable}: the value has more than {MAX_TERMS} terms")
@@ -260,9 +293,10 @@ def legacy_cuda_requirement(cuda_version: str) -> str:
     NVIDIA reads CUDA_VERSION as semver (v prefix, pre-release and build suffix allowed, a missing minor is
     0). We also accept a fourth field (NGC's 12.8.0.038) and surrounding spaces. Raises RequestError.
     """
-    match = _LEGACY_CUDA.fullmatch(cuda_version.strip())
+    match = _legacy_cuda(cuda_version.strip())
     if match is None:
         raise RequestError(
             f"CUDA_VERSION={_show(cuda_version)}: not a CUDA version (accepted: MAJOR[.MINOR[.PATCH]] such as 12.4.1)"
         )
-    return f"cuda>={int(match.group(1))}.{int(match.group(2) or 0)}"
+    major, minor = match
+    return f"cuda>={int(major)}.{int(minor or 0)}"

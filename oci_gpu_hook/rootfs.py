@@ -8,10 +8,11 @@ descriptors and act on them (mount onto /proc/self/fd/N, *at calls), never on a 
 walked again. Whatever is created is recorded in an UndoLog.
 """
 
+from __future__ import annotations
+
 import errno
 import os
 import stat
-from typing import Callable, List, Tuple
 
 from . import _linux
 
@@ -24,17 +25,17 @@ class UndoLog:
     """Undo actions in the order things were done; rollback() runs them in reverse."""
 
     def __init__(self):
-        self._actions: List[Tuple[str, Callable[[], None]]] = []
-        self.fds: List[int] = []
+        self._actions: list[tuple[str, object]] = []
+        self.fds: list[int] = []
 
-    def add(self, description: str, action: Callable[[], None]) -> None:
+    def add(self, description: str, action: object) -> None:
         self._actions.append((description, action))
 
     def keep_fd(self, fd: int) -> int:
         self.fds.append(fd)
         return fd
 
-    def rollback(self) -> List[str]:
+    def rollback(self) -> list[str]:
         """Undo everything; returns what could not be undone (for the log)."""
         failures = []
         while self._actions:
@@ -54,7 +55,7 @@ class UndoLog:
         self.fds = []
 
 
-def _split(path: str) -> List[str]:
+def _split(path: str) -> list[str]:
     return [part for part in path.split("/") if part and part != "."]
 
 
@@ -133,7 +134,7 @@ class Rootfs:
             for d in stack:
                 os.close(d)
 
-    def exists_as(self, path: str, kind: Callable[[int], bool]) -> bool:
+    def exists_as(self, path: str, kind) -> bool:
         try:
             fd = self.open(path)
         except OSError:

@@ -11,10 +11,9 @@ inode, size and modification time; the start path reads that while the file is u
 
 from __future__ import annotations
 
-import json
 import os
 
-from . import driver
+from . import driver, jsonio
 from .errors import ConfigError
 from .record import Record
 
@@ -148,7 +147,7 @@ def _read_compiled(path: str, key) -> dict | None:
         # Written by us (same owner) and by nobody else: this file decides where mounts come from.
         if not _trusted(os.fstat(fd)) or not _trusted(os.stat(COMPILED_DIR)):
             return None
-        doc = json.loads(os.read(fd, MAX_CONFIG_BYTES))
+        doc = jsonio.loads(os.read(fd, MAX_CONFIG_BYTES))
     except (OSError, ValueError):
         return None
     finally:
@@ -161,6 +160,7 @@ def _read_compiled(path: str, key) -> dict | None:
 def _write_compiled(path: str, key, data: dict) -> None:
     if key is None:
         return
+    import json
     import tempfile
 
     try:
@@ -212,6 +212,8 @@ def parse_mapping(text: str, path: str) -> dict:
 
 
 def _schema() -> dict:
+    import json
+
     with open(SCHEMA_PATH) as f:
         return json.load(f)
 
@@ -237,6 +239,8 @@ def describe_error(error, schema: dict, path: str) -> str:
         return f"{path}: {key}: unknown key (accepted keys here: {', '.join(allowed)})"
     key = ".".join(keys) or "(top level)"
     accepted = _description(schema, error.absolute_path)
+    import json
+
     value = (
         json.dumps(error.instance) if not isinstance(error.instance, (dict, list)) else type(error.instance).__name__
     )
