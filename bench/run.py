@@ -38,22 +38,38 @@ CGROUP_ROOT = "/sys/fs/cgroup/devices"
 def install(work: str) -> str:
     """A regular install of the project and its dependencies under work/site; returns a launcher."""
     site = os.path.join(work, "site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--target", site, REPO],
-                   check=True, stderr=subprocess.DEVNULL)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--target", site, REPO],
+        check=True,
+        stderr=subprocess.DEVNULL,
+    )
     subprocess.run([PYTHON, "-m", "compileall", "-q", site], check=True)
     launcher = os.path.join(work, "oci-gpu-hook")
     with open(launcher, "w") as f:
-        f.write(f"#!{PYTHON} -I\nimport sys\nsys.path.insert(0, {site!r})\n"
-                "from oci_gpu_hook.hook import main\nsys.exit(main())\n")  # fmt: skip
+        f.write(
+            f"#!{PYTHON} -I\nimport sys\nsys.path.insert(0, {site!r})\n"
+            "from oci_gpu_hook.hook import main\nsys.exit(main())\n"
+        )
     os.chmod(launcher, 0o755)
     return launcher
 
 
-def timed(argv, stdin=None):
-    """(seconds, peak RSS in KiB, exit status) of one process, its waited-for children included."""
+def timed(argv, stdin=None, measure_rss=False):
+    """(seconds, peak RSS in KiB or 0) of one process run to completion (exit 0 required).
+
+    Peak RSS comes from GNU time when asked for: a process forked from this (large) benchmark
+    inherits its resident size until exec, so its own rusage would report ours."""
+    rss_file = None
+    if measure_rss:
+        rss_file = tempfile.NamedTemporaryFile(prefix="rss-")
+        argv = ["/usr/bin/time", "-f", "%M", "-o", rss_file.name, *argv]
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     if stdin is not None:
         proc.stdin.write(stdin)
         proc.stdin.close()
@@ -64,7 +80,10 @@ def timed(argv, stdin=None):
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"{argv[0]} failed ({code}): {err.decode(errors='replace').strip()}")
-    return elapsed, usage.ru_maxrss
+    if rss_file is None:
+        return elapsed, 0
+    with rss_file:
+        return elapsed, int(open(rss_file.name).read().split()[-1])
 
 
 class LiveContainer:
@@ -79,8 +98,9 @@ class LiveContainer:
             f.write(str(self.proc.pid))
         with open(os.path.join(self.cgroup, "devices.deny"), "w") as f:
             f.write("a")
-        self.state = json.dumps({"ociVersion": "1.0.2", "id": f"bench{n}", "status": "creating",
-                                 "pid": self.proc.pid, "bundle": bundle}).encode()  # fmt: skip
+        self.state = json.dumps(
+            {"ociVersion": "1.0.2", "id": f"bench{n}", "status": "creating", "pid": self.proc.pid, "bundle": bundle}
+        ).encode()
 
     def close(self):
         self.proc.kill()
@@ -93,11 +113,10 @@ class LiveContainer:
                 time.sleep(0.02)
 
 
-def summary(samples):
+def summary(samples, rss):
     times = sorted(s[0] for s in samples)
     p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
-    return {"median_ms": statistics.median(times) * 1e3, "p95_ms": p95 * 1e3, "runs": len(times),
-            "peak_rss_kib": max(s[1] for s in samples)}  # fmt: skip
+    return {"median_ms": statistics.median(times) * 1e3, "p95_ms": p95 * 1e3, "runs": len(times), "peak_rss_kib": rss}
 
 
 def main():
@@ -133,33 +152,42 @@ def main():
         samples = {}
         counter = [0]
 
-        def runc_case(bundle):
+        def runc_case(bundle, rss=False):
             counter[0] += 1
             cid = f"ocigpu-bench-{os.getpid()}-{counter[0]}"
-            return timed([runc, "run", "--bundle", bundle, cid])
+            return timed([runc, "run", "--bundle", bundle, cid], measure_rss=rss)
 
-        def hook_case(name):
+        def hook_case(name, rss=False):
             if name == "nongpu":
-                state = json.dumps({"ociVersion": "1.0.2", "id": "b", "status": "creating", "pid": os.getpid(),
-                                    "bundle": bundles[name]}).encode()  # fmt: skip
-                return timed(hook, state)
+                state = {
+                    "ociVersion": "1.0.2",
+                    "id": "b",
+                    "status": "creating",
+                    "pid": os.getpid(),
+                    "bundle": bundles[name],
+                }
+                return timed(hook, json.dumps(state).encode(), measure_rss=rss)
             counter[0] += 1
             live = LiveContainer(bundles[name], counter[0])
             try:
-                return timed(hook, live.state)
+                return timed(hook, live.state, measure_rss=rss)
             finally:
                 live.close()
 
-        cases = [("floor", lambda: timed([PYTHON, "-I", "-c", "pass"])), ("runc", lambda: runc_case(plain))]
+        cases = [
+            ("floor", lambda rss=False: timed([PYTHON, "-I", "-c", "pass"], measure_rss=rss)),
+            ("runc", lambda rss=False: runc_case(plain, rss)),
+        ]
         for name in envs:
-            cases.append((f"runc+hook:{name}", lambda n=name: runc_case(bundles[n])))
-            cases.append((f"hook:{name}", lambda n=name: hook_case(n)))
+            cases.append((f"runc+hook:{name}", lambda rss=False, n=name: runc_case(bundles[n], rss)))
+            cases.append((f"hook:{name}", lambda rss=False, n=name: hook_case(n, rss)))
         for round_ in range(args.runs + 1):  # round 0 warms up caches and is not kept
             for name, case in cases:
                 result = case()
                 if round_:
                     samples.setdefault(name, []).append(result)
-        results = {name: summary(s) for name, s in samples.items()}
+        rss = {name: max(case(rss=True)[1] for _ in range(3)) for name, case in cases}
+        results = {name: summary(s, rss[name]) for name, s in samples.items()}
         floor, runc_ms = results["floor"]["median_ms"], results["runc"]["median_ms"]
         for r in results.values():
             r["x_floor"] = r["median_ms"] / floor
@@ -177,18 +205,22 @@ def main():
             (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
         )
         machine = {
-            "cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(), "cpu": cpu,
+            "cpus": os.cpu_count(),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "cpu": cpu,
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
-        }  # fmt: skip
-        doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets,
-               "command": "make bench"}  # fmt: skip
+        }
+        doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench"}
         with open(args.output, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"{'case':24} {'median ms':>10} {'p95 ms':>8} {'x floor':>8} {'x runc':>7} {'peak RSS MiB':>12}")
         for name, r in results.items():
-            print(f"{name:24} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['x_floor']:8.2f} {r['x_runc']:7.2f} "
-                  f"{r['peak_rss_kib'] / 1024:12.1f}")  # fmt: skip
+            print(
+                f"{name:24} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['x_floor']:8.2f} {r['x_runc']:7.2f} "
+                f"{r['peak_rss_kib'] / 1024:12.1f}"
+            )
         for target, met in targets.items():
             print(f"{'met ' if met else 'MISSED'} {target}")
         print(f"wrote {args.output}")

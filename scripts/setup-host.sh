@@ -2,7 +2,7 @@
 # Install the Debian packages oci-gpu-hook's demo and test suite need; a no-op when all are there.
 # RHEL 9 equivalent: dnf install python3 gcc glibc-devel glibc-devel.i686 runc podman busybox libcap-devel
 set -eu
-packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux podman uidmap"
+packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging"
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing="$missing $p"
