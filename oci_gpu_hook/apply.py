@@ -62,6 +62,7 @@ class Applier:
         self._skipped_trees: list[str] = []
         self._cgroup_dir: str | None = None
         self._cgroup_mode: str | None = None
+        self._v2_done = False
         fault = os.environ.get(FAULT_ENV, "")
         self.fault_at = int(fault) if fault.isdigit() else None
 
@@ -165,6 +166,7 @@ class Applier:
     # --- cgroups and ld cache -----------------------------------------------------------------
 
     def _cgroup(self):
+        """(mode, directory): mode v1, v2 or off, as the settings and the container's cgroup say."""
         if self._cgroup_mode is None:
             wanted = self.settings.cgroups
             if wanted == "off":
@@ -172,18 +174,23 @@ class Applier:
                 return self._cgroup_mode, None
             text = cgroups.read_cgroup_file(self.state.pid)
             found = cgroups.detect_version(text)
+            # auto follows the devices controller (v1 where it is mounted, as runc does on hybrid
+            # hosts); an explicit v1 or v2 is taken as said, if the container has such a cgroup.
             mode = found if wanted == "auto" else wanted
-            if mode == "v2" or (mode == "v1" and found != "v1"):
-                raise ApplyError(
-                    f"cgroup {found} device rules are not supported yet for this container; "
-                    "set 'cgroups: off' in the configuration to start it without device rules"
-                )
             if mode == "none":
                 raise ApplyError("the container is in no device cgroup; set 'cgroups: off' to skip device rules")
             with open("/proc/self/mountinfo") as f:
-                directory = cgroups.v1_devices_path(text, f.read())
+                mountinfo = f.read()
+            if mode == "v1":
+                directory = cgroups.v1_devices_path(text, mountinfo)
+            else:
+                from . import bpf
+
+                directory = bpf.v2_path(text, mountinfo)
             if directory is None:
-                raise ApplyError(f"the devices cgroup of pid {self.state.pid} is not mounted where the hook can see it")
+                raise ApplyError(
+                    f"the {mode} device cgroup of pid {self.state.pid} is not mounted where the hook can see it"
+                )
             self._cgroup_mode, self._cgroup_dir = mode, directory
         return self._cgroup_mode, self._cgroup_dir
 
@@ -191,10 +198,20 @@ class Applier:
         mode, directory = self._cgroup()
         if mode == "off":
             self.skipped.append(op.describe())
-            return
-        rule = cgroups.v1_rule(op.major, op.minor, op.access)
-        cgroups.write_v1(directory, "devices.allow", rule)
-        self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
+        elif mode == "v1":
+            rule = cgroups.v1_rule(op.major, op.minor, op.access)
+            cgroups.write_v1(directory, "devices.allow", rule)
+            self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
+        elif not self._v2_done:
+            # One eBPF program replacement for all the plan's devices: each load is verified by
+            # the kernel, so one per device would cost a GPU container milliseconds per GPU.
+            from . import bpf
+
+            rules = [(r.major, r.minor, r.access) for r in self.plan.operations if isinstance(r, DeviceRule)]
+            change = bpf.allow_devices(directory, rules)
+            self.undo.add(f"restore the device programs of {directory}", change.undo)
+            self.undo.on_close.append(change.close)
+            self._v2_done = True
 
     def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
         remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)

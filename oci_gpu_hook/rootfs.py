@@ -27,6 +27,7 @@ class UndoLog:
     def __init__(self):
         self._actions: list[tuple[str, object]] = []
         self.fds: list[int] = []
+        self.on_close: list = []  # releases that keep a change (called by close(), after success or rollback)
 
     def add(self, description: str, action: object) -> None:
         self._actions.append((description, action))
@@ -47,6 +48,12 @@ class UndoLog:
         return failures
 
     def close(self) -> None:
+        for release in self.on_close:
+            try:
+                release()
+            except OSError:
+                pass
+        self.on_close = []
         for fd in self.fds:
             try:
                 os.close(fd)

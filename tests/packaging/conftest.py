@@ -72,8 +72,10 @@ def make_store(root, modules):
     with open(os.path.join(root, "etc/selinux/config"), "w") as f:
         f.write("SELINUX=permissive\nSELINUXTYPE=default\n")
     others = sorted(p for p in os.listdir(DEBIAN_MODULES) if p.endswith(".pp.bz2") and p != "base.pp.bz2")
-    run(["semodule", "-p", root, "-s", "default", "-n", "-X", "100", "-i", "base.pp.bz2", *others, *modules],
-        cwd=DEBIAN_MODULES)
+    run(
+        ["semodule", "-p", root, "-s", "default", "-n", "-X", "100", "-i", "base.pp.bz2", *others, *modules],
+        cwd=DEBIAN_MODULES,
+    )
     return os.path.join(policy_dir, "policy.33")
 
 
@@ -102,8 +104,9 @@ def policy_build(tmp_path_factory, require):
     members = [f"selinux-policy-src/policy/modules/services/container.{ext}" for ext in ("te", "fc")]
     run(["tar", "--zstd", "-xf", POLICY_SRC, "-C", str(src), *members])
     # Only the .te and .fc: Debian's headers already define container.if, a copy would clash.
-    container = build_module(str(src / "selinux-policy-src/policy/modules/services"), str(work / "container"),
-                             "container")
+    container = build_module(
+        str(src / "selinux-policy-src/policy/modules/services"), str(work / "container"), "container"
+    )
 
     base_root = str(work / "base-root")
     base_policy = make_store(base_root, [container])
@@ -153,7 +156,6 @@ def extract_rpm(path, dest):
         archive = subprocess.run(["rpm2archive", "-"], stdin=rpm, capture_output=True, check=True).stdout
     subprocess.run(["tar", "-xzf", "-", "-C", dest], input=archive, check=True)
     return dest
-
 
 
 @pytest.fixture(scope="session")

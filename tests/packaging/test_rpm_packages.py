@@ -31,8 +31,15 @@ SELINUX_PATHS = {
     "/usr/share/selinux/devel/include/distributed/oci_gpu_hook.if",
     "/usr/share/doc/oci-gpu-hook-selinux-0.1.0/selinux.md",
 }
-MAIN_REQUIRES = {"python3", "python3-click", "python3-pyyaml", "python3-jsonschema", "python3-libselinux",
-                 "python3-prctl", "python(abi) = 3.9"}
+MAIN_REQUIRES = {
+    "python3",
+    "python3-click",
+    "python3-pyyaml",
+    "python3-jsonschema",
+    "python3-libselinux",
+    "python3-prctl",
+    "python(abi) = 3.9",
+}
 SELINUX_REQUIRES = {"selinux-policy-targeted", "container-selinux", "policycoreutils", "libselinux-utils"}
 
 
@@ -68,8 +75,9 @@ def test_selinux_scriptlets_install_and_remove_at_priority_200(rpms):
     scripts = rpm_query("--scripts", rpms["selinux"])
     post = scripts.split("postinstall scriptlet")[1].split("postuninstall scriptlet")[0]
     postun = scripts.split("postuninstall scriptlet")[1]
-    assert re.search(r"semodule .*-s targeted .*-X 200 .*-i /usr/share/selinux/packages/targeted/oci_gpu_hook\.pp\.bz2",
-                     post), post
+    assert re.search(
+        r"semodule .*-s targeted .*-X 200 .*-i /usr/share/selinux/packages/targeted/oci_gpu_hook\.pp\.bz2", post
+    ), post
     assert re.search(r"\$1 -eq 0", postun) and re.search(r"semodule .*-X 200 .*-r oci_gpu_hook", postun), postun
     assert "scriptlet" not in rpm_query("--scripts", rpms["main"])  # the hook package needs none
 
@@ -85,9 +93,11 @@ def test_requires_name_rhel9_packages(rpms):
 
 def test_packaged_files_match_the_tree(rpms, pk, tmp_path):
     root = pk.extract_rpm(rpms["main"], str(tmp_path / "main"))
-    for packaged, source in (("usr/share/containers/oci/hooks.d/oci-gpu-hook.json", "hooks.d/oci-gpu-hook.json"),
-                             ("etc/oci-gpu-hook/config.yaml", "rpm/config.yaml"),
-                             (f"{SITELIB[1:]}/oci_gpu_hook/hook.py", "oci_gpu_hook/hook.py")):
+    for packaged, source in (
+        ("usr/share/containers/oci/hooks.d/oci-gpu-hook.json", "hooks.d/oci-gpu-hook.json"),
+        ("etc/oci-gpu-hook/config.yaml", "rpm/config.yaml"),
+        (f"{SITELIB[1:]}/oci_gpu_hook/hook.py", "oci_gpu_hook/hook.py"),
+    ):
         with open(os.path.join(root, packaged), "rb") as a, open(os.path.join(pk.repo, source), "rb") as b:
             assert a.read() == b.read(), packaged
     with open(os.path.join(root, "usr/share/containers/oci/hooks.d/oci-gpu-hook.json")) as f:
@@ -130,9 +140,18 @@ def test_versions_agree(pk):
 
 
 def test_rpmlint_reports_no_errors(rpms, pk):
-    proc = subprocess.run(["rpmlint", "-c", os.path.join(pk.repo, "rpm", "rpmlint.toml"), rpms["main"],
-                           rpms["selinux"], os.path.join(pk.repo, "rpm", "oci-gpu-hook.spec")],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            "rpmlint",
+            "-c",
+            os.path.join(pk.repo, "rpm", "rpmlint.toml"),
+            rpms["main"],
+            rpms["selinux"],
+            os.path.join(pk.repo, "rpm", "oci-gpu-hook.spec"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     summary = re.search(r"(\d+) errors, (\d+) warnings", proc.stdout)
     assert summary and summary.group(1) == "0", proc.stdout + proc.stderr
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -145,8 +164,9 @@ def test_packaged_module_installs_into_a_store_at_priority_200(rpms, pk, policy_
     policy = pk.add_module(policy_build["base_root"], store, packaged, 200)
     listing = pk.run(["semodule", "-p", store, "-s", "default", "--list-modules=full"]).stdout
     assert re.search(r"^200\s+oci_gpu_hook\s+pp", listing, re.M), listing
-    out = pk.run(["sesearch", "-A", "-s", "gpu_container_t", "-t", "xserver_misc_device_t", "-c", "chr_file",
-                  policy]).stdout
+    out = pk.run(
+        ["sesearch", "-A", "-s", "gpu_container_t", "-t", "xserver_misc_device_t", "-c", "chr_file", policy]
+    ).stdout
     assert "map" in out and "ioctl" in out, out
     # and it comes out again, as the %postun does it
     pk.run(["semodule", "-p", store, "-s", "default", "-n", "-X", "200", "-r", "oci_gpu_hook"])

@@ -11,16 +11,41 @@ GPU_DEVICE = "xserver_misc_device_t"
 DEVICE_PERMS = {"open", "read", "write", "ioctl", "map", "getattr", "append", "lock"}
 DRIVER_FILE_TYPES = ("lib_t", "textrel_shlib_t", "ld_so_t", "bin_t", "xserver_exec_t")
 # What reading and executing a file may take; anything else on a driver file type would be a change.
-READ_EXEC_PERMS = {"getattr", "open", "read", "map", "execute", "execute_no_trans", "ioctl", "lock", "search",
-                   "execmod"}
-MODIFY_PERMS = {"write", "append", "unlink", "rename", "setattr", "relabelfrom", "relabelto", "create", "link",
-                "add_name", "remove_name", "reparent", "rmdir", "mounton"}
+READ_EXEC_PERMS = {
+    "getattr",
+    "open",
+    "read",
+    "map",
+    "execute",
+    "execute_no_trans",
+    "ioctl",
+    "lock",
+    "search",
+    "execmod",
+}
+MODIFY_PERMS = {
+    "write",
+    "append",
+    "unlink",
+    "rename",
+    "setattr",
+    "relabelfrom",
+    "relabelto",
+    "create",
+    "link",
+    "add_name",
+    "remove_name",
+    "reparent",
+    "rmdir",
+    "mounton",
+}
 
 
 def sesearch_perms(policy, source, target, tclass):
     """Permissions sesearch lists for source -> target:tclass (unconditional and conditional)."""
-    out = subprocess.run(["sesearch", "-A", "-s", source, "-t", target, "-c", tclass, policy],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["sesearch", "-A", "-s", source, "-t", target, "-c", tclass, policy], capture_output=True, text=True, check=True
+    ).stdout
     perms = set()
     for line in out.splitlines():
         m = re.search(r":\s*\S+\s+(\{[^}]*\}|\S+);", line)
@@ -56,8 +81,9 @@ def test_gpu_domain_reads_and_executes_driver_files(rules):
     for target in ("lib_t", "textrel_shlib_t"):
         assert {"open", "read", "getattr", "map", "execute"} <= allowed.get((target, "file"), set()), target
     for target in ("bin_t", "xserver_exec_t"):
-        assert {"open", "read", "getattr", "execute", "execute_no_trans"} <= allowed.get((target, "file"), set()), \
+        assert {"open", "read", "getattr", "execute", "execute_no_trans"} <= allowed.get((target, "file"), set()), (
             target
+        )
 
 
 def test_gpu_domain_cannot_modify_driver_files(rules):
@@ -69,8 +95,9 @@ def test_gpu_domain_cannot_modify_driver_files(rules):
 
 
 def test_gpu_domain_uses_no_other_device_type(policy_build, rules):
-    devices = subprocess.run(["seinfo", "-a", "device_node", "-x", policy_build["gpu_policy"]],
-                             capture_output=True, text=True, check=True).stdout.split()[1:]
+    devices = subprocess.run(
+        ["seinfo", "-a", "device_node", "-x", policy_build["gpu_policy"]], capture_output=True, text=True, check=True
+    ).stdout.split()[1:]
     assert GPU_DEVICE in devices and len(devices) > 20
     gpu = by_target(rules["gpu_container_t"])
     stock = by_target(rules["container_t"])
@@ -110,11 +137,13 @@ def test_container_engine_may_start_gpu_containers(policy_build):
 
 def test_gpu_domain_is_mcs_constrained_and_in_system_r(policy_build):
     policy = policy_build["gpu_policy"]
-    constrained = subprocess.run(["seinfo", "-a", "mcs_constrained_type", "-x", policy],
-                                 capture_output=True, text=True, check=True).stdout.split()
+    constrained = subprocess.run(
+        ["seinfo", "-a", "mcs_constrained_type", "-x", policy], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert DOMAIN in constrained and "container_t" in constrained
-    roles = subprocess.run(["seinfo", "-r", "system_r", "-x", policy],
-                           capture_output=True, text=True, check=True).stdout.split()
+    roles = subprocess.run(
+        ["seinfo", "-r", "system_r", "-x", policy], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert DOMAIN in roles
 
 
