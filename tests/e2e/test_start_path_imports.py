@@ -1,0 +1,56 @@
+"""What the start path imports (not how long it takes: that is `make bench`).
+
+The hook runs on every container start, so with a valid inventory cache and compiled settings it
+must not load the toolkit's heavy libraries (click, YAML, jsonschema, NVML bindings) nor the
+standard modules it was written to avoid (dataclasses, typing, json, re, subprocess, ...).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+FORBIDDEN = {"click", "yaml", "jsonschema", "pynvml", "dataclasses", "inspect", "typing", "json", "re",
+             "subprocess", "tempfile", "glob", "signal", "enum"}  # fmt: skip
+
+# -S: no site hooks (a developer's editable install loads re and enum at startup); the package and
+# its dependencies (python-prctl, for the ldconfig child) come from explicit paths instead.
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PATHS = [REPO] + [p for p in sys.path if p.endswith("site-packages")]
+PROBE = (
+    f"import sys; sys.path[:0] = {PATHS!r}\n"
+    "from oci_gpu_hook.hook import main\n"
+    "code = main(sys.argv[1:])\n"
+    "sys.stdout.write(' '.join(sorted(m.split('.')[0] for m in sys.modules)))\n"
+    "sys.exit(code)\n"
+)
+
+
+def loaded(args, state: str):
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", PROBE, *args], input=state, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def baseline():
+    code = "import sys; sys.stdout.write(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
+    return set(out.stdout.split())
+
+
+def test_non_gpu_container(tmp_path, live_container):
+    state, bundle, pid, cgroup, host = live_container(env={})
+    added = loaded(["--config", f"{host['root']}/config.yaml", "prestart"], state) - baseline()
+    assert not added & FORBIDDEN, added & FORBIDDEN
+    assert "oci_gpu_hook" in added
+
+
+def test_gpu_container_with_warm_caches(live_container, hook_cli):
+    warm = live_container(env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    config = f"{warm[4]['root']}/config.yaml"
+    assert loaded(["--config", config, "prestart"], warm[0])  # fills the inventory cache and compiled settings
+    state = live_container(env={"NVIDIA_VISIBLE_DEVICES": "0"})[0]
+    added = loaded(["--config", config, "prestart"], state) - baseline()
+    assert not added & FORBIDDEN, added & FORBIDDEN
+    assert {"oci_gpu_hook", "ctypes"} <= added  # it did the work (mounts need ctypes)
+    assert json.loads(state)["pid"]
