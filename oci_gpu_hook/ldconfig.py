@@ -93,25 +93,27 @@ def refresh(rootfs_fd: int, directories, timeout: float = 20.0) -> None:
 
 
 def _wait(pid: int, read_fd: int, timeout: float):
-    """(exit status, stderr) of the child, killing it past the timeout."""
+    """(exit status, stderr) of the child, killing it past the timeout. poll() on its stderr wakes
+    us the moment it exits (the pipe closes), with no sleeping loop."""
+    import select
+
     deadline = time.monotonic() + timeout
     chunks = []
-    os.set_blocking(read_fd, False)
+    poller = select.poll()
+    poller.register(read_fd, select.POLLIN | select.POLLHUP)
     try:
         while True:
-            try:
-                chunk = os.read(read_fd, 1 << 16)
-                if chunk:
-                    chunks.append(chunk)
-                    continue
-            except BlockingIOError:
-                pass
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return os.waitstatus_to_exitcode(status), b"".join(chunks)[-4096:]
-            if time.monotonic() > deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise LdconfigError(f"ldconfig did not finish within {timeout:.0f} s")
-            time.sleep(0.0005)
+            if not poller.poll(left * 1000):
+                continue
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:  # the child's end closed: it has exited (or exec failed and it is exiting)
+                break
+            chunks.append(chunk)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status), b"".join(chunks)[-4096:]
     except BaseException:
         os.kill(pid, signal.SIGKILL)  # on our timeout, or the hook's deadline firing meanwhile
         os.waitpid(pid, 0)
