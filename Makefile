@@ -21,7 +21,7 @@ demo: setup
 	$(HOOK) demo --dir $(DEMO_DIR) --devices 1
 	@echo "=== the simulated host itself: nvidia-smi -L and oci-gpu-hook info"
 	LD_LIBRARY_PATH=$(DEMO_DIR)/host/usr/lib64 $(DEMO_DIR)/host/usr/bin/nvidia-smi -L
-	$(HOOK) --config $(DEMO_DIR)/host/config.yaml info --no-nvml | head -20
+	$(HOOK) --config $(DEMO_DIR)/host/config.yaml info | head -24
 
 lint: setup
 	$(VENV)/bin/ruff check oci_gpu_hook tests
