@@ -39,10 +39,11 @@ def cli(ctx, config):
 
 
 def _register():
-    from . import demo, info, inventory, plan, runtime, simulate
+    from . import cdi, demo, doctor, info, install, inventory, plan, runtime, simulate, validate
 
     commands = (demo.demo, info.info, inventory.inventory, plan.plan, runtime.prestart, runtime.create_runtime,
-                simulate.simulate)  # fmt: skip
+                simulate.simulate, cdi.cdi, cdi.ldcache_refresh, doctor.doctor, install.install, install.uninstall,
+                validate.validate)  # fmt: skip
     for command in commands:
         cli.add_command(command)
 

@@ -1,0 +1,95 @@
+"""`oci-gpu-hook cdi generate`: a CDI spec from the hook's inventory and policy; and
+`oci-gpu-hook ldcache-refresh`: the createContainer hook such a spec names."""
+
+import click
+
+
+@click.group()
+def cdi():
+    """Container Device Interface: GPUs for runtimes that read CDI specs, without the hook."""
+
+
+@cdi.command()
+@click.option("--output", "-o", metavar="FILE", help="Write the spec to FILE, atomically (default: print it).")
+@click.option("--format", "fmt", type=click.Choice(["yaml", "json"]),
+              help="Output format (default: json for a FILE ending in .json, else yaml).")  # fmt: skip
+@click.option("--vendor-class", "kind", default="nvidia.com/gpu", show_default=True,
+              help="The CDI kind (vendor/class).")  # fmt: skip
+@click.option("--capabilities", default="utility,compute", show_default=True,
+              help="Driver capabilities the spec's containers get (as NVIDIA_DRIVER_CAPABILITIES).")  # fmt: skip
+@click.option("--no-cache", is_flag=True, help="Discover the host now instead of using the inventory cache.")
+@click.pass_obj
+def generate(obj, output, fmt, kind, capabilities, no_cache):
+    """Write a CDI spec with every GPU (by index and UUID), every MIG device and `all`."""
+    from .. import cdi as cdi_module
+    from .. import inventory_cache
+    from ..inventory import discover
+
+    kind = cdi_module.parse_kind(kind)
+    caps = cdi_module.parse_capabilities(capabilities)
+    settings = obj.settings
+    inventory = discover(settings) if no_cache else inventory_cache.load(settings)
+    spec = cdi_module.build_spec(inventory, settings, kind, caps)
+    cdi_module.validate(spec)
+    fmt = cdi_module.format_for(output, fmt)
+    text = cdi_module.dump(spec, fmt)
+    if output is None:
+        click.echo(text, nl=False)
+        return 0
+    for other in cdi_module.other_specs_with_kind(kind, output):
+        click.echo(f"oci-gpu-hook: warning: {other} also defines {kind}: runtimes reject devices defined twice "
+                   "at the same priority (/var/run/cdi wins over /etc/cdi); keep one", err=True)  # fmt: skip
+    cdi_module.write_atomically(output, text)
+    names = len(spec["devices"])
+    click.echo(f"{output}: CDI {spec['cdiVersion']}, kind {kind}, {names} devices "
+               f"({len(inventory.gpus)} GPU(s), driver {inventory.driver_version})", err=True)  # fmt: skip
+    return 0
+
+
+@click.command(name="ldcache-refresh")
+@click.option("--dir", "directories", multiple=True, metavar="DIR",
+              help="Library directory inside the container to add to its ld.so.cache (repeatable).")  # fmt: skip
+@click.option("--link", "links", multiple=True, metavar="PATH=VALUE",
+              help="Symlink to create in the container first (repeatable); an image's own file is kept.")  # fmt: skip
+def ldcache_refresh(directories, links):
+    """The createContainer hook of generated CDI specs: read the OCI state on stdin, create the
+    driver's symlinks in the container's rootfs and refresh its ld.so.cache with the host's
+    ldconfig (confined to the rootfs)."""
+    import sys
+
+    from .. import labels, ldconfig, spec, state
+    from ..errors import UsageError
+    from ..rootfs import Rootfs, UndoLog
+
+    pairs = []
+    for link in links:
+        path, sep, value = link.partition("=")
+        if not sep or not path.startswith("/") or not value:
+            raise UsageError(f"--link {link!r}: expected /PATH=VALUE")
+        pairs.append((path, value))
+    for directory in directories:
+        if not directory.startswith("/"):
+            raise UsageError(f"--dir {directory!r}: expected an absolute path inside the container")
+    container = state.parse(sys.stdin.buffer.read(state.MAX_STATE_BYTES + 1))
+    config = spec.load(container.bundle)
+    try:
+        rootfs = Rootfs(config.rootfs, labels.labeler_for(config.mount_label))
+    except OSError as e:
+        raise ldconfig.LdconfigError(f"{config.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
+    undo = UndoLog()
+    try:
+        for path, value in pairs:
+            try:
+                rootfs.ensure_symlink(path, value, undo)
+            except OSError as e:
+                raise ldconfig.LdconfigError(f"{path}: cannot create the symlink in the container: {e.strerror}") \
+                    from None
+        if directories:
+            ldconfig.refresh(rootfs.fd, directories)
+    except BaseException:
+        undo.rollback()
+        raise
+    finally:
+        undo.close()
+        rootfs.close()
+    return 0

@@ -1,0 +1,53 @@
+"""`oci-gpu-hook install` / `uninstall`: hooks.d file, CRI-O drop-in, default config, refresh units."""
+
+import os
+
+import click
+
+_ROOT_HELP = "Install into this directory tree instead of / (image builds, tests)."
+
+
+@click.command()
+@click.option("--runtime", "runtimes", type=click.Choice(["podman", "crio", "runc"]), multiple=True,
+              help="Runtime to wire the hook into (repeatable; default podman).")  # fmt: skip
+@click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
+@click.pass_obj
+def install(obj, runtimes, root):
+    """Install the hook's hooks.d file (and a CRI-O drop-in), a default configuration, and the
+    systemd units and udev rule that refresh the inventory cache when the driver changes.
+
+    Idempotent; everything written is listed in /var/lib/oci-gpu-hook/install-manifest.json for
+    `uninstall`."""
+    from .. import install as install_module
+
+    runtimes = tuple(runtimes) or ("podman",)
+    prefix = install_module.hook_command()
+    if obj.config:
+        prefix = prefix + ["--config", os.path.abspath(obj.config)]
+    lines = install_module.install(root, runtimes, prefix)
+    for line in lines:
+        click.echo(line)
+    if not lines:
+        click.echo("nothing to do: already installed")
+    if "runc" in runtimes:
+        click.echo(f"runc reads no hooks.d: add the hook to each config.json (docs/cli.md, prestart): "
+                   f"path {prefix[0]}, args {prefix + ['prestart']}")  # fmt: skip
+    if lines and os.path.abspath(root) == "/":
+        click.echo("then: systemctl daemon-reload && systemctl start oci-gpu-hook-refresh.path "
+                   "oci-gpu-hook-refresh.service && udevadm control --reload"
+                   + (" && systemctl restart crio" if "crio" in runtimes else ""))  # fmt: skip
+    return 0
+
+
+@click.command()
+@click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
+def uninstall(root):
+    """Remove exactly what `install` wrote (files changed since are kept, with a note)."""
+    from .. import install as install_module
+
+    lines = install_module.uninstall(root)
+    for line in lines:
+        click.echo(line)
+    if not lines:
+        click.echo("nothing to do: not installed")
+    return 0

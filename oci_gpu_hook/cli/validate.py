@@ -1,0 +1,22 @@
+"""`oci-gpu-hook validate`: start a small container per GPU with the hook and check what it sees."""
+
+import os
+
+import click
+
+
+@click.command(name="validate")
+@click.option("--runtime", type=click.Choice(["runc", "podman"]), default="runc", show_default=True,
+              help="Start containers with runc (hook in config.json) or podman (hook from a hooks.d dir).")  # fmt: skip
+@click.pass_obj
+def validate(obj, runtime):
+    """For every GPU, run nvidia-smi -L in a container that asks for that GPU (and, on a real GPU
+    host, a CUDA sample if one is installed); one PASS/FAIL line per GPU. Exit status 1 when any
+    GPU fails. Needs root, runc (or podman) and busybox-static."""
+    from .. import validate as validate_module
+
+    config_file = os.path.abspath(obj.config) if obj.config else None
+    results = validate_module.run(obj.settings, config_file, runtime, on_result=lambda r: click.echo(r.line()))
+    failed = sum(not r.ok for r in results)
+    click.echo(f"validate: {len(results) - failed} of {len(results)} GPU(s) passed")
+    return 1 if failed else 0

@@ -1,0 +1,126 @@
+"""install / uninstall under --root: byte-identical round trip, idempotence, administrators' files."""
+
+import json
+import os
+
+import jsonschema
+import pytest
+
+from oci_gpu_hook import install
+from oci_gpu_hook.errors import HookError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PREFIX = ["/usr/bin/oci-gpu-hook"]
+
+
+def snapshot(root):
+    """Everything about a tree that install could change: types, modes, contents, link values,
+    and file modification times."""
+    found = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            rel = os.path.relpath(path, root)
+            if os.path.islink(path):
+                found[rel] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                found[rel] = ("dir", st.st_mode)
+            else:
+                with open(path, "rb") as f:
+                    found[rel] = ("file", st.st_mode, f.read(), st.st_mtime_ns)
+    return found
+
+
+@pytest.fixture
+def root(tmp_path):
+    root = tmp_path / "root"
+    (root / "etc/containers").mkdir(parents=True)
+    (root / "etc/containers/policy.json").write_text("{}\n")
+    (root / "var").mkdir()
+    return str(root)
+
+
+@pytest.mark.parametrize("runtimes", [("podman",), ("crio",), ("podman", "crio", "runc"), ("runc",)])
+def test_install_then_uninstall_leaves_the_tree_byte_identical(root, runtimes):
+    before = snapshot(root)
+    assert install.install(root, runtimes, PREFIX)
+    assert snapshot(root) != before
+    assert install.uninstall(root)
+    assert snapshot(root) == before
+
+
+def test_install_twice_changes_nothing_the_second_time(root):
+    install.install(root, ("podman", "crio"), PREFIX)
+    first = snapshot(root)
+    assert install.install(root, ("podman", "crio"), PREFIX) == []
+    assert snapshot(root) == first
+
+
+def test_what_install_writes(root):
+    install.install(root, ("crio",), PREFIX)
+    hooks = json.load(open(os.path.join(root, "etc/containers/oci/hooks.d/oci-gpu-hook.json")))
+    shipped = json.load(open(os.path.join(REPO, "hooks.d", "oci-gpu-hook.json")))
+    schema = json.load(open(os.path.join(REPO, "oci_gpu_hook", "schemas", "oci-hooks.schema.json")))
+    jsonschema.validate(hooks, schema)
+    assert hooks == shipped  # the shipped file, pointed at /usr/bin/oci-gpu-hook
+    dropin = open(os.path.join(root, "etc/crio/crio.conf.d/50-oci-gpu-hook.conf")).read()
+    assert "[crio.runtime]" in dropin and '"/etc/containers/oci/hooks.d"' in dropin
+    service = open(os.path.join(root, "etc/systemd/system/oci-gpu-hook-refresh.service")).read()
+    assert "ExecStart=/usr/bin/oci-gpu-hook inventory refresh" in service and "Type=oneshot" in service
+    assert os.readlink(os.path.join(root, "etc/systemd/system/paths.target.wants/oci-gpu-hook-refresh.path")) == (
+        "../oci-gpu-hook-refresh.path"
+    )
+    rule = open(os.path.join(root, "etc/udev/rules.d/71-oci-gpu-hook.rules")).read()
+    assert 'SUBSYSTEM=="module"' in rule and "oci-gpu-hook-refresh.service" in rule
+    from oci_gpu_hook import settings
+
+    settings.parse(open(os.path.join(root, "etc/oci-gpu-hook/config.yaml")).read(), "config.yaml")  # valid
+
+
+def test_an_existing_configuration_is_kept_and_never_removed(root):
+    os.makedirs(os.path.join(root, "etc/oci-gpu-hook"))
+    config = os.path.join(root, "etc/oci-gpu-hook/config.yaml")
+    with open(config, "w") as f:
+        f.write("cgroups: v2\n")
+    before = snapshot(root)
+    install.install(root, ("podman",), PREFIX)
+    assert open(config).read() == "cgroups: v2\n"
+    install.uninstall(root)
+    assert snapshot(root) == before
+
+
+def test_an_administrators_hooks_file_is_never_replaced(root):
+    path = os.path.join(root, "etc/containers/oci/hooks.d/oci-gpu-hook.json")
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write("{}\n")
+    before = snapshot(root)
+    with pytest.raises(HookError, match="was not written by oci-gpu-hook install"):
+        install.install(root, ("podman",), PREFIX)
+    assert snapshot(root) == before
+
+
+def test_uninstall_keeps_a_file_changed_since_install(root):
+    install.install(root, ("podman",), PREFIX)
+    unit = os.path.join(root, "etc/systemd/system/oci-gpu-hook-refresh.service")
+    with open(unit, "a") as f:
+        f.write("# local change\n")
+    lines = install.uninstall(root)
+    assert any(line.startswith("kept") and unit in line for line in lines)
+    assert os.path.exists(unit) and not os.path.exists(os.path.join(root, "etc/oci-gpu-hook/config.yaml"))
+    assert install.uninstall(root) == []  # nothing recorded any more
+
+
+def test_cli_install_and_uninstall(root, hook_cli):
+    out = hook_cli("install", "--root", root, "--runtime", "podman")
+    assert out.returncode == 0, out.stderr
+    assert "wrote" in out.stdout
+    again = hook_cli("install", "--root", root, "--runtime", "podman")
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+    hooks = json.load(open(os.path.join(root, "etc/containers/oci/hooks.d/oci-gpu-hook.json")))
+    assert os.path.isabs(hooks["hook"]["path"]) and hooks["hook"]["args"][-1] == "prestart"
+    gone = hook_cli("uninstall", "--root", root)
+    assert gone.returncode == 0 and "removed" in gone.stdout
+    broken = hook_cli("install", "--root", os.path.join(root, "missing"))
+    assert broken.returncode != 0 and broken.stderr.count("\n") == 1 and "Traceback" not in broken.stderr
