@@ -81,10 +81,27 @@ class Applier:
 
     # --- mounts -------------------------------------------------------------------------------
 
+    def _mount_on(self, target: str, target_fd: int, mount) -> int:
+        """Run mount() onto target_fd; returns a descriptor of the new mount, whose unmount is in
+        the undo log before anything else can fail.
+
+        The new mount is found as its name in the parent directory's descriptor, taken before
+        mounting, never by walking the path again: a rootfs that changes meanwhile (a directory
+        swapped for a symlink) could make a second walk fail, and the mount would stay behind."""
+        parent, name = os.path.split(target.rstrip("/"))
+        parent_fd = self.undo.keep_fd(self.rootfs.open(parent or "/"))
+        entry, got = os.stat(name, dir_fd=parent_fd, follow_symlinks=False), os.fstat(target_fd)
+        if (entry.st_dev, entry.st_ino) != (got.st_dev, got.st_ino):
+            raise ApplyError(f"{target}: the rootfs changed while the hook was mounting (a race?)")
+        mount()
+        where = f"{_fd_path(parent_fd)}/{name}"  # the topmost mount on that entry: ours
+        self.undo.add(f"unmount {target}", lambda: _linux.umount2(where, _linux.MNT_DETACH | _linux.UMOUNT_NOFOLLOW))
+        return self.undo.keep_fd(os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd))
+
     def _bind(self, source: str, target_fd: int, op) -> None:
-        _linux.mount(source, _fd_path(target_fd), None, _linux.MS_BIND)
-        mounted = self.undo.keep_fd(self.rootfs.open(op.target))
-        self.undo.add(f"unmount {op.target}", lambda: _linux.umount2(_fd_path(mounted), _linux.MNT_DETACH))
+        mounted = self._mount_on(
+            op.target, target_fd, lambda: _linux.mount(source, _fd_path(target_fd), None, _linux.MS_BIND)
+        )
         src, got = os.stat(source), os.fstat(mounted)
         if (src.st_dev, src.st_ino) != (got.st_dev, got.st_ino):
             raise ApplyError(f"{op.target}: the mounted file is not {source} (the rootfs changed during the mount)")
@@ -133,11 +150,10 @@ class Applier:
         labeler = self.rootfs.labeler
         options = f"mode={op.mode:04o}" + (labeler.tmpfs_option() if labeler else "")
         try:
-            _linux.mount("tmpfs", _fd_path(fd), "tmpfs", _linux.mount_flags(op.flags), options)
+            flags = _linux.mount_flags(op.flags)
+            self._mount_on(op.target, fd, lambda: _linux.mount("tmpfs", _fd_path(fd), "tmpfs", flags, options))
         finally:
             os.close(fd)
-        mounted = self.undo.keep_fd(self.rootfs.open(op.target))
-        self.undo.add(f"unmount {op.target}", lambda: _linux.umount2(_fd_path(mounted), _linux.MNT_DETACH))
 
     def do_CopyFile(self, op: CopyFile) -> None:
         with open(op.source, "rb") as f:

@@ -44,6 +44,14 @@ def loads(data):
         value, stop = _scan(text, start)
     except StopIteration as e:
         raise ValueError(f"Expecting value: char {e.value}") from None
+    except SystemError:
+        # _json reports most syntax errors with json.decoder.JSONDecodeError, which it finds only
+        # if json.decoder is already imported; otherwise it fails with a SystemError. Only bad
+        # input gets here: import it, and scan again for the real error (a ValueError).
+        import json.decoder  # noqa: F401
+
+        _Context.memo.clear()
+        value, stop = _scan(text, start)
     finally:
         _Context.memo.clear()
     while stop < end and text[stop] in _WHITESPACE:

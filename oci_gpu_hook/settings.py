@@ -57,7 +57,9 @@ class Settings(Record):
         "supported_capabilities": driver.CAPABILITIES,
         "accept_envvar_when_unprivileged": True,
         "accept_volume_mounts": False,
-        "accept_cdi_annotations": True,
+        # Off: runtimes with CDI (CRI-O, podman) inject annotated devices themselves; the hook
+        # would configure them a second time. For runtimes that only pass the annotations on.
+        "accept_cdi_annotations": False,
         "cdi_kind": "nvidia.com/gpu",
         "disable_require": False,
         "mps_pipe_directories": (driver.MPS_PIPE_DIRECTORY,),

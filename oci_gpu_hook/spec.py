@@ -8,6 +8,7 @@ reading config.json itself.
 from __future__ import annotations
 
 import os
+import stat
 
 from .state import StateError, load_json
 
@@ -103,8 +104,11 @@ def load(bundle: str) -> Spec:
     path = os.path.join(bundle, "config.json")
     try:
         # O_NOFOLLOW: the bundle belongs to the runtime, but a config.json symlink is never expected.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO there must not hang the hook until the runtime's timeout.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StateError(f"{path}: the container configuration is not a regular file")
             data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise StateError(f"{path}: cannot read the container configuration: {e.strerror}") from None

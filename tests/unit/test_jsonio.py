@@ -57,3 +57,18 @@ def test_imports_neither_json_nor_re():
     )
     out = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["_json", "oci_gpu_hook", "oci_gpu_hook.jsonio"]
+
+
+@pytest.mark.parametrize("bad", [b'{"a": 1', b"{hook: me}", b'["x",]', b'{"a" 1}', b'"unterminated'])
+def test_bad_input_is_value_error_without_json_imported(bad):
+    """The start path never imports json; _json then cannot build its JSONDecodeError by itself
+    (it would fail with SystemError, an 'internal error' for the user)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import oci_gpu_hook.jsonio as j\n"
+        "try:\n    j.loads(sys.stdin.buffer.read())\nexcept ValueError as e:\n    print('ValueError', e)"
+    )
+    out = subprocess.run([sys.executable, "-I", "-c", code], input=bad, capture_output=True, check=True)
+    assert out.stdout.startswith(b"ValueError "), out.stdout + out.stderr

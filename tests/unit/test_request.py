@@ -152,10 +152,12 @@ def test_volume_mounts_ignored_unless_enabled():
     assert request({"NVIDIA_VISIBLE_DEVICES": "0"}, mounts=mounts).devices == ("0",)
 
 
-def test_cdi_annotations_name_devices_of_our_kind():
+def test_cdi_annotations_name_devices_of_our_kind_when_enabled():
     annotations = {"cdi.k8s.io/nvidia-device-plugin_uid": "nvidia.com/gpu=0,nvidia.com/gpu=2,other.com/x=1"}
-    r = request({}, annotations=annotations)
+    r = request({}, annotations=annotations, settings=Settings(accept_cdi_annotations=True))
     assert r.devices == ("0", "2") and r.source == "cdi-annotation"
+    # off by default: a runtime with CDI injects those devices itself
+    assert request({}, annotations=annotations) is None
 
 
 def test_privileged_mig_config_and_monitor():

@@ -1,0 +1,253 @@
+"""What "nothing escaped and nothing leaked" means, shared by tests/security and tests/reliability.
+
+Every check compares two Observations taken around one run of the hook against a live container
+(tests/conftest.py `live_container`): the container's mounts (its own mount namespace), its rootfs
+tree, its device cgroup, the host's mounts, a canary tree on the host that hostile links point at,
+the simulated host's files and a few real host directories a hook that followed a link to '/'
+would write into. Importable from any test (pytest puts tests/ on sys.path for its conftest.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import stat
+import subprocess
+import sys
+
+HOOK_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}  # what hooks.d gives the hook
+
+# Real host directories a hook that followed a hostile link to '/' (or to '../../..') would touch.
+HOST_WATCH = (
+    "/",
+    "/usr",
+    "/usr/lib64",
+    "/usr/lib",
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/bin",
+    "/usr/sbin",
+    "/dev",
+    "/etc",
+    "/etc/ld.so.conf.d",
+    "/etc/vulkan",
+    "/lib/firmware",
+    "/var/run/nvidia-persistenced",
+    "/proc/driver/nvidia",
+)
+
+# The hook's own log and inventory cache are the host files it is meant to write.
+HOOK_OWN_FILES = ("hook.log", "inventory-cache.json")
+
+
+def run_hook(config: str, state, env=None, timeout: float = 60, preexec_fn=None) -> subprocess.CompletedProcess:
+    """The hook as a runtime runs it: the real entry point, state on stdin, a fixed environment."""
+    data = state.encode() if isinstance(state, str) else state
+    return subprocess.run(
+        [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"],
+        input=data, capture_output=True, env=HOOK_ENV if env is None else env, timeout=timeout,
+        preexec_fn=preexec_fn,
+    )  # fmt: skip
+
+
+class Result:
+    """A hook run's outcome, the same whether it ran in a subprocess or in-process."""
+
+    def __init__(self, returncode: int, stderr: str):
+        self.returncode = returncode
+        self.stderr = stderr
+
+
+def run_hook_in_process(config: str, state: str, capsys) -> Result:
+    """hook.main in this process (the apply child is forked from it), for tests that patch the
+    hook's modules (e.g. the O_NOFOLLOW walk instead of openat2)."""
+    from oci_gpu_hook import hook
+
+    class _Stdin:
+        buffer = io.BytesIO(state.encode())
+
+    saved = sys.stdin
+    sys.stdin = _Stdin()
+    capsys.readouterr()
+    try:
+        code = hook.main(["--config", config, "prestart"])
+    finally:
+        sys.stdin = saved
+    return Result(code, capsys.readouterr().err)
+
+
+def one_clear_line(stderr) -> str:
+    """The single 'oci-gpu-hook: ...' line a failure must produce (no traceback, no internal error)."""
+    text = stderr.decode("utf-8", "replace") if isinstance(stderr, bytes) else stderr
+    lines = text.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {len(lines)}: {text[:2000]!r}"
+    assert lines[0].startswith("oci-gpu-hook: "), lines[0]
+    assert "internal error" not in lines[0] and "Traceback" not in text, lines[0]
+    assert len(lines[0]) < 2000, f"an unbounded error line ({len(lines[0])} characters)"
+    return lines[0]
+
+
+# --- observations -------------------------------------------------------------------------------
+
+
+def mountinfo(pid="self") -> list[tuple[str, str, str]]:
+    """(mount point, root within its filesystem, filesystem type) of every mount pid sees."""
+    with open(f"/proc/{pid}/mountinfo") as f:
+        lines = f.read().splitlines()
+    mounts = []
+    for line in lines:
+        fields = line.split()
+        post = line.split(" - ", 1)[1].split()
+        mounts.append((unescape(fields[4]), unescape(fields[3]), post[0]))
+    return sorted(mounts)
+
+
+def unescape(field: str) -> str:
+    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def tree(root: str, contents: bool = False) -> dict:
+    """Every path under root (root included) with type, mode, link target, and optionally a hash of
+    the contents: what 'nothing created, changed or removed' means."""
+    seen = {}
+
+    def record(path):
+        st = os.lstat(path)
+        entry = [st.st_mode, st.st_rdev, st.st_uid]
+        if os.path.islink(path):
+            entry.append(os.readlink(path))
+        elif contents and os.path.isfile(path):
+            with open(path, "rb") as f:
+                entry.append(hashlib.sha256(f.read()).hexdigest())
+        seen[os.path.relpath(path, root)] = tuple(entry)
+
+    if not os.path.lexists(root):
+        return {}
+    record(root)
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            record(os.path.join(directory, name))
+    return seen
+
+
+def host_watch() -> dict:
+    """Listings of HOST_WATCH: names with type, inode and device numbers (and size for files)."""
+    seen = {}
+    for directory in HOST_WATCH:
+        try:
+            names = sorted(os.listdir(directory))
+        except OSError as e:
+            seen[directory] = e.errno
+            continue
+        listing = {}
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except FileNotFoundError:
+                continue  # gone between listdir and lstat: not ours (e.g. a short-lived /dev node)
+            listing[name] = (st.st_mode, st.st_ino, st.st_rdev, st.st_size if stat.S_ISREG(st.st_mode) else None)
+        seen[directory] = listing
+    seen["/etc/ld.so.cache"] = _file_hash("/etc/ld.so.cache")
+    return seen
+
+
+def _file_hash(path):
+    try:
+        with open(path, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        return e.errno
+
+
+def device_rules(cgroup: str) -> str:
+    with open(os.path.join(cgroup, "devices.list")) as f:
+        return f.read()
+
+
+def host_files(root: str) -> dict:
+    return {p: v for p, v in tree(root, contents=True).items() if p not in HOOK_OWN_FILES}
+
+
+class Observation:
+    def __init__(self, pid: int, bundle: str, cgroup: str, host_root: str, canary: str | None):
+        self.container_mounts = mountinfo(pid)
+        self.host_mounts = mountinfo()
+        self.bundle = tree(bundle)
+        self.rules = device_rules(cgroup)
+        self.canary = tree(canary, contents=True) if canary else {}
+        self.host_root = host_files(host_root)
+        self.host = host_watch()
+
+
+def observe(container, canary: str | None = None) -> Observation:
+    """container: the live_container tuple (state, bundle, pid, cgroup, host)."""
+    _, bundle, pid, cgroup, host = container
+    return Observation(pid, bundle, cgroup, host["root"], canary)
+
+
+def assert_contained(before: Observation, after: Observation, rootfs: str, canary: str | None = None) -> None:
+    """Whatever the outcome: nothing outside the rootfs was created, changed or mounted over."""
+    rootfs = os.path.realpath(rootfs)
+    added = sorted(set(after.container_mounts) - set(before.container_mounts))
+    outside = [m for m in added if not m[0].startswith(rootfs + "/")]
+    assert not outside, f"{len(outside)} mounts outside the rootfs: {outside[:3]}"
+    if canary:
+        assert not [m for m in after.container_mounts if m[0].startswith(canary)], "a mount on the canary"
+        assert after.canary == before.canary, "the canary tree on the host changed"
+    assert after.host_mounts == before.host_mounts, "the host's own mount table changed"
+    assert after.host == before.host, _diff(before.host, after.host)
+    assert after.host_root == before.host_root, "the simulated host's files changed"
+
+
+def assert_rolled_back(before: Observation, after: Observation) -> None:
+    """A failure leaves the container exactly as it was: mounts, files, device rules."""
+    assert after.container_mounts == before.container_mounts, (
+        f"mounts left behind: {sorted(set(after.container_mounts) - set(before.container_mounts))}"
+    )
+    assert after.bundle == before.bundle, _diff(before.bundle, after.bundle)
+    assert after.rules == before.rules, "device rules left behind"
+
+
+def _diff(before: dict, after: dict) -> str:
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    return "changed: " + "; ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:10])
+
+
+def make_canary(path: str, host: dict) -> str:
+    """The host tree hostile links point at, shaped like the places the hook writes."""
+    version = host["driver_version"]
+    for directory in ("usr/lib64", "usr/lib", "usr/lib/x86_64-linux-gnu", "usr/bin", "usr/sbin", "dev",
+                      "proc/driver/nvidia", "etc/ld.so.conf.d", "etc/vulkan/icd.d", "var/run/nvidia-persistenced",
+                      "lib/firmware/nvidia"):  # fmt: skip
+        os.makedirs(os.path.join(path, directory), exist_ok=True)
+        with open(os.path.join(path, directory, "canary"), "w") as f:
+            f.write(f"canary {directory}\n")
+    for name in ("dev/nvidia0", "dev/nvidiactl", "etc/ld.so.cache", "usr/bin/nvidia-smi", "proc/driver/nvidia/params",
+                 "etc/vulkan/icd.d/nvidia_icd.json", "usr/lib64/libnvidia-ml.so.1"):  # fmt: skip
+        with open(os.path.join(path, name), "w") as f:
+            f.write(f"canary {name}\n")
+    with open(os.path.join(path, "etc/ld.so.conf.d/canary.conf"), "w") as f:
+        f.write(f"{path}/usr/lib64\n")
+    # A real driver library without its SONAME link: an ldconfig that reached this directory
+    # would create libcuda.so.1 here.
+    library = f"usr/lib64/libcuda.so.{version}"
+    shutil.copy2(f"{host['root']}/{library}", os.path.join(path, library))
+    return path
+
+
+# --- acting in the container's mount namespace ---------------------------------------------------
+
+
+def in_container(pid: int, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run a host program in the live container's mount namespace (mount, umount, ...)."""
+    return subprocess.run(["nsenter", "-t", str(pid), "-m", *argv], capture_output=True, text=True, check=check)
+
+
+def mount_proc(pid: int, rootfs: str) -> bool:
+    """Mount a procfs at rootfs/proc, as runc has done by prestart; only on a real directory."""
+    path = os.path.join(rootfs, "proc")
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    in_container(pid, "mount", "-t", "proc", "proc", path)
+    return True

@@ -1,0 +1,297 @@
+"""Bad input: the OCI state on stdin, the bundle's config.json and the image's env, malformed in
+every way a runtime, a bug or an attacker could make them. Each case runs the real entry point in
+a subprocess under a 1 GiB address-space limit and must end within seconds, under a bounded peak
+RSS, with a non-zero exit status and one clear line (no traceback, no 'internal error').
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import hookcheck
+import pytest
+
+MAX_SECONDS = 10.0
+MAX_RSS_MB = 200
+STATE_ERROR, REQUEST_ERROR, APPLY_ERROR, CONFIG_ERROR = 8, 5, 11, 3
+HUGE = 100 << 20
+MB = 1 << 20
+
+
+def _limits():
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    resource.setrlimit(resource.RLIMIT_CPU, (30, 30))
+
+
+def run_bounded(config: str, stdin_path: str, tmp_path):
+    """(exit status, stderr, wall seconds, peak RSS in MB) of one hook run, stdin from a file."""
+    err_path = tmp_path / "stderr"
+    with open(stdin_path, "rb") as stdin, open(err_path, "wb") as err:
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"],
+                                stdin=stdin, stdout=subprocess.DEVNULL, stderr=err, env=hookcheck.HOOK_ENV,
+                                preexec_fn=_limits)  # fmt: skip
+        watchdog = threading.Timer(60, proc.kill)
+        watchdog.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        watchdog.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        wall = time.monotonic() - started
+    return proc.returncode, err_path.read_bytes(), wall, usage.ru_maxrss / 1024
+
+
+def assert_refused(result, code=None, words=None):
+    returncode, stderr, wall, rss = result
+    assert returncode != 0, "the hook accepted it"
+    line = hookcheck.one_clear_line(stderr)
+    if code is not None:
+        assert returncode == code, (returncode, line)
+    if words is not None:
+        assert words in line, line
+    assert wall < MAX_SECONDS, f"{wall:.1f} s"
+    assert rss < MAX_RSS_MB, f"peak RSS {rss:.0f} MB"
+    return line
+
+
+# --- a bundle and a state to spoil ---------------------------------------------------------------
+
+
+@pytest.fixture
+def host(simulated_host):
+    return simulated_host(gpus=2, mig=[1])
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    """A GPU container's bundle (config.json only: nothing here gets as far as the rootfs)."""
+    from oci_gpu_hook import demo
+
+    path = tmp_path / "bundle"
+    path.mkdir()
+    demo.write_config(str(path), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None)
+    return path
+
+
+def state_doc(where, **changes):
+    doc = {"ociVersion": "1.0.2", "id": "bad-input", "status": "creating", "pid": os.getpid(), "bundle": str(where)}
+    doc.update(changes)
+    return {k: v for k, v in doc.items() if v is not ...}
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "stdin"
+    path.write_bytes(data if isinstance(data, bytes) else json.dumps(data).encode())
+    return str(path)
+
+
+def write_huge(path, head: bytes, filler: bytes, size: int, tail: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(head)
+        chunk = filler * (MB // len(filler))
+        for _ in range(size // len(chunk)):
+            f.write(chunk)
+        f.write(tail)
+
+
+# --- the OCI state on stdin ----------------------------------------------------------------------
+
+
+def _valid(bundle):
+    return json.dumps(state_doc(bundle)).encode()
+
+
+STATES = {
+    "empty": (lambda b: b"", "not valid JSON"),
+    "not-json": (lambda b: b"hello, hook", "not valid JSON"),
+    "truncated": (lambda b: _valid(b)[: len(_valid(b)) // 2], "not valid JSON"),
+    "trailing-garbage": (lambda b: _valid(b) + b"}{", "not valid JSON"),
+    "deeply-nested": (lambda b: b"[" * 200_000 + b"]" * 200_000, "nested too deeply"),
+    "deeply-nested-objects": (lambda b: b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nested too deeply"),
+    "invalid-utf8": (lambda b: _valid(b).replace(b'"bad-input"', b'"bad-\xff\xfe-input"'), "not valid UTF-8"),
+    "not-an-object": (lambda b: b"[1, 2, 3]", "not a JSON object"),
+    "null": (lambda b: b"null", "not a JSON object"),
+    "unknown-oci-version-2": (lambda b: state_doc(b, ociVersion="2.0.0"), "ociVersion '2.0.0'"),
+    "unknown-oci-version-short": (lambda b: state_doc(b, ociVersion="1.0"), "ociVersion '1.0'"),
+    "unknown-oci-version-junk": (lambda b: state_doc(b, ociVersion="1.0.2\u0661"), "ociVersion"),
+    "oci-version-not-a-string": (lambda b: state_doc(b, ociVersion=1), "'ociVersion'"),
+    "no-id": (lambda b: state_doc(b, id=...), "'id'"),
+    "huge-id": (lambda b: state_doc(b, id="x" * 4096), "'id'"),
+    "id-with-nul": (lambda b: state_doc(b, id="a\0b"), "'id'"),
+    "no-bundle": (lambda b: state_doc(b, bundle=...), "'bundle'"),
+    "relative-bundle": (lambda b: state_doc(b, bundle="bundle"), "not an absolute path"),
+    "missing-bundle": (lambda b: state_doc(b, bundle=str(b) + "-gone"), "No such file or directory"),
+    "bundle-is-a-file": (lambda b: state_doc(b, bundle=str(b / "config.json")), "Not a directory"),
+    "pid-zero": (lambda b: state_doc(b, pid=0), "not a valid process id"),
+    "pid-negative": (lambda b: state_doc(b, pid=-1), "not a valid process id"),
+    "pid-huge": (lambda b: state_doc(b, pid=1 << 40), "not a valid process id"),
+    "pid-bool": (lambda b: state_doc(b, pid=True), "'pid'"),
+    "pid-string": (lambda b: state_doc(b, pid="1"), "'pid'"),
+    "pid-float": (lambda b: b'{"ociVersion":"1.0.2","id":"x","status":"creating","pid":NaN,"bundle":"%s"}'
+                  % str(b).encode(), "'pid'"),  # fmt: skip
+    "annotations-not-strings": (lambda b: state_doc(b, annotations={"a": 1}), "annotations"),
+}
+
+
+@pytest.mark.parametrize("name", list(STATES))
+def test_bad_state(name, host, bundle, tmp_path):
+    make, words = STATES[name]
+    result = run_bounded(f"{host['root']}/config.yaml", write(tmp_path, make(bundle)), tmp_path)
+    assert_refused(result, STATE_ERROR, words)
+
+
+def test_huge_state(host, bundle, tmp_path):
+    """100 MB on stdin: the hook reads 1 MB and one byte, and stops."""
+    path = tmp_path / "stdin"
+    write_huge(path, b'{"ociVersion": "1.0.2", "id": "', b"x", HUGE, b'"}')
+    assert_refused(run_bounded(f"{host['root']}/config.yaml", str(path), tmp_path), STATE_ERROR, "larger than")
+
+
+def _free_pid() -> int:
+    with open("/proc/sys/kernel/pid_max") as f:
+        top = min(int(f.read()), 1 << 22) - 1
+    return next(p for p in range(top, 1, -1) if not os.path.exists(f"/proc/{p}"))
+
+
+def test_pid_that_never_existed(host, bundle, tmp_path):
+    state = state_doc(bundle, pid=_free_pid())
+    assert_refused(run_bounded(f"{host['root']}/config.yaml", write(tmp_path, state), tmp_path), APPLY_ERROR,
+                   "does not exist")  # fmt: skip
+
+
+def test_pid_that_has_exited(host, bundle, tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    state = state_doc(bundle, pid=gone.pid)
+    assert_refused(run_bounded(f"{host['root']}/config.yaml", write(tmp_path, state), tmp_path), APPLY_ERROR,
+                   "does not exist")  # fmt: skip
+
+
+def test_pid_of_a_zombie(host, bundle, tmp_path):
+    """Exited but not yet reaped: the process exists, its mount namespace does not."""
+    zombie = subprocess.Popen(["true"])
+    for _ in range(200):
+        with open(f"/proc/{zombie.pid}/stat") as f:
+            if f.read().split(") ", 1)[1].startswith("Z"):
+                break
+        time.sleep(0.01)
+    try:
+        state = state_doc(bundle, pid=zombie.pid)
+        assert_refused(run_bounded(f"{host['root']}/config.yaml", write(tmp_path, state), tmp_path), APPLY_ERROR)
+    finally:
+        zombie.wait()
+
+
+# --- the bundle's config.json --------------------------------------------------------------------
+
+
+def _config(**changes):
+    from oci_gpu_hook import demo
+
+    config = demo.make_config(["true"], {"NVIDIA_VISIBLE_DEVICES": "0"}, None)
+    for dotted, value in changes.items():
+        node = config
+        *parents, last = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return json.dumps(config).encode()
+
+
+def _env_config(name, value):
+    from oci_gpu_hook import demo
+
+    config = demo.make_config(["true"], {"NVIDIA_VISIBLE_DEVICES": "0", name: value}, None)
+    return json.dumps(config).encode()
+
+
+CONFIGS = {
+    "empty": (b"", STATE_ERROR, "not valid JSON"),
+    "not-json": (b"{hook: me}", STATE_ERROR, "not valid JSON"),
+    "truncated": (_config()[:700], STATE_ERROR, "not valid JSON"),
+    "deeply-nested": (b'{"root": ' + b"[" * 500_000 + b"]" * 500_000 + b"}", STATE_ERROR, "nested too deeply"),
+    "invalid-utf8": (_config().replace(b'"gpu"', b'"g\xc3\x28u"'), STATE_ERROR, "not valid UTF-8"),
+    "not-an-object": (b'"config"', STATE_ERROR, "not a JSON object"),
+    "no-root-path": (_config(root={"readonly": True}), STATE_ERROR, "root.path"),
+    "root-path-not-a-string": (_config(**{"root.path": ["rootfs"]}), STATE_ERROR, "root.path"),
+    "root-path-with-nul": (_config(**{"root.path": "root\0fs"}), STATE_ERROR, "root.path"),
+    "visible-devices-1mb": (_env_config("NVIDIA_VISIBLE_DEVICES", "0," * (MB // 2)), REQUEST_ERROR, "longer than"),
+    "capabilities-1mb": (_env_config("NVIDIA_DRIVER_CAPABILITIES", "compute," * (MB // 8)), REQUEST_ERROR,
+                         "longer than"),  # fmt: skip
+    "require-cuda-1mb": (_env_config("NVIDIA_REQUIRE_CUDA", "cuda>=1.0 " * (MB // 10)), REQUEST_ERROR, None),
+    "mig-config-1mb": (_env_config("NVIDIA_MIG_CONFIG_DEVICES", "a" * MB), REQUEST_ERROR, None),
+    "cdi-annotation-1mb": (_config(annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0," * (MB // 16)}), REQUEST_ERROR,
+                           "longer than"),  # fmt: skip
+    "10000-device-ids": (_env_config("NVIDIA_VISIBLE_DEVICES", ",".join(["0"] * 10_000)), REQUEST_ERROR,
+                         "10000 device ids"),  # fmt: skip
+    "10000-distinct-device-ids": (
+        _env_config("NVIDIA_VISIBLE_DEVICES", ",".join(str(i) for i in range(10_000))),
+        REQUEST_ERROR, "10000 device ids",
+    ),  # fmt: skip
+    "10000-cdi-devices": (_config(annotations={"cdi.k8s.io/x": ",".join(["nvidia.com/gpu=0"] * 10_000)}),
+                          REQUEST_ERROR, None),  # fmt: skip
+    "unknown-device": (_env_config("NVIDIA_VISIBLE_DEVICES", "0,../../etc/passwd"), REQUEST_ERROR, "unknown device"),
+    "rootfs-missing": (_config(**{"root.path": "no-such-rootfs"}), APPLY_ERROR, "rootfs"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_bad_config_json(name, host, bundle, tmp_path, live_container):
+    data, code, words = CONFIGS[name]
+    if name == "rootfs-missing":  # gets as far as applying: needs a live container
+        state, live_bundle, *_ = live_container({"NVIDIA_VISIBLE_DEVICES": "0"})
+        bundle = type(bundle)(live_bundle)
+    (bundle / "config.json").write_bytes(data)
+    config = f"{host['root']}/config.yaml"
+    if "cdi" in name:  # annotations are a device source only where enabled (the runtime may do CDI itself)
+        config = str(tmp_path / "config-cdi.yaml")
+        with open(config, "w") as f:
+            f.write(open(f"{host['root']}/config.yaml").read() + "accept_cdi_annotations: true\n")
+    result = run_bounded(config, write(tmp_path, state_doc(bundle)), tmp_path)
+    assert_refused(result, code, words)
+
+
+def test_huge_config_json(host, bundle, tmp_path):
+    """100 MB of config.json: read up to the 16 MB limit, then refused."""
+    write_huge(bundle / "config.json", b'{"process": {"env": ["A=', b"y", HUGE, b'"]}}')
+    result = run_bounded(f"{host['root']}/config.yaml", write(tmp_path, state_doc(bundle)), tmp_path)
+    assert_refused(result, STATE_ERROR, "larger than")
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory", "symlink", "fifo"])
+def test_config_json_that_is_not_a_file(kind, host, bundle, tmp_path):
+    """A FIFO must not hang the hook (it would, until the runtime's timeout, on a plain open)."""
+    path = bundle / "config.json"
+    real = path.read_bytes()
+    path.unlink()
+    if kind == "directory":
+        path.mkdir()
+    elif kind == "symlink":
+        (bundle / "real.json").write_bytes(real)
+        path.symlink_to("real.json")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    result = run_bounded(f"{host['root']}/config.yaml", write(tmp_path, state_doc(bundle)), tmp_path)
+    assert_refused(result, STATE_ERROR, "config.json")
+
+
+# --- the hook's own configuration file ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["malformed", "huge", "unknown-key"])
+def test_bad_hook_configuration(kind, bundle, tmp_path):
+    config = tmp_path / "config.yaml"
+    if kind == "malformed":
+        config.write_text("driver_root: [unclosed\n")
+    elif kind == "unknown-key":
+        config.write_text("driver_rot: /\n")
+    else:
+        write_huge(config, b"# ", b"z", HUGE, b"\n")
+    result = run_bounded(str(config), write(tmp_path, state_doc(bundle)), tmp_path)
+    assert_refused(result, CONFIG_ERROR, str(config))
