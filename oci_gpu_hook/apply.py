@@ -109,15 +109,19 @@ class Applier:
         _linux.mount(None, _fd_path(mounted), None, flags)
         _linux.mount(None, _fd_path(mounted), None, _linux.MS_PRIVATE)
 
+    def _bind_new(self, source: str, op, directory: bool, mode: int) -> None:
+        """Bind source onto op.target, a target made (if missing) with the source's mode."""
+        fd = self.rootfs.ensure_target(op.target, directory, mode, self.undo)
+        try:
+            self._bind(source, fd, op)
+        finally:
+            os.close(fd)
+
     def do_MountDevice(self, op: MountDevice) -> None:
         st = os.lstat(op.source)
         if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (op.major, op.minor):
             raise ApplyError(f"{op.source}: not char device {op.major}:{op.minor} (the host's device node changed)")
-        fd = self.rootfs.ensure_target(op.target, False, stat.S_IMODE(st.st_mode), self.undo)
-        try:
-            self._bind(op.source, fd, op)
-        finally:
-            os.close(fd)
+        self._bind_new(op.source, op, False, stat.S_IMODE(st.st_mode))
 
     def do_BindMount(self, op: BindMount) -> None:
         try:
@@ -130,11 +134,7 @@ class Applier:
         is_dir = stat.S_ISDIR(st.st_mode)
         if is_dir != (op.kind == "dir"):
             raise ApplyError(f"{op.source}: expected a {op.kind} on the host")
-        fd = self.rootfs.ensure_target(op.target, is_dir, stat.S_IMODE(st.st_mode), self.undo)
-        try:
-            self._bind(op.source, fd, op)
-        finally:
-            os.close(fd)
+        self._bind_new(op.source, op, is_dir, stat.S_IMODE(st.st_mode))
 
     def do_MountTmpfs(self, op: MountTmpfs) -> None:
         try:

@@ -208,7 +208,7 @@ class Doctor:
             if prefix not in prefixes or entry.word_size != 64 or entry.name in found:
                 continue
             real = os.path.basename(os.path.realpath(_under(self.settings.driver_root, entry.path)))
-            found[entry.name] = real[len(prefix) + 1:] if real.startswith(prefix + ".") else "unknown"
+            found[entry.name] = real[len(prefix) + 1 :] if real.startswith(prefix + ".") else "unknown"
         wrong = sorted(f"{name} is {v}" for name, v in found.items() if v != version)
         if wrong:
             key = [w for w in wrong if w.split(" ")[0] in KEY_LIBRARIES] or wrong
@@ -316,8 +316,12 @@ class Doctor:
                  "none": "no device cgroup"}[host]  # fmt: skip
         wanted = self.settings.cgroups
         if wanted == "off":
-            return (WARN, f"{shown}; cgroups: off: the hook grants no device access (right only for rootless "
-                    "or when something else allows the GPU nodes)", "set cgroups: auto for rootful containers")
+            return (
+                WARN,
+                f"{shown}; cgroups: off: the hook grants no device access (right only for rootless "
+                "or when something else allows the GPU nodes)",
+                "set cgroups: auto for rootful containers",
+            )
         if host == "none":
             return FAIL, "no device cgroup is mounted: the hook cannot grant device access", "set cgroups: off"
         mode = host if wanted == "auto" else wanted

@@ -10,42 +10,25 @@ from __future__ import annotations
 import os
 import stat
 
+from .record import Record
 from .state import StateError, load_json
 
 MAX_CONFIG_BYTES = 16 << 20
 
 
-class Mount:
+class Mount(Record):
     __slots__ = ("destination", "source", "type")
 
-    def __init__(self, destination: str, source: str, type: str):
-        self.destination = destination
-        self.source = source
-        self.type = type
 
-
-class Spec:
-    """Plain classes here, not dataclasses: see state.ContainerState."""
-
+class Spec(Record):
     __slots__ = ("rootfs", "readonly_rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label")
-
-    def __init__(
-        self,
-        rootfs: str,  # absolute host path of the container's root
-        readonly_rootfs: bool,
-        env: dict,
-        bounding_capabilities: frozenset,
-        mounts: tuple,
-        annotations: dict,
-        mount_label: str | None,
-    ):
-        self.rootfs = rootfs
-        self.readonly_rootfs = readonly_rootfs
-        self.env = env
-        self.bounding_capabilities = bounding_capabilities
-        self.mounts = mounts
-        self.annotations = annotations
-        self.mount_label = mount_label
+    rootfs: str  # absolute host path of the container's root
+    readonly_rootfs: bool
+    env: dict
+    bounding_capabilities: frozenset
+    mounts: tuple
+    annotations: dict
+    mount_label: str | None
 
 
 def environment(entries) -> dict:

@@ -9,6 +9,7 @@ import os
 
 from . import jsonio
 from .errors import HookError
+from .record import Record
 
 MAX_STATE_BYTES = 1 << 20
 
@@ -19,19 +20,17 @@ class StateError(HookError):
     exit_code = 8
 
 
-class ContainerState:
-    """A plain class, not a dataclass: this module is on every container's start path, and
-    importing dataclasses (with inspect) costs more than the rest of a non-GPU start."""
+class ContainerState(Record):
+    """Which container, where its bundle is (a Record: this module is on every container's start
+    path, where dataclasses would cost more than the rest of a non-GPU start)."""
 
     __slots__ = ("oci_version", "id", "status", "pid", "bundle", "annotations")
-
-    def __init__(self, oci_version: str, id: str, status: str, pid: int | None, bundle: str, annotations: dict):
-        self.oci_version = oci_version
-        self.id = id
-        self.status = status
-        self.pid = pid
-        self.bundle = bundle
-        self.annotations = annotations
+    oci_version: str
+    id: str
+    status: str
+    pid: int | None
+    bundle: str
+    annotations: dict
 
 
 def supported_oci_version(version: str) -> bool:

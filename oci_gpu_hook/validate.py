@@ -65,7 +65,7 @@ def _hook_error(stderr: str) -> str:
     lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
     for line in reversed(lines):
         if "oci-gpu-hook:" in line:
-            return line[line.index("oci-gpu-hook:"):].rstrip('"\\n')
+            return line[line.index("oci-gpu-hook:") :].rstrip('"\\n')
     return lines[-1] if lines else "the container failed with no message"
 
 

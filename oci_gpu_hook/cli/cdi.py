@@ -82,8 +82,9 @@ def ldcache_refresh(directories, links):
             try:
                 rootfs.ensure_symlink(path, value, undo)
             except OSError as e:
-                raise ldconfig.LdconfigError(f"{path}: cannot create the symlink in the container: {e.strerror}") \
-                    from None
+                raise ldconfig.LdconfigError(
+                    f"{path}: cannot create the symlink in the container: {e.strerror}"
+                ) from None
         if directories:
             ldconfig.refresh(rootfs.fd, directories)
     except BaseException:
