@@ -160,12 +160,9 @@ def live_container(tmp_path, simulated_host, require):
         return json.dumps(state), bundle, proc.pid, cgroup, host
 
     yield make
+    from hookcheck import remove_cgroup
+
     for proc, cgroup in started:
         proc.kill()
         proc.wait()
-        for _ in range(50):
-            try:
-                os.rmdir(cgroup)
-                break
-            except OSError:
-                time.sleep(0.05)
+        remove_cgroup(cgroup)

@@ -16,6 +16,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 
 HOOK_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}  # what hooks.d gives the hook
 
@@ -158,6 +159,16 @@ def _file_hash(path):
             return hashlib.sha256(f.read()).hexdigest()
     except OSError as e:
         return e.errno
+
+
+def remove_cgroup(path: str, tries: int = 100) -> None:
+    """rmdir a test cgroup; the kernel keeps it busy for a moment after its last process exits."""
+    for _ in range(tries):
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.02)
 
 
 def device_rules(cgroup: str) -> str:

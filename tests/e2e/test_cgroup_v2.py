@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from hookcheck import remove_cgroup
 
 from oci_gpu_hook import bpf, demo, prestart
 from oci_gpu_hook.errors import HookError
@@ -99,12 +100,7 @@ def container(tmp_path, simulated_host, require):
     finally:
         proc.kill()
         proc.wait()
-        for _ in range(100):
-            try:
-                os.rmdir(cgroup)
-                break
-            except OSError:
-                time.sleep(0.02)
+        remove_cgroup(cgroup)
 
 
 def test_hook_allows_the_gpu_in_a_v2_device_program(container):

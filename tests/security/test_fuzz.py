@@ -75,8 +75,13 @@ def test_state_parse(data):
 device_ids = st.sampled_from(["0", "1", "7", "1:0", "0:9", "all", "none", "void", "GPU-", "MIG-", "", " ", ",",
                               "0000:07:00.0", "07:00.0", "zz:00.0", "MIG-GPU-abc/1/0", "-1", "1e3", "٣"])  # fmt: skip
 device_lists = st.lists(device_ids | st.text(string.printable, max_size=12), max_size=8).map(",".join)
-env_values = device_lists | st.text(max_size=60) | st.sampled_from(["cuda>=12.0", "cuda>=99.0 brand=tesla", "arch=8.0",
-                                                                     "compute,utility", "all", "graphics,display"])
+env_values = (
+    device_lists
+    | st.text(max_size=60)
+    | st.sampled_from(
+        ["cuda>=12.0", "cuda>=99.0 brand=tesla", "arch=8.0", "compute,utility", "all", "graphics,display"]
+    )
+)
 ENV_NAMES = ["NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "NVIDIA_REQUIRE_CUDA", "NVIDIA_REQUIRE_ARCH",
              "NVIDIA_DISABLE_REQUIRE", "NVIDIA_MIG_CONFIG_DEVICES", "NVIDIA_MIG_MONITOR_DEVICES", "CUDA_VERSION",
              "CUDA_MPS_PIPE_DIRECTORY", "NVIDIA_REQUIRE_JETPACK", "PATH", "LD_PRELOAD"]  # fmt: skip

@@ -15,4 +15,3 @@ def fresh_host(tmp_path, require):
         return simulate(str(tmp_path / "host"), **options)
 
     return make
-

@@ -134,7 +134,7 @@ def test_cgroup_setting_that_does_not_match_the_host(setup, tmp_path):
 
 def test_invalid_configuration_fails_once_and_skips_host_checks(setup):
     _, _, root, mountinfo = setup
-    checks = run(settings.Settings(), root, mountinfo, config_error="config.yaml: cgroups: \"x\" is not accepted")
+    checks = run(settings.Settings(), root, mountinfo, config_error='config.yaml: cgroups: "x" is not accepted')
     assert [f[0] for f in failures(checks)] == ["config"]
 
 
