@@ -1,8 +1,9 @@
 #!/bin/sh
 # Install the Debian packages oci-gpu-hook's demo and test suite need; a no-op when all are there.
+# Recommends are installed too: the suite was verified with them (podman's, for one).
 # RHEL 9 equivalent: dnf install python3 gcc glibc-devel glibc-devel.i686 runc podman busybox libcap-devel
 set -eu
-packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging"
+packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools"
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing="$missing $p"
@@ -15,4 +16,4 @@ fi
 echo "setup-host: installing$missing"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends $missing >/dev/null
+apt-get install -y -qq $missing >/dev/null
