@@ -5,7 +5,6 @@ must not load the toolkit's heavy libraries (click, YAML, jsonschema, NVML bindi
 standard modules it was written to avoid (dataclasses, typing, json, re, subprocess, ...).
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -45,7 +44,7 @@ def test_non_gpu_container(tmp_path, live_container):
     assert "oci_gpu_hook" in added
 
 
-def test_gpu_container_with_warm_caches(live_container, hook_cli):
+def test_gpu_container_with_warm_caches(live_container):
     warm = live_container(env={"NVIDIA_VISIBLE_DEVICES": "0"})
     config = f"{warm[4]['root']}/config.yaml"
     assert loaded(["--config", config, "prestart"], warm[0])  # fills the inventory cache and compiled settings
@@ -53,4 +52,3 @@ def test_gpu_container_with_warm_caches(live_container, hook_cli):
     added = loaded(["--config", config, "prestart"], state) - baseline()
     assert not added & FORBIDDEN, added & FORBIDDEN
     assert {"oci_gpu_hook", "ctypes"} <= added  # it did the work (mounts need ctypes)
-    assert json.loads(state)["pid"]

@@ -95,6 +95,19 @@ static const char *mig_profile(const char *name)
     return p ? p + 5 : name;
 }
 
+/* The head of every command that walks the GPUs: NVML up, and at least one GPU to show (with
+ * none, the real tool says so and exits 6). Returns 0 to go on, else the exit status. */
+static int open_devices(unsigned *count)
+{
+    int rc = init_or_die();
+    if (rc)
+        return rc;
+    nvmlReturn_t ret = nvmlDeviceGetCount_v2(count);
+    if (ret != NVML_SUCCESS)
+        return fail(ret);
+    return *count == 0 ? no_devices() : 0;
+}
+
 static int cmd_version(void)
 {
     int rc = init_or_die();
@@ -118,15 +131,11 @@ static int cmd_version(void)
 
 static int cmd_list(void)
 {
-    int rc = init_or_die();
+    unsigned count = 0;
+    int rc = open_devices(&count);
     if (rc)
         return rc;
-    unsigned count = 0;
-    nvmlReturn_t ret = nvmlDeviceGetCount_v2(&count);
-    if (ret != NVML_SUCCESS)
-        return fail(ret);
-    if (count == 0)
-        return no_devices();
+    nvmlReturn_t ret;
     for (unsigned i = 0; i < count; i++) {
         nvmlDevice_t dev;
         char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE], uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
@@ -301,15 +310,11 @@ static void print_migs(unsigned count)
 
 static int cmd_table(void)
 {
-    int rc = init_or_die();
+    unsigned count = 0;
+    int rc = open_devices(&count);
     if (rc)
         return rc;
-    unsigned count = 0;
-    nvmlReturn_t ret = nvmlDeviceGetCount_v2(&count);
-    if (ret != NVML_SUCCESS)
-        return fail(ret);
-    if (count == 0)
-        return no_devices();
+    nvmlReturn_t ret;
 
     char drv[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE] = "N/A", cuda[32], stamp[64], c[3][128];
     nvmlSystemGetDriverVersion(drv, sizeof drv);
@@ -466,16 +471,12 @@ static int cmd_query(char *fields, const char *format)
             return 2;
         }
     }
-    int rc = init_or_die();
+    unsigned count = 0;
+    int rc = open_devices(&count);
     if (rc)
         return rc;
-    unsigned count = 0;
-    nvmlReturn_t ret = nvmlDeviceGetCount_v2(&count);
-    if (ret != NVML_SUCCESS)
-        return fail(ret);
+    nvmlReturn_t ret;
     char value[256];
-    if (count == 0)
-        return no_devices();
     if (o.header) {
         for (int k = 0; k < n; k++)
             printf("%s%s%s", k ? ", " : "", names[k], header_name(names[k]));

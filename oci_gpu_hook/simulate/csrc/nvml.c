@@ -144,6 +144,15 @@ static nvmlReturn_t check(nvmlDevice_t device)
     return NVML_SUCCESS;
 }
 
+/* The usual head of a device query: a valid handle and somewhere to put the answer. */
+static nvmlReturn_t check_out(nvmlDevice_t device, const void *out)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    return out == NULL ? NVML_ERROR_INVALID_ARGUMENT : NVML_SUCCESS;
+}
+
 static nvmlReturn_t copy_string(char *dst, unsigned length, const char *src)
 {
     if (dst == NULL)
@@ -371,11 +380,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned 
 
 EXPORT nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, nvmlBrandType_t *type)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, type);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (type == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *type = device->gpu->brand;
     return NVML_SUCCESS;
 }
@@ -392,11 +399,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned 
  * nodes through its parent. */
 EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, minorNumber);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (minorNumber == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     if (device->mig)
         return NVML_ERROR_NOT_SUPPORTED;
     *minorNumber = device->gpu->minor;
@@ -405,11 +410,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *
 
 EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, index);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (index == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     if (device->mig)
         return NVML_ERROR_NOT_SUPPORTED;
     *index = device->index;
@@ -433,11 +436,9 @@ static void fill_pci(const struct sim_gpu *g, nvmlPciInfo_t *pci)
 
 EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, pci);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (pci == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     fill_pci(device->gpu, pci);
     return NVML_SUCCESS;
 }
@@ -465,11 +466,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v1_t *
 
 EXPORT nvmlReturn_t nvmlDeviceGetPciInfoExt(nvmlDevice_t device, nvmlPciInfoExt_v1_t *pci)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, pci);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (pci == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     if (pci->version != nvmlPciInfoExt_v1)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     nvmlPciInfo_t full;
@@ -501,11 +500,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int 
 
 EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, nvmlDeviceArchitecture_t *arch)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, arch);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (arch == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     /* nvmlDeviceArchitecture_t values by compute capability. */
     int cc = device->gpu->cc_major * 10 + device->gpu->cc_minor;
     if (cc >= 100)
@@ -544,11 +541,9 @@ static void memory_of(nvmlDevice_t device, unsigned long long *total, unsigned l
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, memory);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (memory == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     memory_of(device, &memory->total, &memory->used);
     memory->free = memory->total - memory->used;
     return NVML_SUCCESS;
@@ -556,11 +551,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *m
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, memory);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (memory == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     if (memory->version != nvmlMemory_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     memory_of(device, &memory->total, &memory->used);
@@ -571,11 +564,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
 
 EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, utilization);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (utilization == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     /* With MIG on, the GPU has no single utilization figure (nvidia-smi shows N/A). */
     if (device->mig || device->gpu->mig_enabled)
         return NVML_ERROR_NOT_SUPPORTED;
@@ -586,11 +577,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtili
 
 EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, mode);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (mode == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *mode = NVML_FEATURE_DISABLED;
     return NVML_SUCCESS;
 }
@@ -599,11 +588,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnable
  * a NULL array with a count is the size query, and 0 needs no buffer. */
 static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *infoCount)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, infoCount);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (infoCount == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *infoCount = 0;
     return NVML_SUCCESS;
 }
@@ -674,22 +661,18 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, uns
 
 EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, isMigDevice);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (isMigDevice == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     *isMigDevice = device->mig != NULL;
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, id);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (id == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     if (device->mig == NULL)
         return NVML_ERROR_NOT_SUPPORTED;
     *id = device->mig->gi_id;
@@ -698,11 +681,9 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int
 
 EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
 {
-    nvmlReturn_t ret = check(device);
+    nvmlReturn_t ret = check_out(device, id);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (id == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
     if (device->mig == NULL)
         return NVML_ERROR_NOT_SUPPORTED;
     *id = device->mig->ci_id;
