@@ -92,8 +92,7 @@ class LiveContainer:
     def __init__(self, bundle: str, n: int):
         self.cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-bench-{os.getpid()}-{n}")
         os.mkdir(self.cgroup)
-        self.proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "60"])
-        time.sleep(0.05)
+        self.proc = demo.hold_namespace(os.path.join(bundle, "rootfs"), 60)
         with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
             f.write(str(self.proc.pid))
         with open(os.path.join(self.cgroup, "devices.deny"), "w") as f:

@@ -15,13 +15,15 @@ import os
 import stat
 
 from . import _linux, cgroups, labels, ldconfig
-from .errors import HookError
+from .errors import Exit, HookError
+from .journal import Journal, journal_directory
 from .plan import (
     BindMount,
     CopyFile,
     DeviceRule,
     MountDevice,
     MountTmpfs,
+    Operation,
     Plan,
     RefreshLdcache,
     Remount,
@@ -29,6 +31,7 @@ from .plan import (
 )
 from .rootfs import Rootfs, UndoLog
 from .settings import Settings
+from .sources import HostSources, UntrustedSource
 from .spec import Spec
 from .state import ContainerState
 
@@ -37,7 +40,7 @@ _GRACE_SECONDS = 5.0
 
 
 class ApplyError(HookError):
-    exit_code = 11
+    exit_code = Exit.APPLY
 
 
 class DeadlineExceeded(ApplyError):
@@ -46,6 +49,21 @@ class DeadlineExceeded(ApplyError):
 
 def _fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
+
+
+class _no_deadline_between:
+    """Holds the deadline's SIGALRM back while a change is made and its undo recorded: raised
+    between the two, the change would stay with nothing to undo it. A signal that came meanwhile
+    is delivered on leaving, and the rollback then includes the change."""
+
+    _ALARM = {signal.SIGALRM}
+
+    def __enter__(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, self._ALARM)
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self._ALARM)
+        return False
 
 
 class Applier:
@@ -58,17 +76,24 @@ class Applier:
         self.settings = settings
         self.rootfs = rootfs
         self.undo = UndoLog()
+        self.sources = HostSources()
+        self.undo.on_close.append(self.sources.close)
+        self._mounts: dict[str, int] = {}  # target -> descriptor of the hook's mount there
         self.skipped: list[str] = []
         self._skipped_trees: list[str] = []
         self._cgroup_dir: str | None = None
         self._cgroup_mode: str | None = None
         self._v2_done = False
-        fault = os.environ.get(FAULT_ENV, "")
+        self._v1_list: str | None = None  # devices.list as it was before the first rule
+        fault, _, how = os.environ.get(FAULT_ENV, "").partition(":")
         self.fault_at = int(fault) if fault.isdigit() else None
+        self.fault_kill = how == "kill"  # N:kill: SIGKILL the child there, as a runtime's timeout would
 
     def run(self) -> None:
         for number, op in enumerate(self.plan.operations, 1):
             if self.fault_at == number:
+                if self.fault_kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
                 raise ApplyError(f"operation {number} ({op.describe()}): injected fault")
             target = getattr(op, "target", None)
             if target and any(target == t or target.startswith(t + "/") for t in self._skipped_trees):
@@ -93,48 +118,69 @@ class Applier:
         entry, got = os.stat(name, dir_fd=parent_fd, follow_symlinks=False), os.fstat(target_fd)
         if (entry.st_dev, entry.st_ino) != (got.st_dev, got.st_ino):
             raise ApplyError(f"{target}: the rootfs changed while the hook was mounting (a race?)")
-        mount()
         where = f"{_fd_path(parent_fd)}/{name}"  # the topmost mount on that entry: ours
-        self.undo.add(f"unmount {target}", lambda: _linux.umount2(where, _linux.MNT_DETACH | _linux.UMOUNT_NOFOLLOW))
-        return self.undo.keep_fd(os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd))
+        flags = _linux.MNT_DETACH | _linux.UMOUNT_NOFOLLOW
+        with _no_deadline_between():
+            mount()
+            self.undo.add(f"unmount {target}", lambda: _linux.umount2(where, flags))
+        mounted = self.undo.keep_fd(os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd))
+        self._mounts[target] = mounted
+        return mounted
 
-    def _bind(self, source: str, target_fd: int, op) -> None:
+    def _bind(self, source_fd: int, target_fd: int, op) -> None:
+        """Bind the host file open at source_fd (checked by HostSources) onto target_fd."""
         mounted = self._mount_on(
-            op.target, target_fd, lambda: _linux.mount(source, _fd_path(target_fd), None, _linux.MS_BIND)
+            op.target, target_fd, lambda: _linux.mount(_fd_path(source_fd), _fd_path(target_fd), None, _linux.MS_BIND)
         )
-        src, got = os.stat(source), os.fstat(mounted)
+        src, got = os.fstat(source_fd), os.fstat(mounted)
         if (src.st_dev, src.st_ino) != (got.st_dev, got.st_ino):
-            raise ApplyError(f"{op.target}: the mounted file is not {source} (the rootfs changed during the mount)")
+            raise ApplyError(f"{op.target}: the mounted file is not {op.source} (the rootfs changed during the mount)")
         flags = _linux.MS_REMOUNT | _linux.MS_BIND | _linux.mount_flags(op.flags)
         _linux.mount(None, _fd_path(mounted), None, flags)
         _linux.mount(None, _fd_path(mounted), None, _linux.MS_PRIVATE)
 
-    def _bind_new(self, source: str, op, directory: bool, mode: int) -> None:
+    def _bind_new(self, source_fd: int, op, directory: bool, device=None) -> None:
         """Bind source onto op.target, a target made (if missing) with the source's mode."""
-        fd = self.rootfs.ensure_target(op.target, directory, mode, self.undo)
+        mode = stat.S_IMODE(os.fstat(source_fd).st_mode)
+        fd = self.rootfs.ensure_target(op.target, directory, mode, self.undo, device=device)
         try:
-            self._bind(source, fd, op)
+            self._bind(source_fd, fd, op)
         finally:
             os.close(fd)
 
+    def _source(self, op, kind: str):
+        """The checked host source of op, or None when an optional one is absent or untrusted
+        (skipped, and said in the log record); a required one that fails stops the start."""
+        try:
+            return self.sources.open(op.source, kind)
+        except FileNotFoundError:
+            if getattr(op, "optional", False):
+                self.skipped.append(op.describe())
+                return None
+            raise ApplyError(f"{op.source}: missing on the host (run `oci-gpu-hook inventory refresh`)") from None
+        except UntrustedSource as e:
+            if getattr(op, "optional", False):
+                self.skipped.append(f"{op.describe()}: not used: {e.why}")
+                return None
+            raise ApplyError(f"{e}: refusing to mount it into containers") from None
+
     def do_MountDevice(self, op: MountDevice) -> None:
-        st = os.lstat(op.source)
-        if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != (op.major, op.minor):
-            raise ApplyError(f"{op.source}: not char device {op.major}:{op.minor} (the host's device node changed)")
-        self._bind_new(op.source, op, False, stat.S_IMODE(st.st_mode))
+        fd = self._source(op, "char")
+        try:
+            st = os.fstat(fd)
+            if (os.major(st.st_rdev), os.minor(st.st_rdev)) != (op.major, op.minor):
+                raise ApplyError(f"{op.source}: not char device {op.major}:{op.minor} (the host's device node changed)")
+            self._bind_new(fd, op, False, device=(op.major, op.minor))
+        finally:
+            os.close(fd)
 
     def do_BindMount(self, op: BindMount) -> None:
-        try:
-            st = os.stat(op.source)
-        except FileNotFoundError:
-            if op.optional:
-                self.skipped.append(op.describe())
-                return
-            raise ApplyError(f"{op.source}: missing on the host (run `oci-gpu-hook inventory refresh`)") from None
-        is_dir = stat.S_ISDIR(st.st_mode)
-        if is_dir != (op.kind == "dir"):
-            raise ApplyError(f"{op.source}: expected a {op.kind} on the host")
-        self._bind_new(op.source, op, is_dir, stat.S_IMODE(st.st_mode))
+        fd = self._source(op, op.kind)
+        if fd is not None:
+            try:
+                self._bind_new(fd, op, op.kind == "dir")
+            finally:
+                os.close(fd)
 
     def do_MountTmpfs(self, op: MountTmpfs) -> None:
         try:
@@ -156,7 +202,12 @@ class Applier:
             os.close(fd)
 
     def do_CopyFile(self, op: CopyFile) -> None:
-        with open(op.source, "rb") as f:
+        source = self._source(op, "file")
+        try:
+            reader = os.open(_fd_path(source), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        finally:
+            os.close(source)
+        with open(reader, "rb") as f:
             lines = f.read(1 << 20).decode("utf-8", "replace").splitlines(keepends=True)
         for prefix, replacement in op.rewrite:
             lines = [replacement + "\n" if line.startswith(prefix) else line for line in lines]
@@ -169,11 +220,17 @@ class Applier:
             f.write("".join(lines).encode())
 
     def do_Remount(self, op: Remount) -> None:
-        fd = self.rootfs.open(op.target)
-        try:
-            _linux.mount(None, _fd_path(fd), None, _linux.MS_REMOUNT | _linux.mount_flags(op.flags))
-        finally:
-            os.close(fd)
+        # The hook's own mount at the target, through its descriptor, and always with MS_BIND: a
+        # remount without it would reconfigure the whole filesystem, for the host too.
+        fd = self._mounts.get(op.target)
+        if fd is None:
+            raise ApplyError(f"{op.target}: the hook mounted nothing there to remount")
+        remount = _linux.MS_REMOUNT | _linux.MS_BIND
+        _linux.mount(None, _fd_path(fd), None, remount | _linux.mount_flags(op.flags))
+        # Writable again on rollback, so that what was made inside it can be removed in order.
+        writable = _linux.mount_flags(f for f in op.flags if f != "ro")
+        path = _fd_path(fd)
+        self.undo.add(f"remount {op.target} writable", lambda: _linux.mount(None, path, None, remount | writable))
 
     def do_Symlink(self, op: Symlink) -> None:
         if self.rootfs.ensure_symlink(op.target, op.value, self.undo) == "kept":
@@ -200,9 +257,7 @@ class Applier:
             if mode == "v1":
                 directory = cgroups.v1_devices_path(text, mountinfo)
             else:
-                from . import bpf
-
-                directory = bpf.v2_path(text, mountinfo)
+                directory = cgroups.v2_path(text, mountinfo)
             if directory is None:
                 raise ApplyError(
                     f"the {mode} device cgroup of pid {self.state.pid} is not mounted where the hook can see it"
@@ -215,29 +270,41 @@ class Applier:
         if mode == "off":
             self.skipped.append(op.describe())
         elif mode == "v1":
+            if self._v1_list is None:
+                self._v1_list = cgroups.read_v1(directory, "devices.list")
+            if cgroups.v1_granted(self._v1_list, op.major, op.minor, op.access):
+                return  # already allowed (the root cgroup, a privileged container): nothing to change
             rule = cgroups.v1_rule(op.major, op.minor, op.access)
-            cgroups.write_v1(directory, "devices.allow", rule)
-            self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
+            with _no_deadline_between():
+                cgroups.write_v1(directory, "devices.allow", rule)
+                self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
         elif not self._v2_done:
             # One eBPF program replacement for all the plan's devices: each load is verified by
             # the kernel, so one per device would cost a GPU container milliseconds per GPU.
             from . import bpf
 
             rules = [(r.major, r.minor, r.access) for r in self.plan.operations if isinstance(r, DeviceRule)]
-            change = bpf.allow_devices(directory, rules)
-            self.undo.add(f"restore the device programs of {directory}", change.undo)
+            with _no_deadline_between():
+                change = bpf.allow_devices(directory, rules)
+                self.undo.add(f"restore the device programs of {directory}", change.undo)
             self.undo.on_close.append(change.close)
             self._v2_done = True
 
     def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
         remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)
-        ldconfig.refresh(self.rootfs.fd, op.directories, timeout=remaining)
-        if self.rootfs.labeler is not None:  # ldconfig wrote the cache for us: label it like our files
-            etc = self.rootfs.open("/etc")
-            try:
-                self.rootfs.created(etc, "ld.so.cache")
-            finally:
-                os.close(etc)
+        for note in ldconfig.refresh(self.rootfs, op.directories, self.undo, timeout=remaining):
+            self.skipped.append(note)
+
+
+def check_handlers(operations=None) -> None:
+    """Every operation type the plan can produce has its do_<Type> here (checked at import, so a
+    new operation without a handler fails every test, not a container start)."""
+    missing = [t.__name__ for t in operations or Operation.__subclasses__() if not hasattr(Applier, f"do_{t.__name__}")]
+    if missing:
+        raise ImportError(f"apply has no handler for {', '.join(missing)}")
+
+
+check_handlers()
 
 
 # --- the two processes --------------------------------------------------------------------------
@@ -269,58 +336,111 @@ def _join_mount_namespace(pid: int) -> None:
         os.close(fd)
 
 
+def _identity(path: str):
+    """(device, inode) of path in the hook's own namespace; None if it cannot be seen (then the
+    rootfs, looked up in the container's namespace, says why, after the pid was checked)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _mount_id(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    raise ApplyError("the kernel does not say which mount a file is on (no mnt_id in fdinfo)")
+
+
+def _check_is_the_container(pid: int, own_namespace: int, bundle_rootfs, rootfs: Rootfs) -> None:
+    """state.pid must be the container being created, not a host process (a runtime bug, or a
+    pid reused): mounting into the hook's own namespace would change the host's mount table. So
+    the pid's mount namespace is another one, and in it the bundle's rootfs is a mount point (the
+    runtime bind-mounts it onto itself before pivot_root) of the same directory the bundle names.
+    Nothing has been changed yet when this fails."""
+    what = f"pid {pid} is not the container of this bundle"
+    if os.stat("/proc/self/ns/mnt").st_ino == own_namespace:
+        raise ApplyError(f"{what}: it shares the hook's own mount namespace; nothing was changed")
+    st = os.fstat(rootfs.fd)
+    if (st.st_dev, st.st_ino) != bundle_rootfs:
+        raise ApplyError(f"{what}: its {rootfs.path} is another directory; nothing was changed")
+    parent = os.open("..", os.O_PATH | os.O_CLOEXEC, dir_fd=rootfs.fd)
+    try:
+        if _mount_id(rootfs.fd) == _mount_id(parent):
+            raise ApplyError(f"{what}: {rootfs.path} is not a mount point in its namespace; nothing was changed")
+    finally:
+        os.close(parent)
+
+
 def _on_deadline(signum, frame):
     raise DeadlineExceeded("the hook's deadline passed; every change was rolled back")
 
 
-def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings) -> dict:
+def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, seconds: float) -> dict:
     signal.signal(signal.SIGALRM, _on_deadline)
-    signal.setitimer(signal.ITIMER_REAL, settings.deadline_seconds)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     applier = None
     try:
+        own_namespace = os.stat("/proc/self/ns/mnt").st_ino
+        bundle_rootfs = _identity(spec.rootfs)
         _join_mount_namespace(state.pid)
         os.chdir("/")
         try:
             rootfs = Rootfs(spec.rootfs, labels.labeler_for(spec.mount_label))
         except OSError as e:
             raise ApplyError(f"{spec.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
+        _check_is_the_container(state.pid, own_namespace, bundle_rootfs, rootfs)
         applier = Applier(plan, state, spec, settings, rootfs)
+        applier.undo.journal = Journal.start(journal_directory(settings.inventory_cache), rootfs)
         applier.run()
         signal.setitimer(signal.ITIMER_REAL, 0)
+        applier.undo.commit()
         return {"ok": True, "skipped": applier.skipped}
     except BaseException as e:
         signal.setitimer(signal.ITIMER_REAL, 0)  # the rollback itself must not be interrupted
         failures = applier.undo.rollback() if applier else []
+        if applier and applier.undo.journal:  # kept when something could not be undone: next start
+            applier.undo.journal.close(keep=bool(failures))
+            applier.undo.journal = None
         if isinstance(e, HookError):
             return {"ok": False, "error": e.message, "exit_code": e.exit_code, "undo_failures": failures}
         return {
             "ok": False,
             "error": f"internal error: {type(e).__name__}: {e}",
-            "exit_code": 70,
+            "exit_code": Exit.INTERNAL,
             "undo_failures": failures,
         }
     finally:
         if applier:
+            if applier.undo.journal:
+                applier.undo.journal.close()
             applier.undo.close()
 
 
-def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings) -> dict:
-    """Apply in a child; returns its report, or raises ApplyError (after the child's rollback)."""
+def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, budget=None) -> dict:
+    """Apply in a child; returns its report, or raises ApplyError (after the child's rollback).
+    The child gets what is left of the hook's budget (budget.Budget; all of deadline_seconds
+    without one), and the parent waits that long plus a grace for the child's rollback."""
     if state.pid is None:
         raise ApplyError("the OCI state has no pid: the runtime must run the hook at prestart or createRuntime")
+    seconds = settings.deadline_seconds if budget is None else budget.remaining()
+    if seconds <= 0:
+        raise DeadlineExceeded("the hook's deadline passed before the container was changed; nothing was done")
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never returns into the caller's code
         os.close(read_fd)
         code = 0
         try:
-            report = _child(plan, state, spec, settings)
+            report = _child(plan, state, spec, settings, seconds)
             code = 0 if report["ok"] else 1
             os.write(write_fd, marshal.dumps(report))  # plain data, between two copies of this program
         finally:
             os._exit(code)
     os.close(write_fd)
-    deadline = settings.deadline_seconds + _GRACE_SECONDS
+    deadline = seconds + _GRACE_SECONDS
     signal.signal(signal.SIGALRM, _on_deadline)
     signal.setitimer(signal.ITIMER_REAL, deadline)
     try:

@@ -32,13 +32,15 @@ systemd-managed units) replaces the extended programs and the container loses th
 true of NVIDIA's hook too. Programs attached through a bpf_link cannot be replaced this way: the
 kernel refuses, and we roll back and say so.
 
-Syscall numbers, struct layouts and the instruction encoding are x86-64's (little endian).
+bpf(2)'s number comes from arch.py (x86_64 and aarch64). The struct layouts and the instruction
+encoding are the same on both: little-endian, 64-bit fields 8-aligned (__aligned_u64).
 """
+
+from __future__ import annotations
 
 import errno
 import os
 import struct
-from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 from . import _linux
 from .cgroups import CgroupError
@@ -113,18 +115,32 @@ _INFO_SIZE = 256
 _ATTR_SIZE = 128  # union bpf_attr, zero-padded; longer than every command's part we fill
 
 
-class Insn(NamedTuple):
-    code: int
-    dst: int = 0
-    src: int = 0
-    off: int = 0
-    imm: int = 0
+class Insn:
+    """One eBPF instruction (struct bpf_insn). A plain class, not a NamedTuple: typing costs the
+    cgroup v2 start path ~2 ms of imports."""
+
+    __slots__ = ("code", "dst", "src", "off", "imm")
+
+    def __init__(self, code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0):
+        self.code, self.dst, self.src, self.off, self.imm = code, dst, src, off, imm
+
+    def _key(self) -> tuple:
+        return (self.code, self.dst, self.src, self.off, self.imm)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Insn) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return "Insn(code={}, dst={}, src={}, off={}, imm={})".format(*self._key())
 
     def encode(self) -> bytes:
         return _INSN.pack(self.code, (self.src << 4) | self.dst, self.off, self.imm)
 
 
-def decode(blob: bytes) -> List[Insn]:
+def decode(blob: bytes) -> list[Insn]:
     if len(blob) % INSN_SIZE:
         raise CgroupError(f"BPF program of {len(blob)} bytes is not a whole number of instructions")
     out = []
@@ -182,7 +198,7 @@ PROLOGUE = (
 BLOCK_LEN = 6
 
 
-def allow_block(dev_type: int, major: int, minor: int, mask: int) -> Tuple[Insn, ...]:
+def allow_block(dev_type: int, major: int, minor: int, mask: int) -> tuple[Insn, ...]:
     """Return 1 (allow) if the context is this device and asks only for access within mask.
 
     Every mismatch jumps to the instruction right after the block (pc + 1 + off with off = the
@@ -204,7 +220,7 @@ def allow_block(dev_type: int, major: int, minor: int, mask: int) -> Tuple[Insn,
     return block
 
 
-def allow_prefix(devices: Sequence[Tuple[int, int, str]]) -> bytes:
+def allow_prefix(devices: list[tuple[int, int, str]]) -> bytes:
     """The instructions to put in front of an old program: prologue + one block per char device."""
     insns = list(PROLOGUE)
     for major, minor, access in devices:
@@ -212,7 +228,7 @@ def allow_prefix(devices: Sequence[Tuple[int, int, str]]) -> bytes:
     return b"".join(i.encode() for i in insns)
 
 
-def check_reusable(insns: Sequence[Insn]) -> None:
+def check_reusable(insns: list[Insn]) -> None:
     """Raise CgroupError unless a dumped (xlated) program can be loaded again as it is."""
     i = 0
     while i < len(insns):
@@ -242,7 +258,7 @@ def _attr(fmt: str, *values) -> bytearray:
     return attr
 
 
-def query_programs(cgroup_fd: int, effective: bool = False) -> Tuple[int, List[int]]:
+def query_programs(cgroup_fd: int, effective: bool = False) -> tuple[int, list[int]]:
     """(attach flags, ids) of the device programs attached to the cgroup itself, or with effective
     those that apply to it (its own and its ancestors')."""
     query_flags = BPF_F_QUERY_EFFECTIVE if effective else 0
@@ -270,7 +286,7 @@ def prog_fd_by_id(prog_id: int) -> int:
     return _linux.bpf(BPF_PROG_GET_FD_BY_ID, _attr("<I", prog_id), "BPF_PROG_GET_FD_BY_ID")
 
 
-def _prog_info(prog_fd: int, insns: Optional[bytearray] = None) -> bytearray:
+def _prog_info(prog_fd: int, insns: bytearray | None = None) -> bytearray:
     info = bytearray(_INFO_SIZE)
     if insns is not None:
         struct.pack_into("<I", info, _INFO_XLATED_LEN, len(insns))
@@ -281,7 +297,7 @@ def _prog_info(prog_fd: int, insns: Optional[bytearray] = None) -> bytearray:
     return info
 
 
-def read_program(prog_fd: int) -> List[Insn]:
+def read_program(prog_fd: int) -> list[Insn]:
     """The instructions of a loaded device program, as the kernel dumps them (xlated)."""
     info = _prog_info(prog_fd)
     prog_type, prog_id = struct.unpack_from("<II", info, _INFO_TYPE)
@@ -308,7 +324,7 @@ def load_program(insns: bytes) -> int:
     code = bytearray(insns)
     license_ = bytearray(LICENSE + b"\0")
 
-    def load(log_level: int, log: Optional[bytearray]) -> int:
+    def load(log_level: int, log: bytearray | None) -> int:
         # struct { u32 prog_type, insn_cnt; u64 insns, license; u32 log_level, log_size; u64 log_buf;
         #          u32 kern_version, prog_flags; char prog_name[16]; u32 prog_ifindex, expected_attach_type; }
         attr = _attr(
@@ -379,16 +395,18 @@ def _replace(cgroup_fd: int, flags: int, current_fd: int, new_fd: int) -> None:
 # The API.
 
 
-class _Swap(NamedTuple):
-    old_fd: int
-    new_fd: int
+class _Swap:
+    __slots__ = ("old_fd", "new_fd")
+
+    def __init__(self, old_fd: int, new_fd: int):
+        self.old_fd, self.new_fd = old_fd, new_fd
 
 
 class Undo:
     """What allow_devices changed. undo() restores the original programs; close() keeps the change
     and releases the file descriptors (the cgroup keeps its attached programs alive)."""
 
-    def __init__(self, cgroup_dir: str, cgroup_fd: int = -1, flags: int = 0, swaps: Sequence[_Swap] = ()):
+    def __init__(self, cgroup_dir: str, cgroup_fd: int = -1, flags: int = 0, swaps: list[_Swap] | tuple = ()):
         self.cgroup_dir = cgroup_dir
         self._cgroup_fd = cgroup_fd
         self._flags = flags
@@ -418,14 +436,14 @@ class Undo:
             os.close(self._cgroup_fd)
             self._cgroup_fd = -1
 
-    def __enter__(self) -> "Undo":
+    def __enter__(self) -> Undo:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def allow_devices(cgroup_dir: str, devices: Sequence[Tuple[int, int, str]]) -> Undo:
+def allow_devices(cgroup_dir: str, devices: list[tuple[int, int, str]]) -> Undo:
     """Allow the char devices (major, minor, access) with access from "r", "w", "m", in the cgroup
     v2 directory cgroup_dir, by extending every device program attached to it (see the module
     docstring). Returns the Undo; raises CgroupError, with nothing changed, on failure."""
@@ -436,9 +454,9 @@ def allow_devices(cgroup_dir: str, devices: Sequence[Tuple[int, int, str]]) -> U
         cgroup_fd = os.open(cgroup_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         raise CgroupError(f"{cgroup_dir}: cannot open the cgroup: {e.strerror}") from None
-    olds: List[int] = []
-    news: List[int] = []
-    done: List[_Swap] = []
+    olds: list[int] = []
+    news: list[int] = []
+    done: list[_Swap] = []
     flags = 0
     step = "query its device programs"
     try:
@@ -478,40 +496,3 @@ def allow_devices(cgroup_dir: str, devices: Sequence[Tuple[int, int, str]]) -> U
                 os.close(fd)
         raise CgroupError(message) from None
     return Undo(cgroup_dir, cgroup_fd, flags, done)
-
-
-def _unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and len(field[i + 1 : i + 4]) == 3:
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
-def v2_path(cgroup_text: str, mountinfo_text: str) -> Optional[str]:
-    """Directory of a process's cgroup v2 as seen from this process: its "0::/path" line in
-    /proc/<pid>/cgroup joined to where cgroup2 is mounted here (/sys/fs/cgroup on pure v2 hosts,
-    /sys/fs/cgroup/unified on hybrid ones). None without a 0:: line or a cgroup2 mount holding it."""
-    relative = None
-    for line in cgroup_text.splitlines():
-        if line.startswith("0::"):
-            relative = line[3:]
-    if relative is None or not relative.startswith("/"):
-        return None
-    for line in mountinfo_text.splitlines():
-        if " - " not in line:
-            continue
-        pre, post = line.split(" - ", 1)
-        fields, post_fields = pre.split(), post.split()
-        if len(fields) < 5 or not post_fields or post_fields[0] != "cgroup2":
-            continue
-        root, mountpoint = _unescape(fields[3]), _unescape(fields[4])
-        # The mount may show a sub-tree (a cgroup namespace, a bind mount): the path must lie below.
-        if relative == root or relative.startswith(root.rstrip("/") + "/"):
-            return os.path.normpath(os.path.join(mountpoint, os.path.relpath(relative, root)))
-    return None

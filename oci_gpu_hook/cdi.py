@@ -24,7 +24,7 @@ import json
 import os
 
 from . import driver
-from .errors import HookError, UsageError
+from .errors import Exit, HookError, UsageError
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas", "cdi.schema.json")
 SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
@@ -39,7 +39,7 @@ HOOK_SUBCOMMAND = "ldcache-refresh"
 
 
 class CdiError(HookError):
-    exit_code = 13
+    exit_code = Exit.CDI
 
 
 # --- cdiVersion ---------------------------------------------------------------------------------

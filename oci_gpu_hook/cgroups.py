@@ -2,18 +2,20 @@
 
 cgroup v1: the devices controller's devices.allow/devices.deny files. The container's cgroup is
 its `devices` line in /proc/<pid>/cgroup, joined to where this process sees that hierarchy
-mounted (mountinfo). cgroup v2 (eBPF device programs) is not handled yet.
+mounted (mountinfo). A rule the cgroup already grants is not written (so there is nothing to
+undo): writing it and then denying it on rollback would take away access the cgroup had before,
+from the whole host if the cgroup is the root. cgroup v2 (eBPF device programs): bpf.py.
 """
 
 from __future__ import annotations
 
 import os
 
-from .errors import HookError
+from .errors import Exit, HookError
 
 
 class CgroupError(HookError):
-    exit_code = 9
+    exit_code = Exit.CGROUP
 
 
 def read_cgroup_file(pid: int) -> str:
@@ -36,6 +38,38 @@ def detect_version(cgroup_text: str) -> str:
     return "v2" if v2 else "none"
 
 
+def unescape_mountinfo(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as \\ooo (octal)."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _where_mounted(relative: str, mountinfo_text: str, fstype: str, option: str | None = None) -> str | None:
+    """Where this process sees the cgroup relative (a path inside a hierarchy) of a hierarchy of
+    fstype (and, for v1, with option among its super options) mounted: mountinfo's one walk."""
+    for line in mountinfo_text.splitlines():
+        if " - " not in line:
+            continue
+        pre, post = line.split(" - ", 1)
+        fields, post_fields = pre.split(), post.split()
+        if len(fields) < 5 or len(post_fields) < 1 or post_fields[0] != fstype:
+            continue
+        if option is not None and (len(post_fields) < 3 or option not in post_fields[2].split(",")):
+            continue
+        root, mountpoint = unescape_mountinfo(fields[3]), unescape_mountinfo(fields[4])
+        # The mount may show a sub-tree (a cgroup namespace, a bind mount): the path must lie below.
+        if relative == root or relative.startswith(root.rstrip("/") + "/"):
+            return os.path.normpath(os.path.join(mountpoint, os.path.relpath(relative, root)))
+    return None
+
+
 def v1_devices_path(cgroup_text: str, mountinfo_text: str) -> str | None:
     """Directory of the container's v1 devices cgroup as seen from this process."""
     relative = None
@@ -45,22 +79,46 @@ def v1_devices_path(cgroup_text: str, mountinfo_text: str) -> str | None:
             relative = parts[2]
     if relative is None:
         return None
-    for line in mountinfo_text.splitlines():
-        fields = line.split()
-        if " - " not in line:
-            continue
-        pre, post = line.split(" - ", 1)
-        post_fields = post.split()
-        if len(post_fields) >= 3 and post_fields[0] == "cgroup" and "devices" in post_fields[2].split(","):
-            root, mountpoint = fields[3], fields[4].replace("\\040", " ")
-            # The hierarchy may be mounted at a sub-cgroup; the container's path must lie below it.
-            if relative == root or relative.startswith(root.rstrip("/") + "/"):
-                return os.path.join(mountpoint, os.path.relpath(relative, root))
-    return None
+    return _where_mounted(relative, mountinfo_text, "cgroup", "devices")
+
+
+def v2_path(cgroup_text: str, mountinfo_text: str) -> str | None:
+    """Directory of a process's cgroup v2 as seen from this process: its "0::/path" line in
+    /proc/<pid>/cgroup joined to where cgroup2 is mounted here (/sys/fs/cgroup on pure v2 hosts,
+    /sys/fs/cgroup/unified on hybrid ones). None without a 0:: line or a cgroup2 mount holding it."""
+    relative = None
+    for line in cgroup_text.splitlines():
+        if line.startswith("0::"):
+            relative = line[3:]
+    if relative is None or not relative.startswith("/"):
+        return None
+    return _where_mounted(relative, mountinfo_text, "cgroup2")
 
 
 def v1_rule(major: int, minor: int, access: str) -> str:
     return f"c {major}:{minor} {access}"
+
+
+def v1_granted(devices_list: str, major: int, minor: int, access: str) -> bool:
+    """Whether a v1 devices.list already lets char major:minor be used with access. In a cgroup
+    whose default is to allow (the root, a privileged container's), the list shows `a *:* rwm`."""
+    for line in devices_list.splitlines():
+        parts = line.split()
+        if len(parts) != 3 or parts[0] not in ("a", "c"):
+            continue
+        rule_major, _, rule_minor = parts[1].partition(":")
+        if (rule_major in ("*", str(major)) and rule_minor in ("*", str(minor))
+                and set(access) <= set(parts[2])):  # fmt: skip
+            return True
+    return False
+
+
+def read_v1(directory: str, name: str) -> str:
+    try:
+        with open(os.path.join(directory, name)) as f:
+            return f.read(1 << 20)
+    except OSError as e:
+        raise CgroupError(f"{directory}/{name}: {e.strerror}") from None
 
 
 def write_v1(directory: str, name: str, rule: str) -> None:

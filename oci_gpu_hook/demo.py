@@ -10,20 +10,25 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import arch
 from .errors import PrerequisiteError
 
 BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "ls", "cat", "echo", "head", "grep", "test", "stat", "readlink", "mount", "true", "false", "dd", "wc")
-LOADER = "/lib64/ld-linux-x86-64.so.2"
-LIBC_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
 DEFAULT_CAPS = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
 
 
+def _libc_dirs(entry: arch.Architecture) -> Tuple[str, ...]:
+    """Where the host's libc.so.6 may be: Debian's multiarch directories (/lib and /usr/lib), then
+    RHEL's."""
+    return (entry.multiarch.replace("/usr", "", 1), entry.multiarch, "/lib64", "/usr/lib64")
+
+
 def _host_libc() -> str:
-    for directory in LIBC_DIRS:
+    for directory in _libc_dirs(arch.current()):
         path = os.path.join(directory, "libc.so.6")
         if os.path.exists(path):
             return os.path.realpath(path)
@@ -41,10 +46,13 @@ def make_rootfs(path: str, debian: bool = False) -> str:
         link = os.path.join(path, "bin", applet)
         if not os.path.lexists(link):
             os.symlink("busybox", link)
-    libdir = "usr/lib/x86_64-linux-gnu" if debian else "usr/lib64"
+    entry = arch.current()  # this machine's loader and library directory (the hook's own layout)
+    libdir = (entry.multiarch if debian else entry.lib64).lstrip("/")
     os.makedirs(os.path.join(path, libdir), exist_ok=True)
     shutil.copy2(_host_libc(), os.path.join(path, libdir, "libc.so.6"))
-    shutil.copy2(os.path.realpath(LOADER), os.path.join(path, "lib64/ld-linux-x86-64.so.2"))
+    loader = os.path.join(path, entry.loader.lstrip("/"))
+    os.makedirs(os.path.dirname(loader), exist_ok=True)
+    shutil.copy2(os.path.realpath(entry.loader), loader)
     if debian:
         with open(os.path.join(path, "etc/debian_version"), "w") as f:
             f.write("12.0\n")
@@ -134,6 +142,19 @@ def write_config(bundle: str, **config_options) -> None:
         json.dump(make_config(**config_options), f, indent=2)
 
 
+def hold_namespace(rootfs: str, seconds: int = 600) -> subprocess.Popen:
+    """A process standing for a container at prestart, as runc leaves it: its own mount namespace
+    (private propagation) in which the rootfs is bind-mounted onto itself; returned once ready."""
+    script = 'mount --bind "$1" "$1" && echo ready && exec sleep "$2"'
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", rootfs,
+                             str(seconds)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)  # fmt: skip
+    if proc.stdout.readline() != b"ready\n":
+        proc.kill()
+        proc.wait()
+        raise PrerequisiteError(f"cannot make a mount namespace holding {rootfs} (unshare, mount)")
+    return proc
+
+
 def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.CompletedProcess:
     runc = shutil.which("runc")
     if runc is None:
@@ -152,16 +173,10 @@ PODMAN_OPTIONS = [
 
 
 def write_hooks_dir(directory: str, config_file: Optional[str]) -> str:
-    """A hooks.d directory with the shipped oci-gpu-hook.json, pointed at this installation."""
-    shipped = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hooks.d", "oci-gpu-hook.json")
-    with open(shipped) as f:
-        doc = json.load(f)
-    argv = hook_command() + (["--config", config_file] if config_file else []) + ["prestart"]
-    doc["hook"]["path"], doc["hook"]["args"] = argv[0], argv
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "oci-gpu-hook.json"), "w") as f:
-        json.dump(doc, f, indent=2)
-    return directory
+    """A hooks.d directory with the document `install` writes, pointed at this installation."""
+    from .install import write_hooks_dir as write
+
+    return write(directory, hook_command() + (["--config", config_file] if config_file else []))
 
 
 def podman_image(rootfs: str, tag: str) -> str:
@@ -173,8 +188,9 @@ def podman_image(rootfs: str, tag: str) -> str:
 
 
 def podman_run(hooks_dir: Optional[str], image: str, args: Sequence[str], env: Dict[str, str],
-               timeout: float = 120) -> subprocess.CompletedProcess:  # fmt: skip
+               timeout: float = 120, options: Sequence[str] = ()) -> subprocess.CompletedProcess:  # fmt: skip
     argv = ["podman"] + (["--hooks-dir", hooks_dir] if hooks_dir else []) + ["run", "--rm"] + PODMAN_OPTIONS
+    argv += list(options)
     for key, value in env.items():
         argv += ["-e", f"{key}={value}"]
     return subprocess.run(argv + [image, *args], capture_output=True, text=True, timeout=timeout,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 
 from .record import Record
 
@@ -221,17 +220,20 @@ class Doctor:
 
     def check_inventory_cache(self):
         from . import inventory_cache
+        from .settings import read_trusted
 
         self.driver_version()
         path = self.settings.inventory_cache
         fix = "oci-gpu-hook inventory refresh"
         try:
-            with open(path, "rb") as f:
-                doc = json.loads(f.read())
+            # As the hook reads it: a cache the hook would ignore is no cache.
+            doc = json.loads(read_trusted(path, inventory_cache.MAX_BYTES))
         except FileNotFoundError:
             return WARN, f"{path}: no inventory cache yet (the first GPU container builds it)", fix
-        except (OSError, ValueError) as e:
-            return FAIL, f"{path}: unreadable inventory cache ({e})", fix
+        except OSError as e:  # ELOOP: a symbolic link, which the hook does not follow
+            return FAIL, f"{path}: unreadable inventory cache ({e.strerror}; the hook rediscovers every time)", fix
+        except ValueError as e:
+            return FAIL, f"{path}: unusable inventory cache ({e}; the hook rediscovers every time)", fix
         if not isinstance(doc, dict) or doc.get("format") != inventory_cache.FORMAT:
             return FAIL, f"{path}: not an inventory cache of this version", fix
         if doc.get("fingerprint") != inventory_cache.fingerprint(self.settings):
@@ -240,10 +242,11 @@ class Doctor:
         return PASS, f"{path} is fresh", None
 
     def hooks_d_file(self):
-        """(path of the file podman would use, the directories it reads)."""
+        """(path of the file podman would use, the directories it reads). ConfigFileError when
+        containers.conf cannot be read as podman reads it."""
         dirs = list(HOOKS_DIRS)
         conf = _under(self.root, "/etc/containers/containers.conf")
-        configured = _toml_list(conf, "hooks_dir")
+        configured = _toml_list(conf, ("engine", "hooks_dir"))
         if configured is not None:
             dirs = configured
         for directory in reversed(dirs):
@@ -253,7 +256,10 @@ class Doctor:
         return None, None, dirs
 
     def check_hooks_d(self):
-        path, _, dirs = self.hooks_d_file()
+        try:
+            path, _, dirs = self.hooks_d_file()
+        except ConfigFileError as e:
+            return FAIL, f"{e} (podman cannot read its configuration)", "correct the file"
         fix = "oci-gpu-hook install"
         if path is None:
             where = ", ".join(dirs)
@@ -285,7 +291,11 @@ class Doctor:
             return PASS, "CRI-O is not installed: nothing to check", None
         dirs = list(CRIO_DEFAULT_HOOKS_DIRS)
         for conf in [f"{crio_dir}/crio.conf"] + sorted(glob.glob(f"{crio_dir}/crio.conf.d/*.conf")):
-            configured = _toml_list(conf, "hooks_dir")
+            try:
+                configured = _toml_list(conf, ("crio", "runtime", "hooks_dir"))
+            except ConfigFileError as e:
+                return (FAIL, f"{e} (CRI-O cannot read its configuration)",
+                        "correct the file, then systemctl restart crio")  # fmt: skip
             if configured is not None:
                 dirs = configured
         present = [d for d in dirs if os.path.lexists(_under(self.root, f"{d}/{HOOK_FILE_NAME}"))]
@@ -382,19 +392,48 @@ class Doctor:
                 "the cache", "oci-gpu-hook install")  # fmt: skip
 
 
-def _toml_list(path: str, key: str):
-    """The string list `key = [...]` in a TOML file (last one wins), or None. Enough TOML for
-    hooks_dir, without a TOML parser (Python 3.9 has none)."""
+class ConfigFileError(Exception):
+    """A runtime's TOML configuration file that exists but cannot be read as the runtime reads it."""
+
+
+def _load_toml(text: str) -> dict:
+    # Imported here: doctor is a toolkit command, and the hook's start path never needs TOML.
     try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
+        import tomllib  # novermin (before Python 3.11: tomli, the same parser and API)
+    except ModuleNotFoundError:
+        tomllib = None
+    if tomllib is None:
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise NotChecked("not checked: reading TOML needs tomli before Python 3.11 (python3-tomli)") from None
+    return tomllib.loads(text)
+
+
+def _toml_list(path: str, keys: tuple):
+    """The list of strings at `keys` (tables, then the key) in a TOML file, or None when the file
+    does not exist or does not set it. ConfigFileError when it is not valid TOML or the value is
+    not a list of strings: the runtime would refuse to start."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
-    matches = re.findall(rf"(?m)^\s*{re.escape(key)}\s*=\s*\[(.*?)\]", text, re.S)
-    if not matches:
-        return None
-    return re.findall(r"""["']([^"']*)["']""", matches[-1])
+    except OSError as e:
+        raise ConfigFileError(f"{path}: unreadable ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(f"{path}: not valid TOML (not UTF-8: {e.reason} at byte {e.start})") from None
+    try:
+        value = _load_toml(text)
+    except ValueError as e:  # tomllib.TOMLDecodeError
+        raise ConfigFileError(f"{path}: not valid TOML ({e})") from None
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ConfigFileError(f"{path}: {'.'.join(keys)} is not an array of strings")
+    return value
 
 
 def run(settings, root: str = "/", config_error: str | None = None, **options) -> list:

@@ -2,17 +2,75 @@
 
 Every error a user can cause or meet is a HookError: it carries a one-line message (what the
 runtime shows to the user) and an exit status. Anything else escaping is a bug, reported as such.
+
+Messages quote text from images (env values and names, paths in the rootfs); printable() is the
+one place such text is made safe to show, and every HookError message goes through it.
 """
+
+
+def printable(text: str) -> str:
+    """text with every character str.isprintable() rejects written as repr() writes it (\\x1b,
+    \\u202e, \\ud800): C0 and C1 controls, DEL, line and paragraph separators, bidi and other
+    format characters, lone surrogates. Text from an image must not drive the terminal that shows
+    an error (ESC sequences, BEL, a CR that overwrites the line), reorder it (U+202E) or break a
+    log or syslog line. Backslashes are kept, so applying it twice changes nothing."""
+    if text.isprintable():  # the usual case, at C speed
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+class Exit:
+    """Every exit status the program uses, in one place; docs/cli.md shows the same table (a test
+    compares them). `doctor` answers 0/1/2 for PASS/WARN/FAIL instead (see its section)."""
+
+    SUCCESS = 0
+    GENERAL = 1
+    USAGE = 2
+    CONFIG = 3
+    INVENTORY = 4
+    REQUEST = 5
+    SIMULATE = 6
+    PREREQUISITE = 7
+    STATE = 8
+    CGROUP = 9
+    LDCONFIG = 10
+    APPLY = 11
+    LABEL = 12
+    CDI = 13
+    INSTALL = 14
+    INTERNAL = 70  # EX_SOFTWARE: a bug
+    INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+
+    MEANINGS = {
+        SUCCESS: "success (also: not a GPU container, nothing done)",
+        GENERAL: "general error",
+        USAGE: "the command line was wrong",
+        CONFIG: "the configuration file is missing, unreadable or invalid",
+        INVENTORY: "the host's driver, device nodes, driver files or NVML",
+        REQUEST: "the container's request (including an unmet NVIDIA_REQUIRE_*)",
+        SIMULATE: "building or removing a simulated host",
+        PREREQUISITE: "a missing prerequisite (root, gcc, runc, ldconfig, kernel, architecture)",
+        STATE: "the OCI state on stdin or the bundle's config.json",
+        CGROUP: "the container's device cgroup",
+        LDCONFIG: "refreshing the container's ld.so.cache",
+        APPLY: "applying the plan in the container (mounts, files, the deadline)",
+        LABEL: "SELinux labels",
+        CDI: "CDI spec generation",
+        INSTALL: "install or uninstall",
+        INTERNAL: "internal error: a bug (OCI_GPU_HOOK_DEBUG=1 shows the traceback)",
+        INTERRUPTED: "interrupted (Ctrl-C)",
+    }
 
 
 class HookError(Exception):
     """An error with a one-line message meant for the user."""
 
-    exit_code = 1
+    exit_code = Exit.GENERAL
 
     def __init__(self, message: str):
-        # Newlines would break the runtime's one-line error report.
-        super().__init__(" ".join(str(message).split()))
+        # Newlines would break the runtime's one-line error report; whatever module built the
+        # message, image text in it must not reach a terminal or log raw.
+        super().__init__(printable(" ".join(str(message).split())))
 
     @property
     def message(self) -> str:
@@ -22,25 +80,25 @@ class HookError(Exception):
 class UsageError(HookError):
     """The command line was wrong."""
 
-    exit_code = 2
+    exit_code = Exit.USAGE
 
 
 class ConfigError(HookError):
     """The configuration file is missing, unreadable or invalid."""
 
-    exit_code = 3
+    exit_code = Exit.CONFIG
 
 
 class InventoryError(HookError):
     """The host's driver, devices or files are not what they must be."""
 
-    exit_code = 4
+    exit_code = Exit.INVENTORY
 
 
 class RequestError(HookError):
     """The container asks for something malformed or impossible."""
 
-    exit_code = 5
+    exit_code = Exit.REQUEST
 
 
 class RequirementError(RequestError):
@@ -50,10 +108,10 @@ class RequirementError(RequestError):
 class SimulateError(HookError):
     """The simulated GPU host could not be built or removed."""
 
-    exit_code = 6
+    exit_code = Exit.SIMULATE
 
 
 class PrerequisiteError(HookError):
     """A tool or privilege the command needs is missing (root, gcc, ldconfig, ...)."""
 
-    exit_code = 7
+    exit_code = Exit.PREREQUISITE

@@ -8,12 +8,17 @@ stderr and an exit status, never a traceback (OCI_GPU_HOOK_DEBUG=1 shows one for
 import os
 import sys
 
+from .errors import Exit
+
 PROG = "oci-gpu-hook"
-INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE
+INTERNAL_ERROR_EXIT = Exit.INTERNAL
 
 
 def report(message: str) -> None:
-    sys.stderr.write(f"{PROG}: {message}\n")
+    from .errors import printable
+
+    # HookError messages are safe already; an internal error's text (any exception's) is not.
+    sys.stderr.write(f"{PROG}: {printable(message)}\n")
     sys.stderr.flush()
 
 
@@ -29,12 +34,14 @@ def _split_config(argv):
     return None, argv
 
 
-def run(argv) -> int:
+def run(argv, as_program: bool = False) -> int:
+    """as_program: this process was started to run this command (its time budget counts from the
+    process's start); False when a caller runs it in-process (its budget starts now)."""
     config, rest = _split_config(argv)
     if rest and rest[0] in RUNTIME_COMMANDS and len(rest) == 1:
         from .prestart import run as prestart
 
-        return prestart(config)
+        return prestart(config, since_process_start=as_program)
     from .cli import main as cli_main
 
     return cli_main(argv)
@@ -43,15 +50,16 @@ def run(argv) -> int:
 def main(argv=None) -> int:
     from .errors import HookError
 
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        return run(argv)
+        return run(argv, as_program)
     except HookError as e:
         report(e.message)
         return e.exit_code
     except KeyboardInterrupt:
         report("interrupted")
-        return 130
+        return Exit.INTERRUPTED
     except Exception as e:  # a bug: say so in one line, keep the traceback for those who ask
         if os.environ.get("OCI_GPU_HOOK_DEBUG") == "1":
             import traceback

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from .errors import HookError
+from .errors import Exit, HookError
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
 HOOKS_D_DIR = "/etc/containers/oci/hooks.d"
@@ -43,7 +43,7 @@ HOOK_TIMEOUT = 10
 
 
 class InstallError(HookError):
-    exit_code = 14
+    exit_code = Exit.INSTALL
 
 
 def hook_command() -> list:
@@ -84,6 +84,16 @@ def hooks_d_document(argv_prefix) -> dict:
         "when": {"always": True},
         "stages": ["prestart"],
     }
+
+
+def write_hooks_dir(directory: str, argv_prefix) -> str:
+    """A hooks.d directory (for podman --hooks-dir) holding oci-gpu-hook.json, the document install
+    writes, for argv_prefix; returns the directory. Built in code: an installed copy of the
+    package has no hooks.d/ file beside it."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "oci-gpu-hook.json"), "w") as f:
+        f.write(json.dumps(hooks_d_document(argv_prefix), indent=2) + "\n")
+    return directory
 
 
 def crio_dropin_text() -> str:

@@ -129,6 +129,21 @@ class Inventory(Record):
         return tuple(f for f in self.files if f.capability in capabilities and (kinds is None or f.kind in kinds))
 
 
+def normalize_bus_id(value: str) -> str | None:
+    """A PCI bus id in the form the inventory keeps (procfs's: 0000:07:00.0, lower case, 4-digit
+    domain) from any accepted spelling ([domain:]bus:device.function, any domain width); None if
+    it is not one. The one normalisation: discovery and device selection both use it."""
+    parts = value.lower().split(":")
+    if len(parts) == 2:
+        parts.insert(0, "0")
+    if len(parts) != 3:
+        return None
+    try:
+        return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
+    except ValueError:
+        return None
+
+
 def host_path(root: str, path: str) -> str:
     """A host path under one of the configured roots ('/' means the real host)."""
     return os.path.join(root, path.lstrip("/"))
@@ -315,7 +330,7 @@ def find_other_files(settings: Settings, version: str) -> tuple[DriverFile, ...]
     return tuple(files)
 
 
-def discover(settings: Settings, use_nvml: bool = True) -> Inventory:
+def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | None = None) -> Inventory:
     version = read_driver_version(settings)
     majors = read_majors(settings)
     libraries = find_libraries(settings, version)
@@ -325,7 +340,8 @@ def discover(settings: Settings, use_nvml: bool = True) -> Inventory:
 
         nvml_lib = next((f for f in libraries if f.soname == "libnvidia-ml.so.1" and f.kind == "library"), None)
         if nvml_lib is not None:
-            facts = nvml.query(host_path(settings.driver_root, nvml_lib.path))
+            library = host_path(settings.driver_root, nvml_lib.path)
+            facts = nvml.query(library) if nvml_timeout is None else nvml.query(library, nvml_timeout)
     nvml_gpus = facts["gpus"] if facts else {}
     caps_major = majors.get("nvidia-caps")
     gpus = []

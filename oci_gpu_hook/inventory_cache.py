@@ -4,7 +4,9 @@
 inventory as JSON, atomically, with a fingerprint of what it was built from: the driver version
 banner, the GPUs procfs lists, the device nodes and the driver root's ld.so.cache. The hook
 recomputes the fingerprint (a few stat calls and two small reads) and uses the cache only when it
-still matches. Standard library only: this is on the start path.
+still matches, and only when it is a regular file of the hook's own user that no one else may
+write (settings.read_trusted): its paths become mount sources. Anything else counts as stale:
+rediscovered, and replaced by the rewrite. Standard library only: this is on the start path.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import os
 
 from . import jsonio
 from .inventory import Inventory, host_path
-from .settings import Settings
+from .settings import Settings, read_trusted
 
 FORMAT = 1
+MAX_BYTES = 16 << 20  # an 8-GPU host's cache is 14 kB
 
 
 def _stat_key(path: str):
@@ -71,15 +74,14 @@ def fingerprint(settings: Settings) -> dict:
 def read(settings: Settings, current: dict | None = None) -> Inventory | None:
     """The cached inventory if it is present and still matches the host, else None."""
     try:
-        with open(settings.inventory_cache, "rb") as f:
-            doc = jsonio.loads(f.read())
+        doc = jsonio.loads(read_trusted(settings.inventory_cache, MAX_BYTES))
         if doc.get("format") != FORMAT:
             return None
         if doc.get("fingerprint") != (current if current is not None else fingerprint(settings)):
             return None
         return Inventory.from_json(doc["inventory"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None  # absent, torn by hand or from another version: rebuild
+        return None  # absent, torn by hand, from another version or not ours alone: rebuild
 
 
 def write(settings: Settings, inventory: Inventory, print_=None) -> None:
@@ -96,8 +98,8 @@ def write(settings: Settings, inventory: Inventory, print_=None) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
             f.flush()
+            os.fchmod(f.fileno(), 0o644)  # not chmod(tmp): the name could be a link by now
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
         os.rename(tmp, path)
     except BaseException:
         try:
@@ -107,15 +109,37 @@ def write(settings: Settings, inventory: Inventory, print_=None) -> None:
         raise
 
 
-def load(settings: Settings) -> Inventory:
-    """The inventory for the hook: from the cache when fresh, else discovered and cached."""
+# Of the hook's budget, what a rebuild with NVML must leave for the plan, the mounts and ldconfig.
+APPLY_RESERVE = 2.0
+MIN_NVML_SECONDS = 0.5
+
+
+def load(settings: Settings, budget=None) -> Inventory:
+    """The inventory for the hook: from the cache when fresh, else discovered and cached. With a
+    budget (the hook's), NVML gets only what the budget leaves after APPLY_RESERVE, and a hung
+    NVML fails the start with one line in time, before anything in the container changed."""
+    from .errors import InventoryError
     from .inventory import discover
 
     current = fingerprint(settings)
     cached = read(settings, current)
     if cached is not None:
         return cached
-    inventory = discover(settings)
+    nvml_timeout = None
+    if budget is not None:
+        nvml_timeout = budget.remaining() - min(APPLY_RESERVE, budget.seconds / 4)
+        if nvml_timeout < MIN_NVML_SECONDS:
+            raise InventoryError(
+                f"the inventory cache is stale and the hook's {budget.seconds:g} s budget leaves no time "
+                "to ask NVML; run `oci-gpu-hook inventory refresh`"
+            )
+    try:
+        inventory = discover(settings, nvml_timeout=nvml_timeout)
+    except InventoryError as e:
+        if budget is None or "NVML" not in e.message:
+            raise
+        stale = "the inventory cache is stale: run `oci-gpu-hook inventory refresh`"
+        raise InventoryError(f"{e.message}; {stale}") from None
     try:
         write(settings, inventory, current)
     except OSError:

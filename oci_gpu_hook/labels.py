@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 
 from . import _linux
-from .errors import HookError
+from .errors import Exit, HookError
 
 
 class LabelError(HookError):
-    exit_code = 12
+    exit_code = Exit.LABEL
 
 
 def selinux_enabled() -> bool:

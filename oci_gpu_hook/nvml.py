@@ -3,8 +3,9 @@ the driver root's libnvidia-ml through NVIDIA's official bindings (nvidia-ml-py)
 
 The query runs in a child process with a deadline: NVML initialisation can take seconds or hang
 on hosts without persistence mode, and a process can bind only one libnvidia-ml (by SONAME), so
-a toolkit command looking at two driver roots needs two processes. Never used on the hook's start
-path: the inventory cache carries these facts.
+a toolkit command looking at two driver roots needs two processes. The hook's start path uses it
+only when the inventory cache is stale (after a driver change), and then only for what is left of
+the hook's time budget (inventory_cache.load); otherwise the cache carries these facts.
 """
 
 import json
@@ -35,7 +36,7 @@ def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
             cwd="/",
         )
     except subprocess.TimeoutExpired:
-        raise InventoryError(f"NVML ({library_path}) did not answer within {timeout:.0f} s") from None
+        raise InventoryError(f"NVML ({library_path}) did not answer within {timeout:.1f} s") from None
     if result.returncode != 0:
         message = result.stderr.decode("utf-8", "replace").strip().splitlines()
         raise InventoryError(f"NVML ({library_path}): {message[-1] if message else 'failed'}")

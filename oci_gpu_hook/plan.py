@@ -1,16 +1,22 @@
 """The plan: exactly what a container gets, as an ordered list of operations.
 
-Pure, and the only module with policy: from (request, inventory, rootfs layout) to operations
-that apply.py carries out mechanically and that `oci-gpu-hook plan` prints (the dry run).
-Sources are host paths (under the configured roots); targets are paths inside the container.
+Pure: from (request, inventory, rootfs layout) to operations that apply.py carries out and that
+`oci-gpu-hook plan` prints (the dry run). It decides what a container gets; request.py decides
+what the container asked for and may ask for. Some decisions stay with apply.py because only the
+live container can answer them: an optional source that is absent or not root's on the host
+(skipped), a /proc/driver/nvidia that the container's procfs does not show (nothing to mask),
+a device node the runtime already made with the planned numbers (kept), rules a cgroup already
+grants (not written). Sources are host paths (under the configured roots); targets are paths
+inside the container.
 """
 
 from __future__ import annotations
 
 import os
 
+from . import arch
 from .errors import InventoryError, RequestError, RequirementError
-from .inventory import DeviceNode, DriverFile, GpuInfo, Inventory, MigDevice, host_path
+from .inventory import DeviceNode, DriverFile, GpuInfo, Inventory, MigDevice, host_path, normalize_bus_id
 from .record import Record
 from .request import GpuRequest
 from .requirements import GpuFacts
@@ -18,7 +24,8 @@ from .requirements import GpuFacts
 # Mount flags per kind of source (NVIDIA's choices, which images expect).
 FILE_FLAGS = ("ro", "nosuid", "nodev")
 DEVICE_FLAGS = ("ro", "nosuid", "noexec")
-IPC_FLAGS = ("nosuid", "nodev", "noexec")
+IPC_FLAGS = ("nosuid", "nodev", "noexec")  # the MPS pipe directory: clients create their pipes there
+SOCKET_FLAGS = ("ro", "nosuid", "nodev", "noexec")  # connect() needs no write access to the mount
 PROC_FLAGS = ("ro", "nosuid", "nodev", "noexec")
 TMPFS_FLAGS = ("nosuid", "nodev", "noexec")
 PROC_NVIDIA = "/proc/driver/nvidia"
@@ -29,13 +36,17 @@ class LibraryLayout(Record):
 
     __slots__ = ("lib64", "lib32")
     lib64: str
-    lib32: str
+    lib32: str | None  # None: no 32-bit libraries are placed (aarch64)
 
     @classmethod
-    def for_rootfs(cls, debian: bool) -> LibraryLayout:
+    def for_rootfs(cls, debian: bool, machine: str | None = None) -> LibraryLayout:
+        """The multiarch directories of a Debian-like image, else /usr/lib64 (and /usr/lib), for
+        machine (os.uname().machine's name; default: this machine's). Any machine arch.py does
+        not know raises arch.UnsupportedArchitecture: every GPU start asks before changing anything."""
+        entry = arch.current(machine)
         if debian:
-            return cls("/usr/lib/x86_64-linux-gnu", "/usr/lib/i386-linux-gnu")
-        return cls("/usr/lib64", "/usr/lib")
+            return cls(entry.multiarch, entry.multiarch32)
+        return cls(entry.lib64, entry.lib32)
 
 
 # --- operations ---------------------------------------------------------------------------------
@@ -75,7 +86,7 @@ class BindMount(Operation):
     _defaults = {"optional": False}
     source: str
     target: str
-    kind: str  # file or dir
+    kind: str  # file, dir or socket
     flags: tuple[str, ...]
     optional: bool  # skipped when the source is absent (IPC endpoints)
 
@@ -200,18 +211,6 @@ class Plan(Record):
 # --- device selection ---------------------------------------------------------------------------
 
 
-def _normalize_bus_id(value: str) -> str | None:
-    parts = value.lower().split(":")
-    if len(parts) == 2:
-        parts.insert(0, "0")
-    if len(parts) != 3:
-        return None
-    try:
-        return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
-    except ValueError:
-        return None
-
-
 def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
     """One id of NVIDIA_VISIBLE_DEVICES -> the device, or RequestError '<id>: unknown device'."""
     gpus = inventory.gpus
@@ -240,7 +239,7 @@ def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
                 if mig.uuid and mig.uuid.lower() == lowered:
                     return SelectedDevice(gpu, mig)
     else:
-        bus_id = _normalize_bus_id(device_id)
+        bus_id = normalize_bus_id(device_id)
         for gpu in gpus:
             if gpu.bus_id == bus_id:
                 return SelectedDevice(gpu)
@@ -285,7 +284,7 @@ class _Builder:
 
     def add(self, op: Operation) -> None:
         target = getattr(op, "target", None)
-        if target is not None:
+        if target is not None and not isinstance(op, Remount):  # a remount changes what is there
             if target in self.targets:
                 return  # the same file asked for twice (e.g. a node shared by two MIG devices)
             self.targets.add(target)
@@ -306,7 +305,7 @@ class _Builder:
 
 def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout) -> tuple[str, ...]:
     inventory, caps = builder.inventory, request.capabilities
-    kinds = ("library", "library32") if "compat32" in caps else ("library",)
+    kinds = ("library", "library32") if "compat32" in caps and layout.lib32 else ("library",)
     dirs = []
     for f in inventory.files_for(caps, kinds):
         directory = layout.lib64 if f.kind == "library" else layout.lib32
@@ -380,7 +379,7 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout)
         if f.kind == "firmware":
             builder.file(f, f.path)
     for f in inventory.files_for(caps, ("ipc",)):
-        builder.add(BindMount(host_path(inventory.driver_root, f.path), f.path, "file", IPC_FLAGS, optional=True))
+        builder.add(BindMount(host_path(inventory.driver_root, f.path), f.path, "socket", SOCKET_FLAGS, optional=True))
     if "compute" in caps and request.mps_pipe_directory:
         source = host_path(inventory.driver_root, request.mps_pipe_directory)
         builder.add(BindMount(source, request.mps_pipe_directory, "dir", IPC_FLAGS, optional=True))

@@ -14,8 +14,6 @@ from . import spec as spec_module
 from . import state as state_module
 from .errors import HookError
 
-_VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices/"
-
 
 def may_ask_for_gpus(spec) -> bool:
     """False only when no setting could make this a GPU container."""
@@ -26,11 +24,11 @@ def may_ask_for_gpus(spec) -> bool:
     return (
         "CUDA_VERSION" in env
         or any(key.startswith("cdi.k8s.io/") for key in spec.annotations)
-        or any(m.destination.startswith(_VOLUME_MOUNT_DIR) for m in spec.mounts)
+        or any(spec_module.volume_mount_device(m.destination) for m in spec.mounts)
     )
 
 
-def run(config: str | None, stdin=None) -> int:
+def run(config: str | None, stdin=None, since_process_start: bool = False) -> int:
     stdin = stdin if stdin is not None else sys.stdin.buffer
     container = state_module.parse(stdin.read(state_module.MAX_STATE_BYTES + 1))
     spec = spec_module.load(container.bundle)
@@ -41,23 +39,27 @@ def run(config: str | None, stdin=None) -> int:
     settings = None
     try:
         settings = settings_module.load(config)
-        return _configure(container, spec, settings)
+        from .budget import Budget
+
+        budget = Budget(settings.deadline_seconds, age=None if since_process_start else 0.0)
+        return _configure(container, spec, settings, budget)
     except HookError as e:
         report.record(settings, container.id, "error", e.message, bundle=container.bundle)
         raise
 
 
-def _configure(container, spec, settings) -> int:
-    from . import apply, inventory_cache, request
+def _configure(container, spec, settings, budget) -> int:
+    from . import apply, arch, inventory_cache, request
     from .plan import LibraryLayout, build_plan
     from .rootfs import has_debian_layout
 
     gpu_request = request.parse_request(spec, settings)
     if gpu_request is None:
         return 0
-    inventory = inventory_cache.load(settings)
+    arch.current()  # an unknown machine says so first, not through whatever fails next
+    inventory = inventory_cache.load(settings, budget)
     plan = build_plan(gpu_request, inventory, LibraryLayout.for_rootfs(has_debian_layout(spec.rootfs)))
-    result = apply.apply(plan, container, spec, settings)
+    result = apply.apply(plan, container, spec, settings, budget)
     report.record(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],

@@ -4,10 +4,12 @@ Pure functions over text: each returns plain data or raises InventoryError namin
 what was wrong, never anything else, whatever the input (tests fuzz them).
 """
 
+from __future__ import annotations
+
 import re
-from typing import Dict
 
 from .errors import InventoryError
+from .inventory import normalize_bus_id
 
 # Both banner variants seen on real hosts: "Kernel Module  570.86.15  Wed Jan ..." and
 # "Open Kernel Module for x86_64  575.57.08  Release Build ...".
@@ -23,7 +25,7 @@ def parse_driver_version(text: str, path: str = "/proc/driver/nvidia/version") -
     raise InventoryError(f"{path}: no 'NVRM version' line with a driver version")
 
 
-def parse_key_values(text: str) -> Dict[str, str]:
+def parse_key_values(text: str) -> dict[str, str]:
     """'Key:   value' lines, as in gpus/<bus id>/information and params."""
     values = {}
     for line in text.splitlines():
@@ -33,7 +35,7 @@ def parse_key_values(text: str) -> Dict[str, str]:
     return values
 
 
-def parse_gpu_information(text: str, path: str) -> Dict[str, object]:
+def parse_gpu_information(text: str, path: str) -> dict[str, object]:
     """GPU facts from gpus/<bus id>/information; Device Minor is absent on older drivers (None)."""
     values = parse_key_values(text)
     uuid = values.get("GPU UUID", "")
@@ -53,13 +55,7 @@ def parse_gpu_information(text: str, path: str) -> Dict[str, object]:
     }
 
 
-def normalize_bus_id(bus_id: str) -> str:
-    """Any domain width -> procfs form 0000:07:00.0 (lower case, 4-digit domain)."""
-    domain, rest = bus_id.split(":", 1)
-    return f"{int(domain, 16):04x}:{rest.lower()}"
-
-
-def parse_proc_devices(text: str) -> Dict[str, int]:
+def parse_proc_devices(text: str) -> dict[str, int]:
     """Character device names -> majors, from /proc/devices."""
     majors = {}
     for line in text.split("Block devices:")[0].splitlines():

@@ -8,6 +8,7 @@ import os
 import time
 
 from . import jsonio
+from .errors import printable
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 
@@ -34,4 +35,5 @@ def record(settings, container_id: str, level: str, message: str, **details) -> 
             level, syslog.LOG_ERR
         )
         syslog.openlog("oci-gpu-hook", syslog.LOG_PID, syslog.LOG_DAEMON)
-        syslog.syslog(priority, f"container {container_id}: {message}")
+        # The log file is JSON (escaped); a syslog line is shown as it is.
+        syslog.syslog(priority, printable(f"container {container_id}: {message}"))

@@ -12,17 +12,16 @@ from __future__ import annotations
 import os
 
 from . import driver
-from .errors import RequestError
+from .errors import RequestError, printable
 from .record import Record
 from .requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
 from .settings import Settings
-from .spec import Spec
+from .spec import VOLUME_MOUNT_DIR, Spec, volume_mount_device
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 DRIVER_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
 MIG_CONFIG_DEVICES = "NVIDIA_MIG_CONFIG_DEVICES"
 MIG_MONITOR_DEVICES = "NVIDIA_MIG_MONITOR_DEVICES"
-VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 PRIVILEGED_CAPABILITY = "CAP_SYS_ADMIN"
 MAX_VALUE_LENGTH = 64 << 10
@@ -103,7 +102,8 @@ class GpuRequest(Record):
 
     def describe(self) -> str:
         devices = "all" if self.all_devices else (", ".join(self.devices) or "none")
-        return (
+        # Requirement variable names are the image's (NVIDIA_REQUIRE_<anything>).
+        return printable(
             f"devices: {devices} (from {self.source}); capabilities: {', '.join(sorted(self.capabilities))}; "
             f"requirements: {'disabled' if self.disable_require else self.requirements.describe()}"
         )
@@ -139,12 +139,8 @@ def _short(value: str) -> str:
 
 
 def _volume_mount_devices(spec: Spec) -> tuple[str, ...]:
-    names = [
-        os.path.basename(m.destination)
-        for m in spec.mounts
-        if m.source == "/dev/null" and os.path.dirname(os.path.normpath(m.destination)) == VOLUME_MOUNT_DIR
-    ]
-    return tuple(names)
+    named = ((m.source, volume_mount_device(m.destination)) for m in spec.mounts)
+    return tuple(name for source, name in named if source == "/dev/null" and name)
 
 
 def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[str, ...]:
@@ -223,7 +219,8 @@ def _mps_pipe_directory(spec: Spec, settings: Settings):
     path = os.path.normpath(value) if value.startswith("/") else ""
     if path in settings.mps_pipe_directories:
         return path, None
-    return None, (
+    # A note is no HookError: it is shown (plan, log, syslog) as built, so it escapes itself.
+    return None, printable(
         f"CUDA_MPS_PIPE_DIRECTORY={_short(value)} ignored: not in mps_pipe_directories "
         f"({', '.join(settings.mps_pipe_directories)})"
     )

@@ -55,7 +55,7 @@ NVIDIA_DISABLE_REQUIRE
 from __future__ import annotations
 
 from . import driver
-from .errors import RequestError, RequirementError
+from .errors import RequestError, RequirementError, printable
 from .record import Record
 
 PREFIX = "NVIDIA_REQUIRE_"
@@ -129,8 +129,7 @@ def parse_bool(value: str | None) -> bool:
 
 def _show(text: str, limit: int = 100) -> str:
     """Text from an image made safe for a one-line message: non-printables escaped, long text cut."""
-    shown = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
-    return shown + ("..." if len(text) > limit else "")
+    return printable(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def _version(text: str) -> tuple[int, ...] | None:

@@ -17,6 +17,7 @@ import stat
 from . import _linux
 
 MAX_SYMLINKS = 40
+OPENAT2_TRIES = 32
 _O_PATH = os.O_PATH | os.O_CLOEXEC
 _openat2_works = None  # unknown until tried; False on kernels before 5.6 or under seccomp
 
@@ -28,6 +29,12 @@ class UndoLog:
         self._actions: list[tuple[str, object]] = []
         self.fds: list[int] = []
         self.on_close: list = []  # releases that keep a change (called by close(), after success or rollback)
+        self.on_commit: list = []  # clean-ups that only success may run (commit(), before close())
+        self.journal = None  # journal.Journal: what is about to be created, for a hook killed mid-way
+
+    def intend(self, kind: str, path: str, value: str = "") -> None:
+        if self.journal is not None:
+            self.journal.intend(kind, path, value)
 
     def add(self, description: str, action: object) -> None:
         self._actions.append((description, action))
@@ -46,6 +53,16 @@ class UndoLog:
             except OSError as e:
                 failures.append(f"{description}: {e.strerror or e}")
         return failures
+
+    def commit(self) -> None:
+        """Everything succeeded: nothing will be undone; run the clean-ups that wait for that."""
+        self._actions = []
+        for action in self.on_commit:
+            try:
+                action()
+            except OSError:
+                pass
+        self.on_commit = []
 
     def close(self) -> None:
         for release in self.on_close:
@@ -85,19 +102,25 @@ class Rootfs:
         """A descriptor of path, symlinks resolved inside the rootfs. Raises OSError."""
         global _openat2_works
         if _openat2_works is not False:
-            try:
-                fd = _linux.openat2(
-                    self.fd,
-                    path.lstrip("/") or ".",
-                    flags | os.O_CLOEXEC,
-                    _linux.RESOLVE_IN_ROOT | _linux.RESOLVE_NO_MAGICLINKS,
-                )
-                _openat2_works = True
-                return fd
-            except OSError as e:
-                if e.errno not in (errno.ENOSYS, errno.EPERM) or _openat2_works:
-                    raise
-                _openat2_works = False
+            for attempt in range(OPENAT2_TRIES):
+                try:
+                    fd = _linux.openat2(
+                        self.fd,
+                        path.lstrip("/") or ".",
+                        flags | os.O_CLOEXEC,
+                        _linux.RESOLVE_IN_ROOT | _linux.RESOLVE_NO_MAGICLINKS,
+                    )
+                    _openat2_works = True
+                    return fd
+                except OSError as e:
+                    # EAGAIN: a rename somewhere in the filesystem raced the lookup (RESOLVE_IN_ROOT
+                    # refuses to guess); a bounded retry, as runc does, then give up.
+                    if e.errno == errno.EAGAIN and attempt + 1 < OPENAT2_TRIES:
+                        continue
+                    if e.errno not in (errno.ENOSYS, errno.EPERM) or _openat2_works:
+                        raise
+                    _openat2_works = False
+                    break
         fd = self._walk(path)
         if flags & ~(os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW):
             try:
@@ -160,6 +183,7 @@ class Rootfs:
         except FileNotFoundError:
             parent, name = os.path.split(path.rstrip("/"))
             parent_fd = self.ensure_dir(parent or "/", undo)
+            undo.intend("dir", path)
             try:
                 os.mkdir(name, 0o755, dir_fd=parent_fd)
             except FileExistsError:
@@ -175,9 +199,11 @@ class Rootfs:
             raise OSError(errno.ENOTDIR, "not a directory", path)
         return fd
 
-    def ensure_target(self, path: str, directory: bool, mode: int, undo: UndoLog) -> int:
+    def ensure_target(self, path: str, directory: bool, mode: int, undo: UndoLog, device=None) -> int:
         """O_PATH descriptor of a mount target: an existing file/dir of the right type, or a new
-        empty one made with mode (recorded in undo)."""
+        empty one made with mode (recorded in undo). With device=(major, minor), a character
+        device node of exactly those numbers is right too: the runtime made it (linux.devices,
+        `podman --device`, a device plugin's device specs) and mounting over it is harmless."""
         if directory:
             return self.ensure_dir(path, undo)
         try:
@@ -185,6 +211,7 @@ class Rootfs:
         except FileNotFoundError:
             parent, name = os.path.split(path)
             parent_fd = self.ensure_dir(parent, undo)
+            undo.intend("file", path)
             try:
                 created = os.open(
                     name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd
@@ -198,7 +225,10 @@ class Rootfs:
             undo.add(f"remove file {path}", lambda: os.unlink(name, dir_fd=parent_fd))
             self.created(parent_fd, name)
             return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
-        st_mode = os.fstat(fd).st_mode
+        st = os.fstat(fd)
+        st_mode = st.st_mode
+        if device is not None and stat.S_ISCHR(st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == device:
+            return fd
         if not stat.S_ISREG(st_mode):
             os.close(fd)
             what = "a directory" if stat.S_ISDIR(st_mode) else "not a regular file"
@@ -214,6 +244,7 @@ class Rootfs:
             try:
                 st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
             except FileNotFoundError:
+                undo.intend("symlink", path, value)
                 os.symlink(value, name, dir_fd=parent_fd)
                 undo.keep_fd(os.dup(parent_fd))
                 fd = undo.fds[-1]
@@ -225,6 +256,47 @@ class Rootfs:
             return "kept"
         finally:
             os.close(parent_fd)
+
+
+    def replace_file(self, directory: str, dir_fd: int, name: str, data: bytes, mode: int, undo: UndoLog) -> None:
+        """Put a new file with data at name in the directory open at dir_fd, by rename: whatever
+        is there (a device node, FIFO, hard link or symlink the image planted) is replaced as a
+        directory entry, never opened or written through. Undone by swapping the old entry back."""
+        temporary = f".{name}.oci-gpu-hook-{os.getpid()}"
+        undo.intend("temp", f"{directory.rstrip('/')}/{temporary}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temporary, flags, mode, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                os.fchmod(f.fileno(), mode)  # the umask must not decide who may read it
+            self.created(dir_fd, temporary)
+            try:
+                old = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                old = None
+            if old is None:
+                os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            elif stat.S_ISDIR(old.st_mode):
+                raise OSError(errno.EISDIR, "a directory is in the way", name)
+            else:
+                _linux.renameat2(dir_fd, temporary, dir_fd, name, _linux.RENAME_EXCHANGE)
+        except BaseException:
+            try:
+                os.unlink(temporary, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+        if old is None:
+            undo.add(f"remove {name}", lambda: os.unlink(name, dir_fd=dir_fd))
+            return
+
+        def swap_back():
+            _linux.renameat2(dir_fd, temporary, dir_fd, name, _linux.RENAME_EXCHANGE)
+            os.unlink(temporary, dir_fd=dir_fd)
+
+        undo.add(f"put the image's {name} back", swap_back)
+        undo.on_commit.append(lambda: os.unlink(temporary, dir_fd=dir_fd))  # the image's old entry
 
 
 def has_debian_layout(rootfs: str) -> bool:

@@ -12,6 +12,7 @@ inode, size and modification time; the start path reads that while the file is u
 from __future__ import annotations
 
 import os
+import stat
 
 from . import driver, jsonio
 from .errors import ConfigError
@@ -134,26 +135,49 @@ def compiled_path(path: str) -> str:
     return os.path.join(COMPILED_DIR, "settings" + path.replace("_", "__").replace("/", "_") + ".json")
 
 
-def _trusted(st) -> bool:
+def trusted(st) -> bool:
+    """Owned by the hook's own user and writable by it alone: only the hook can have written it."""
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def read_trusted(path: str, limit: int) -> bytes:
+    """The contents of the regular file at path, if it passes trusted(), for the files the hook
+    keeps for itself (compiled settings, the inventory cache): they decide where mounts come from.
+
+    Raises OSError (absent; a symlink: ELOOP) or ValueError (not a regular file, not trusted, over
+    limit bytes). The checks are made on the descriptor that is read, so nothing can be swapped
+    in between; O_NONBLOCK because a FIFO planted there would otherwise block the open.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if not trusted(st):
+            raise ValueError(f"owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}: only a file of "
+                             f"uid {os.geteuid()} that no one else may write is used")  # fmt: skip
+        chunks, size = [], 0
+        while True:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"larger than {limit} bytes")
+    finally:
+        os.close(fd)
 
 
 def _read_compiled(path: str, key) -> dict | None:
     if key is None:
         return None
     try:
-        fd = os.open(compiled_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        # Written by us (same owner) and by nobody else: this file decides where mounts come from.
-        if not _trusted(os.fstat(fd)) or not _trusted(os.stat(COMPILED_DIR)):
+        if not trusted(os.stat(COMPILED_DIR)):  # whoever may write it could rename our files around
             return None
-        doc = jsonio.loads(os.read(fd, MAX_CONFIG_BYTES))
+        doc = jsonio.loads(read_trusted(compiled_path(path), MAX_CONFIG_BYTES))
     except (OSError, ValueError):
         return None
-    finally:
-        os.close(fd)
     if not isinstance(doc, dict) or doc.get("path") != path or doc.get("key") != key:
         return None
     return doc.get("settings") if isinstance(doc.get("settings"), dict) else None
@@ -170,7 +194,7 @@ def _write_compiled(path: str, key, data: dict) -> None:
         fd, tmp = tempfile.mkstemp(prefix=".settings-", dir=COMPILED_DIR)
         with os.fdopen(fd, "w") as f:
             json.dump({"path": path, "key": key, "settings": data}, f)
-        os.chmod(tmp, 0o644)
+            os.fchmod(fd, 0o644)  # not chmod(tmp): the name could be a link by now
         os.rename(tmp, compiled_path(path))
     except OSError:
         pass  # a read-only /run costs speed, not correctness

@@ -20,6 +20,18 @@ class Mount(Record):
     __slots__ = ("destination", "source", "type")
 
 
+VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
+
+
+def volume_mount_device(destination: str) -> str | None:
+    """The device id a mount destination names in NVIDIA's volume-mount device list (/dev/null
+    mounted at /var/run/nvidia-container-devices/<id>), or None. Normalised first, so that
+    /var/run/./nvidia-container-devices/0 and //var/run/nvidia-container-devices/0/ count: the
+    one rule for the hook's fast path and for the request."""
+    parent, name = os.path.split("/" + os.path.normpath(destination).lstrip("/"))
+    return name if parent == VOLUME_MOUNT_DIR and name not in ("", ".", "..") else None
+
+
 class Spec(Record):
     __slots__ = ("rootfs", "readonly_rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label")
     rootfs: str  # absolute host path of the container's root

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from . import jsonio
-from .errors import HookError
+from .errors import Exit, HookError
 from .record import Record
 
 MAX_STATE_BYTES = 1 << 20
@@ -17,7 +17,7 @@ MAX_STATE_BYTES = 1 << 20
 class StateError(HookError):
     """The OCI state on stdin is unusable."""
 
-    exit_code = 8
+    exit_code = Exit.STATE
 
 
 class ContainerState(Record):

@@ -1,9 +1,11 @@
 """`oci-gpu-hook validate`: after installing, prove the hook works: for every GPU, start a small
-container with the hook (runc, or podman through a hooks.d directory), ask for that GPU by UUID and
-run nvidia-smi in it; the GPU passes when the container sees exactly it. On a real GPU host a CUDA
-sample (deviceQuery), when one is installed, runs in the container too.
+container with the hook (runc, or podman through a hooks.d directory, with the OCI runtime podman
+is configured with unless told another), ask for that GPU by UUID and run nvidia-smi in it; the GPU
+passes when the container sees exactly it. On a real GPU host a CUDA sample (deviceQuery), when one
+is installed, runs in the container too.
 
-The container is the demo's: busybox-static plus the host's glibc loader and libc.
+The container is the demo's: busybox-static plus the host's glibc loader and libc. Nothing is read
+from the source tree: an installed copy of the package validates the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import shutil
 import subprocess
 import tempfile
 
-from . import demo
+from . import demo, install
 from .errors import InventoryError, PrerequisiteError
 from .record import Record
 
@@ -26,6 +28,10 @@ CUDA_SAMPLES = (
 _UUID = re.compile(r"UUID: (GPU-[0-9a-fA-F-]+)")
 # Driver libraries come from the hook; everything else a sample needs is copied into the rootfs.
 _DRIVER_LIBRARY = re.compile(r"^lib(cuda|nvidia-|nvcuvid|GLX_nvidia|EGL_nvidia)")
+# podman run options besides the image: small limits of the container's own (some hosts' and
+# sandboxes' hard limits are below podman's defaults, and runc then fails), no network. The OCI
+# runtime is podman's own unless --oci-runtime names one.
+PODMAN_OPTIONS = ["--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 
 
 class GpuResult(Record):
@@ -88,14 +94,46 @@ def judge(gpu, returncode: int, stdout: str, stderr: str, sample: str | None, ru
     return result(True, f"nvidia-smi -L in a {runtime} container sees exactly this GPU")
 
 
-def run(settings, config_file: str | None, runtime: str = "runc", workdir: str | None = None, on_result=None):
-    """Validate every GPU; returns [GpuResult]. on_result(result) is called as each one finishes."""
+def podman_oci_runtime(oci_runtime: str | None) -> str:
+    """The OCI runtime podman runs containers with (oci_runtime, a name or a path, or podman's
+    configured default), as podman names it; PrerequisiteError when podman cannot use it."""
+    argv = ["podman"] + (["--runtime", oci_runtime] if oci_runtime else [])
+    argv += ["info", "--format", "{{.Host.OCIRuntime.Name}}"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise PrerequisiteError("podman info did not answer in 60 s") from None
+    lines = (out.stderr.strip() or out.stdout.strip()).splitlines()
+    if out.returncode != 0 or not out.stdout.strip():
+        raise PrerequisiteError(f"podman cannot use the OCI runtime {oci_runtime or '(its default)'}: "
+                                f"{lines[-1] if lines else f'podman info exited with {out.returncode}'}")  # fmt: skip
+    return out.stdout.strip().splitlines()[-1]
+
+
+def podman_run(hooks_dir: str, image: str, args, env: dict, oci_runtime: str | None, timeout: float = 120):
+    argv = ["podman", "--hooks-dir", hooks_dir] + (["--runtime", oci_runtime] if oci_runtime else [])
+    argv += ["run", "--rm"] + PODMAN_OPTIONS
+    for key, value in env.items():
+        argv += ["-e", f"{key}={value}"]
+    return subprocess.run(argv + [image, *args], capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def run(settings, config_file: str | None, runtime: str = "runc", workdir: str | None = None, on_result=None,
+        oci_runtime: str | None = None):  # fmt: skip
+    """Validate every GPU; returns [GpuResult]. on_result(result) is called as each one finishes.
+    oci_runtime: the OCI runtime podman uses (its own default when None); only with podman."""
     from . import inventory_cache
 
+    if oci_runtime is not None and runtime != "podman":
+        raise ValueError("an OCI runtime can be chosen only for podman")
     if os.geteuid() != 0:
         raise PrerequisiteError("validate needs root: it starts containers")
-    if runtime == "podman" and shutil.which("podman") is None:
-        raise PrerequisiteError("podman is not installed")
+    shown = runtime
+    if runtime == "podman":
+        if shutil.which("podman") is None:
+            raise PrerequisiteError("podman is not installed")
+        shown = f"podman ({podman_oci_runtime(oci_runtime)})"
     inventory = inventory_cache.load(settings)
     if not inventory.gpus:
         raise InventoryError("the driver lists no GPUs: there is nothing to validate")
@@ -110,17 +148,19 @@ def run(settings, config_file: str | None, runtime: str = "runc", workdir: str |
         command = ["sh", "-c", f"nvidia-smi -L && {program}" if program else "nvidia-smi -L"]
         image = hooks_dir = None
         if runtime == "podman":
-            hooks_dir = demo.write_hooks_dir(os.path.join(workdir, "hooks.d"), config_file)
+            # The hook as the runc bundle runs it: this interpreter with this copy of the package.
+            argv_prefix = demo.hook_command() + (["--config", config_file] if config_file else [])
+            hooks_dir = install.write_hooks_dir(os.path.join(workdir, "hooks.d"), argv_prefix)
             image = demo.podman_image(rootfs, f"localhost/oci-gpu-hook-validate-{os.getpid()}:latest")
         try:
             for gpu in inventory.gpus:
                 env = {"NVIDIA_VISIBLE_DEVICES": gpu.uuid}
                 if runtime == "podman":
-                    out = demo.podman_run(hooks_dir, image, command, env)
+                    out = podman_run(hooks_dir, image, command, env, oci_runtime)
                 else:
                     demo.write_config(bundle, args=command, env=env, config_file=config_file)
                     out = demo.runc_run(bundle, f"oci-gpu-hook-validate-{os.getpid()}-{gpu.index}")
-                result = judge(gpu, out.returncode, out.stdout, out.stderr, sample, runtime)
+                result = judge(gpu, out.returncode, out.stdout, out.stderr, sample, shown)
                 results.append(result)
                 if on_result:
                     on_result(result)

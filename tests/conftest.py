@@ -57,6 +57,92 @@ def require():
     return check
 
 
+NOBODY = 65534  # the overflow uid and gid: owns nothing, so it reads only what everyone may read
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "another_user: runs code as another user (the run_as_nobody fixture marks it); "
+        "tests/test_checkout_location.py runs these from a checkout no one else can enter",
+    )
+
+
+def pytest_collection_modifyitems(items):
+    # Marked by the fixture, not by hand, so a new test that uses it cannot be left out of the run
+    # from a locked checkout.
+    for item in items:
+        if "run_as_nobody" in getattr(item, "fixturenames", ()):
+            item.add_marker("another_user")
+
+
+def _readable_by_all(top: str) -> None:
+    """Directories 0755 and files 0644 (0755 where executable), whatever the umask or the modes the
+    files had in the checkout."""
+    os.chmod(top, 0o755)
+    for directory, dirs, files in os.walk(top):
+        for name in dirs:
+            os.chmod(os.path.join(directory, name), 0o755)
+        for name in files:
+            path = os.path.join(directory, name)
+            os.chmod(path, 0o755 if os.stat(path).st_mode & 0o100 else 0o644)
+
+
+def _unreachable_by_others(path: str):
+    """The first directory on path's way that others cannot enter, or None."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while True:
+        if not os.stat(directory).st_mode & 0o001:
+            return directory
+        if directory == "/":
+            return None
+        directory = os.path.dirname(directory)
+
+
+@pytest.fixture
+def run_as_nobody(require):
+    """Factory: run(args, modules=("oci_gpu_hook",), **subprocess_args) runs `python ARGS` as uid
+    and gid 65534, no supplementary groups, no capabilities; returns the CompletedProcess.
+
+    The child must not need the checkout: root may have cloned it where no one else can enter
+    (its home, /root, is 0700), and the venv (its python and site-packages) lies inside it too. So
+    the child runs the base interpreter (the venv's is a link to it, or a copy of it) in a
+    directory made for it and removed afterwards, readable by everyone, holding copies of
+    `modules` as this process imports them: the package under test, and any third-party package
+    the child imports (click for the CLI). That directory is its working directory, so it comes
+    first on its sys.path; -E keeps PYTHONPATH from pointing it elsewhere.
+    """
+    require("root")
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    locked = _unreachable_by_others(python)
+    if locked:
+        pytest.fail(f"{python}: other users cannot run it ({locked} is closed to them)", pytrace=False)
+    made = []
+
+    def run(args, modules=("oci_gpu_hook",), **kwargs):
+        # In /tmp itself, not under tempfile's default: TMPDIR may be private (pam_tmpdir's /tmp/user/0).
+        top = tempfile.mkdtemp(prefix="oci-gpu-hook-nobody-", dir="/tmp")
+        made.append(top)
+        for name in modules:
+            spec = importlib.util.find_spec(name)
+            if spec.submodule_search_locations:
+                (source,) = spec.submodule_search_locations
+                shutil.copytree(source, os.path.join(top, name), ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(spec.origin, top)
+        _readable_by_all(top)
+        # subprocess drops privileges before exec, so the kernel checks the interpreter's path as
+        # nobody (setpriv execs with root's capabilities still effective, so it would not), and
+        # the switch from uid 0 clears every capability.
+        return subprocess.run(
+            [python, "-E", "-s", "-B", *args], cwd=top, user=NOBODY, group=NOBODY, extra_groups=[], **kwargs
+        )
+
+    yield run
+    for top in made:
+        shutil.rmtree(top)
+
+
 @pytest.fixture
 def hook_cli():
     """Run the real console entry point in a subprocess; returns CompletedProcess with text."""
@@ -143,9 +229,8 @@ def live_container(tmp_path, simulated_host, require):
         )
         cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-test-{os.getpid()}-{time.monotonic_ns()}")
         os.mkdir(cgroup)
-        proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "600"])
+        proc = demo.hold_namespace(os.path.join(bundle, "rootfs"))
         started.append((proc, cgroup))
-        time.sleep(0.2)
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
             f.write(str(proc.pid))
         with open(os.path.join(cgroup, "devices.deny"), "w") as f:

@@ -38,8 +38,9 @@ HOST_WATCH = (
     "/proc/driver/nvidia",
 )
 
-# The hook's own log and inventory cache are the host files it is meant to write.
-HOOK_OWN_FILES = ("hook.log", "inventory-cache.json")
+# The hook's own log, inventory cache and journal directory (empty between applies) are the host
+# files it is meant to write.
+HOOK_OWN_FILES = ("hook.log", "inventory-cache.json", "pending")
 
 
 def run_hook(config: str, state, env=None, timeout: float = 60, preexec_fn=None) -> subprocess.CompletedProcess:
@@ -105,7 +106,9 @@ def mountinfo(pid="self") -> list[tuple[str, str, str]]:
 
 
 def unescape(field: str) -> str:
-    return field.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    from oci_gpu_hook.cgroups import unescape_mountinfo  # the package's one mountinfo unescape
+
+    return unescape_mountinfo(field)
 
 
 def tree(root: str, contents: bool = False) -> dict:

@@ -86,7 +86,8 @@ def ldcache_refresh(directories, links):
                     f"{path}: cannot create the symlink in the container: {e.strerror}"
                 ) from None
         if directories:
-            ldconfig.refresh(rootfs.fd, directories)
+            ldconfig.refresh(rootfs, directories, undo)
+        undo.commit()
     except BaseException:
         undo.rollback()
         raise

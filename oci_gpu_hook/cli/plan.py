@@ -17,6 +17,7 @@ def plan(obj, bundle, as_json, no_cache):
     The rootfs may be absent; libraries then go to /usr/lib64 (as for a non-Debian image).
     """
     from .. import inventory_cache, request, spec
+    from ..errors import printable
     from ..inventory import discover
     from ..plan import LibraryLayout, build_plan
     from ..rootfs import has_debian_layout
@@ -34,6 +35,8 @@ def plan(obj, bundle, as_json, no_cache):
     layout = LibraryLayout.for_rootfs(has_debian_layout(container.rootfs))
     result = build_plan(gpu_request, inventory, layout)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(result.to_json(), indent=2))  # ASCII: json escapes every control character
     else:
-        click.echo(result.describe())
+        # One line per item whatever the image put in its env: the request and notes are escaped
+        # where they are built; this keeps any later image text in the plan off the terminal too.
+        click.echo("\n".join(printable(line) for line in result.describe().split("\n")))

@@ -22,11 +22,13 @@ from oci_gpu_hook.errors import HookError
 UNIFIED = "/sys/fs/cgroup/unified"
 DENY_ALL = [bpf.mov64_imm(bpf.R0, 0), bpf.exit_insn()]
 
-# The container (run under unshare --mount): moves itself into its cgroup, says so, waits for
-# the hook, then opens two device nodes in its rootfs and prints the errno names.
+# The container (run under unshare --mount): makes its rootfs a mount point (as runc does), moves
+# itself into its cgroup, says so, waits for the hook, then opens two device nodes in its rootfs
+# and prints the errno names.
 OPENER = r"""
-import errno, os, sys
+import errno, os, subprocess, sys
 cgroup, rootfs, *nodes = sys.argv[1:]
+subprocess.run(["mount", "--bind", rootfs, rootfs], check=True)
 with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
     f.write(str(os.getpid()))
 print("ready", flush=True)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import hookcheck
 import pytest
 
 
@@ -26,7 +27,7 @@ def snapshot(root):
 
 def host_files(tree):
     # The hook's own log and inventory cache are the host files it is meant to write.
-    return {path: kind for path, kind in tree.items() if path not in ("hook.log", "inventory-cache.json")}
+    return {path: kind for path, kind in tree.items() if path not in hookcheck.HOOK_OWN_FILES}
 
 
 def hook(config, state, fault=None):

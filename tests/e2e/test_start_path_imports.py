@@ -13,7 +13,7 @@ FORBIDDEN = {"click", "yaml", "jsonschema", "pynvml", "dataclasses", "inspect", 
              "subprocess", "tempfile", "glob", "signal", "enum"}  # fmt: skip
 
 # -S: no site hooks (a developer's editable install loads re and enum at startup); the package and
-# its dependencies (python-prctl, for the ldconfig child) come from explicit paths instead.
+# its dependencies come from explicit paths instead.
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PATHS = [REPO] + [p for p in sys.path if p.endswith("site-packages")]
 PROBE = (
@@ -52,3 +52,21 @@ def test_gpu_container_with_warm_caches(live_container):
     added = loaded(["--config", config, "prestart"], state) - baseline()
     assert not added & FORBIDDEN, added & FORBIDDEN
     assert {"oci_gpu_hook", "ctypes"} <= added  # it did the work (mounts need ctypes)
+
+
+
+# What the apply child may import on its own (lazily, after the fork: the probes above cannot see
+# it), cgroup v2's bpf.py among them.
+CHILD_MODULES = ("apply", "bpf", "cgroups", "journal", "labels", "ldconfig", "rootfs", "sources", "budget", "arch")
+
+
+def test_what_the_apply_child_loads_on_cgroup_v1_and_v2():
+    code = (
+        f"import sys; sys.path[:0] = {PATHS!r}\n"
+        f"for name in {CHILD_MODULES!r}: __import__('oci_gpu_hook.' + name)\n"
+        "import select\n"  # ldconfig's wait
+        "sys.stdout.write(' '.join(sorted(m.split('.')[0] for m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
+    added = set(out.stdout.split()) - baseline()
+    assert not added & FORBIDDEN, added & FORBIDDEN

@@ -37,7 +37,6 @@ MAIN_REQUIRES = {
     "python3-pyyaml",
     "python3-jsonschema",
     "python3-libselinux",
-    "python3-prctl",
     "python(abi) = 3.9",
 }
 SELINUX_REQUIRES = {"selinux-policy-targeted", "container-selinux", "policycoreutils", "libselinux-utils"}
@@ -87,6 +86,7 @@ def test_requires_name_rhel9_packages(rpms):
     assert MAIN_REQUIRES <= main, sorted(MAIN_REQUIRES - main)
     recommends = rpm_query("--recommends", rpms["main"])
     assert "python3dist(nvidia-ml-py)" in recommends and "oci-gpu-hook-selinux" in recommends
+    assert "python3-tomli" in recommends
     selinux = set(rpm_query("--requires", rpms["selinux"]).splitlines())
     assert SELINUX_REQUIRES <= selinux, sorted(SELINUX_REQUIRES - selinux)
 

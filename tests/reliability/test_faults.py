@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 
 import hookcheck
@@ -149,7 +150,7 @@ def test_ldconfig_failing_on_a_read_only_etc(container):
     etc = os.path.join(bundle, "rootfs/etc")
     hookcheck.in_container(pid, "mount", "--bind", etc, etc)
     hookcheck.in_container(pid, "mount", "-o", "remount,bind,ro", etc)
-    fails_cleanly(container, LDCONFIG, "ldconfig failed")
+    fails_cleanly(container, LDCONFIG, "cannot install /etc/ld.so.cache in the container: Read-only file system")
 
 
 def test_no_ldconfig_on_the_host(container, monkeypatch, capsys):
@@ -169,12 +170,12 @@ def test_library_directory_out_of_inodes(container):
 
 
 def test_etc_out_of_space_for_the_ld_cache(container):
-    """A full /etc: every mount is made, then ldconfig cannot write ld.so.cache; all is undone."""
+    """A full /etc: every mount is made, then the new ld.so.cache does not fit; all is undone."""
     state, bundle, pid, cgroup, host = container
     etc = os.path.join(bundle, "rootfs/etc")
     hookcheck.in_container(pid, "mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", etc)
     hookcheck.in_container(pid, "sh", "-c", f"cat /dev/zero > {etc}/fill 2>/dev/null; true")
-    fails_cleanly(container, LDCONFIG, "ldconfig failed")
+    fails_cleanly(container, LDCONFIG, "cannot install /etc/ld.so.cache in the container: No space left on device")
 
 
 def test_device_cgroup_refuses_the_rule(container):
@@ -194,13 +195,40 @@ def test_device_cgroup_refuses_the_rule(container):
         os.rmdir(child)
 
 
-def test_deadline_passing_mid_way(container):
-    """A driver procfs file that blocks (as a hung driver's does) after the first mounts: the
-    deadline (1 s) fires, everything done so far, the tmpfs included, is rolled back."""
+def test_deadline_passing_mid_way(container, tmp_path, monkeypatch, capsys, require):
+    """A step that hangs (here ldconfig, the last one, so every mount and the /proc/driver/nvidia
+    tmpfs are already made): the deadline (1 s) fires and everything is rolled back.
+    (Host sources are checked to be regular files, so a FIFO can no longer stand in for a hung
+    driver file; a hung program can.)"""
+    require("gcc")
+    import subprocess
+
+    from oci_gpu_hook import ldconfig
+
     state, bundle, pid, cgroup, host = container
     os.makedirs(os.path.join(bundle, "rootfs/proc/driver/nvidia"))  # a procfs with the driver's directory
-    params = f"{host['root']}/proc/driver/nvidia/params"
-    os.unlink(params)
-    os.mkfifo(params)
+    source = tmp_path / "hang.c"
+    source.write_text("#include <unistd.h>\nint main(void) { sleep(30); return 0; }\n")
+    hang = tmp_path / "ldconfig"
+    subprocess.run(["gcc", "-static", "-o", str(hang), str(source)], check=True)
+    monkeypatch.setattr(ldconfig, "LDCONFIG_PATHS", (str(hang),))
     config = config_of(host, "deadline_seconds: 1\n")
-    fails_cleanly(container, APPLY, "deadline passed", config=config)
+    fails_cleanly(container, APPLY, "deadline passed", config=config, in_process=capsys)
+
+
+def test_the_deadline_between_a_mount_and_its_undo_record(container, monkeypatch, capsys):
+    """SIGALRM raised right after a mount(2) returns, before its undo is recorded: held back until
+    the record is made, so the rollback still unmounts it."""
+    from oci_gpu_hook import _linux
+
+    real_mount = _linux.mount
+    fired = []
+
+    def mount_then_alarm(source, target, fstype, flags, data=None):
+        real_mount(source, target, fstype, flags, data)
+        if flags & _linux.MS_BIND and not flags & _linux.MS_REMOUNT and not fired:
+            fired.append(target)
+            os.kill(os.getpid(), signal.SIGALRM)  # the deadline, at the worst moment
+
+    monkeypatch.setattr(_linux, "mount", mount_then_alarm)
+    fails_cleanly(container, APPLY, "deadline passed", in_process=capsys)

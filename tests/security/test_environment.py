@@ -155,46 +155,6 @@ def test_the_hook_takes_nothing_from_the_image_environment(traps, live_container
     assert sprung(markers) == {}
 
 
-def test_ldconfig_gets_an_empty_environment_and_nothing_else(traps, tmp_path, monkeypatch, require):
-    """The hook's own environment, even if polluted, does not reach ldconfig: it gets an empty one,
-    only the rootfs descriptor, a bounding set of five capabilities and no_new_privs."""
-    require("root")
-    from oci_gpu_hook import ldconfig
-
-    markers, env = traps
-    out = tmp_path / "seen"
-    out.mkdir()
-    fake = tmp_path / "ldconfig"
-    fake.write_text(
-        "#!/bin/sh\n"
-        f"/bin/cat /proc/$$/environ > {out}/environ\n"
-        f"for fd in /proc/$$/fd/*; do /bin/readlink $fd; done > {out}/fds\n"
-        f"/bin/grep -E '^(CapBnd|CapEff|CapPrm|NoNewPrivs)' /proc/$$/status > {out}/status\n"
-    )  # fmt: skip
-    fake.chmod(0o755)
-    monkeypatch.setattr(ldconfig, "LDCONFIG_PATHS", (str(fake),))
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    rootfs = tmp_path / "rootfs"
-    rootfs.mkdir()
-    fd = os.open(rootfs, os.O_PATH | os.O_DIRECTORY)
-    leaked = open(os.path.join(tmp_path, "a-host-file"), "w")  # an open host file ldconfig must not inherit
-    try:
-        ldconfig.refresh(fd, ["/usr/lib64"])
-    finally:
-        os.close(fd)
-        leaked.close()
-    assert (out / "environ").read_bytes() == b""
-    fds = (out / "fds").read_text().split()
-    assert str(rootfs) in fds and not [f for f in fds if "a-host-file" in f]
-    expected = (str(rootfs), "/dev/null", str(fake), str(out / "fds"))  # the last: the script's own redirection
-    assert not [f for f in fds if f not in expected and not f.startswith("pipe:")], fds
-    status = dict(line.split(":\t") for line in (out / "status").read_text().splitlines())
-    assert status["NoNewPrivs"] == "1"
-    assert bin(int(status["CapBnd"], 16)).count("1") == len(ldconfig.KEPT_CAPABILITIES)
-    assert sprung(markers) == {}
-
-
 def test_the_nvml_child_gets_a_fixed_environment(traps, simulated_host, monkeypatch):
     """`inventory refresh` asks NVML in a child: a polluted caller's env does not reach it."""
     from oci_gpu_hook import nvml

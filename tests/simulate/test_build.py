@@ -179,27 +179,13 @@ def test_cli_errors_are_one_line(tmp_path, hook_cli, require):
     assert out.stderr.splitlines() == ["oci-gpu-hook: --gpus 99: the simulated host holds 1 to 16 GPUs"]
 
 
-def test_non_root_is_told_to_use_root(tmp_path, require):
-    require("root", "setpriv")
+def test_non_root_is_told_to_use_root(tmp_path, run_as_nobody):
     tmp_path.chmod(0o777)
-    import sys
-
-    out = subprocess.run(
-        [
-            "setpriv",
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--inh-caps=-all",
-            sys.executable,
-            "-m",
-            "oci_gpu_hook",
-            "simulate",
-            str(tmp_path / "s"),
-        ],
+    out = run_as_nobody(
+        ["-m", "oci_gpu_hook", "simulate", str(tmp_path / "s")],
+        modules=("oci_gpu_hook", "click"),
         capture_output=True,
         text=True,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     )
     assert out.returncode == 7
     assert out.stderr == "oci-gpu-hook: simulate needs root: it creates device nodes with mknod (run it as root)\n"

@@ -2,6 +2,8 @@
 
 import json
 import os
+import re
+import sys
 
 import pytest
 
@@ -123,6 +125,14 @@ def test_stale_inventory_cache(setup):
     assert [f[0] for f in found] == ["inventory-cache"] and "stale" in found[0][1]
 
 
+def test_inventory_cache_the_hook_would_ignore(setup):
+    """Fresh but writable by others: the hook rediscovers every time, so doctor says so."""
+    host, config, root, mountinfo = setup
+    os.chmod(config.inventory_cache, 0o666)
+    found = failures(run(config, root, mountinfo))
+    assert [f[0] for f in found] == ["inventory-cache"] and "unusable" in found[0][1], found
+
+
 def test_cgroup_setting_that_does_not_match_the_host(setup, tmp_path):
     host, config, root, _ = setup
     v2 = tmp_path / "mountinfo-v2"
@@ -185,3 +195,108 @@ def test_cli_json_and_exit_status(setup, hook_cli):
     assert text.returncode == 2
     assert any(line.startswith("FAIL  device-nodes") for line in text.stdout.splitlines())
     assert "fix: " in text.stdout
+
+
+# --- the runtimes' TOML files, read with a TOML parser ------------------------------------------
+
+
+def _regex_answer(text):
+    """What doctor made of a TOML file before it had a parser (regular expressions, any table),
+    kept here to show that each case below is one they got wrong."""
+    text = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    matches = re.findall(r"(?m)^\s*hooks_dir\s*=\s*\[(.*?)\]", text, re.S)
+    return re.findall(r"""["']([^"']*)["']""", matches[-1]) if matches else None
+
+
+@pytest.fixture
+def installed_root(tmp_path):
+    """A root with the hooks.d file in /etc/containers/oci/hooks.d and CRI-O's drop-in naming it."""
+    root = tmp_path / "root"
+    root.mkdir()
+    install.install(str(root), ("podman", "crio"))
+    return str(root)
+
+
+def _write(root, path, text):
+    path = os.path.join(root, path.lstrip("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+OURS = install.HOOKS_D_DIR
+# (what the regex got wrong, containers.conf, the hooks_dir podman reads: None for its default)
+CONTAINERS_CONF = [
+    ("'#' inside a string", '[engine]\nhooks_dir = ["/opt/hooks#gpu"]\n', ["/opt/hooks#gpu"]),
+    ("quoted key, single-quoted strings, multi-line array with comments",
+     '# podman\n[engine]\n"hooks_dir" = [\n'
+     "  '/usr/share/containers/oci/hooks.d',  # the package's \"default\"\n"
+     "  '/opt/gpu-hooks',                     # ours\n]\n",
+     ["/usr/share/containers/oci/hooks.d", "/opt/gpu-hooks"]),
+    ("inline table", 'engine = { hooks_dir = ["/opt/gpu-hooks"], env = ["A=1"] }\n', ["/opt/gpu-hooks"]),
+    ("dotted key", 'engine.hooks_dir = ["/opt/gpu-hooks"]\n', ["/opt/gpu-hooks"]),
+    ("hooks_dir in a table podman does not read it from",
+     '[containers]\nhooks_dir = ["/opt/gpu-hooks"]  # belongs in [engine]\n\n[engine]\nenv = ["A=1"]\n', None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, text, dirs", CONTAINERS_CONF, ids=[c[0] for c in CONTAINERS_CONF])
+def test_containers_conf_is_read_as_podman_reads_it(installed_root, name, text, dirs):
+    _write(installed_root, "/etc/containers/containers.conf", text)
+    assert _regex_answer(text) != dirs  # the case the regular expressions got wrong
+    doc = doctor.Doctor(settings.Settings(), installed_root)
+    expected = dirs if dirs is not None else list(doctor.HOOKS_DIRS)
+    assert doc.hooks_d_file()[2] == expected
+    status, summary, _ = doc.check_hooks_d()
+    assert status == (doctor.PASS if OURS in expected else doctor.FAIL), summary
+
+
+# (what the regex got wrong, a CRI-O drop-in read after install's, whether CRI-O then reads ours)
+CRIO_DROPINS = [
+    ("quoted key, single-quoted string, comments",
+     "[crio.runtime]\n\"hooks_dir\" = [  # \"ours\" left out\n  '/usr/share/containers/oci/hooks.d',\n]\n", False),
+    ("dotted key", '[crio]\nruntime.hooks_dir = ["/usr/share/containers/oci/hooks.d"]\n', False),
+    ("hooks_dir outside [crio.runtime]", '[crio.api]\nhooks_dir = ["/usr/share/containers/oci/hooks.d"]\n', True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, text, reaches", CRIO_DROPINS, ids=[c[0] for c in CRIO_DROPINS])
+def test_crio_drop_ins_are_read_as_crio_reads_them(installed_root, name, text, reaches):
+    _write(installed_root, "/etc/crio/crio.conf.d/99-local.conf", text)
+    regex_reaches = OURS in (_regex_answer(text) or [OURS])  # install's drop-in lists ours
+    assert regex_reaches != reaches  # the case the regular expressions got wrong
+    status, summary, _ = doctor.Doctor(settings.Settings(), installed_root).check_crio()
+    assert status == (doctor.PASS if reaches else doctor.FAIL), summary
+
+
+def test_a_malformed_toml_file_is_a_fail_naming_the_file(installed_root, hook_cli):
+    doc = doctor.Doctor(settings.Settings(), installed_root)
+    conf = _write(installed_root, "/etc/containers/containers.conf", '[engine]\nhooks_dir = ["/a",\nenv = []\n')
+    status, summary, fix = doc.check_hooks_d()
+    assert status == doctor.FAIL and summary.startswith(f"{conf}: not valid TOML (") and "line 3" in summary
+    out = hook_cli("doctor", "--root", installed_root)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("FAIL  hooks-d")]
+    assert len(lines) == 1 and conf in lines[0] and "Traceback" not in out.stderr, out.stdout + out.stderr
+
+    _write(installed_root, "/etc/containers/containers.conf", '[engine]\nhooks_dir = "/etc/containers/oci/hooks.d"\n')
+    status, summary, _ = doc.check_hooks_d()
+    assert status == doctor.FAIL and summary.startswith(f"{conf}: engine.hooks_dir is not an array of strings")
+
+    dropin = _write(installed_root, "/etc/crio/crio.conf.d/99-local.conf", "[crio.runtime\nhooks_dir = []\n")
+    status, summary, _ = doc.check_crio()
+    assert status == doctor.FAIL and summary.startswith(f"{dropin}: not valid TOML (") and "CRI-O" in summary
+
+
+def test_before_python_3_11_tomli_parses(installed_root, monkeypatch):
+    """Without tomllib, the tomli distribution (the same parser and API); without either, the
+    checks that read TOML say they were not run."""
+    _write(installed_root, "/etc/containers/containers.conf", '[engine]\nhooks_dir = ["/opt/gpu-hooks"]\n')
+    doc = doctor.Doctor(settings.Settings(), installed_root)
+    parser = pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli")
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # import tomllib: ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "tomli", parser)
+    assert doc.hooks_d_file()[2] == ["/opt/gpu-hooks"]
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    checks = {c.id: c for c in doc.run()}
+    assert checks["hooks-d"].status == doctor.WARN and "tomli" in checks["hooks-d"].summary

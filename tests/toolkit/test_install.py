@@ -124,3 +124,15 @@ def test_cli_install_and_uninstall(root, hook_cli):
     assert gone.returncode == 0 and "removed" in gone.stdout
     broken = hook_cli("install", "--root", os.path.join(root, "missing"))
     assert broken.returncode != 0 and broken.stderr.count("\n") == 1 and "Traceback" not in broken.stderr
+
+
+def test_a_hooks_dir_of_its_own_holds_what_install_writes(root, tmp_path):
+    """validate's (and the demo's) temporary hooks.d directory: the same document, built in code,
+    so an installed copy of the package, which has no hooks.d/ beside it, can make one."""
+    install.install(root, ("podman",), PREFIX)
+    directory = install.write_hooks_dir(str(tmp_path / "hooks.d"), PREFIX)
+    with open(os.path.join(directory, "oci-gpu-hook.json")) as f:
+        written = f.read()
+    with open(os.path.join(root, "etc/containers/oci/hooks.d/oci-gpu-hook.json")) as f:
+        assert written == f.read()
+    assert json.loads(written) == json.load(open(os.path.join(REPO, "hooks.d", "oci-gpu-hook.json")))

@@ -62,7 +62,11 @@ def test_gpu_information_rejects_bad_lines(bad):
 
 
 def test_bus_id_normalized_to_procfs_form():
-    assert procfs.normalize_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
+    from oci_gpu_hook.inventory import normalize_bus_id
+
+    assert normalize_bus_id("00000000:3B:00.0") == "0000:3b:00.0"
+    assert normalize_bus_id("3B:00.0") == "0000:3b:00.0"  # the short form NVIDIA_VISIBLE_DEVICES accepts
+    assert normalize_bus_id("07.0") is None and normalize_bus_id("xyz:07:00.0") is None
 
 
 def test_proc_devices_char_section_only():

@@ -147,6 +147,22 @@ def test_volume_mounts_give_the_device_list():
     assert r.devices == ("GPU-3b9521e4-f0b2-520f-8ee3-2dbc4ee49933", "1") and r.source == "volume-mounts"
 
 
+def test_volume_mounts_at_unnormalised_paths_reach_the_request_past_the_fast_path():
+    """The fast path (prestart) and the request read the same rule: a volume mount named
+    /var/run/./nvidia-container-devices/0 once made the fast path let the container go."""
+    from oci_gpu_hook import prestart
+    from oci_gpu_hook.spec import Spec
+
+    s = Settings(accept_envvar_when_unprivileged=False, accept_volume_mounts=True)
+    for destination in ("/var/run/./nvidia-container-devices/0", "//var/run//nvidia-container-devices/0/"):
+        mounts = (Mount(destination, "/dev/null", "bind"),)
+        assert prestart.may_ask_for_gpus(Spec("/r", False, {}, frozenset(), mounts, {}, None)), destination
+        assert request({}, settings=s, mounts=list(mounts)).devices == ("0",), destination
+    for destination in ("/var/run/nvidia-container-devices", "/var/run/nvidia-container-devices/0/.."):
+        mounts = (Mount(destination, "/dev/null", "bind"),)
+        assert not prestart.may_ask_for_gpus(Spec("/r", False, {}, frozenset(), mounts, {}, None)), destination
+
+
 def test_volume_mounts_ignored_unless_enabled():
     mounts = [Mount("/var/run/nvidia-container-devices/1", "/dev/null", "bind")]
     assert request({"NVIDIA_VISIBLE_DEVICES": "0"}, mounts=mounts).devices == ("0",)

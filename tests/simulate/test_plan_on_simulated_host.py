@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from oci_gpu_hook import driver
+from oci_gpu_hook import arch, driver
 from oci_gpu_hook.simulate.model import driver_libraries
 
 
@@ -140,13 +140,14 @@ def test_debian_rootfs_gets_multiarch_dirs_and_all_capabilities(hook_cli, host, 
     out, result = plan(hook_cli, host, tmp_path, env, debian=True)
     assert out.returncode == 0, out.stderr
     targets = {op["target"] for op in ops(result, "BindMount")}
-    assert f"/usr/lib/x86_64-linux-gnu/libGLX_nvidia.so.{host['driver_version']}" in targets
-    if host["lib32"]:
-        assert f"/usr/lib/i386-linux-gnu/libcuda.so.{host['driver_version']}" in targets
+    multiarch, multiarch32 = arch.current().multiarch, arch.current().multiarch32  # x86_64: x86_64-linux-gnu
+    assert f"{multiarch}/libGLX_nvidia.so.{host['driver_version']}" in targets
+    if host["lib32"] and multiarch32:
+        assert f"{multiarch32}/libcuda.so.{host['driver_version']}" in targets
     assert set(driver.GRAPHICS_CONFIG_FILES) <= targets
     links = {op["target"]: op["value"] for op in ops(result, "Symlink")}
-    assert links["/usr/lib/x86_64-linux-gnu/libcuda.so"] == "libcuda.so.1"
-    assert links["/usr/lib/x86_64-linux-gnu/libGLX_indirect.so.0"] == f"libGLX_nvidia.so.{host['driver_version']}"
+    assert links[f"{multiarch}/libcuda.so"] == "libcuda.so.1"
+    assert links[f"{multiarch}/libGLX_indirect.so.0"] == f"libGLX_nvidia.so.{host['driver_version']}"
     assert "/dev/nvidia-modeset" in device_targets(result)
 
 

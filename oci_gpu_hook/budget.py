@@ -1,0 +1,35 @@
+"""The hook's one time budget: `deadline_seconds`, counted from the moment the runtime started
+the hook's process, so that interpreter start-up, reading the state and config.json, rebuilding a
+stale inventory (NVML included), the plan, every mount and ldconfig all fit inside it. The
+runtime's own hook timeout (10 s in hooks.d) must be larger; past the budget the hook rolls
+back and fails with one line instead of being killed half-way. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def process_age() -> float:
+    """Seconds since this process started, by the kernel's clock (0.0 if procfs cannot say)."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name, in parentheses, may hold spaces
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time since boot
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class Budget:
+    def __init__(self, seconds: float, age: float | None = None):
+        """age: how much of it is spent already; None: the process's age (the hook run as a
+        program). A caller that runs the hook in-process passes 0.0: its budget starts now."""
+        if age is None:
+            age = process_age()
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds - age
+
+    def remaining(self) -> float:
+        return self.end - time.monotonic()

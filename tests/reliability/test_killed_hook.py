@@ -1,0 +1,69 @@
+"""Attack round 2, class 9: a hook killed with SIGKILL in the middle of apply (the runtime's
+timeout, the OOM killer). Its mounts die with the container's namespace; the empty files,
+directories and symlinks it made in a plain-directory rootfs are named in its journal, and the
+next GPU start of the same rootfs removes them before doing anything else.
+"""
+
+import json
+import os
+
+import hookcheck
+import pytest
+
+from oci_gpu_hook import demo
+from oci_gpu_hook.apply import FAULT_ENV
+
+ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"}
+
+
+def state_for(bundle, pid, name):
+    return json.dumps({"ociVersion": "1.0.2", "id": name, "status": "creating", "pid": pid, "bundle": bundle})
+
+
+@pytest.mark.parametrize("kill_at", [5, 20, 40])
+def test_the_next_start_removes_what_a_killed_hook_made(live_container, kill_at):
+    state, bundle, pid, cgroup, host = live_container(ENV)
+    rootfs = os.path.join(bundle, "rootfs")
+    config = f"{host['root']}/config.yaml"
+    pristine = hookcheck.tree(rootfs)
+
+    killed = hookcheck.run_hook(config, state, env={**hookcheck.HOOK_ENV, FAULT_ENV: f"{kill_at}:kill"})
+    assert killed.returncode != 0
+    assert "died without a report" in hookcheck.one_clear_line(killed.stderr.decode())
+    left = set(hookcheck.tree(rootfs)) - set(pristine)
+    assert left, "the killed hook made nothing; the case tests nothing"
+    assert os.listdir(f"{host['root']}/pending"), "no journal was left for the killed apply"
+
+    # The runtime gives up on that container; the same rootfs is started again (a new namespace),
+    # and this start fails at its first operation: all that remains is what recovery did.
+    holder = demo.hold_namespace(rootfs, 60)
+    try:
+        again = hookcheck.run_hook(config, state_for(bundle, holder.pid, "again"),
+                                   env={**hookcheck.HOOK_ENV, FAULT_ENV: "1"})  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert again.returncode != 0 and "injected fault" in again.stderr.decode()
+    assert hookcheck.tree(rootfs) == pristine
+    assert os.listdir(f"{host['root']}/pending") == []
+
+
+def test_a_running_apply_is_not_recovered(live_container):
+    """A journal whose apply still holds its lock belongs to a start in progress: left alone."""
+    import fcntl
+
+    state, bundle, pid, cgroup, host = live_container(ENV)
+    rootfs = os.path.join(bundle, "rootfs")
+    os.makedirs(f"{host['root']}/pending", mode=0o700, exist_ok=True)
+    st = os.stat(rootfs)
+    journal = f"{host['root']}/pending/{st.st_dev:x}-{st.st_ino:x}.999999"
+    made = os.path.join(rootfs, "usr/lib64/made-by-a-running-apply")
+    open(made, "w").close()
+    with open(journal, "w") as f:
+        f.write(json.dumps(["file", "/usr/lib64/made-by-a-running-apply", ""]) + "\n")
+        f.flush()
+        fcntl.flock(f, fcntl.LOCK_EX)
+        out = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+        assert out.returncode == 0, out.stderr
+        assert os.path.exists(made) and os.path.exists(journal)
+    os.unlink(journal)
