@@ -28,8 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from oci_gpu_hook import demo  # noqa: E402
-from oci_gpu_hook.simulate import simulate  # noqa: E402
+from oci_gpu_hook.toolkit import containers  # noqa: E402
+from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 
 PYTHON = os.path.realpath(sys.executable)  # the interpreter itself, not a venv's wrapper
 CGROUP_ROOT = "/sys/fs/cgroup/devices"
@@ -92,7 +92,7 @@ class LiveContainer:
     def __init__(self, bundle: str, n: int):
         self.cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-bench-{os.getpid()}-{n}")
         os.mkdir(self.cgroup)
-        self.proc = demo.hold_namespace(os.path.join(bundle, "rootfs"), 60)
+        self.proc = containers.hold_namespace(os.path.join(bundle, "rootfs"), 60)
         with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
             f.write(str(self.proc.pid))
         with open(os.path.join(self.cgroup, "devices.deny"), "w") as f:
@@ -140,13 +140,14 @@ def main():
         }
         bundles = {}
         for name, env in envs.items():
-            bundles[name] = demo.make_bundle(os.path.join(work, name), args=["true"], env=env, config_file=config)
+            bundles[name] = containers.make_bundle(os.path.join(work, name), args=["true"], env=env, config_file=config)
             with open(os.path.join(bundles[name], "config.json")) as f:
                 doc = json.load(f)
             doc["hooks"]["prestart"][0].update(path=launcher, args=[launcher, "--config", config, "prestart"])
             with open(os.path.join(bundles[name], "config.json"), "w") as f:
                 json.dump(doc, f)
-        plain = demo.make_bundle(os.path.join(work, "plain"), args=["true"], env={}, config_file=None, with_hook=False)
+        plain = containers.make_bundle(os.path.join(work, "plain"), args=["true"], env={}, config_file=None,
+                                       with_hook=False)
         runc = shutil.which("runc")
         samples = {}
         counter = [0]

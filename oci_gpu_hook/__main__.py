@@ -1,5 +1,5 @@
 import sys
 
-from .hook import main
+from oci_gpu_hook.hook import main
 
 sys.exit(main())

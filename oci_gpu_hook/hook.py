@@ -8,14 +8,14 @@ stderr and an exit status, never a traceback (OCI_GPU_HOOK_DEBUG=1 shows one for
 import os
 import sys
 
-from .errors import Exit
+from oci_gpu_hook.errors import Exit
 
 PROG = "oci-gpu-hook"
 INTERNAL_ERROR_EXIT = Exit.INTERNAL
 
 
 def report(message: str) -> None:
-    from .errors import printable
+    from oci_gpu_hook.errors import printable
 
     # HookError messages are safe already; an internal error's text (any exception's) is not.
     sys.stderr.write(f"{PROG}: {printable(message)}\n")
@@ -39,16 +39,20 @@ def run(argv, as_program: bool = False) -> int:
     process's start); False when a caller runs it in-process (its budget starts now)."""
     config, rest = _split_config(argv)
     if rest and rest[0] in RUNTIME_COMMANDS and len(rest) == 1:
-        from .prestart import run as prestart
+        from oci_gpu_hook.start.prestart import run as prestart
 
         return prestart(config, since_process_start=as_program)
-    from .cli import main as cli_main
+    if rest and rest[0] == "ldcache-refresh" and not {"-h", "--help"} & set(rest):
+        from oci_gpu_hook.start import ldcache_refresh
+
+        return ldcache_refresh.run(rest[1:])
+    from oci_gpu_hook.cli import main as cli_main
 
     return cli_main(argv)
 
 
 def main(argv=None) -> int:
-    from .errors import HookError
+    from oci_gpu_hook.errors import HookError
 
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)

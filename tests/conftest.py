@@ -164,7 +164,7 @@ def hook_cli():
 def simulated_host(tmp_path_factory, require):
     """Factory: build (once per option set and session) a simulated GPU host; returns its summary
     (the simulator's own record of what it wrote, the ground truth to compare against)."""
-    from oci_gpu_hook.simulate import simulate
+    from oci_gpu_hook.toolkit.simulate import simulate
 
     built = {}
 
@@ -182,7 +182,7 @@ def simulated_host(tmp_path_factory, require):
 @pytest.fixture(autouse=True)
 def _compiled_settings_in_tmp(tmp_path_factory, monkeypatch):
     """In-process tests keep compiled settings out of the host's /run."""
-    from oci_gpu_hook import settings
+    from oci_gpu_hook.start import settings
 
     monkeypatch.setattr(settings, "COMPILED_DIR", str(tmp_path_factory.mktemp("run")))
 
@@ -190,7 +190,7 @@ def _compiled_settings_in_tmp(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def _clean_compiled_settings_of_subprocesses():
     yield
-    from oci_gpu_hook import settings
+    from oci_gpu_hook.start import settings
 
     try:
         names = os.listdir(settings.COMPILED_DIR)
@@ -213,13 +213,13 @@ def live_container(tmp_path, simulated_host, require):
     require("root", "unshare", "busybox", "gcc")
     if not os.path.isdir(CGROUP_ROOT):
         pytest.fail("the cgroup v1 devices hierarchy is not mounted at /sys/fs/cgroup/devices")
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
     started = []
 
     def make(env, mount_label=None, host_options=None, debian=False):
         host = simulated_host(**(host_options or {"gpus": 2, "mig": [1]}))
-        bundle = demo.make_bundle(
+        bundle = containers.make_bundle(
             str(tmp_path / f"bundle{len(started)}"),
             rootfs_debian=debian,
             args=["true"],
@@ -229,7 +229,7 @@ def live_container(tmp_path, simulated_host, require):
         )
         cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-test-{os.getpid()}-{time.monotonic_ns()}")
         os.mkdir(cgroup)
-        proc = demo.hold_namespace(os.path.join(bundle, "rootfs"))
+        proc = containers.hold_namespace(os.path.join(bundle, "rootfs"))
         started.append((proc, cgroup))
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
             f.write(str(proc.pid))

@@ -13,8 +13,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The ones the issue named; the run must pick them up among the marked ones.
 KNOWN = (
-    "tests/simulate/test_build.py::test_non_root_is_told_to_use_root",
-    "tests/unit/test_bpf.py::test_instructions_withheld_without_privilege",
+    "tests/toolkit/simulate/test_build.py::test_non_root_is_told_to_use_root",
+    "tests/start/linux/test_bpf.py::test_instructions_withheld_without_privilege",
 )
 
 

@@ -6,7 +6,7 @@ own usage errors are shown the click way and exit 2.
 
 import click
 
-from .. import __version__
+from oci_gpu_hook import __version__
 
 
 class Context:
@@ -19,7 +19,7 @@ class Context:
     @property
     def settings(self):
         if self._settings is None:
-            from .. import settings
+            from oci_gpu_hook.start import settings
 
             self._settings = settings.load(self.config)
         return self._settings
@@ -39,7 +39,7 @@ def cli(ctx, config):
 
 
 def _register():
-    from . import cdi, demo, doctor, info, install, inventory, plan, runtime, simulate, validate
+    from oci_gpu_hook.cli import cdi, demo, doctor, info, install, inventory, plan, runtime, simulate, validate
 
     commands = (demo.demo, info.info, inventory.inventory, plan.plan, runtime.prestart, runtime.create_runtime,
                 simulate.simulate, cdi.cdi, cdi.ldcache_refresh, doctor.doctor, install.install, install.uninstall,

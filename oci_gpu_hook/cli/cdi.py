@@ -21,9 +21,9 @@ def cdi():
 @click.pass_obj
 def generate(obj, output, fmt, kind, capabilities, no_cache):
     """Write a CDI spec with every GPU (by index and UUID), every MIG device and `all`."""
-    from .. import cdi as cdi_module
-    from .. import inventory_cache
-    from ..inventory import discover
+    from oci_gpu_hook.start import inventory_cache
+    from oci_gpu_hook.start.discover import discover
+    from oci_gpu_hook.toolkit import cdi as cdi_module
 
     kind = cdi_module.parse_kind(kind)
     caps = cdi_module.parse_capabilities(capabilities)
@@ -54,44 +54,9 @@ def generate(obj, output, fmt, kind, capabilities, no_cache):
 def ldcache_refresh(directories, links):
     """The createContainer hook of generated CDI specs: read the OCI state on stdin, create the
     driver's symlinks in the container's rootfs and refresh its ld.so.cache with the host's
-    ldconfig (confined to the rootfs)."""
-    import sys
+    ldconfig (confined to the rootfs). The runtime's calls take the stdlib-only fast path in
+    hook.py and never reach click; this entry is for --help."""
+    from oci_gpu_hook.start import ldcache_refresh as fast
 
-    from .. import labels, ldconfig, spec, state
-    from ..errors import UsageError
-    from ..rootfs import Rootfs, UndoLog
-
-    pairs = []
-    for link in links:
-        path, sep, value = link.partition("=")
-        if not sep or not path.startswith("/") or not value:
-            raise UsageError(f"--link {link!r}: expected /PATH=VALUE")
-        pairs.append((path, value))
-    for directory in directories:
-        if not directory.startswith("/"):
-            raise UsageError(f"--dir {directory!r}: expected an absolute path inside the container")
-    container = state.parse(sys.stdin.buffer.read(state.MAX_STATE_BYTES + 1))
-    config = spec.load(container.bundle)
-    try:
-        rootfs = Rootfs(config.rootfs, labels.labeler_for(config.mount_label))
-    except OSError as e:
-        raise ldconfig.LdconfigError(f"{config.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
-    undo = UndoLog()
-    try:
-        for path, value in pairs:
-            try:
-                rootfs.ensure_symlink(path, value, undo)
-            except OSError as e:
-                raise ldconfig.LdconfigError(
-                    f"{path}: cannot create the symlink in the container: {e.strerror}"
-                ) from None
-        if directories:
-            ldconfig.refresh(rootfs, directories, undo)
-        undo.commit()
-    except BaseException:
-        undo.rollback()
-        raise
-    finally:
-        undo.close()
-        rootfs.close()
-    return 0
+    argv = [f"--dir={d}" for d in directories] + [f"--link={link}" for link in links]
+    return fast.run(argv)

@@ -15,6 +15,6 @@ import click
 def demo(directory, devices):
     """Build a simulated GPU host and a minimal rootfs, start a real `runc run` with the hook and
     NVIDIA_VISIBLE_DEVICES, and show what the container sees (needs root, gcc, runc, busybox-static)."""
-    from ..demo import run_demo
+    from oci_gpu_hook.toolkit.demo import run_demo
 
     return run_demo(directory, devices)

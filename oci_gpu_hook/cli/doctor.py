@@ -14,9 +14,9 @@ def doctor(obj, as_json, root):
     """Check the driver, device nodes, libraries, caches, runtime wiring, cgroups and SELinux.
 
     Exit status: 0 when every check passes, 1 when the worst is a WARN, 2 when any FAILs."""
-    from .. import doctor as doctor_module
-    from ..errors import ConfigError
-    from ..settings import Settings
+    from oci_gpu_hook.errors import ConfigError
+    from oci_gpu_hook.start.settings import Settings
+    from oci_gpu_hook.toolkit import doctor as doctor_module
 
     try:
         settings, error = obj.settings, None

@@ -55,7 +55,7 @@ def print_inventory(inventory) -> None:
 @click.pass_obj
 def info(obj, as_json, no_nvml):
     """Show the driver, GPUs, MIG devices, device nodes and driver files the hook would use."""
-    from ..inventory import discover
+    from oci_gpu_hook.start.discover import discover
 
     inventory = discover(obj.settings, use_nvml=not no_nvml)
     if as_json:

@@ -18,7 +18,7 @@ def install(obj, runtimes, root):
 
     Idempotent; everything written is listed in /var/lib/oci-gpu-hook/install-manifest.json for
     `uninstall`."""
-    from .. import install as install_module
+    from oci_gpu_hook.toolkit import install as install_module
 
     runtimes = tuple(runtimes) or ("podman",)
     prefix = install_module.hook_command()
@@ -43,7 +43,7 @@ def install(obj, runtimes, root):
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 def uninstall(root):
     """Remove exactly what `install` wrote (files changed since are kept, with a note)."""
-    from .. import install as install_module
+    from oci_gpu_hook.toolkit import install as install_module
 
     lines = install_module.uninstall(root)
     for line in lines:

@@ -12,7 +12,7 @@ def inventory():
 @click.pass_obj
 def refresh(obj):
     """Discover the host now and rewrite the cache atomically."""
-    from .. import inventory_cache
+    from oci_gpu_hook.start import inventory_cache
 
     settings = obj.settings
     result = inventory_cache.refresh(settings)

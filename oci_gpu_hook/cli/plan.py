@@ -16,11 +16,11 @@ def plan(obj, bundle, as_json, no_cache):
 
     The rootfs may be absent; libraries then go to /usr/lib64 (as for a non-Debian image).
     """
-    from .. import inventory_cache, request, spec
-    from ..errors import printable
-    from ..inventory import discover
-    from ..plan import LibraryLayout, build_plan
-    from ..rootfs import has_debian_layout
+    from oci_gpu_hook.errors import printable
+    from oci_gpu_hook.start import inventory_cache, request, spec
+    from oci_gpu_hook.start.discover import discover
+    from oci_gpu_hook.start.linux.rootfs import has_debian_layout
+    from oci_gpu_hook.start.plan import LibraryLayout, build_plan
 
     container = spec.load(os.path.abspath(bundle))
     settings = obj.settings

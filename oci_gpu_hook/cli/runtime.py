@@ -11,7 +11,7 @@ def prestart(obj):
 
     Also accepted as `createRuntime`. Exits 0 at once for a container that asks for no GPU.
     """
-    from ..prestart import run
+    from oci_gpu_hook.start.prestart import run
 
     return run(obj.config)
 

@@ -32,8 +32,8 @@ def simulate(directory, gpus, driver_version, cuda_version, mig, model, scramble
     `oci-gpu-hook --config DIRECTORY/config.yaml COMMAND` treats it as the host.
     Running it again rebuilds the host in place.
     """
-    from ..simulate import remove_host
-    from ..simulate import simulate as build
+    from oci_gpu_hook.toolkit.simulate import remove_host
+    from oci_gpu_hook.toolkit.simulate import simulate as build
 
     if remove:
         remove_host(directory)

@@ -16,7 +16,7 @@ def validate(obj, runtime, oci_runtime):
     """For every GPU, run nvidia-smi -L in a container that asks for that GPU (and, on a real GPU
     host, a CUDA sample if one is installed); one PASS/FAIL line per GPU. Exit status 1 when any
     GPU fails. Needs root, runc (or podman) and busybox-static."""
-    from .. import validate as validate_module
+    from oci_gpu_hook.toolkit import validate as validate_module
 
     if oci_runtime is not None and runtime != "podman":
         raise click.UsageError("--oci-runtime goes with --runtime podman (runc is the OCI runtime itself)")

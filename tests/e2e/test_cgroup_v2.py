@@ -16,8 +16,10 @@ import time
 import pytest
 from hookcheck import remove_cgroup
 
-from oci_gpu_hook import bpf, demo, prestart
 from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.start import prestart
+from oci_gpu_hook.start.linux import bpf
+from oci_gpu_hook.toolkit import containers
 
 UNIFIED = "/sys/fs/cgroup/unified"
 DENY_ALL = [bpf.mov64_imm(bpf.R0, 0), bpf.exit_insn()]
@@ -72,7 +74,7 @@ def container(tmp_path, simulated_host, require):
     cgroup = os.path.join(UNIFIED, f"ocigpu-v2-{os.getpid()}-{time.monotonic_ns()}")
     os.mkdir(cgroup)
     original = attach_deny_all(cgroup)
-    bundle = demo.make_bundle(
+    bundle = containers.make_bundle(
         str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None
     )
     config = tmp_path / "config.yaml"
@@ -116,7 +118,7 @@ def test_hook_allows_the_gpu_in_a_v2_device_program(container):
 
 def test_failed_hook_leaves_the_original_program(container, monkeypatch):
     state, config, cgroup, original, probe = container
-    from oci_gpu_hook import plan as plan_module
+    from oci_gpu_hook.start import plan as plan_module
 
     real = plan_module.build_plan
 
@@ -126,7 +128,7 @@ def test_failed_hook_leaves_the_original_program(container, monkeypatch):
         monkeypatch.setenv("OCI_GPU_HOOK_FAULT_AT", str(rules[-1] + 1))
         return built
 
-    monkeypatch.setattr("oci_gpu_hook.plan.build_plan", plan_failing_after_device_rules)
+    monkeypatch.setattr("oci_gpu_hook.start.plan.build_plan", plan_failing_after_device_rules)
     with pytest.raises(HookError, match="injected fault"):
         prestart.run(config, stdin=io.BytesIO(state.encode()))
     assert programs(cgroup) == original

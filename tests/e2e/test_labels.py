@@ -7,7 +7,7 @@ themselves are really written (libselinux sets the security.selinux xattr) and r
 import io
 import os
 
-from oci_gpu_hook import prestart
+from oci_gpu_hook.start import prestart
 
 LABEL = "system_u:object_r:container_file_t:s0:c17,c42"
 
@@ -30,7 +30,7 @@ def tree(root):
 
 def test_created_files_get_the_mount_label_and_host_files_keep_theirs(live_container, mocker):
     state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "1:0"}, mount_label=LABEL)
-    mocker.patch("oci_gpu_hook.labels.selinux_enabled", return_value=True)
+    mocker.patch("oci_gpu_hook.start.linux.labels.selinux_enabled", return_value=True)
     rootfs = os.path.join(bundle, "rootfs")
     before, host_before = tree(rootfs), tree(host["root"])
     assert prestart.run(f"{host['root']}/config.yaml", stdin=io.BytesIO(state.encode())) == 0

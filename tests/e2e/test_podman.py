@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from oci_gpu_hook import demo
+from oci_gpu_hook.toolkit import containers
 
 
 @pytest.fixture(scope="module")
@@ -13,8 +13,9 @@ def setup(simulated_host, require, tmp_path_factory):
     require("root", "podman", "runc", "busybox", "gcc")
     host = simulated_host(gpus=4, mig=[2], scramble_minors=True)
     work = tmp_path_factory.mktemp("podman")
-    hooks_dir = demo.write_hooks_dir(str(work / "hooks.d"), f"{host['root']}/config.yaml")
-    image = demo.podman_image(demo.make_rootfs(str(work / "rootfs")), f"localhost/ocigpu-test-{os.getpid()}:latest")
+    hooks_dir = containers.write_hooks_dir(str(work / "hooks.d"), f"{host['root']}/config.yaml")
+    rootfs = containers.make_rootfs(str(work / "rootfs"))
+    image = containers.podman_image(rootfs, f"localhost/ocigpu-test-{os.getpid()}:latest")
     yield host, hooks_dir, image
     import subprocess
 
@@ -23,7 +24,7 @@ def setup(simulated_host, require, tmp_path_factory):
 
 def test_hooks_dir_gives_exactly_one_gpu(setup):
     host, hooks_dir, image = setup
-    out = demo.podman_run(hooks_dir, image, ["nvidia-smi", "-L"], {"NVIDIA_VISIBLE_DEVICES": "0"})
+    out = containers.podman_run(hooks_dir, image, ["nvidia-smi", "-L"], {"NVIDIA_VISIBLE_DEVICES": "0"})
     assert out.returncode == 0, out.stderr
     assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [host["gpus"][0]["uuid"]]
 
@@ -31,7 +32,7 @@ def test_hooks_dir_gives_exactly_one_gpu(setup):
 def test_container_without_the_variable_is_untouched(setup):
     host, hooks_dir, image = setup
     script = ["sh", "-c", "cut -d' ' -f5 /proc/self/mountinfo | sort; ls /dev /usr/bin"]
-    with_hook = demo.podman_run(hooks_dir, image, script, {})
-    without = demo.podman_run(None, image, script, {})
+    with_hook = containers.podman_run(hooks_dir, image, script, {})
+    without = containers.podman_run(None, image, script, {})
     assert with_hook.returncode == 0 and without.returncode == 0, with_hook.stderr + without.stderr
     assert with_hook.stdout == without.stdout and "nvidia" not in with_hook.stdout

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from oci_gpu_hook import demo
+from oci_gpu_hook.toolkit import containers
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +22,11 @@ def config_with(host, tmp_path, extra: str) -> str:
 
 
 def run(tmp_path, host, script, env, debian=False, config=None, with_hook=True, name="c"):
-    bundle = demo.make_bundle(
+    bundle = containers.make_bundle(
         str(tmp_path / f"bundle-{name}"), rootfs_debian=debian, args=["sh", "-c", script], env=env,
         config_file=config or f"{host['root']}/config.yaml", with_hook=with_hook,
     )  # fmt: skip
-    return demo.runc_run(bundle, f"ocigpu-{os.getpid()}-{name}")
+    return containers.runc_run(bundle, f"ocigpu-{os.getpid()}-{name}")
 
 
 def listed_uuids(stdout):

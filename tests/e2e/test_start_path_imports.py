@@ -57,7 +57,9 @@ def test_gpu_container_with_warm_caches(live_container):
 
 # What the apply child may import on its own (lazily, after the fork: the probes above cannot see
 # it), cgroup v2's bpf.py among them.
-CHILD_MODULES = ("apply", "bpf", "cgroups", "journal", "labels", "ldconfig", "rootfs", "sources", "budget", "arch")
+CHILD_MODULES = ("start.apply", "start.budget", "start.linux.arch", "start.linux.bpf", "start.linux.cgroups",
+                 "start.linux.journal", "start.linux.labels", "start.linux.ldconfig", "start.linux.rootfs",
+                 "start.linux.sources")
 
 
 def test_what_the_apply_child_loads_on_cgroup_v1_and_v2():
@@ -70,3 +72,13 @@ def test_what_the_apply_child_loads_on_cgroup_v1_and_v2():
     out = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, check=True)
     added = set(out.stdout.split()) - baseline()
     assert not added & FORBIDDEN, added & FORBIDDEN
+
+
+def test_ldcache_refresh_takes_the_fast_path(live_container):
+    """The CDI spec's createContainer hook runs on every start of a CDI GPU container: like
+    prestart, it must not go through click."""
+    state = live_container(env={})[0]
+    added = loaded(["ldcache-refresh", "--link", "/usr/lib/libprobe.so=libprobe.so.1", "--dir", "/usr/lib"],
+                   state) - baseline()  # fmt: skip
+    assert not added & {"click", "yaml", "jsonschema", "pynvml"}, added
+    assert "oci_gpu_hook" in added

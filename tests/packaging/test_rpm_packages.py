@@ -15,7 +15,7 @@ MAIN_PATHS = {
     f"{SITELIB}/oci_gpu_hook/__init__.py",
     f"{SITELIB}/oci_gpu_hook/hook.py",
     f"{SITELIB}/oci_gpu_hook/schemas/config.schema.json",
-    f"{SITELIB}/oci_gpu_hook/simulate/csrc/nvml.c",
+    f"{SITELIB}/oci_gpu_hook/toolkit/simulate/csrc/nvml.c",
     f"{SITELIB}/oci_gpu_hook-0.1.0.dist-info/METADATA",
     f"{SITELIB}/oci_gpu_hook-0.1.0.dist-info/entry_points.txt",
     "/usr/share/containers/oci/hooks.d/oci-gpu-hook.json",
@@ -115,7 +115,7 @@ def test_packaged_console_script_runs(rpms, pk, tmp_path):
 
 
 def test_default_config_validates_with_every_key_uncommented(pk, tmp_path):
-    from oci_gpu_hook import settings
+    from oci_gpu_hook.start import settings
 
     source = os.path.join(pk.repo, "rpm", "config.yaml")
     assert settings.load(source).source == source

@@ -26,8 +26,8 @@ INVENTORY, CGROUP, LDCONFIG, APPLY = 4, 9, 10, 11
 def private_host(tmp_path, require):
     """A simulated host of this test's own (the faults damage it), with its inventory cached."""
     require("root", "gcc")
-    from oci_gpu_hook import inventory_cache, settings
-    from oci_gpu_hook.simulate import simulate
+    from oci_gpu_hook.start import inventory_cache, settings
+    from oci_gpu_hook.toolkit.simulate import simulate
 
     host = simulate(str(tmp_path / "host"), gpus=2, mig=[1])
     inventory_cache.refresh(settings.load(f"{host['root']}/config.yaml"))
@@ -87,9 +87,9 @@ def test_a_device_node_with_the_wrong_numbers(container):
 def test_a_device_node_changed_between_plan_and_apply(container, tmp_path):
     """The same, after the plan was made: apply checks each node's numbers before mounting it, and
     rolls back the devices already mounted."""
-    from oci_gpu_hook import apply, inventory_cache, request, settings, spec
-    from oci_gpu_hook import state as state_module
-    from oci_gpu_hook.plan import LibraryLayout, build_plan
+    from oci_gpu_hook.start import apply, inventory_cache, request, settings, spec
+    from oci_gpu_hook.start import state as state_module
+    from oci_gpu_hook.start.plan import LibraryLayout, build_plan
 
     state, bundle, pid, cgroup, host = container
     hook_settings = settings.load(config_of(host))
@@ -154,7 +154,7 @@ def test_ldconfig_failing_on_a_read_only_etc(container):
 
 
 def test_no_ldconfig_on_the_host(container, monkeypatch, capsys):
-    from oci_gpu_hook import ldconfig
+    from oci_gpu_hook.start.linux import ldconfig
 
     monkeypatch.setattr(ldconfig, "LDCONFIG_PATHS", ("/nonexistent/ldconfig",))
     fails_cleanly(container, LDCONFIG, "the host has no ldconfig", in_process=capsys)
@@ -203,7 +203,7 @@ def test_deadline_passing_mid_way(container, tmp_path, monkeypatch, capsys, requ
     require("gcc")
     import subprocess
 
-    from oci_gpu_hook import ldconfig
+    from oci_gpu_hook.start.linux import ldconfig
 
     state, bundle, pid, cgroup, host = container
     os.makedirs(os.path.join(bundle, "rootfs/proc/driver/nvidia"))  # a procfs with the driver's directory
@@ -219,7 +219,7 @@ def test_deadline_passing_mid_way(container, tmp_path, monkeypatch, capsys, requ
 def test_the_deadline_between_a_mount_and_its_undo_record(container, monkeypatch, capsys):
     """SIGALRM raised right after a mount(2) returns, before its undo is recorded: held back until
     the record is made, so the rollback still unmounts it."""
-    from oci_gpu_hook import _linux
+    from oci_gpu_hook.start.linux import _linux
 
     real_mount = _linux.mount
     fired = []

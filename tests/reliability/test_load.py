@@ -63,7 +63,7 @@ def cache_reader(path: str, stop: threading.Event, seen: dict) -> None:
 
 
 def test_50_concurrent_containers_each_see_exactly_their_gpus(host, tmp_path, hook_cli, report_measurement):
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
     config = f"{host['root']}/config.yaml"
     out = hook_cli("--config", config, "inventory", "refresh")
@@ -75,7 +75,7 @@ def test_50_concurrent_containers_each_see_exactly_their_gpus(host, tmp_path, ho
     bundles = []
     for i, gpus in enumerate(sets):
         env = {"NVIDIA_VISIBLE_DEVICES": device_value(host, gpus, i)}
-        bundles.append(demo.make_bundle(str(tmp_path / f"c{i}"), args=["sh", "-c", "nvidia-smi -L"], env=env,
+        bundles.append(containers.make_bundle(str(tmp_path / f"c{i}"), args=["sh", "-c", "nvidia-smi -L"], env=env,
                                         config_file=config))  # fmt: skip
 
     stop, seen = threading.Event(), {"whole": 0, "torn": 0, "missing": 0}
@@ -88,8 +88,10 @@ def test_50_concurrent_containers_each_see_exactly_their_gpus(host, tmp_path, ho
     started = time.monotonic()
     try:
         with ThreadPoolExecutor(max_workers=CONTAINERS) as pool:
-            results = list(pool.map(lambda ib: demo.runc_run(ib[1], f"ocigpu-load-{os.getpid()}-{ib[0]}", timeout=240),
-                                    enumerate(bundles)))  # fmt: skip
+            def run(ib):
+                return containers.runc_run(ib[1], f"ocigpu-load-{os.getpid()}-{ib[0]}", timeout=240)
+
+            results = list(pool.map(run, enumerate(bundles)))
         wall = time.monotonic() - started
         refresh_errors = [p.communicate(timeout=240)[1] for p in refreshers]
     finally:

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from oci_gpu_hook import demo
+from oci_gpu_hook.toolkit import containers
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def host(simulated_host, require):
 
 def bundle_with_device(tmp_path, host, path, minor, name):
     env = {"NVIDIA_VISIBLE_DEVICES": "0"}
-    bundle = demo.make_bundle(str(tmp_path / name), args=["sh", "-c", "nvidia-smi -L"], env=env,
+    bundle = containers.make_bundle(str(tmp_path / name), args=["sh", "-c", "nvidia-smi -L"], env=env,
                               config_file=f"{host['root']}/config.yaml")  # fmt: skip
     config_json = os.path.join(bundle, "config.json")
     config = json.load(open(config_json))
@@ -35,7 +35,7 @@ def bundle_with_device(tmp_path, host, path, minor, name):
 def test_runc_linux_devices_node_with_the_right_numbers_is_kept(tmp_path, host):
     gpu0 = host["gpus"][0]
     bundle = bundle_with_device(tmp_path, host, f"/dev/nvidia{gpu0['minor']}", gpu0["minor"], "right")
-    out = demo.runc_run(bundle, f"ocigpu-{os.getpid()}-devright")
+    out = containers.runc_run(bundle, f"ocigpu-{os.getpid()}-devright")
     assert out.returncode == 0, out.stderr
     assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [gpu0["uuid"]]
 
@@ -43,7 +43,7 @@ def test_runc_linux_devices_node_with_the_right_numbers_is_kept(tmp_path, host):
 def test_runc_linux_devices_node_with_other_numbers_is_refused(tmp_path, host):
     target = f"/dev/nvidia{host['gpus'][0]['minor']}"
     bundle = bundle_with_device(tmp_path, host, target, host["gpus"][1]["minor"], "wrong")
-    out = demo.runc_run(bundle, f"ocigpu-{os.getpid()}-devwrong")
+    out = containers.runc_run(bundle, f"ocigpu-{os.getpid()}-devwrong")
     assert out.returncode != 0
     assert "oci-gpu-hook: " in out.stderr and target in out.stderr and "not a regular file" in out.stderr
 
@@ -51,13 +51,13 @@ def test_runc_linux_devices_node_with_other_numbers_is_refused(tmp_path, host):
 def test_podman_device_flag(tmp_path, host, require):
     require("podman")
     gpu0 = host["gpus"][0]
-    rootfs = demo.make_rootfs(str(tmp_path / "rootfs"))
+    rootfs = containers.make_rootfs(str(tmp_path / "rootfs"))
     tag = f"localhost/ocigpu-device-{os.getpid()}:latest"
-    demo.podman_image(rootfs, tag)
+    containers.podman_image(rootfs, tag)
     try:
-        hooks = demo.write_hooks_dir(str(tmp_path / "hooks.d"), f"{host['root']}/config.yaml")
+        hooks = containers.write_hooks_dir(str(tmp_path / "hooks.d"), f"{host['root']}/config.yaml")
         node = f"{host['root']}/dev/nvidia{gpu0['minor']}"
-        out = demo.podman_run(hooks, tag, ["nvidia-smi", "-L"], {"NVIDIA_VISIBLE_DEVICES": "0"},
+        out = containers.podman_run(hooks, tag, ["nvidia-smi", "-L"], {"NVIDIA_VISIBLE_DEVICES": "0"},
                               options=["--device", f"{node}:/dev/nvidia{gpu0['minor']}"])  # fmt: skip
     finally:
         subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)

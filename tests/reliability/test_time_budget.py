@@ -10,7 +10,7 @@ import time
 import hookcheck
 import pytest
 
-from oci_gpu_hook.budget import Budget
+from oci_gpu_hook.start.budget import Budget
 
 HANG = r"""
 #include <unistd.h>
@@ -65,8 +65,8 @@ def test_a_hung_nvml_on_a_stale_cache_fails_within_the_budget(hanging_nvml):
 
 def test_no_time_left_for_nvml_is_said_clearly(hanging_nvml):
     """A budget with too little left for NVML after the apply reserve: refused at once."""
-    from oci_gpu_hook import inventory_cache, settings
     from oci_gpu_hook.errors import InventoryError
+    from oci_gpu_hook.start import inventory_cache, settings
 
     host = hanging_nvml[4]
     hook_settings = settings.load(f"{host['root']}/config.yaml")
@@ -79,7 +79,8 @@ def test_no_time_left_for_nvml_is_said_clearly(hanging_nvml):
 def test_the_budget_counts_from_the_process_start():
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     probe = (f"import sys; sys.path.insert(0, {repo!r}); import time; time.sleep(0.3); "
-             "from oci_gpu_hook.budget import process_age, Budget; print(process_age(), Budget(10.0).remaining())")
+             "from oci_gpu_hook.start.budget import process_age, Budget; "
+             "print(process_age(), Budget(10.0).remaining())")
     young = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True)
     age, remaining = (float(v) for v in young.stdout.split())
     assert 0.3 <= age < 5.0  # its start-up and the sleep count

@@ -71,11 +71,11 @@ def host(simulated_host):
 @pytest.fixture
 def bundle(tmp_path):
     """A GPU container's bundle (config.json only: nothing here gets as far as the rootfs)."""
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
     path = tmp_path / "bundle"
     path.mkdir()
-    demo.write_config(str(path), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None)
+    containers.write_config(str(path), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None)
     return path
 
 
@@ -194,9 +194,9 @@ def test_pid_of_a_zombie(host, bundle, tmp_path):
 
 
 def _config(**changes):
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
-    config = demo.make_config(["true"], {"NVIDIA_VISIBLE_DEVICES": "0"}, None)
+    config = containers.make_config(["true"], {"NVIDIA_VISIBLE_DEVICES": "0"}, None)
     for dotted, value in changes.items():
         node = config
         *parents, last = dotted.split(".")
@@ -207,9 +207,9 @@ def _config(**changes):
 
 
 def _env_config(name, value):
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
-    config = demo.make_config(["true"], {"NVIDIA_VISIBLE_DEVICES": "0", name: value}, None)
+    config = containers.make_config(["true"], {"NVIDIA_VISIBLE_DEVICES": "0", name: value}, None)
     return json.dumps(config).encode()
 
 

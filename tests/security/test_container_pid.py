@@ -11,14 +11,14 @@ import subprocess
 import hookcheck
 import pytest
 
-from oci_gpu_hook import demo
+from oci_gpu_hook.toolkit import containers
 
 
 @pytest.fixture
 def setup(tmp_path, simulated_host, require):
     require("root", "unshare", "busybox", "gcc")
     host = simulated_host(gpus=2)
-    bundle = demo.make_bundle(str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"},
+    bundle = containers.make_bundle(str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"},
                               config_file=None)  # fmt: skip
     config = tmp_path / "config.yaml"
     config.write_text(open(f"{host['root']}/config.yaml").read() + "cgroups: off\n")
@@ -68,7 +68,7 @@ def test_a_process_in_a_copy_of_the_host_namespace(setup):
 
 def test_the_container_of_another_bundle(setup, tmp_path):
     bundle, config, start = setup
-    other = demo.make_rootfs(str(tmp_path / "other-rootfs"))
+    other = containers.make_rootfs(str(tmp_path / "other-rootfs"))
     script = 'mount --bind "$1" "$2" && echo ready && exec sleep 600'
     rootfs = os.path.join(bundle, "rootfs")
     pid = start(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", other, rootfs])
@@ -77,7 +77,7 @@ def test_the_container_of_another_bundle(setup, tmp_path):
 
 def test_the_real_container_is_accepted(setup):
     bundle, config, start = setup
-    proc_pid = demo.hold_namespace(os.path.join(bundle, "rootfs"), 60)
+    proc_pid = containers.hold_namespace(os.path.join(bundle, "rootfs"), 60)
     try:
         state = json.dumps({"ociVersion": "1.0.2", "id": "it", "status": "creating", "pid": proc_pid.pid,
                             "bundle": bundle})  # fmt: skip

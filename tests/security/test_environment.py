@@ -114,9 +114,9 @@ def test_runc_examples_give_the_hook_a_fixed_environment(path):
 
 
 def test_demo_bundles_give_the_hook_a_fixed_environment():
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
-    config = demo.make_config(["true"], {"LD_PRELOAD": "/x.so", "PYTHONPATH": "/x"}, "/c.yaml")
+    config = containers.make_config(["true"], {"LD_PRELOAD": "/x.so", "PYTHONPATH": "/x"}, "/c.yaml")
     (hook,) = config["hooks"]["prestart"]
     assert dict(entry.split("=", 1) for entry in hook["env"]) == FIXED_ENV
     assert hook["args"][:3] == [sys.executable, "-I", "-m"]  # isolated mode: no PYTHON* variables
@@ -126,18 +126,18 @@ def test_image_environment_never_reaches_the_hook_under_runc(traps, simulated_ho
     """A real runc container whose image sets every trap: the hook runs with its fixed env, so it
     neither injects the image's fault nor reads the image's config, and no trap springs."""
     require("root", "runc", "busybox", "gcc")
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
     markers, env = traps
     host = simulated_host(gpus=2, mig=[1])
-    bundle = demo.make_bundle(
+    bundle = containers.make_bundle(
         str(tmp_path / "bundle"), args=["sh", "-c", "nvidia-smi -L"], env={"NVIDIA_VISIBLE_DEVICES": "1", **env},
         config_file=f"{host['root']}/config.yaml",
     )  # fmt: skip
     with open(os.path.join(bundle, "config.json")) as f:
         config = json.load(f)
     assert set(env.items()) <= {tuple(e.split("=", 1)) for e in config["process"]["env"]}  # the image's env
-    out = demo.runc_run(bundle, f"ocigpu-env-{os.getpid()}")
+    out = containers.runc_run(bundle, f"ocigpu-env-{os.getpid()}")
     assert out.returncode == 0, out.stderr
     assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [host["gpus"][1]["uuid"]]
     assert sprung(markers) == {}
@@ -157,7 +157,7 @@ def test_the_hook_takes_nothing_from_the_image_environment(traps, live_container
 
 def test_the_nvml_child_gets_a_fixed_environment(traps, simulated_host, monkeypatch):
     """`inventory refresh` asks NVML in a child: a polluted caller's env does not reach it."""
-    from oci_gpu_hook import nvml
+    from oci_gpu_hook.start import nvml
 
     markers, env = traps
     host = simulated_host(gpus=2, mig=[1])

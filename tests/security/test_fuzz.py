@@ -15,9 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from oci_gpu_hook import plan, prestart, request, spec, state
 from oci_gpu_hook.errors import HookError
-from oci_gpu_hook.settings import Settings
+from oci_gpu_hook.start import plan, prestart, request, spec, state
+from oci_gpu_hook.start.settings import Settings
 
 EXAMPLES = 2500  # per test; four tests: 10,000 cases
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
@@ -146,7 +146,7 @@ def test_config_json_bytes(data):
 
 @pytest.fixture(scope="module")
 def inventory(simulated_host):
-    from oci_gpu_hook import inventory_cache, settings
+    from oci_gpu_hook.start import inventory_cache, settings
 
     host = simulated_host(gpus=2, mig=[1])
     return inventory_cache.load(settings.load(f"{host['root']}/config.yaml"))

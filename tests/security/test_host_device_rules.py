@@ -12,8 +12,8 @@ import os
 import hookcheck
 import pytest
 
-from oci_gpu_hook import demo
-from oci_gpu_hook.apply import FAULT_ENV
+from oci_gpu_hook.start.apply import FAULT_ENV
+from oci_gpu_hook.toolkit import containers
 
 ROOT = "/sys/fs/cgroup/devices"
 ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"}
@@ -44,8 +44,8 @@ def setup(tmp_path, simulated_host, require):
     if not os.path.isdir(ROOT):
         pytest.fail(f"the cgroup v1 devices hierarchy is not mounted at {ROOT}")
     host = simulated_host(gpus=2, mig=[1])
-    bundle = demo.make_bundle(str(tmp_path / "bundle"), args=["true"], env=ENV, config_file=None)
-    holder = demo.hold_namespace(os.path.join(bundle, "rootfs"))
+    bundle = containers.make_bundle(str(tmp_path / "bundle"), args=["true"], env=ENV, config_file=None)
+    holder = containers.hold_namespace(os.path.join(bundle, "rootfs"))
     state = json.dumps({"ociVersion": "1.0.2", "id": "rootcg", "status": "creating", "pid": holder.pid,
                         "bundle": bundle})  # fmt: skip
     yield host, state, holder.pid

@@ -194,7 +194,7 @@ def test_a_library_not_owned_by_root_stops_the_start(case, simulated_host):
 def test_sticky_directory_rule(tmp_path):
     """The rule itself: a sticky, world-writable directory of root's is safe to cross; without the
     sticky bit, or owned by someone else, it is not."""
-    from oci_gpu_hook import sources
+    from oci_gpu_hook.start.linux import sources
 
     def check(mode, uid):
         d = tmp_path / f"d{mode:o}-{uid}"

@@ -224,7 +224,7 @@ CASES = {
 @pytest.fixture(params=["openat2", "nofollow-walk"])
 def resolver(request, monkeypatch):
     if request.param == "nofollow-walk":
-        from oci_gpu_hook import rootfs
+        from oci_gpu_hook.start.linux import rootfs
 
         monkeypatch.setattr(rootfs, "_openat2_works", False)
     return request.param

@@ -15,8 +15,9 @@ import sys
 import hookcheck
 import pytest
 
-from oci_gpu_hook import errors, hook, report
-from oci_gpu_hook.settings import LoggingSettings, Settings
+from oci_gpu_hook import errors, hook
+from oci_gpu_hook.start import report
+from oci_gpu_hook.start.settings import LoggingSettings, Settings
 
 REQUEST_ERROR = 5
 # Terminal and log attacks: set the title and ring, clear the screen, overwrite the line, a C1
@@ -36,11 +37,11 @@ def _config(tmp_path, host) -> str:
 
 
 def _bundle(tmp_path, env: dict) -> str:
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
     path = tmp_path / "bundle"
     path.mkdir()
-    demo.write_config(str(path), args=["true"], env=env, config_file=None)
+    containers.write_config(str(path), args=["true"], env=env, config_file=None)
     return str(path)
 
 

@@ -18,8 +18,9 @@ import textwrap
 
 import pytest
 
-from oci_gpu_hook import demo, ldconfig
-from oci_gpu_hook.rootfs import Rootfs
+from oci_gpu_hook.start.linux import ldconfig
+from oci_gpu_hook.start.linux.rootfs import Rootfs
+from oci_gpu_hook.toolkit import containers
 
 # Every path glibc's ldconfig opens or creates in the rootfs when run the usual way (-r ROOT).
 LDCONFIG_PATHS = (
@@ -73,12 +74,12 @@ def block_node(rdev):
 
 
 def run_container(tmp_path, host, env, rootfs_hook=None, name="c"):
-    bundle = demo.make_bundle(str(tmp_path / f"bundle-{name}"), args=["sh", "-c", "nvidia-smi -L"], env=env,
+    bundle = containers.make_bundle(str(tmp_path / f"bundle-{name}"), args=["sh", "-c", "nvidia-smi -L"], env=env,
                               config_file=f"{host['root']}/config.yaml")  # fmt: skip
     rootfs = os.path.join(bundle, "rootfs")
     if rootfs_hook:
         rootfs_hook(rootfs)
-    return demo.runc_run(bundle, f"ocigpu-{os.getpid()}-{name}", timeout=60), rootfs
+    return containers.runc_run(bundle, f"ocigpu-{os.getpid()}-{name}", timeout=60), rootfs
 
 
 # --- class 1: device nodes, FIFOs and hard links at ldconfig's paths ------------------------------
@@ -153,15 +154,15 @@ def test_podman_image_layer_with_device_nodes(tmp_path, host, disk, require):
     require("podman")
     device, rdev, backing = disk
     before = sha256(backing)
-    rootfs = demo.make_rootfs(str(tmp_path / "rootfs"))
+    rootfs = containers.make_rootfs(str(tmp_path / "rootfs"))
     for relative in LDCONFIG_PATHS:
         plant(rootfs, relative, block_node(rdev))
     tag = f"localhost/ocigpu-ldconfig-attack-{os.getpid()}:latest"
-    demo.podman_image(rootfs, tag)
+    containers.podman_image(rootfs, tag)
     try:
-        hooks = demo.write_hooks_dir(str(tmp_path / "hooks.d"), f"{host['root']}/config.yaml")
+        hooks = containers.write_hooks_dir(str(tmp_path / "hooks.d"), f"{host['root']}/config.yaml")
         script = ["sh", "-c", "ls -l /etc/ld.so.cache~ /etc/ld.so.cache; nvidia-smi -L"]
-        out = demo.podman_run(hooks, tag, script, LEGACY)
+        out = containers.podman_run(hooks, tag, script, LEGACY)
     finally:
         subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
     assert out.returncode == 0, out.stderr

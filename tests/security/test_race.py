@@ -75,7 +75,7 @@ def clean(pid: int, rootfs: str, cgroup: str, baseline_mounts, baseline_tree) ->
 
 
 def test_swapping_directories_and_symlinks_never_leads_outside(live_container, tmp_path, capsys, monkeypatch):
-    from oci_gpu_hook import rootfs as rootfs_module
+    from oci_gpu_hook.start.linux import rootfs as rootfs_module
 
     container = live_container({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"})
     state, bundle, pid, cgroup, host = container

@@ -21,7 +21,7 @@ import time
 import hookcheck
 import pytest
 
-from oci_gpu_hook import inventory_cache, settings
+from oci_gpu_hook.start import inventory_cache, settings
 
 NOBODY = 65534
 FORGED = "/etc/shadow"
@@ -48,11 +48,11 @@ def config(host, tmp_path):
 
 @pytest.fixture
 def bundle(tmp_path):
-    from oci_gpu_hook import demo
+    from oci_gpu_hook.toolkit import containers
 
     path = tmp_path / "bundle"
     path.mkdir()
-    demo.write_config(str(path), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None)
+    containers.write_config(str(path), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None)
     return str(path)
 
 

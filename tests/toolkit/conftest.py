@@ -9,7 +9,7 @@ def fresh_host(tmp_path, require):
 
     def make(**options):
         require("root", "gcc")
-        from oci_gpu_hook.simulate import simulate
+        from oci_gpu_hook.toolkit.simulate import simulate
 
         options = {"gpus": 2, "mig": [1], **options}
         return simulate(str(tmp_path / "host"), **options)

@@ -9,8 +9,9 @@ import jsonschema
 import pytest
 import yaml
 
-from oci_gpu_hook import cdi, demo, inventory_cache, settings
 from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.start import inventory_cache, settings
+from oci_gpu_hook.toolkit import cdi, containers
 
 SCHEMA = cdi.load_schema()
 MOUNT_WITH_TYPE = {"hostPath": "/a", "containerPath": "/a", "type": "bind"}
@@ -160,7 +161,8 @@ def podman_spec(host, require, tmp_path_factory):
                           "cdi", "generate", "--output", path], capture_output=True, text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     work = tmp_path_factory.mktemp("cdi")
-    image = demo.podman_image(demo.make_rootfs(str(work / "rootfs")), f"localhost/ocigpu-cdi-{os.getpid()}:latest")
+    rootfs = containers.make_rootfs(str(work / "rootfs"))
+    image = containers.podman_image(rootfs, f"localhost/ocigpu-cdi-{os.getpid()}:latest")
     try:
         yield path, image
     finally:
@@ -171,7 +173,7 @@ def podman_spec(host, require, tmp_path_factory):
 
 
 def podman_device(image, device, *args):
-    argv = ["podman", "run", "--rm", *demo.PODMAN_OPTIONS, "--device", device, image, *args]
+    argv = ["podman", "run", "--rm", *containers.PODMAN_OPTIONS, "--device", device, image, *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
 
 

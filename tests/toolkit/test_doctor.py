@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from oci_gpu_hook import doctor, install, inventory_cache, labels, settings
 from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.start import inventory_cache, settings
+from oci_gpu_hook.start.linux import labels
+from oci_gpu_hook.toolkit import doctor, install
 
 V1_MOUNTINFO = (
     "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"

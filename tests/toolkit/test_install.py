@@ -6,8 +6,8 @@ import os
 import jsonschema
 import pytest
 
-from oci_gpu_hook import install
 from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.toolkit import install
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREFIX = ["/usr/bin/oci-gpu-hook"]
@@ -73,7 +73,7 @@ def test_what_install_writes(root):
     )
     rule = open(os.path.join(root, "etc/udev/rules.d/71-oci-gpu-hook.rules")).read()
     assert 'SUBSYSTEM=="module"' in rule and "oci-gpu-hook-refresh.service" in rule
-    from oci_gpu_hook import settings
+    from oci_gpu_hook.start import settings
 
     settings.parse(open(os.path.join(root, "etc/oci-gpu-hook/config.yaml")).read(), "config.yaml")  # valid
 

@@ -1,0 +1,267 @@
+"""Discovery: fill the inventory model (inventory.py) from the host.
+
+Reads procfs, device nodes and the driver root's ld.so.cache (cheap, always there on a loaded
+driver; the parsers load only when discovering, not on the hook's cache hit) and asks NVML
+(nvml.py, a child process) only for what procfs lacks: CUDA version, brand, compute capability,
+memory and MIG UUIDs.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from oci_gpu_hook.errors import InventoryError
+from oci_gpu_hook.start import driver
+from oci_gpu_hook.start.inventory import (
+    DeviceNode,
+    DriverFile,
+    GpuInfo,
+    Inventory,
+    MigDevice,
+    host_path,
+)
+from oci_gpu_hook.start.settings import Settings
+
+NVIDIA_PROC = "/proc/driver/nvidia"
+BINARY_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin")
+FIRMWARE_DIRS = ("/lib/firmware/nvidia", "/usr/lib/firmware/nvidia")
+
+
+def read_text(path: str, limit: int = 1 << 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode("utf-8", "replace")
+    except OSError as e:
+        raise InventoryError(f"{path}: {e.strerror}") from None
+
+
+def _bus_order(bus_id: str) -> tuple[int, ...]:
+    domain, bus, rest = bus_id.split(":")
+    device, function = rest.split(".")
+    return (int(domain, 16), int(bus, 16), int(device, 16), int(function, 16))
+
+
+def check_node(dev_root: str, path: str, major: int, minor: int) -> DeviceNode:
+    """A device node, trusted only if it is a char device with the expected numbers."""
+    try:
+        st = os.lstat(host_path(dev_root, path))
+    except FileNotFoundError:
+        return DeviceNode(path, major, minor, "missing")
+    except OSError as e:
+        return DeviceNode(path, major, minor, e.strerror)
+    if not stat.S_ISCHR(st.st_mode):
+        return DeviceNode(path, major, minor, "not a character device")
+    if (os.major(st.st_rdev), os.minor(st.st_rdev)) != (major, minor):
+        return DeviceNode(
+            path, major, minor, f"is {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}, expected {major}:{minor}"
+        )
+    return DeviceNode(path, major, minor)
+
+
+def read_driver_version(settings: Settings) -> str:
+    from oci_gpu_hook.start import procfs
+
+    path = host_path(settings.proc_root, f"{NVIDIA_PROC}/version")
+    if not os.path.exists(path):
+        raise InventoryError(f"{path}: not found: the NVIDIA kernel driver is not loaded")
+    return procfs.parse_driver_version(read_text(path), path)
+
+
+def read_majors(settings: Settings) -> dict[str, int]:
+    from oci_gpu_hook.start import procfs
+
+    path = host_path(settings.proc_root, "/proc/devices")
+    majors = procfs.parse_proc_devices(read_text(path))
+    found = {name: majors[name] for name in driver.PROC_DEVICES_NAMES if name in majors}
+    if found.get("nvidia", driver.NVIDIA_MAJOR) != driver.NVIDIA_MAJOR:
+        raise InventoryError(f"{path}: 'nvidia' has major {found['nvidia']}, expected {driver.NVIDIA_MAJOR}")
+    found.setdefault("nvidia", driver.NVIDIA_MAJOR)
+    return found
+
+
+def read_procfs_gpus(settings: Settings):
+    """[(information dict)] in NVML index order (PCI bus order)."""
+    from oci_gpu_hook.start import procfs
+
+    gpus_dir = host_path(settings.proc_root, f"{NVIDIA_PROC}/gpus")
+    try:
+        entries = sorted(os.listdir(gpus_dir))
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise InventoryError(f"{gpus_dir}: {e.strerror}") from None
+    found = []
+    for entry in entries:
+        path = os.path.join(gpus_dir, entry, "information")
+        info = procfs.parse_gpu_information(read_text(path), path)
+        if info["minor"] is None:
+            raise InventoryError(f"{path}: no 'Device Minor' line (this driver is too old; 450 or newer is needed)")
+        found.append(info)
+    found.sort(key=lambda info: _bus_order(info["bus_id"]))
+    return found
+
+
+def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None, nvml_mig) -> tuple[MigDevice, ...]:
+    """MIG devices of one GPU: cap minors from procfs, order and UUIDs from NVML when known."""
+    import glob
+
+    from oci_gpu_hook.start import procfs
+
+    base = f"{NVIDIA_PROC}/capabilities/gpu{gpu_minor}/mig"
+    instances = {}
+    for gi_access in glob.glob(host_path(settings.proc_root, f"{base}/gi*/access")):
+        gi_dir = os.path.dirname(gi_access)
+        gi = os.path.basename(gi_dir)[2:]
+        if not gi.isdigit():
+            continue
+        for ci_access in glob.glob(os.path.join(gi_dir, "ci*", "access")):
+            ci = os.path.basename(os.path.dirname(ci_access))[2:]
+            if ci.isdigit():
+                instances[(int(gi), int(ci))] = (gi_access, ci_access)
+    if nvml_mig is not None:
+        order = [((m["gi"], m["ci"]), m["uuid"]) for m in nvml_mig]
+    else:
+        order = [(key, None) for key in sorted(instances)]
+    devices = []
+    for key, uuid in order:
+        if key not in instances:
+            raise InventoryError(
+                f"NVML lists MIG device gi{key[0]}/ci{key[1]} of GPU minor {gpu_minor}, "
+                f"but {base}/gi{key[0]}/ci{key[1]}/access does not exist"
+            )
+        if caps_major is None:
+            raise InventoryError("MIG devices exist but /proc/devices has no 'nvidia-caps' major")
+        gi_access, ci_access = instances[key]
+        gi_minor = procfs.parse_cap_minor(read_text(gi_access), gi_access)
+        ci_minor = procfs.parse_cap_minor(read_text(ci_access), ci_access)
+        devices.append(
+            MigDevice(
+                index=len(devices),
+                gi=key[0],
+                ci=key[1],
+                uuid=uuid,
+                gi_cap=check_node(settings.dev_root, f"/dev/nvidia-caps/nvidia-cap{gi_minor}", caps_major, gi_minor),
+                ci_cap=check_node(settings.dev_root, f"/dev/nvidia-caps/nvidia-cap{ci_minor}", caps_major, ci_minor),
+                gi_access="/" + os.path.relpath(gi_access, settings.proc_root),
+                ci_access="/" + os.path.relpath(ci_access, settings.proc_root),
+            )
+        )
+    return tuple(devices)
+
+
+def _inside(root: str, path: str) -> bool:
+    root = os.path.realpath(root)
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def find_libraries(settings: Settings, version: str) -> tuple[DriverFile, ...]:
+    """Driver libraries from the driver root's ld.so.cache, resolved to the versioned file."""
+    from oci_gpu_hook.start import ldcache
+
+    cache = host_path(settings.driver_root, "/etc/ld.so.cache")
+    if not os.path.exists(cache):
+        raise InventoryError(f"{cache}: not found: run ldconfig on the host after installing the driver")
+    prefixes = {prefix: cap for cap, names in driver.LIBRARIES.items() for prefix in names}
+    files = {}
+    for entry in ldcache.read(cache):
+        prefix = entry.name.split(".so", 1)[0] + ".so"
+        capability = prefixes.get(prefix)
+        if capability is None or entry.word_size not in (32, 64):
+            continue
+        real = os.path.realpath(host_path(settings.driver_root, entry.path))
+        # Only files of this driver version, and only inside the driver root: a link pointing
+        # elsewhere, or a library left over from another driver, must not reach containers.
+        if os.path.basename(real) != f"{prefix}.{version}" or not _inside(settings.driver_root, real):
+            continue
+        if not os.path.isfile(real):
+            continue
+        relative = "/" + os.path.relpath(real, os.path.realpath(settings.driver_root))
+        # A 32-bit library keeps its own capability; compat32 decides whether 32-bit ones go in.
+        kind = "library" if entry.word_size == 64 else "library32"
+        files.setdefault(relative, DriverFile(capability, kind, relative, entry.name))
+    return tuple(sorted(files.values(), key=lambda f: (f.kind, f.path)))
+
+
+def find_other_files(settings: Settings, version: str) -> tuple[DriverFile, ...]:
+    import glob
+
+    def exists(path, want=os.path.isfile):
+        return want(host_path(settings.driver_root, path))
+
+    files = []
+    for capability, names in driver.BINARIES.items():
+        for name in names:
+            path = next((f"{d}/{name}" for d in BINARY_DIRS if exists(f"{d}/{name}")), None)
+            if path:
+                files.append(DriverFile(capability, "binary", path))
+    for directory in FIRMWARE_DIRS:
+        pattern = host_path(settings.driver_root, f"{directory}/{version}/gsp*.bin")
+        for path in sorted(glob.glob(pattern)):
+            files.append(DriverFile("utility", "firmware", f"{directory}/{version}/{os.path.basename(path)}"))
+    for capability, sockets in driver.IPC_SOCKETS.items():
+        for sock in sockets:
+            if exists(sock, lambda p: os.path.exists(p) and stat.S_ISSOCK(os.stat(p).st_mode)):
+                files.append(DriverFile(capability, "ipc", sock))
+    for path in driver.GRAPHICS_CONFIG_FILES:
+        if exists(path):
+            files.append(DriverFile("graphics", "config", path))
+    return tuple(files)
+
+
+def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | None = None) -> Inventory:
+    version = read_driver_version(settings)
+    majors = read_majors(settings)
+    libraries = find_libraries(settings, version)
+    facts = None
+    if use_nvml:
+        from oci_gpu_hook.start import nvml
+
+        nvml_lib = next((f for f in libraries if f.soname == "libnvidia-ml.so.1" and f.kind == "library"), None)
+        if nvml_lib is not None:
+            library = host_path(settings.driver_root, nvml_lib.path)
+            facts = nvml.query(library) if nvml_timeout is None else nvml.query(library, nvml_timeout)
+    nvml_gpus = facts["gpus"] if facts else {}
+    caps_major = majors.get("nvidia-caps")
+    gpus = []
+    for index, info in enumerate(read_procfs_gpus(settings)):
+        extra = nvml_gpus.get(info["uuid"], {})
+        brand = extra.get("brand")
+        gpus.append(
+            GpuInfo(
+                index=index,
+                minor=info["minor"],
+                uuid=info["uuid"],
+                bus_id=info["bus_id"],
+                model=info["model"],
+                node=check_node(settings.dev_root, f"/dev/nvidia{info['minor']}", driver.NVIDIA_MAJOR, info["minor"]),
+                brand=driver.BRANDS[brand] if isinstance(brand, int) and 0 <= brand < len(driver.BRANDS) else None,
+                compute_capability=extra.get("compute_capability"),
+                memory_total=extra.get("memory_total"),
+                mig=read_mig_devices(settings, info["minor"], caps_major, extra.get("mig") if facts else None),
+            )
+        )
+    control = {
+        "nvidiactl": (driver.NVIDIA_MAJOR, driver.NVIDIACTL_MINOR),
+        "nvidia-modeset": (driver.NVIDIA_MAJOR, driver.NVIDIA_MODESET_MINOR),
+    }
+    if "nvidia-uvm" in majors:
+        control["nvidia-uvm"] = (majors["nvidia-uvm"], driver.UVM_MINOR)
+        control["nvidia-uvm-tools"] = (majors["nvidia-uvm"], driver.UVM_TOOLS_MINOR)
+    mig_caps = {}
+    if caps_major is not None:
+        for name, minor in (("config", driver.MIG_CONFIG_CAP_MINOR), ("monitor", driver.MIG_MONITOR_CAP_MINOR)):
+            mig_caps[name] = check_node(settings.dev_root, f"/dev/nvidia-caps/nvidia-cap{minor}", caps_major, minor)
+    return Inventory(
+        driver_version=version,
+        cuda_version=facts["cuda_version"] if facts else None,
+        nvml=facts is not None,
+        driver_root=settings.driver_root,
+        dev_root=settings.dev_root,
+        proc_root=settings.proc_root,
+        majors=majors,
+        gpus=tuple(gpus),
+        control_devices={name: check_node(settings.dev_root, f"/dev/{name}", *nums) for name, nums in control.items()},
+        mig_caps=mig_caps,
+        files=libraries + find_other_files(settings, version),
+    )

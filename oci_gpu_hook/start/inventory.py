@@ -1,0 +1,139 @@
+"""What the host offers: driver, GPUs, MIG instances, device nodes, driver files.
+
+The model only: plain, serialisable records that the plan reads. discover.py fills them from
+the host; the hook reads them from the cache (inventory_cache.py) instead of discovering on
+every start.
+"""
+
+from __future__ import annotations
+
+import os
+
+from oci_gpu_hook.record import Record
+
+
+class DeviceNode(Record):
+    __slots__ = ("path", "major", "minor", "problem")
+    _defaults = {"problem": None}
+    path: str  # path under dev_root, the same inside the container: /dev/nvidia0
+    major: int
+    minor: int
+    problem: str | None  # why the node cannot be trusted (missing, wrong type or numbers)
+
+
+class MigDevice(Record):
+    __slots__ = ("index", "gi", "ci", "uuid", "gi_cap", "ci_cap", "gi_access", "ci_access")
+    index: int  # among its GPU's MIG devices, NVML order: the "1" of "0:1"
+    gi: int
+    ci: int
+    uuid: str | None  # None when NVML was not available
+    gi_cap: DeviceNode
+    ci_cap: DeviceNode
+    gi_access: str  # procfs path (under proc_root) of the GPU instance's access file
+    ci_access: str
+
+
+class GpuInfo(Record):
+    __slots__ = (
+        "index",
+        "minor",
+        "uuid",
+        "bus_id",
+        "model",
+        "node",
+        "brand",
+        "compute_capability",
+        "memory_total",
+        "mig",
+    )
+    _defaults = {"brand": None, "compute_capability": None, "memory_total": None, "mig": ()}
+    index: int  # NVML index: PCI bus order
+    minor: int  # /dev/nvidia<minor>
+    uuid: str
+    bus_id: str  # 0000:07:00.0
+    model: str
+    node: DeviceNode
+    brand: str | None
+    compute_capability: str | None
+    memory_total: int | None
+    mig: tuple[MigDevice, ...]
+
+
+class DriverFile(Record):
+    __slots__ = ("capability", "kind", "path", "soname")
+    _defaults = {"soname": None}
+    capability: str
+    kind: str  # library, library32, binary, firmware, ipc, config
+    path: str  # host path under driver_root: /usr/lib64/libcuda.so.550.54.15
+    soname: str | None  # libraries: the SONAME link name, libcuda.so.1
+
+
+class Inventory(Record):
+    __slots__ = (
+        "driver_version",
+        "cuda_version",
+        "nvml",
+        "driver_root",
+        "dev_root",
+        "proc_root",
+        "majors",
+        "gpus",
+        "control_devices",
+        "mig_caps",
+        "files",
+    )
+    driver_version: str
+    cuda_version: str | None
+    nvml: bool  # whether NVML answered (brand, arch, memory and MIG UUIDs are known)
+    driver_root: str
+    dev_root: str
+    proc_root: str
+    majors: dict[str, int]
+    gpus: tuple[GpuInfo, ...]
+    control_devices: dict[str, DeviceNode]  # nvidiactl, nvidia-modeset, nvidia-uvm, nvidia-uvm-tools
+    mig_caps: dict[str, DeviceNode]  # config, monitor
+    files: tuple[DriverFile, ...]
+
+    @classmethod
+    def from_json(cls, data: dict) -> Inventory:
+        def node(d):
+            return DeviceNode(**d)
+
+        def mig(d):
+            return MigDevice(**dict(d, gi_cap=node(d["gi_cap"]), ci_cap=node(d["ci_cap"])))
+
+        def gpu(d):
+            return GpuInfo(**dict(d, node=node(d["node"]), mig=tuple(mig(m) for m in d["mig"])))
+
+        return cls(
+            **dict(
+                data,
+                gpus=tuple(gpu(g) for g in data["gpus"]),
+                control_devices={k: node(v) for k, v in data["control_devices"].items()},
+                mig_caps={k: node(v) for k, v in data["mig_caps"].items()},
+                files=tuple(DriverFile(**f) for f in data["files"]),
+            )
+        )
+
+    def files_for(self, capabilities, kinds=None) -> tuple[DriverFile, ...]:
+        return tuple(f for f in self.files if f.capability in capabilities and (kinds is None or f.kind in kinds))
+
+
+def normalize_bus_id(value: str) -> str | None:
+    """A PCI bus id in the form the inventory keeps (procfs's: 0000:07:00.0, lower case, 4-digit
+    domain) from any accepted spelling ([domain:]bus:device.function, any domain width); None if
+    it is not one. The one normalisation: discovery and device selection both use it."""
+    parts = value.lower().split(":")
+    if len(parts) == 2:
+        parts.insert(0, "0")
+    if len(parts) != 3:
+        return None
+    try:
+        return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
+    except ValueError:
+        return None
+
+
+def host_path(root: str, path: str) -> str:
+    """A host path under one of the configured roots ('/' means the real host)."""
+    return os.path.join(root, path.lstrip("/"))

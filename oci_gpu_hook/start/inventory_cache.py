@@ -1,0 +1,156 @@
+"""The inventory cache: discovery once, not on every container start.
+
+`oci-gpu-hook inventory refresh` (and the hook itself when the cache is stale) writes the
+inventory as JSON, atomically, with a fingerprint of what it was built from: the driver version
+banner, the GPUs procfs lists, the device nodes and the driver root's ld.so.cache. The hook
+recomputes the fingerprint (a few stat calls and two small reads) and uses the cache only when it
+still matches, and only when it is a regular file of the hook's own user that no one else may
+write (settings.read_trusted): its paths become mount sources. Anything else counts as stale:
+rediscovered, and replaced by the rewrite. Standard library only: this is on the start path.
+"""
+
+from __future__ import annotations
+
+import os
+
+from oci_gpu_hook.start import jsonio
+from oci_gpu_hook.start.inventory import Inventory, host_path
+from oci_gpu_hook.start.settings import Settings, read_trusted
+
+FORMAT = 1
+MAX_BYTES = 16 << 20  # an 8-GPU host's cache is 14 kB
+
+
+def _stat_key(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _read_small(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(1 << 16).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def _nodes(directory: str):
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    nodes = []
+    for entry in entries:
+        if entry.name.startswith("nvidia"):
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            nodes.append([entry.name, st.st_mode, st.st_rdev, st.st_ino])
+    return sorted(nodes)
+
+
+def fingerprint(settings: Settings) -> dict:
+    proc_nvidia = host_path(settings.proc_root, "/proc/driver/nvidia")
+    devices = _read_small(host_path(settings.proc_root, "/proc/devices")) or ""
+    try:
+        gpus = sorted(os.listdir(os.path.join(proc_nvidia, "gpus")))
+    except OSError:
+        gpus = []
+    return {
+        "roots": [settings.driver_root, settings.dev_root, settings.proc_root],
+        "version": _read_small(os.path.join(proc_nvidia, "version")),
+        "majors": [line for line in devices.splitlines() if "nvidia" in line],
+        "gpus": gpus,
+        "ld.so.cache": _stat_key(host_path(settings.driver_root, "/etc/ld.so.cache")),
+        "dev": _nodes(host_path(settings.dev_root, "/dev")),
+        "dev/nvidia-caps": _nodes(host_path(settings.dev_root, "/dev/nvidia-caps")),
+    }
+
+
+def read(settings: Settings, current: dict | None = None) -> Inventory | None:
+    """The cached inventory if it is present and still matches the host, else None."""
+    try:
+        doc = jsonio.loads(read_trusted(settings.inventory_cache, MAX_BYTES))
+        if doc.get("format") != FORMAT:
+            return None
+        if doc.get("fingerprint") != (current if current is not None else fingerprint(settings)):
+            return None
+        return Inventory.from_json(doc["inventory"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # absent, torn by hand, from another version or not ours alone: rebuild
+
+
+def write(settings: Settings, inventory: Inventory, print_=None) -> None:
+    """Write atomically: readers see the old file or the new one, never a torn one."""
+    import json
+    import tempfile
+
+    path = settings.inventory_cache
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o755, exist_ok=True)
+    doc = {"format": FORMAT, "fingerprint": print_ or fingerprint(settings), "inventory": inventory.to_json()}
+    fd, tmp = tempfile.mkstemp(prefix=".inventory-", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+            f.flush()
+            os.fchmod(f.fileno(), 0o644)  # not chmod(tmp): the name could be a link by now
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+# Of the hook's budget, what a rebuild with NVML must leave for the plan, the mounts and ldconfig.
+APPLY_RESERVE = 2.0
+MIN_NVML_SECONDS = 0.5
+
+
+def load(settings: Settings, budget=None) -> Inventory:
+    """The inventory for the hook: from the cache when fresh, else discovered and cached. With a
+    budget (the hook's), NVML gets only what the budget leaves after APPLY_RESERVE, and a hung
+    NVML fails the start with one line in time, before anything in the container changed."""
+    from oci_gpu_hook.errors import InventoryError
+    from oci_gpu_hook.start.discover import discover
+
+    current = fingerprint(settings)
+    cached = read(settings, current)
+    if cached is not None:
+        return cached
+    nvml_timeout = None
+    if budget is not None:
+        nvml_timeout = budget.remaining() - min(APPLY_RESERVE, budget.seconds / 4)
+        if nvml_timeout < MIN_NVML_SECONDS:
+            raise InventoryError(
+                f"the inventory cache is stale and the hook's {budget.seconds:g} s budget leaves no time "
+                "to ask NVML; run `oci-gpu-hook inventory refresh`"
+            )
+    try:
+        inventory = discover(settings, nvml_timeout=nvml_timeout)
+    except InventoryError as e:
+        if budget is None or "NVML" not in e.message:
+            raise
+        stale = "the inventory cache is stale: run `oci-gpu-hook inventory refresh`"
+        raise InventoryError(f"{e.message}; {stale}") from None
+    try:
+        write(settings, inventory, current)
+    except OSError:
+        pass  # a read-only /run costs speed, not correctness
+    return inventory
+
+
+def refresh(settings: Settings) -> Inventory:
+    from oci_gpu_hook.start.discover import discover
+
+    current = fingerprint(settings)
+    inventory = discover(settings)
+    write(settings, inventory, current)
+    return inventory

@@ -1,0 +1,202 @@
+"""The only ctypes module: Linux system calls Python's os module lacks (on 3.9).
+
+Each wrapper raises OSError with errno, like os functions do. Calls through syscall(2) take their
+numbers from _nr(), that is from arch.py's table (x86_64 and aarch64); on any other machine _nr()
+raises arch.UnsupportedArchitecture, a one-line HookError, instead of calling a wrong number.
+"""
+
+import ctypes
+import os
+
+from oci_gpu_hook.start.linux import arch
+
+# By name, not ctypes.util.find_library: that runs ldconfig or gcc, far too slow for a hook.
+_libc = ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _nr(name: str) -> int:
+    """The number of system call `name` (one of arch.SYSCALL_NAMES) on this machine."""
+    return arch.current().syscalls[name]
+
+
+MS_RDONLY = 0x1
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REMOUNT = 0x20
+MS_BIND = 0x1000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+MNT_DETACH = 0x2
+UMOUNT_NOFOLLOW = 0x8
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+
+AT_FDCWD = -100
+AT_EMPTY_PATH = 0x1000
+AT_RECURSIVE = 0x8000
+OPEN_TREE_CLONE = 1
+OPEN_TREE_CLOEXEC = os.O_CLOEXEC
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+MOVE_MOUNT_T_EMPTY_PATH = 0x40
+MOUNT_ATTR_RDONLY = 0x1
+MOUNT_ATTR_NOSUID = 0x2
+MOUNT_ATTR_NODEV = 0x4
+MOUNT_ATTR_NOEXEC = 0x8
+FSOPEN_CLOEXEC = 1
+FSCONFIG_SET_STRING = 1
+FSCONFIG_CMD_CREATE = 6
+FSMOUNT_CLOEXEC = 1
+RENAME_EXCHANGE = 2
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+CAP_LAST_CAP_GUESS = 63  # drop up to here; numbers the kernel does not know give EINVAL
+
+RESOLVE_NO_MAGICLINKS = 0x02
+RESOLVE_IN_ROOT = 0x10
+
+MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+
+
+def _check(result: int, what: str, path: str = None) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}", path)
+    return result
+
+
+def _bytes(value):
+    return value.encode() if isinstance(value, str) else value
+
+
+def mount(source, target: str, fstype, flags: int, data=None) -> None:
+    result = _libc.mount(_bytes(source), _bytes(target), _bytes(fstype), ctypes.c_ulong(flags), _bytes(data))
+    _check(result, "mount", target)
+
+
+def umount2(target: str, flags: int = 0) -> None:
+    _check(_libc.umount2(target.encode(), flags), "umount", target)
+
+
+def setns(fd: int, nstype: int) -> None:
+    _check(_libc.setns(fd, nstype), "setns")
+
+
+def unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def pidfd_open(pid: int) -> int:
+    return _check(_libc.syscall(_nr("pidfd_open"), pid, 0), "pidfd_open")
+
+
+# --- the new mount API (Linux 5.2; mount_setattr 5.12): detached trees and mounts by descriptor ---
+
+
+def open_tree(dir_fd: int, path: str, flags: int) -> int:
+    return _check(_libc.syscall(_nr("open_tree"), dir_fd, path.encode(), flags), "open_tree", path)
+
+
+def move_mount(from_fd: int, from_path: str, to_fd: int, to_path: str, flags: int) -> None:
+    result = _libc.syscall(_nr("move_mount"), from_fd, from_path.encode(), to_fd, to_path.encode(), flags)
+    _check(result, "move_mount", to_path)
+
+
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
+                ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
+
+
+def mount_setattr(fd: int, attr_set: int, recursive: bool = True) -> None:
+    attr = _MountAttr(attr_set, 0, 0, 0)
+    flags = AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0)
+    _check(_libc.syscall(_nr("mount_setattr"), fd, b"", flags, ctypes.byref(attr), ctypes.sizeof(attr)),
+           "mount_setattr")  # fmt: skip
+
+
+def fsmount_new(fstype: str, options: dict, attrs: int) -> int:
+    """A new, detached filesystem of fstype (fsopen, fsconfig, fsmount); returns the mount's fd."""
+    fs = _check(_libc.syscall(_nr("fsopen"), fstype.encode(), FSOPEN_CLOEXEC), "fsopen", fstype)
+    try:
+        for key, value in options.items():
+            result = _libc.syscall(_nr("fsconfig"), fs, FSCONFIG_SET_STRING, key.encode(), value.encode(), 0)
+            _check(result, f"fsconfig {key}={value}", fstype)
+        _check(_libc.syscall(_nr("fsconfig"), fs, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create", fstype)
+        return _check(_libc.syscall(_nr("fsmount"), fs, FSMOUNT_CLOEXEC, attrs), "fsmount", fstype)
+    finally:
+        os.close(fs)
+
+
+def pivot_root(new_root: str, put_old: str) -> None:
+    _check(_libc.syscall(_nr("pivot_root"), new_root.encode(), put_old.encode()), "pivot_root", new_root)
+
+
+def renameat2(old_dir_fd: int, old: str, new_dir_fd: int, new: str, flags: int) -> None:
+    _check(_libc.renameat2(old_dir_fd, old.encode(), new_dir_fd, new.encode(), flags), "renameat2", new)
+
+
+def drop_bounding_set() -> None:
+    """Empty the capability bounding set (needs CAP_SETPCAP): no later exec can gain any."""
+    import errno
+
+    for cap in range(CAP_LAST_CAP_GUESS + 1):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0:
+            if ctypes.get_errno() == errno.EINVAL:  # past the kernel's last capability
+                break
+            _check(-1, "prctl(PR_CAPBSET_DROP)")
+
+
+def set_no_new_privs() -> None:
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
+    how = _OpenHow(flags, mode, resolve)
+    fd = _libc.syscall(_nr("openat2"), dir_fd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    return _check(fd, "openat2", path)
+
+
+def mount_flags(names) -> int:
+    flags = 0
+    for name in names:
+        flags |= MOUNT_FLAGS[name]
+    return flags
+
+
+# libselinux, loaded on first use: only containers with a mount label on SELinux hosts pay for it.
+_libselinux = None
+
+
+def _selinux_lib():
+    global _libselinux
+    if _libselinux is None:
+        _libselinux = ctypes.CDLL("libselinux.so.1", use_errno=True)
+    return _libselinux
+
+
+def is_selinux_enabled() -> bool:
+    return _selinux_lib().is_selinux_enabled() == 1
+
+
+def lsetfilecon(path: str, context: str) -> None:
+    """Label path itself (a final symlink is not followed)."""
+    _check(_selinux_lib().lsetfilecon(path.encode(), context.encode()), "lsetfilecon", path)
+
+
+def bpf(cmd: int, attr: bytearray, what: str = "bpf") -> int:
+    """bpf(2): attr is the union bpf_attr, zero-padded; the kernel writes its outputs back into it."""
+    view = (ctypes.c_char * len(attr)).from_buffer(attr)
+    return _check(_libc.syscall(_nr("bpf"), cmd, view, len(attr)), what)
+
+
+def address_of(buf: bytearray) -> int:
+    """Address of buf's bytes, for a pointer field in a bpf_attr; valid while buf lives and keeps its size."""
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))

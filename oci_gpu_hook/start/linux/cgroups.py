@@ -1,0 +1,133 @@
+"""Device access in the container's cgroup: which hierarchy, and the rules.
+
+cgroup v1: the devices controller's devices.allow/devices.deny files. The container's cgroup is
+its `devices` line in /proc/<pid>/cgroup, joined to where this process sees that hierarchy
+mounted (mountinfo). A rule the cgroup already grants is not written (so there is nothing to
+undo): writing it and then denying it on rollback would take away access the cgroup had before,
+from the whole host if the cgroup is the root. cgroup v2 (eBPF device programs): bpf.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+from oci_gpu_hook.errors import Exit, HookError
+
+
+class CgroupError(HookError):
+    exit_code = Exit.CGROUP
+
+
+def read_cgroup_file(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            return f.read()
+    except OSError as e:
+        raise CgroupError(f"/proc/{pid}/cgroup: {e.strerror} (has the container process exited?)") from None
+
+
+def detect_version(cgroup_text: str) -> str:
+    """'v1' (devices controller present, pure v1 or hybrid), 'v2' (unified only) or 'none'."""
+    v2 = False
+    for line in cgroup_text.splitlines():
+        _, controllers, _ = (line.split(":", 2) + ["", ""])[:3]
+        if "devices" in controllers.split(","):
+            return "v1"
+        if line.startswith("0::"):
+            v2 = True
+    return "v2" if v2 else "none"
+
+
+def unescape_mountinfo(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as \\ooo (octal)."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def _where_mounted(relative: str, mountinfo_text: str, fstype: str, option: str | None = None) -> str | None:
+    """Where this process sees the cgroup relative (a path inside a hierarchy) of a hierarchy of
+    fstype (and, for v1, with option among its super options) mounted: mountinfo's one walk."""
+    for line in mountinfo_text.splitlines():
+        if " - " not in line:
+            continue
+        pre, post = line.split(" - ", 1)
+        fields, post_fields = pre.split(), post.split()
+        if len(fields) < 5 or len(post_fields) < 1 or post_fields[0] != fstype:
+            continue
+        if option is not None and (len(post_fields) < 3 or option not in post_fields[2].split(",")):
+            continue
+        root, mountpoint = unescape_mountinfo(fields[3]), unescape_mountinfo(fields[4])
+        # The mount may show a sub-tree (a cgroup namespace, a bind mount): the path must lie below.
+        if relative == root or relative.startswith(root.rstrip("/") + "/"):
+            return os.path.normpath(os.path.join(mountpoint, os.path.relpath(relative, root)))
+    return None
+
+
+def v1_devices_path(cgroup_text: str, mountinfo_text: str) -> str | None:
+    """Directory of the container's v1 devices cgroup as seen from this process."""
+    relative = None
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and "devices" in parts[1].split(","):
+            relative = parts[2]
+    if relative is None:
+        return None
+    return _where_mounted(relative, mountinfo_text, "cgroup", "devices")
+
+
+def v2_path(cgroup_text: str, mountinfo_text: str) -> str | None:
+    """Directory of a process's cgroup v2 as seen from this process: its "0::/path" line in
+    /proc/<pid>/cgroup joined to where cgroup2 is mounted here (/sys/fs/cgroup on pure v2 hosts,
+    /sys/fs/cgroup/unified on hybrid ones). None without a 0:: line or a cgroup2 mount holding it."""
+    relative = None
+    for line in cgroup_text.splitlines():
+        if line.startswith("0::"):
+            relative = line[3:]
+    if relative is None or not relative.startswith("/"):
+        return None
+    return _where_mounted(relative, mountinfo_text, "cgroup2")
+
+
+def v1_rule(major: int, minor: int, access: str) -> str:
+    return f"c {major}:{minor} {access}"
+
+
+def v1_granted(devices_list: str, major: int, minor: int, access: str) -> bool:
+    """Whether a v1 devices.list already lets char major:minor be used with access. In a cgroup
+    whose default is to allow (the root, a privileged container's), the list shows `a *:* rwm`."""
+    for line in devices_list.splitlines():
+        parts = line.split()
+        if len(parts) != 3 or parts[0] not in ("a", "c"):
+            continue
+        rule_major, _, rule_minor = parts[1].partition(":")
+        if (rule_major in ("*", str(major)) and rule_minor in ("*", str(minor))
+                and set(access) <= set(parts[2])):  # fmt: skip
+            return True
+    return False
+
+
+def read_v1(directory: str, name: str) -> str:
+    try:
+        with open(os.path.join(directory, name)) as f:
+            return f.read(1 << 20)
+    except OSError as e:
+        raise CgroupError(f"{directory}/{name}: {e.strerror}") from None
+
+
+def write_v1(directory: str, name: str, rule: str) -> None:
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.write(fd, rule.encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise CgroupError(f"{path}: cannot write '{rule}': {e.strerror}") from None

@@ -1,0 +1,389 @@
+"""Refresh a container's ld.so.cache with the host's ldconfig, in a sandbox that holds even if
+ldconfig itself is compromised (it parses image ELF files and configuration).
+
+- What runs: the host's ldconfig, executed from a descriptor opened on the host, and only if it
+  is static (no program interpreter, so no loader is ever looked up in the image) and owned by
+  root. Never a binary from the image.
+- What it sees: a private mount namespace whose root (pivot_root, the old root detached) is a
+  clone of the container's rootfs with all its mounts, made read-only, nodev, nosuid and noexec,
+  recursively. Nothing in the image can be written and no device node the image ships can be
+  opened; nothing of the host is left to reach. /etc in that view is a fresh, private tmpfs that
+  holds only the configuration the hook flattened from the image's ld.so.conf (read through
+  descriptors, regular files only) and receives the new cache.
+- Who it runs as: uid and gid 65534 with no supplementary groups, an empty capability bounding
+  set and no capabilities, no_new_privs, its own PID, IPC, UTS and network namespaces, resource
+  limits, an empty environment and no descriptors but stdio.
+- The hook then reads the cache from its tmpfs (a regular file, bounded) and installs it into the
+  rootfs by rename through the /etc descriptor, undoably: no existing file is ever opened or
+  written there, so a device node, FIFO or hard link at /etc/ld.so.cache or beside it is replaced,
+  never written through.
+"""
+
+from __future__ import annotations
+
+import _signal as signal  # the C core of signal: the same calls, without its enum wrappers (~5 ms)
+import errno
+import os
+import resource
+import stat
+import time
+
+from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.start.linux import _linux
+
+LDCONFIG_PATHS = ("/sbin/ldconfig", "/usr/sbin/ldconfig")
+SANDBOX_ID = 65534  # nobody: owns nothing in the view but the output tmpfs
+LIMITS = {
+    resource.RLIMIT_CPU: 20,
+    resource.RLIMIT_AS: 1 << 30,
+    resource.RLIMIT_FSIZE: 64 << 20,
+    resource.RLIMIT_NOFILE: 256,
+    resource.RLIMIT_CORE: 0,
+}
+MAX_CACHE_BYTES = 64 << 20
+MAX_CONF_BYTES = 64 << 10
+MAX_CONF_FILES = 128
+MAX_LISTED = 4096  # directory entries looked at per include pattern
+CACHE_MAGICS = (b"glibc-ld.so.cache", b"ld.so-1.7.0")
+_NAMESPACES = _linux.CLONE_NEWNS | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS | _linux.CLONE_NEWNET
+_VIEW_ATTRS = _linux.MOUNT_ATTR_RDONLY | _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC
+
+
+class LdconfigError(HookError):
+    exit_code = Exit.LDCONFIG
+
+
+# --- the host's ldconfig ---------------------------------------------------------------------
+
+
+def host_ldconfig() -> str:
+    for path in LDCONFIG_PATHS:
+        if os.access(path, os.X_OK):
+            return path
+    raise LdconfigError("the host has no ldconfig (/sbin/ldconfig); it is needed to refresh the container's ld cache")
+
+
+def _open_ldconfig() -> int:
+    """O_PATH descriptor of the host's ldconfig, opened as mount sources are (root's, in
+    directories only root can change, writable by nobody else), and static."""
+    from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
+
+    path = host_ldconfig()
+    opener = HostSources()
+    try:
+        fd = opener.open(path, "file")
+    except UntrustedSource as e:
+        raise LdconfigError(f"{e}: refusing to run it") from None
+    finally:
+        opener.close()
+    try:
+        with open(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC), "rb") as f:
+            head = f.read(4096)
+        if _has_interpreter(head):
+            # A dynamic ldconfig would have its loader and libc looked up inside the image's root.
+            raise LdconfigError(f"{path} is dynamically linked; the hook runs only a static ldconfig")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _has_interpreter(head: bytes) -> bool:
+    """Whether an ELF file (its first bytes) has a PT_INTERP program header."""
+    if head[:4] != b"\x7fELF" or len(head) < 64:
+        return True  # not ELF as we know it: treat as unsafe
+    wide, order = head[4] == 2, "little" if head[5] == 1 else "big"
+
+    def number(offset: int, size: int) -> int:
+        return int.from_bytes(head[offset : offset + size], order)
+
+    phoff, phentsize, phnum = (number(32, 8), number(54, 2), number(56, 2)) if wide else (
+        number(28, 4), number(42, 2), number(44, 2))  # fmt: skip
+    if phoff + phentsize * phnum > len(head):
+        return True
+    return any(number(phoff + i * phentsize, 4) == 3 for i in range(phnum))  # PT_INTERP
+
+
+# --- the image's configuration, flattened by the hook ------------------------------------------
+
+
+def _char_class(pattern: str, at: int):
+    """(members test, index after it) of a '[...]' at pattern[at], or None if it is not one."""
+    start = at + 1
+    negate = pattern[start : start + 1] in ("!", "^")
+    start += negate
+    end = pattern.find("]", start + 1)  # a ']' right after '[' or '[!' is a member, not the end
+    if end < 0:
+        return None
+    body = pattern[start:end]
+    ranges = [(body[i], body[i + 2]) for i in range(len(body) - 2) if body[i + 1] == "-"]
+
+    def member(c: str) -> bool:
+        return (c in body or any(low <= c <= high for low, high in ranges)) != negate
+
+    return member, end + 1
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """Shell-style match of one file name ('*', '?', '[...]'), as glob(3) does for includes.
+    Iterative, remembering only the last '*': linear in practice and never deep, whatever
+    pattern the image writes."""
+    n = p = 0
+    star = retry = -1
+    while n < len(name):
+        token = pattern[p : p + 1]
+        if token == "*":
+            star, retry, p = p + 1, n, p + 1
+            continue
+        step = None
+        if token == "?":
+            step = p + 1
+        elif token == "[":
+            parsed = _char_class(pattern, p)
+            if parsed is not None:
+                member, after = parsed
+                step = after if member(name[n]) else None
+            elif name[n] == "[":
+                step = p + 1
+        elif token and token == name[n]:
+            step = p + 1
+        if step is not None:
+            n, p = n + 1, step
+        elif star >= 0:
+            retry += 1
+            n, p = retry, star
+        else:
+            return False
+    return pattern[p:].strip("*") == ""
+
+
+class _ConfReader:
+    """Reads /etc/ld.so.conf and its includes through the rootfs's descriptors: only regular
+    files with one link are opened (no device, FIFO or planted hard link), and the lines that
+    name directories are kept verbatim for ldconfig to parse as it always does."""
+
+    def __init__(self, rootfs):
+        self.rootfs = rootfs
+        self.lines: list[str] = []
+        self.notes: list[str] = []
+        self.files = 0
+
+    def _one_more(self) -> bool:
+        """Count a file read or a directory listed; False past the limit (an include loop, or a
+        flood), which is said once."""
+        self.files += 1
+        if self.files == MAX_CONF_FILES + 1:
+            self.notes.append(f"the image's ld.so.conf includes over {MAX_CONF_FILES} files; the rest ignored")
+        return self.files <= MAX_CONF_FILES
+
+    def read(self, path: str) -> None:
+        if not self._one_more():
+            return
+        text = self._text(path)
+        for raw in text.splitlines():
+            line = raw.split("#", 1)[0].strip()
+            word = line.split(None, 1)[0] if line else ""
+            if word == "include" and line[7:8] in (" ", "\t"):
+                for pattern in line[8:].split():
+                    self._include(pattern if pattern.startswith("/") else f"{os.path.dirname(path)}/{pattern}")
+            elif line and not (word == "hwcap" and line[5:6] in (" ", "\t")):
+                self.lines.append(line)
+
+    def _text(self, path: str) -> str:
+        try:
+            fd = self.rootfs.open(path)
+        except OSError:
+            return ""  # absent (or a dangling link): ldconfig treats it the same way
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                self.notes.append(f"{path} in the image ignored: not a regular file with one link")
+                return ""
+            with open(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+                return f.read(MAX_CONF_BYTES).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
+
+    def _include(self, pattern: str) -> None:
+        directory, name = os.path.split(pattern)
+        if not any(c in name for c in "*?["):
+            self.read(pattern)
+            return
+        if not self._one_more():
+            return
+        try:
+            fd = self.rootfs.open(directory or "/", os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            return
+        try:
+            entries = os.listdir(fd)[:MAX_LISTED]
+            names = sorted(n for n in entries if _matches(n, name) and not n.startswith("."))
+        finally:
+            os.close(fd)
+        for found in names:
+            self.read(f"{directory}/{found}")
+
+
+def flatten_conf(rootfs) -> tuple[str, list[str]]:
+    """(ld.so.conf text without includes, notes) for the image open as rootfs."""
+    reader = _ConfReader(rootfs)
+    reader.read("/etc/ld.so.conf")
+    return "".join(line + "\n" for line in reader.lines), reader.notes
+
+
+# --- the sandbox -------------------------------------------------------------------------------
+
+
+def build_cache(rootfs_fd: int, conf: str, directories, timeout: float = 20.0) -> bytes:
+    """Run the host's ldconfig in the sandbox over the rootfs open at rootfs_fd; returns the new
+    ld.so.cache. fork and execve by hand rather than subprocess: the hook already runs in a
+    single-threaded child, and subprocess (with locale and re) would cost ~5 ms of imports."""
+    exe = _open_ldconfig()
+    out = None
+    try:
+        try:
+            out = _linux.fsmount_new(
+                "tmpfs",
+                {"mode": "0700", "uid": str(SANDBOX_ID), "gid": str(SANDBOX_ID), "size": str(MAX_CACHE_BYTES * 2),
+                 "nr_inodes": "16"},
+                _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC,
+            )  # fmt: skip
+        except OSError as e:
+            needs = " (it needs Linux 5.12 or newer)" if e.errno == errno.ENOSYS else ""
+            raise LdconfigError(f"cannot make the ldconfig sandbox{needs}: {e.strerror}") from None
+        conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=out)
+        with os.fdopen(conf_fd, "w") as f:
+            f.write(conf)
+        argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
+        _run_sandboxed(exe, argv, rootfs_fd, out, timeout)
+        return _read_cache(out)
+    finally:
+        os.close(exe)
+        if out is not None:
+            os.close(out)
+
+
+def _run_sandboxed(exe: int, argv, rootfs_fd: int, out: int, timeout: float) -> None:
+    read_fd, write_fd = os.pipe()
+    # The child is pid 1 of a new PID namespace: it can neither see nor signal anything else, and
+    # whatever it leaves running dies with it. Only the child goes there: our own PID namespace
+    # for later children is restored right after the fork.
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _linux.unshare(_linux.CLONE_NEWPID)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    _sandbox_child(exe, argv, rootfs_fd, out, write_fd)
+                except BaseException as e:
+                    os.write(write_fd, f"cannot start ldconfig: {e}\n".encode())
+                finally:
+                    os._exit(127)
+        finally:
+            _linux.setns(own_pid_ns, _linux.CLONE_NEWPID)
+    finally:
+        os.close(own_pid_ns)
+    os.close(write_fd)
+    try:
+        code, errors = _wait(pid, read_fd, timeout)
+    finally:
+        os.close(read_fd)
+    if code != 0:
+        lines = errors.decode("utf-8", "replace").strip().splitlines()
+        raise LdconfigError(f"ldconfig failed: {lines[-1] if lines else f'exit status {code}'}")
+
+
+def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int) -> None:
+    """In the forked child: build the view, enter it, drop everything, exec. Never returns."""
+    null = os.open("/dev/null", os.O_RDWR)  # before the host disappears from view
+    os.fchdir(rootfs_fd)  # unshare moves the cwd into the new namespace's copy: no path walked again
+    _linux.unshare(_NAMESPACES)
+    _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+    clone = _linux.OPEN_TREE_CLONE | _linux.OPEN_TREE_CLOEXEC | _linux.AT_RECURSIVE
+    view = _linux.open_tree(_linux.AT_FDCWD, ".", clone)
+    _linux.mount_setattr(view, _VIEW_ATTRS)
+    _linux.move_mount(view, "", _linux.AT_FDCWD, ".", _linux.MOVE_MOUNT_F_EMPTY_PATH)
+    # /etc of the view, resolved inside it (never through a magic link), gets the private tmpfs.
+    etc = _linux.openat2(view, "etc", os.O_PATH | os.O_DIRECTORY, _linux.RESOLVE_IN_ROOT | _linux.RESOLVE_NO_MAGICLINKS)
+    _linux.move_mount(out, "", etc, "", _linux.MOVE_MOUNT_F_EMPTY_PATH | _linux.MOVE_MOUNT_T_EMPTY_PATH)
+    os.fchdir(view)
+    _linux.pivot_root(".", ".")
+    _linux.umount2(".", _linux.MNT_DETACH)  # the old root (the host) is gone from this namespace
+    os.chdir("/")
+    for limit, value in LIMITS.items():
+        resource.setrlimit(limit, (value, value))
+    os.setgroups([])
+    os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
+    _linux.drop_bounding_set()
+    _linux.set_no_new_privs()
+    os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)  # clears every capability
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    os.dup2(err_fd, 2)
+    os.closerange(3, exe)
+    os.closerange(exe + 1, 1 << 16)
+    os.execve(exe, argv, {})
+
+
+def _read_cache(out: int) -> bytes:
+    """The cache ldconfig left in its tmpfs: a regular file (it could have been compromised and
+    left anything there), bounded, with a cache's magic."""
+    try:
+        fd = os.open("ld.so.cache", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=out)
+    except OSError as e:
+        raise LdconfigError(f"ldconfig wrote no cache: {e.strerror}") from None
+    with open(fd, "rb") as f:
+        st = os.fstat(fd)
+        data = f.read(MAX_CACHE_BYTES + 1) if stat.S_ISREG(st.st_mode) else b""
+    if not data.startswith(CACHE_MAGICS) or len(data) > MAX_CACHE_BYTES:
+        raise LdconfigError("ldconfig wrote something that is not an ld.so.cache")
+    return data
+
+
+def _wait(pid: int, read_fd: int, timeout: float):
+    """(exit status, stderr) of the child, killing it past the timeout. poll() on its stderr wakes
+    us the moment it exits (the pipe closes), with no sleeping loop."""
+    import select
+
+    deadline = time.monotonic() + timeout
+    chunks = []
+    poller = select.poll()
+    poller.register(read_fd, select.POLLIN | select.POLLHUP)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise LdconfigError(f"ldconfig did not finish within {timeout:.0f} s")
+            if not poller.poll(left * 1000):
+                continue
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:  # the child's end closed: it has exited (or exec failed and it is exiting)
+                break
+            chunks.append(chunk)
+        _, status = os.waitpid(pid, 0)
+        return os.waitstatus_to_exitcode(status), b"".join(chunks)[-4096:]
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)  # on our timeout, or the hook's deadline firing meanwhile
+        os.waitpid(pid, 0)
+        raise
+
+
+# --- the whole step --------------------------------------------------------------------------
+
+
+def refresh(rootfs, directories, undo, timeout: float = 20.0) -> list[str]:
+    """Rebuild /etc/ld.so.cache of the rootfs (a rootfs.Rootfs) for directories; the change is
+    recorded in undo. Returns notes (image configuration files that were ignored)."""
+    conf, notes = flatten_conf(rootfs)
+    try:
+        etc = undo.keep_fd(rootfs.ensure_dir("/etc", undo))
+    except OSError as e:
+        raise LdconfigError(f"/etc in the container: {e.strerror or e}") from None
+    data = build_cache(rootfs.fd, conf, directories, timeout)
+    try:
+        rootfs.replace_file("/etc", etc, "ld.so.cache", data, 0o644, undo)
+    except OSError as e:
+        raise LdconfigError(f"cannot install /etc/ld.so.cache in the container: {e.strerror or e}") from None
+    return notes
+

@@ -1,0 +1,311 @@
+"""Paths inside a container's rootfs, resolved inside the rootfs, through file descriptors.
+
+The rootfs belongs to whoever wrote the image. Every lookup starts from a descriptor of the rootfs
+and resolves symlinks as if the rootfs were '/' (openat2 RESOLVE_IN_ROOT; on kernels without
+openat2, a component-by-component O_NOFOLLOW walk that follows links itself, inside the root).
+Magic links (/proc/self/root, /proc/<pid>/fd/N) are never followed by the kernel. Callers get
+descriptors and act on them (mount onto /proc/self/fd/N, *at calls), never on a path string
+walked again. Whatever is created is recorded in an UndoLog.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from oci_gpu_hook.start.linux import _linux
+
+MAX_SYMLINKS = 40
+OPENAT2_TRIES = 32
+_O_PATH = os.O_PATH | os.O_CLOEXEC
+_openat2_works = None  # unknown until tried; False on kernels before 5.6 or under seccomp
+
+
+class UndoLog:
+    """Undo actions in the order things were done; rollback() runs them in reverse."""
+
+    def __init__(self):
+        self._actions: list[tuple[str, object]] = []
+        self.fds: list[int] = []
+        self.on_close: list = []  # releases that keep a change (called by close(), after success or rollback)
+        self.on_commit: list = []  # clean-ups that only success may run (commit(), before close())
+        self.journal = None  # journal.Journal: what is about to be created, for a hook killed mid-way
+
+    def intend(self, kind: str, path: str, value: str = "") -> None:
+        if self.journal is not None:
+            self.journal.intend(kind, path, value)
+
+    def add(self, description: str, action: object) -> None:
+        self._actions.append((description, action))
+
+    def keep_fd(self, fd: int) -> int:
+        self.fds.append(fd)
+        return fd
+
+    def rollback(self) -> list[str]:
+        """Undo everything; returns what could not be undone (for the log)."""
+        failures = []
+        while self._actions:
+            description, action = self._actions.pop()
+            try:
+                action()
+            except OSError as e:
+                failures.append(f"{description}: {e.strerror or e}")
+        return failures
+
+    def commit(self) -> None:
+        """Everything succeeded: nothing will be undone; run the clean-ups that wait for that."""
+        self._actions = []
+        for action in self.on_commit:
+            try:
+                action()
+            except OSError:
+                pass
+        self.on_commit = []
+
+    def close(self) -> None:
+        for release in self.on_close:
+            try:
+                release()
+            except OSError:
+                pass
+        self.on_close = []
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+
+
+def _split(path: str) -> list[str]:
+    return [part for part in path.split("/") if part and part != "."]
+
+
+class Rootfs:
+    def __init__(self, path: str, labeler=None):
+        self.path = path
+        self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.labeler = labeler  # labels.Labeler when SELinux wants what we create labelled
+
+    def created(self, dir_fd: int, name: str) -> None:
+        if self.labeler is not None:
+            self.labeler.label(dir_fd, name)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    # --- lookups ------------------------------------------------------------------------------
+
+    def open(self, path: str, flags: int = _O_PATH) -> int:
+        """A descriptor of path, symlinks resolved inside the rootfs. Raises OSError."""
+        global _openat2_works
+        if _openat2_works is not False:
+            for attempt in range(OPENAT2_TRIES):
+                try:
+                    fd = _linux.openat2(
+                        self.fd,
+                        path.lstrip("/") or ".",
+                        flags | os.O_CLOEXEC,
+                        _linux.RESOLVE_IN_ROOT | _linux.RESOLVE_NO_MAGICLINKS,
+                    )
+                    _openat2_works = True
+                    return fd
+                except OSError as e:
+                    # EAGAIN: a rename somewhere in the filesystem raced the lookup (RESOLVE_IN_ROOT
+                    # refuses to guess); a bounded retry, as runc does, then give up.
+                    if e.errno == errno.EAGAIN and attempt + 1 < OPENAT2_TRIES:
+                        continue
+                    if e.errno not in (errno.ENOSYS, errno.EPERM) or _openat2_works:
+                        raise
+                    _openat2_works = False
+                    break
+        fd = self._walk(path)
+        if flags & ~(os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW):
+            try:
+                return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+            finally:
+                os.close(fd)
+        return fd
+
+    def _walk(self, path: str) -> int:
+        """Resolve without openat2: never let the kernel follow a link; follow it here, in root."""
+        parts = _split(path)
+        stack = [os.dup(self.fd)]  # descriptors of the directories walked, for '..'
+        links = 0
+        try:
+            while parts:
+                name = parts.pop(0)
+                if name == "..":
+                    if len(stack) > 1:
+                        os.close(stack.pop())
+                    continue
+                fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=stack[-1])
+                mode = os.fstat(fd).st_mode
+                if stat.S_ISLNK(mode):
+                    target = os.readlink("", dir_fd=fd)
+                    os.close(fd)
+                    links += 1
+                    if links > MAX_SYMLINKS:
+                        raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)
+                    if target.startswith("/"):
+                        for d in stack[1:]:
+                            os.close(d)
+                        del stack[1:]
+                    parts = _split(target) + parts
+                    continue
+                if parts and not stat.S_ISDIR(mode):
+                    os.close(fd)
+                    raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+                stack.append(fd)
+            return os.dup(stack[-1])
+        finally:
+            for d in stack:
+                os.close(d)
+
+    def exists_as(self, path: str, kind) -> bool:
+        try:
+            fd = self.open(path)
+        except OSError:
+            return False
+        try:
+            return kind(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+
+    # --- creating -----------------------------------------------------------------------------
+
+    def ensure_dir(self, path: str, undo: UndoLog) -> int:
+        """O_PATH descriptor of directory path, creating missing components (recorded in undo)."""
+        try:
+            fd = self.open(path)
+        except FileNotFoundError:
+            parent, name = os.path.split(path.rstrip("/"))
+            parent_fd = self.ensure_dir(parent or "/", undo)
+            undo.intend("dir", path)
+            try:
+                os.mkdir(name, 0o755, dir_fd=parent_fd)
+            except FileExistsError:
+                # A dangling symlink: it points nowhere inside the rootfs; never create its target.
+                raise OSError(errno.EEXIST, "a dangling symlink or a race is in the way", path) from None
+            undo.keep_fd(parent_fd)
+            undo.add(f"remove directory {path}", lambda: os.rmdir(name, dir_fd=parent_fd))
+            self.created(parent_fd, name)
+            fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
+            return fd
+        if not stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.ENOTDIR, "not a directory", path)
+        return fd
+
+    def ensure_target(self, path: str, directory: bool, mode: int, undo: UndoLog, device=None) -> int:
+        """O_PATH descriptor of a mount target: an existing file/dir of the right type, or a new
+        empty one made with mode (recorded in undo). With device=(major, minor), a character
+        device node of exactly those numbers is right too: the runtime made it (linux.devices,
+        `podman --device`, a device plugin's device specs) and mounting over it is harmless."""
+        if directory:
+            return self.ensure_dir(path, undo)
+        try:
+            fd = self.open(path)
+        except FileNotFoundError:
+            parent, name = os.path.split(path)
+            parent_fd = self.ensure_dir(parent, undo)
+            undo.intend("file", path)
+            try:
+                created = os.open(
+                    name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd
+                )
+            except FileExistsError:
+                os.close(parent_fd)
+                raise OSError(errno.EEXIST, "a dangling symlink or a race is in the way", path) from None
+            os.fchmod(created, mode)  # the umask must not change what the source's mode says
+            os.close(created)
+            undo.keep_fd(parent_fd)
+            undo.add(f"remove file {path}", lambda: os.unlink(name, dir_fd=parent_fd))
+            self.created(parent_fd, name)
+            return os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+        st = os.fstat(fd)
+        st_mode = st.st_mode
+        if device is not None and stat.S_ISCHR(st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == device:
+            return fd
+        if not stat.S_ISREG(st_mode):
+            os.close(fd)
+            what = "a directory" if stat.S_ISDIR(st_mode) else "not a regular file"
+            raise OSError(errno.EEXIST, f"is {what}, expected a file", path)
+        return fd
+
+    def ensure_symlink(self, path: str, value: str, undo: UndoLog) -> str:
+        """Create symlink path -> value; returns 'created', 'present' or 'kept' (the image's own
+        file stays: an image may ship its own library on purpose)."""
+        parent, name = os.path.split(path)
+        parent_fd = self.ensure_dir(parent, undo)
+        try:
+            try:
+                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                undo.intend("symlink", path, value)
+                os.symlink(value, name, dir_fd=parent_fd)
+                undo.keep_fd(os.dup(parent_fd))
+                fd = undo.fds[-1]
+                undo.add(f"remove symlink {path}", lambda: os.unlink(name, dir_fd=fd))
+                self.created(fd, name)
+                return "created"
+            if stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=parent_fd) == value:
+                return "present"
+            return "kept"
+        finally:
+            os.close(parent_fd)
+
+
+    def replace_file(self, directory: str, dir_fd: int, name: str, data: bytes, mode: int, undo: UndoLog) -> None:
+        """Put a new file with data at name in the directory open at dir_fd, by rename: whatever
+        is there (a device node, FIFO, hard link or symlink the image planted) is replaced as a
+        directory entry, never opened or written through. Undone by swapping the old entry back."""
+        temporary = f".{name}.oci-gpu-hook-{os.getpid()}"
+        undo.intend("temp", f"{directory.rstrip('/')}/{temporary}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temporary, flags, mode, dir_fd=dir_fd)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                os.fchmod(f.fileno(), mode)  # the umask must not decide who may read it
+            self.created(dir_fd, temporary)
+            try:
+                old = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                old = None
+            if old is None:
+                os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            elif stat.S_ISDIR(old.st_mode):
+                raise OSError(errno.EISDIR, "a directory is in the way", name)
+            else:
+                _linux.renameat2(dir_fd, temporary, dir_fd, name, _linux.RENAME_EXCHANGE)
+        except BaseException:
+            try:
+                os.unlink(temporary, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+        if old is None:
+            undo.add(f"remove {name}", lambda: os.unlink(name, dir_fd=dir_fd))
+            return
+
+        def swap_back():
+            _linux.renameat2(dir_fd, temporary, dir_fd, name, _linux.RENAME_EXCHANGE)
+            os.unlink(temporary, dir_fd=dir_fd)
+
+        undo.add(f"put the image's {name} back", swap_back)
+        undo.on_commit.append(lambda: os.unlink(temporary, dir_fd=dir_fd))  # the image's old entry
+
+
+def has_debian_layout(rootfs: str) -> bool:
+    """Whether the image is Debian-like (/etc/debian_version is a regular file inside it)."""
+    try:
+        root = Rootfs(rootfs)
+    except OSError:
+        return False
+    try:
+        return root.exists_as("/etc/debian_version", stat.S_ISREG)
+    finally:
+        root.close()

@@ -1,0 +1,122 @@
+"""Facts only NVML knows (CUDA version, brand, compute capability, memory, MIG UUIDs), asked of
+the driver root's libnvidia-ml through NVIDIA's official bindings (nvidia-ml-py).
+
+The query runs in a child process with a deadline: NVML initialisation can take seconds or hang
+on hosts without persistence mode, and a process can bind only one libnvidia-ml (by SONAME), so
+a toolkit command looking at two driver roots needs two processes. The hook's start path uses it
+only when the inventory cache is stale (after a driver change), and then only for what is left of
+the hook's time budget (inventory_cache.load); otherwise the cache carries these facts.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import oci_gpu_hook
+from oci_gpu_hook.errors import InventoryError
+
+DEFAULT_TIMEOUT = 20.0
+
+
+def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
+    """{'cuda_version': '12.4', 'gpus': {uuid: {...}}} from the NVML library at library_path."""
+    # -I keeps the caller's environment out; the package (and pynvml beside it) is imported from
+    # where this process found it, which -I alone would not search for a non-system install.
+    parent = os.path.dirname(os.path.dirname(os.path.abspath(oci_gpu_hook.__file__)))
+    code = (
+        f"import sys; sys.path.insert(0, {parent!r}); "
+        "from oci_gpu_hook.start.nvml import _main; sys.exit(_main(sys.argv[1:]))"
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-I", "-c", code, library_path],
+            capture_output=True,
+            timeout=timeout,
+            env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"},
+            cwd="/",
+        )
+    except subprocess.TimeoutExpired:
+        raise InventoryError(f"NVML ({library_path}) did not answer within {timeout:.1f} s") from None
+    if result.returncode != 0:
+        message = result.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise InventoryError(f"NVML ({library_path}): {message[-1] if message else 'failed'}")
+    return json.loads(result.stdout)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _collect(library_path: str) -> dict:
+    import ctypes
+
+    # Loading by full path first makes pynvml's dlopen("libnvidia-ml.so.1") find this library
+    # (glibc matches the SONAME already loaded), so no LD_LIBRARY_PATH reaches any process.
+    ctypes.CDLL(library_path, mode=ctypes.RTLD_GLOBAL)
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        cuda = pynvml.nvmlSystemGetCudaDriverVersion()
+        facts = {
+            "driver_version": _text(pynvml.nvmlSystemGetDriverVersion()),
+            "cuda_version": f"{cuda // 1000}.{cuda % 1000 // 10}",
+            "gpus": {},
+        }
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            gpu = {
+                "minor": pynvml.nvmlDeviceGetMinorNumber(handle),
+                "brand": pynvml.nvmlDeviceGetBrand(handle),
+                "compute_capability": f"{major}.{minor}",
+                "memory_total": pynvml.nvmlDeviceGetMemoryInfo(handle).total,
+                "mig": [],
+            }
+            try:
+                current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+            except pynvml.NVMLError:
+                current = 0
+            if current:
+                for mig_index in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+                    try:
+                        mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
+                    except pynvml.NVMLError_NotFound:
+                        continue
+                    gpu["mig"].append(
+                        {
+                            "index": len(gpu["mig"]),
+                            "gi": pynvml.nvmlDeviceGetGpuInstanceId(mig),
+                            "ci": pynvml.nvmlDeviceGetComputeInstanceId(mig),
+                            "uuid": _text(pynvml.nvmlDeviceGetUUID(mig)),
+                            "memory_total": pynvml.nvmlDeviceGetMemoryInfo(mig).total,
+                        }
+                    )
+            facts["gpus"][_text(pynvml.nvmlDeviceGetUUID(handle))] = gpu
+        return facts
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _main(argv) -> int:
+    if len(argv) != 1 or not os.path.isabs(argv[0]):
+        sys.stderr.write("usage: python -m oci_gpu_hook.start.nvml /abs/path/libnvidia-ml.so.1\n")
+        return 2
+    try:
+        facts = _collect(argv[0])
+    except ImportError:
+        sys.stderr.write("the NVML bindings (python package nvidia-ml-py) are not installed\n")
+        return 1
+    except OSError as e:
+        sys.stderr.write(f"cannot load the library: {e}\n")
+        return 1
+    except Exception as e:  # pynvml.NVMLError and friends: one line for the parent
+        sys.stderr.write(f"{type(e).__name__}: {e}\n")
+        return 1
+    sys.stdout.write(json.dumps(facts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

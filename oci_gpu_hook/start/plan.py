@@ -1,0 +1,399 @@
+"""The plan: exactly what a container gets, as an ordered list of operations.
+
+Pure: from (request, inventory, rootfs layout) to operations that apply.py carries out and that
+`oci-gpu-hook plan` prints (the dry run). It decides what a container gets; request.py decides
+what the container asked for and may ask for. Some decisions stay with apply.py because only the
+live container can answer them: an optional source that is absent or not root's on the host
+(skipped), a /proc/driver/nvidia that the container's procfs does not show (nothing to mask),
+a device node the runtime already made with the planned numbers (kept), rules a cgroup already
+grants (not written). Sources are host paths (under the configured roots); targets are paths
+inside the container.
+"""
+
+from __future__ import annotations
+
+import os
+
+from oci_gpu_hook.errors import InventoryError, RequestError, RequirementError
+from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.inventory import (
+    DeviceNode,
+    DriverFile,
+    GpuInfo,
+    Inventory,
+    MigDevice,
+    host_path,
+    normalize_bus_id,
+)
+from oci_gpu_hook.start.linux import arch
+from oci_gpu_hook.start.request import GpuRequest
+from oci_gpu_hook.start.requirements import GpuFacts
+
+# Mount flags per kind of source (NVIDIA's choices, which images expect).
+FILE_FLAGS = ("ro", "nosuid", "nodev")
+DEVICE_FLAGS = ("ro", "nosuid", "noexec")
+IPC_FLAGS = ("nosuid", "nodev", "noexec")  # the MPS pipe directory: clients create their pipes there
+SOCKET_FLAGS = ("ro", "nosuid", "nodev", "noexec")  # connect() needs no write access to the mount
+PROC_FLAGS = ("ro", "nosuid", "nodev", "noexec")
+TMPFS_FLAGS = ("nosuid", "nodev", "noexec")
+PROC_NVIDIA = "/proc/driver/nvidia"
+
+
+class LibraryLayout(Record):
+    """Where the container's loader looks for libraries (decided from the rootfs by the caller)."""
+
+    __slots__ = ("lib64", "lib32")
+    lib64: str
+    lib32: str | None  # None: no 32-bit libraries are placed (aarch64)
+
+    @classmethod
+    def for_rootfs(cls, debian: bool, machine: str | None = None) -> LibraryLayout:
+        """The multiarch directories of a Debian-like image, else /usr/lib64 (and /usr/lib), for
+        machine (os.uname().machine's name; default: this machine's). Any machine arch.py does
+        not know raises arch.UnsupportedArchitecture: every GPU start asks before changing anything."""
+        entry = arch.current(machine)
+        if debian:
+            return cls(entry.multiarch, entry.multiarch32)
+        return cls(entry.lib64, entry.lib32)
+
+
+# --- operations ---------------------------------------------------------------------------------
+
+
+class Operation(Record):
+    """Base of every planned step: printable, serialisable, frozen."""
+
+    __slots__ = ()
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def to_json(self) -> dict:
+        return dict(op=type(self).__name__, **Record.to_json(self))
+
+
+class MountDevice(Operation):
+    """Bind-mount a device node after checking it is char major:minor."""
+
+    __slots__ = ("source", "target", "major", "minor", "flags")
+    _defaults = {"flags": DEVICE_FLAGS}
+    source: str
+    target: str
+    major: int
+    minor: int
+    flags: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"device  {self.target} (char {self.major}:{self.minor}) from {self.source} [{','.join(self.flags)}]"
+
+
+class BindMount(Operation):
+    """Bind-mount a host file or directory, then remount with flags."""
+
+    __slots__ = ("source", "target", "kind", "flags", "optional")
+    _defaults = {"optional": False}
+    source: str
+    target: str
+    kind: str  # file, dir or socket
+    flags: tuple[str, ...]
+    optional: bool  # skipped when the source is absent (IPC endpoints)
+
+    def describe(self) -> str:
+        note = " (if present)" if self.optional else ""
+        return f"bind    {self.target} from {self.source} [{','.join(self.flags)}]{note}"
+
+
+class Symlink(Operation):
+    __slots__ = ("target", "value")
+    target: str  # the link's path in the container
+    value: str  # what it points to
+
+    def describe(self) -> str:
+        return f"symlink {self.target} -> {self.value}"
+
+
+class MountTmpfs(Operation):
+    __slots__ = ("target", "mode", "flags")
+    _defaults = {"flags": TMPFS_FLAGS}
+    target: str
+    mode: int
+    flags: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"tmpfs   {self.target} (mode {self.mode:04o}) [{','.join(self.flags)}]"
+
+
+class CopyFile(Operation):
+    """Write a sanitised copy of a host file (into a tmpfs the hook mounted)."""
+
+    __slots__ = ("source", "target", "rewrite")
+    _defaults = {"rewrite": ()}
+    source: str
+    target: str
+    rewrite: tuple[tuple[str, str], ...]  # (line prefix, replacement line)
+
+    def describe(self) -> str:
+        note = "".join(f"; {old!r} -> {new!r}" for old, new in self.rewrite)
+        return f"copy    {self.target} from {self.source}{note}"
+
+
+class Remount(Operation):
+    __slots__ = ("target", "flags")
+    target: str
+    flags: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"remount {self.target} [{','.join(self.flags)}]"
+
+
+class DeviceRule(Operation):
+    """Allow a char device in the container's device cgroup."""
+
+    __slots__ = ("major", "minor", "access")
+    _defaults = {"access": "rw"}
+    major: int
+    minor: int
+    access: str
+
+    def describe(self) -> str:
+        return f"cgroup  allow c {self.major}:{self.minor} {self.access}"
+
+
+class RefreshLdcache(Operation):
+    """Rebuild the container's /etc/ld.so.cache with the host's ldconfig, confined to the rootfs."""
+
+    __slots__ = ("directories",)
+    directories: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"ldcache refresh /etc/ld.so.cache for {', '.join(self.directories)}"
+
+
+class SelectedDevice(Record):
+    """A GPU or MIG device the container gets, as users name them."""
+
+    __slots__ = ("gpu", "mig")
+    _defaults = {"mig": None}
+    gpu: GpuInfo
+    mig: MigDevice | None
+
+    @property
+    def name(self) -> str:
+        if self.mig is None:
+            return f"GPU {self.gpu.index} ({self.gpu.uuid}, {self.gpu.bus_id}, /dev/nvidia{self.gpu.minor})"
+        return f"MIG {self.gpu.index}:{self.mig.index} ({self.mig.uuid or f'gi{self.mig.gi}/ci{self.mig.ci}'})"
+
+
+class Plan(Record):
+    __slots__ = ("request", "devices", "operations")
+    request: GpuRequest
+    devices: tuple[SelectedDevice, ...]
+    operations: tuple[Operation, ...]
+
+    def describe(self) -> str:
+        lines = [f"request: {self.request.describe()}"]
+        lines += [f"note: {note}" for note in self.request.notes]
+        lines.append("devices: " + ("; ".join(d.name for d in self.devices) or "none"))
+        lines += [f"{i:3d}. {op.describe()}" for i, op in enumerate(self.operations, 1)]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        return {
+            "gpu_container": True,
+            "devices": [
+                {
+                    "gpu_index": d.gpu.index,
+                    "gpu_uuid": d.gpu.uuid,
+                    "mig_index": d.mig.index if d.mig else None,
+                    "mig_uuid": d.mig.uuid if d.mig else None,
+                }
+                for d in self.devices
+            ],
+            "capabilities": sorted(self.request.capabilities),
+            "device_source": self.request.source,
+            "notes": list(self.request.notes),
+            "operations": [op.to_json() for op in self.operations],
+        }
+
+
+# --- device selection ---------------------------------------------------------------------------
+
+
+def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
+    """One id of NVIDIA_VISIBLE_DEVICES -> the device, or RequestError '<id>: unknown device'."""
+    gpus = inventory.gpus
+    lowered = device_id.lower()
+    if device_id.isdigit():
+        if int(device_id) < len(gpus):
+            return SelectedDevice(gpus[int(device_id)])
+    elif ":" in device_id and all(p.isdigit() for p in device_id.split(":")):
+        gpu_index, mig_index = (int(p) for p in device_id.split(":"))
+        if gpu_index < len(gpus) and mig_index < len(gpus[gpu_index].mig):
+            return SelectedDevice(gpus[gpu_index], gpus[gpu_index].mig[mig_index])
+    elif lowered.startswith("gpu-"):
+        for gpu in gpus:
+            if gpu.uuid.lower() == lowered:
+                return SelectedDevice(gpu)
+    elif lowered.startswith("mig-gpu-"):  # MIG-GPU-<uuid>/<gi>/<ci>, before R470
+        uuid, _, rest = device_id[4:].partition("/")
+        gi, _, ci = rest.partition("/")
+        for gpu in gpus:
+            for mig in gpu.mig:
+                if gpu.uuid.lower() == uuid.lower() and (str(mig.gi), str(mig.ci)) == (gi, ci):
+                    return SelectedDevice(gpu, mig)
+    elif lowered.startswith("mig-"):
+        for gpu in gpus:
+            for mig in gpu.mig:
+                if mig.uuid and mig.uuid.lower() == lowered:
+                    return SelectedDevice(gpu, mig)
+    else:
+        bus_id = normalize_bus_id(device_id)
+        for gpu in gpus:
+            if gpu.bus_id == bus_id:
+                return SelectedDevice(gpu)
+    raise RequestError(f"{device_id}: unknown device")
+
+
+def select_devices(request: GpuRequest, inventory: Inventory) -> tuple[SelectedDevice, ...]:
+    if request.all_devices:
+        return tuple(SelectedDevice(gpu) for gpu in inventory.gpus)
+    selected: dict[tuple[int, int | None], SelectedDevice] = {}
+    for device_id in request.devices:
+        device = resolve_device(device_id, inventory)
+        selected.setdefault((device.gpu.index, device.mig.index if device.mig else None), device)
+    return tuple(selected.values())
+
+
+def check_requirements(request: GpuRequest, inventory: Inventory, devices: tuple[SelectedDevice, ...]) -> None:
+    if request.disable_require:
+        return
+    if not devices:
+        request.requirements.check(GpuFacts(cuda=inventory.cuda_version, driver=inventory.driver_version))
+        return
+    for device in devices:
+        gpu = device.gpu  # a MIG device is judged by its parent GPU
+        facts = GpuFacts(
+            cuda=inventory.cuda_version, driver=inventory.driver_version, arch=gpu.compute_capability, brand=gpu.brand
+        )
+        try:
+            request.requirements.check(facts)
+        except RequirementError as e:
+            raise RequirementError(f"{e.message} (GPU {gpu.index})" if len(devices) > 1 else e.message) from None
+
+
+# --- building the plan --------------------------------------------------------------------------
+
+
+class _Builder:
+    def __init__(self, inventory: Inventory):
+        self.inventory = inventory
+        self.operations: list[Operation] = []
+        self.targets = set()
+
+    def add(self, op: Operation) -> None:
+        target = getattr(op, "target", None)
+        if target is not None and not isinstance(op, Remount):  # a remount changes what is there
+            if target in self.targets:
+                return  # the same file asked for twice (e.g. a node shared by two MIG devices)
+            self.targets.add(target)
+        self.operations.append(op)
+
+    def device(self, node: DeviceNode, what: str) -> None:
+        if node.problem:
+            raise InventoryError(f"{what} ({node.path}): device node {node.problem}")
+        if node.path in self.targets:
+            return
+        source = host_path(self.inventory.dev_root, node.path)
+        self.add(MountDevice(source, node.path, node.major, node.minor))
+        self.operations.append(DeviceRule(node.major, node.minor))
+
+    def file(self, f: DriverFile, target: str, flags=FILE_FLAGS) -> None:
+        self.add(BindMount(host_path(self.inventory.driver_root, f.path), target, "file", flags))
+
+
+def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout) -> tuple[str, ...]:
+    inventory, caps = builder.inventory, request.capabilities
+    kinds = ("library", "library32") if "compat32" in caps and layout.lib32 else ("library",)
+    dirs = []
+    for f in inventory.files_for(caps, kinds):
+        directory = layout.lib64 if f.kind == "library" else layout.lib32
+        name = os.path.basename(f.path)
+        builder.file(f, f"{directory}/{name}")
+        if f.soname and f.soname != name:
+            builder.add(Symlink(f"{directory}/{f.soname}", name))
+        if name.startswith("libcuda.so."):
+            builder.add(Symlink(f"{directory}/libcuda.so", "libcuda.so.1"))
+        if name.startswith("libGLX_nvidia.so."):
+            builder.add(Symlink(f"{directory}/libGLX_indirect.so.0", name))
+        if directory not in dirs:
+            dirs.append(directory)
+    return tuple(dirs)
+
+
+def _proc_driver(builder: _Builder, devices: tuple[SelectedDevice, ...], request: GpuRequest) -> None:
+    """Mask /proc/driver/nvidia: only sanitised driver files and the selected GPUs show."""
+    inventory = builder.inventory
+    proc = inventory.proc_root
+    builder.add(MountTmpfs(PROC_NVIDIA, 0o555))
+    for name in ("params", "version", "registry"):
+        # ModifyDeviceFiles: 0 stops a driver inside from creating device nodes of its own.
+        rewrite = (("ModifyDeviceFiles:", "ModifyDeviceFiles: 0"),) if name == "params" else ()
+        builder.add(CopyFile(host_path(proc, f"{PROC_NVIDIA}/{name}"), f"{PROC_NVIDIA}/{name}", rewrite))
+    for device in devices:
+        gpu_dir = f"{PROC_NVIDIA}/gpus/{device.gpu.bus_id}"
+        builder.add(BindMount(host_path(proc, gpu_dir), gpu_dir, "dir", PROC_FLAGS))
+        if device.mig:
+            for access in (device.mig.gi_access, device.mig.ci_access):
+                builder.add(BindMount(host_path(proc, access), access, "file", PROC_FLAGS))
+    for name, wanted in (("config", request.mig_config), ("monitor", request.mig_monitor)):
+        if wanted:
+            path = f"{PROC_NVIDIA}/capabilities/mig/{name}"
+            builder.add(BindMount(host_path(proc, path), path, "file", PROC_FLAGS))
+    builder.add(Remount(PROC_NVIDIA, ("ro",) + TMPFS_FLAGS))
+
+
+def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout) -> Plan:
+    devices = select_devices(request, inventory)
+    check_requirements(request, inventory, devices)
+    caps = request.capabilities
+    builder = _Builder(inventory)
+    control = inventory.control_devices
+
+    builder.device(control["nvidiactl"], "nvidiactl")
+    if "compute" in caps:
+        for name in ("nvidia-uvm", "nvidia-uvm-tools"):
+            if name not in control:
+                raise InventoryError(
+                    f"{name}: /proc/devices lists no nvidia-uvm driver; load it (nvidia-modprobe -u -c=0)"
+                )
+            builder.device(control[name], name)
+    if "display" in caps:
+        builder.device(control["nvidia-modeset"], "nvidia-modeset")
+    for device in devices:
+        builder.device(device.gpu.node, f"GPU {device.gpu.index}")
+        if device.mig:
+            builder.device(device.mig.gi_cap, f"MIG {device.gpu.index}:{device.mig.index} GPU instance")
+            builder.device(device.mig.ci_cap, f"MIG {device.gpu.index}:{device.mig.index} compute instance")
+    for name, wanted in (("config", request.mig_config), ("monitor", request.mig_monitor)):
+        if wanted:
+            if name not in inventory.mig_caps:
+                raise InventoryError(f"MIG {name}: /proc/devices lists no nvidia-caps driver")
+            builder.device(inventory.mig_caps[name], f"MIG {name} capability")
+
+    library_dirs = _libraries(builder, request, layout)
+    for f in inventory.files_for(caps, ("binary",)):
+        builder.file(f, f"/usr/bin/{os.path.basename(f.path)}")
+    for f in inventory.files:
+        if f.kind == "firmware":
+            builder.file(f, f.path)
+    for f in inventory.files_for(caps, ("ipc",)):
+        builder.add(BindMount(host_path(inventory.driver_root, f.path), f.path, "socket", SOCKET_FLAGS, optional=True))
+    if "compute" in caps and request.mps_pipe_directory:
+        source = host_path(inventory.driver_root, request.mps_pipe_directory)
+        builder.add(BindMount(source, request.mps_pipe_directory, "dir", IPC_FLAGS, optional=True))
+    for f in inventory.files_for(caps, ("config",)):
+        builder.file(f, f.path)
+    _proc_driver(builder, devices, request)
+    if library_dirs:
+        builder.add(RefreshLdcache(library_dirs))
+    return Plan(request=request, devices=devices, operations=tuple(builder.operations))

@@ -1,0 +1,69 @@
+"""`oci-gpu-hook prestart` (also `createRuntime`): the hook itself, as the runtime runs it.
+
+state (stdin) -> spec (config.json) -> request -> inventory (cache) -> plan -> apply -> report.
+Standard library only, and a container that cannot be asking for a GPU leaves after reading two
+small JSON documents, before any configuration file or inventory is read.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.start import report
+from oci_gpu_hook.start import spec as spec_module
+from oci_gpu_hook.start import state as state_module
+
+
+def may_ask_for_gpus(spec) -> bool:
+    """False only when no setting could make this a GPU container."""
+    env = spec.env
+    visible = env.get("NVIDIA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() and "void" not in [v.strip() for v in visible.split(",")]:
+        return True
+    return (
+        "CUDA_VERSION" in env
+        or any(key.startswith("cdi.k8s.io/") for key in spec.annotations)
+        or any(spec_module.volume_mount_device(m.destination) for m in spec.mounts)
+    )
+
+
+def run(config: str | None, stdin=None, since_process_start: bool = False) -> int:
+    stdin = stdin if stdin is not None else sys.stdin.buffer
+    container = state_module.parse(stdin.read(state_module.MAX_STATE_BYTES + 1))
+    spec = spec_module.load(container.bundle)
+    if not may_ask_for_gpus(spec):
+        return 0
+    from oci_gpu_hook.start import settings as settings_module
+
+    settings = None
+    try:
+        settings = settings_module.load(config)
+        from oci_gpu_hook.start.budget import Budget
+
+        budget = Budget(settings.deadline_seconds, age=None if since_process_start else 0.0)
+        return _configure(container, spec, settings, budget)
+    except HookError as e:
+        report.record(settings, container.id, "error", e.message, bundle=container.bundle)
+        raise
+
+
+def _configure(container, spec, settings, budget) -> int:
+    from oci_gpu_hook.start import apply, inventory_cache, request
+    from oci_gpu_hook.start.linux import arch
+    from oci_gpu_hook.start.linux.rootfs import has_debian_layout
+    from oci_gpu_hook.start.plan import LibraryLayout, build_plan
+
+    gpu_request = request.parse_request(spec, settings)
+    if gpu_request is None:
+        return 0
+    arch.current()  # an unknown machine says so first, not through whatever fails next
+    inventory = inventory_cache.load(settings, budget)
+    plan = build_plan(gpu_request, inventory, LibraryLayout.for_rootfs(has_debian_layout(spec.rootfs)))
+    result = apply.apply(plan, container, spec, settings, budget)
+    report.record(
+        settings, container.id, "info", "GPU devices configured",
+        devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],
+        notes=list(gpu_request.notes),
+    )  # fmt: skip
+    return 0

@@ -1,0 +1,257 @@
+"""What a container asks for: which GPUs, which driver capabilities, which requirements.
+
+Pure: from the container's Spec and the Settings to a GpuRequest, or None for a container that is
+not a GPU container (the hook then touches nothing). The rules follow NVIDIA's container stack so
+that images and pod specs behave the same; where they are looser than safe (an image choosing a
+host directory to mount through CUDA_MPS_PIPE_DIRECTORY) we are stricter, and say so.
+Device ids are checked for syntax here and matched against the host in plan.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+from oci_gpu_hook.errors import RequestError, printable
+from oci_gpu_hook.record import Record
+from oci_gpu_hook.start import driver
+from oci_gpu_hook.start.requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
+from oci_gpu_hook.start.settings import Settings
+from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR, Spec, volume_mount_device
+
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+DRIVER_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
+MIG_CONFIG_DEVICES = "NVIDIA_MIG_CONFIG_DEVICES"
+MIG_MONITOR_DEVICES = "NVIDIA_MIG_MONITOR_DEVICES"
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+PRIVILEGED_CAPABILITY = "CAP_SYS_ADMIN"
+MAX_VALUE_LENGTH = 64 << 10
+MAX_DEVICE_IDS = 1024
+
+ACCEPTED_DEVICES = "all, none, void, GPU indices, GPU-<uuid>, PCI bus ids, MIG-<uuid>, <gpu index>:<mig index>"
+_HEX = frozenset("0123456789abcdefABCDEF")
+_DIGITS = frozenset("0123456789")
+
+
+def _digits(text: str, most: int) -> bool:
+    return 0 < len(text) <= most and _DIGITS.issuperset(text)
+
+
+def _uuid_like(text: str) -> bool:
+    return 0 < len(text) <= 64 and _HEX.union("-").issuperset(text)
+
+
+def _bus_id(text: str) -> bool:
+    """[domain:]bus:device.function, as 0000:3b:00.0 or 3b:00.0 (4 to 8 hex digits of domain)."""
+    parts = text.split(":")
+    if len(parts) == 3:
+        domain = parts.pop(0)
+        if not (4 <= len(domain) <= 8 and _HEX.issuperset(domain)):
+            return False
+    if len(parts) != 2 or len(parts[0]) != 2 or not _HEX.issuperset(parts[0]):
+        return False
+    device, dot, function = parts[1].partition(".")
+    return len(device) == 2 and _HEX.issuperset(device) and dot == "." and function in tuple("01234567")
+
+
+def valid_device_id(device_id: str) -> bool:
+    """Syntax of one NVIDIA_VISIBLE_DEVICES id (string checks, not re: this is the start path)."""
+    if device_id.startswith("MIG-GPU-"):  # pre-R470 MIG naming: MIG-GPU-<uuid>/<gi>/<ci>
+        parts = device_id[8:].split("/")
+        return len(parts) == 3 and _uuid_like(parts[0]) and _digits(parts[1], 2) and _digits(parts[2], 2)
+    if device_id.startswith(("GPU-", "MIG-")):
+        return _uuid_like(device_id[4:])
+    if _digits(device_id, 4):
+        return True
+    gpu, colon, mig = device_id.partition(":")
+    if colon and _digits(gpu, 4) and _digits(mig, 2):
+        return True
+    return _bus_id(device_id)
+
+
+ALL = "all"
+
+
+class GpuRequest(Record):
+    __slots__ = (
+        "devices",
+        "source",
+        "capabilities",
+        "requirements",
+        "disable_require",
+        "privileged",
+        "mig_config",
+        "mig_monitor",
+        "mps_pipe_directory",
+        "notes",
+    )
+    _defaults = {"notes": ()}
+    devices: tuple[str, ...]  # ("all",), () for none, or device ids in the order given
+    source: str  # where the device list came from: env, volume-mounts, cdi-annotation, legacy-image
+    capabilities: frozenset[str]
+    requirements: Requirements
+    disable_require: bool
+    privileged: bool
+    mig_config: bool
+    mig_monitor: bool
+    mps_pipe_directory: str | None  # host directory to share, None when the image's choice is not allowed
+    notes: tuple[str, ...]  # what was ignored, for the log and the dry run
+
+    @property
+    def all_devices(self) -> bool:
+        return self.devices == (ALL,)
+
+    def describe(self) -> str:
+        devices = "all" if self.all_devices else (", ".join(self.devices) or "none")
+        # Requirement variable names are the image's (NVIDIA_REQUIRE_<anything>).
+        return printable(
+            f"devices: {devices} (from {self.source}); capabilities: {', '.join(sorted(self.capabilities))}; "
+            f"requirements: {'disabled' if self.disable_require else self.requirements.describe()}"
+        )
+
+
+def _bounded(name: str, value: str) -> str:
+    if len(value) > MAX_VALUE_LENGTH:
+        raise RequestError(f"{name}: the value is longer than {MAX_VALUE_LENGTH} characters")
+    return value
+
+
+def parse_device_list(value: str, name: str) -> tuple[str, ...] | None:
+    """A device list value -> None (not a GPU container), () (none), ("all",) or checked ids."""
+    _bounded(name, value)
+    entries = [entry.strip() for entry in value.split(",")]
+    entries = [entry for entry in entries if entry]
+    if not entries or "void" in entries:
+        return None
+    if any(entry.lower() == ALL for entry in entries):
+        return (ALL,)
+    ids = [entry for entry in entries if entry != "none"]
+    if len(ids) > MAX_DEVICE_IDS:
+        raise RequestError(f"{name}: {len(ids)} device ids; at most {MAX_DEVICE_IDS} are accepted")
+    for device_id in ids:
+        if not valid_device_id(device_id):
+            shown = device_id if len(device_id) <= 80 else device_id[:80] + "..."
+            raise RequestError(f"{name}={_short(value)}: {shown}: unknown device (accepted: {ACCEPTED_DEVICES})")
+    return tuple(dict.fromkeys(ids))  # duplicates collapse, order kept
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= 120 else value[:120] + "..."
+
+
+def _volume_mount_devices(spec: Spec) -> tuple[str, ...]:
+    named = ((m.source, volume_mount_device(m.destination)) for m in spec.mounts)
+    return tuple(name for source, name in named if source == "/dev/null" and name)
+
+
+def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[str, ...]:
+    names = []
+    for key in sorted(spec.annotations):
+        if key.startswith(CDI_ANNOTATION_PREFIX):
+            value = _bounded(key, spec.annotations[key])
+            for device in value.split(","):
+                device_kind, sep, name = device.strip().partition("=")
+                if sep and device_kind == kind and name:
+                    names.append(name)
+    return tuple(names)
+
+
+def select_devices(spec: Spec, settings: Settings, privileged: bool, legacy: bool):
+    """(device list or None, its source)."""
+    if settings.accept_volume_mounts:
+        names = _volume_mount_devices(spec)
+        if names:
+            return parse_device_list(",".join(names), f"volume mounts under {VOLUME_MOUNT_DIR}"), "volume-mounts"
+    if not (privileged or settings.accept_envvar_when_unprivileged):
+        # The admin allows only the device plugin's mounts to pick GPUs for unprivileged
+        # containers; the image's own env and the pod's annotations are ignored.
+        return None, "env"
+    if settings.accept_cdi_annotations:
+        names = _cdi_annotation_devices(spec, settings.cdi_kind)
+        if names:
+            return parse_device_list(",".join(names), f"{CDI_ANNOTATION_PREFIX}* annotations"), "cdi-annotation"
+    value = spec.env.get(VISIBLE_DEVICES)
+    if value is None:
+        return ((ALL,), "legacy-image") if legacy else (None, "env")
+    return parse_device_list(value, VISIBLE_DEVICES), "env"
+
+
+def parse_capabilities(value: str | None, supported: tuple[str, ...], legacy: bool) -> frozenset[str]:
+    if value is None and legacy:
+        asked = set(driver.CAPABILITIES)
+    elif not value or not value.strip():
+        asked = set(driver.DEFAULT_CAPABILITIES)
+    else:
+        _bounded(DRIVER_CAPABILITIES, value)
+        asked = set()
+        for entry in (e.strip() for e in value.split(",")):
+            if not entry:
+                continue
+            if entry == ALL:
+                asked.update(driver.CAPABILITIES)
+            elif entry in driver.CAPABILITIES:
+                asked.add(entry)
+            else:
+                raise RequestError(
+                    f"{DRIVER_CAPABILITIES}={_short(value)}: unknown capability {entry[:40]!r} "
+                    f"(accepted: {', '.join(driver.CAPABILITIES)}, all)"
+                )
+    for capability in list(asked):
+        asked.update(driver.IMPLIED_CAPABILITIES.get(capability, ()))
+    return frozenset(asked & set(supported))
+
+
+def _mig_flag(spec: Spec, name: str, privileged: bool) -> bool:
+    value = spec.env.get(name)
+    if not value:
+        return False
+    if not privileged:
+        raise RequestError(f"{name}={_short(value)}: only privileged containers (CAP_SYS_ADMIN) may ask for it")
+    if value != ALL:
+        raise RequestError(f"{name}={_short(value)}: unsupported value (accepted: all)")
+    return True
+
+
+def _mps_pipe_directory(spec: Spec, settings: Settings):
+    """(host directory or None, note). The image would choose a host directory to mount, so
+    only directories the admin listed are shared; another choice is ignored, not fatal, because
+    images also set the variable for their own MPS daemon."""
+    value = spec.env.get("CUDA_MPS_PIPE_DIRECTORY") or driver.MPS_PIPE_DIRECTORY
+    path = os.path.normpath(value) if value.startswith("/") else ""
+    if path in settings.mps_pipe_directories:
+        return path, None
+    # A note is no HookError: it is shown (plan, log, syslog) as built, so it escapes itself.
+    return None, printable(
+        f"CUDA_MPS_PIPE_DIRECTORY={_short(value)} ignored: not in mps_pipe_directories "
+        f"({', '.join(settings.mps_pipe_directories)})"
+    )
+
+
+def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
+    env = spec.env
+    privileged = PRIVILEGED_CAPABILITY in spec.bounding_capabilities
+    # Images built before NVIDIA_REQUIRE_CUDA existed carry only CUDA_VERSION.
+    legacy = "CUDA_VERSION" in env and not env.get("NVIDIA_REQUIRE_CUDA")
+    devices, source = select_devices(spec, settings, privileged, legacy)
+    if devices is None:
+        return None
+    requirements = parse_requirements(env)
+    if legacy and env["CUDA_VERSION"]:
+        requirements = parse_requirements(
+            {
+                "NVIDIA_REQUIRE_CUDA": legacy_cuda_requirement(env["CUDA_VERSION"]),
+                **{k: v for k, v in env.items() if k != "NVIDIA_REQUIRE_CUDA"},
+            }
+        )
+    mps_directory, mps_note = _mps_pipe_directory(spec, settings)
+    return GpuRequest(
+        devices=devices,
+        source=source,
+        capabilities=parse_capabilities(env.get(DRIVER_CAPABILITIES), settings.supported_capabilities, legacy),
+        requirements=requirements,
+        disable_require=settings.disable_require or parse_bool(env.get("NVIDIA_DISABLE_REQUIRE", "")),
+        privileged=privileged,
+        mig_config=_mig_flag(spec, MIG_CONFIG_DEVICES, privileged),
+        mig_monitor=_mig_flag(spec, MIG_MONITOR_DEVICES, privileged),
+        mps_pipe_directory=mps_directory,
+        notes=(mps_note,) if mps_note else (),
+    )

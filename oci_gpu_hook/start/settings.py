@@ -1,0 +1,282 @@
+"""The hook's configuration: where it is found, how it is checked, what it holds.
+
+Found at --config FILE, else $OCI_GPU_HOOK_CONFIG, else /etc/oci-gpu-hook/config.yaml (whose
+absence means defaults). Checked against schemas/config.schema.json; every error names the file,
+the key and what is accepted.
+
+YAML and jsonschema cost the hook more than everything else it does (~100 ms of imports), so a
+validated file is also kept compiled, as JSON, under /run/oci-gpu-hook, keyed by the file's path,
+inode, size and modification time; the start path reads that while the file is unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from oci_gpu_hook.errors import ConfigError
+from oci_gpu_hook.record import Record
+from oci_gpu_hook.start import driver, jsonio
+
+DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
+COMPILED_DIR = "/run/oci-gpu-hook"
+ENV_VAR = "OCI_GPU_HOOK_CONFIG"
+SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas", "config.schema.json")
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class LoggingSettings(Record):
+    __slots__ = ("level", "file", "syslog")
+    _defaults = {"level": "info", "file": "/var/log/oci-gpu-hook.log", "syslog": False}
+    level: str
+    file: str | None
+    syslog: bool
+
+
+class Settings(Record):
+    __slots__ = (
+        "driver_root",
+        "dev_root",
+        "proc_root",
+        "supported_capabilities",
+        "accept_envvar_when_unprivileged",
+        "accept_volume_mounts",
+        "accept_cdi_annotations",
+        "cdi_kind",
+        "disable_require",
+        "mps_pipe_directories",
+        "inventory_cache",
+        "cgroups",
+        "deadline_seconds",
+        "logging",
+        "source",
+    )
+    _defaults = {
+        "driver_root": "/",
+        "dev_root": "/",
+        "proc_root": "/",
+        "supported_capabilities": driver.CAPABILITIES,
+        "accept_envvar_when_unprivileged": True,
+        "accept_volume_mounts": False,
+        # Off: runtimes with CDI (CRI-O, podman) inject annotated devices themselves; the hook
+        # would configure them a second time. For runtimes that only pass the annotations on.
+        "accept_cdi_annotations": False,
+        "cdi_kind": "nvidia.com/gpu",
+        "disable_require": False,
+        "mps_pipe_directories": (driver.MPS_PIPE_DIRECTORY,),
+        "inventory_cache": "/run/oci-gpu-hook/inventory.json",
+        "cgroups": "auto",
+        "deadline_seconds": 8.0,
+        "logging": LoggingSettings(),
+        "source": None,
+    }
+    driver_root: str
+    dev_root: str
+    proc_root: str
+    supported_capabilities: tuple[str, ...]
+    accept_envvar_when_unprivileged: bool
+    accept_volume_mounts: bool
+    accept_cdi_annotations: bool
+    cdi_kind: str
+    disable_require: bool
+    mps_pipe_directories: tuple[str, ...]
+    inventory_cache: str
+    cgroups: str
+    deadline_seconds: float
+    logging: LoggingSettings
+    source: str | None  # the file these settings came from; None for built-in defaults
+
+    @classmethod
+    def from_mapping(cls, data: dict, source: str | None) -> Settings:
+        """Build from an already validated mapping."""
+        values = dict(data)
+        values["logging"] = LoggingSettings(**values.get("logging", {}))
+        caps = values.get("supported_capabilities")
+        if caps is not None:
+            values["supported_capabilities"] = driver.CAPABILITIES if "all" in caps else tuple(caps)
+        if "mps_pipe_directories" in values:
+            values["mps_pipe_directories"] = tuple(values["mps_pipe_directories"])
+        return cls(source=source, **values)
+
+
+def config_path(explicit: str | None, environ: dict) -> str | None:
+    """The file to read, or None when defaults apply."""
+    if explicit:
+        return explicit
+    if environ.get(ENV_VAR):
+        return environ[ENV_VAR]
+    return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
+
+
+def load(explicit: str | None = None, environ: dict = os.environ) -> Settings:
+    path = config_path(explicit, environ)
+    if path is None:
+        return Settings()
+    path = os.path.abspath(path)
+    key = _file_key(path)
+    compiled = _read_compiled(path, key)
+    if compiled is not None:
+        return Settings.from_mapping(compiled, path)
+    data = parse_mapping(read_config_file(path), path)
+    _write_compiled(path, key, data)
+    return Settings.from_mapping(data, path)
+
+
+def _file_key(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None  # read_config_file reports it
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def compiled_path(path: str) -> str:
+    # Readable and collision-tolerant: the file records its source path, checked on read.
+    return os.path.join(COMPILED_DIR, "settings" + path.replace("_", "__").replace("/", "_") + ".json")
+
+
+def trusted(st) -> bool:
+    """Owned by the hook's own user and writable by it alone: only the hook can have written it."""
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def read_trusted(path: str, limit: int) -> bytes:
+    """The contents of the regular file at path, if it passes trusted(), for the files the hook
+    keeps for itself (compiled settings, the inventory cache): they decide where mounts come from.
+
+    Raises OSError (absent; a symlink: ELOOP) or ValueError (not a regular file, not trusted, over
+    limit bytes). The checks are made on the descriptor that is read, so nothing can be swapped
+    in between; O_NONBLOCK because a FIFO planted there would otherwise block the open.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("not a regular file")
+        if not trusted(st):
+            raise ValueError(f"owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}: only a file of "
+                             f"uid {os.geteuid()} that no one else may write is used")  # fmt: skip
+        chunks, size = [], 0
+        while True:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise ValueError(f"larger than {limit} bytes")
+    finally:
+        os.close(fd)
+
+
+def _read_compiled(path: str, key) -> dict | None:
+    if key is None:
+        return None
+    try:
+        if not trusted(os.stat(COMPILED_DIR)):  # whoever may write it could rename our files around
+            return None
+        doc = jsonio.loads(read_trusted(compiled_path(path), MAX_CONFIG_BYTES))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("path") != path or doc.get("key") != key:
+        return None
+    return doc.get("settings") if isinstance(doc.get("settings"), dict) else None
+
+
+def _write_compiled(path: str, key, data: dict) -> None:
+    if key is None:
+        return
+    import json
+    import tempfile
+
+    try:
+        os.makedirs(COMPILED_DIR, mode=0o755, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".settings-", dir=COMPILED_DIR)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"path": path, "key": key, "settings": data}, f)
+            os.fchmod(fd, 0o644)  # not chmod(tmp): the name could be a link by now
+        os.rename(tmp, compiled_path(path))
+    except OSError:
+        pass  # a read-only /run costs speed, not correctness
+
+
+def read_config_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: the configuration file is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: the configuration file is not UTF-8 text") from None
+
+
+def parse(text: str, path: str) -> Settings:
+    return Settings.from_mapping(parse_mapping(text, path), path)
+
+
+def parse_mapping(text: str, path: str) -> dict:
+    """The validated mapping of a configuration file's text."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    if data is None:
+        data = {}
+    if isinstance(data, dict) and data.get("cgroups") is False:
+        data["cgroups"] = "off"  # YAML 1.1 reads an unquoted `off` as false; the user meant "off"
+    validate(data, path)
+    return data
+
+
+def _schema() -> dict:
+    import json
+
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
+
+
+def validate(data: object, path: str) -> None:
+    import jsonschema
+
+    schema = _schema()
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the configuration must be a mapping of keys to values")
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ConfigError(describe_error(errors[0], schema, path))
+
+
+def describe_error(error, schema: dict, path: str) -> str:
+    """One line: file, dotted key, what is wrong and what is accepted."""
+    keys = [str(k) for k in error.absolute_path]
+    if error.validator == "additionalProperties":
+        allowed = sorted(error.schema.get("properties", {}))
+        unknown = sorted(set(error.instance) - set(allowed))
+        key = ".".join(keys + [unknown[0]])
+        return f"{path}: {key}: unknown key (accepted keys here: {', '.join(allowed)})"
+    key = ".".join(keys) or "(top level)"
+    accepted = _description(schema, error.absolute_path)
+    import json
+
+    value = (
+        json.dumps(error.instance) if not isinstance(error.instance, (dict, list)) else type(error.instance).__name__
+    )
+    return f"{path}: {key}: {value} is not accepted (expected {accepted})"
+
+
+def _description(schema: dict, keys) -> str:
+    node, described = schema, "a valid value"
+    for key in keys:
+        # A list item is described by its list ("a list of ...").
+        node = node.get("items", {}) if isinstance(key, int) else node.get("properties", {}).get(key, {})
+        described = node.get("description", described)
+    return described

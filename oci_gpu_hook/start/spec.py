@@ -1,0 +1,110 @@
+"""The container's configuration (bundle/config.json): the parts the hook reads.
+
+Only data: rootfs location, environment, capabilities, mounts, annotations, SELinux mount label.
+Paths inside the rootfs are never resolved here (see rootfs.py); this module does no I/O except
+reading config.json itself.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.state import StateError, load_json
+
+MAX_CONFIG_BYTES = 16 << 20
+
+
+class Mount(Record):
+    __slots__ = ("destination", "source", "type")
+
+
+VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
+
+
+def volume_mount_device(destination: str) -> str | None:
+    """The device id a mount destination names in NVIDIA's volume-mount device list (/dev/null
+    mounted at /var/run/nvidia-container-devices/<id>), or None. Normalised first, so that
+    /var/run/./nvidia-container-devices/0 and //var/run/nvidia-container-devices/0/ count: the
+    one rule for the hook's fast path and for the request."""
+    parent, name = os.path.split("/" + os.path.normpath(destination).lstrip("/"))
+    return name if parent == VOLUME_MOUNT_DIR and name not in ("", ".", "..") else None
+
+
+class Spec(Record):
+    __slots__ = ("rootfs", "readonly_rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label")
+    rootfs: str  # absolute host path of the container's root
+    readonly_rootfs: bool
+    env: dict
+    bounding_capabilities: frozenset
+    mounts: tuple
+    annotations: dict
+    mount_label: str | None
+
+
+def environment(entries) -> dict:
+    """process.env as a dict; a later duplicate wins, as in the process it becomes."""
+    env = {}
+    for entry in entries:
+        if isinstance(entry, str):
+            key, sep, value = entry.partition("=")
+            if sep and key:
+                env[key] = value
+    return env
+
+
+def _dict(doc: dict, key: str) -> dict:
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def _list(doc: dict, key: str) -> list:
+    value = doc.get(key)
+    return value if isinstance(value, list) else []
+
+
+def parse(doc, bundle: str) -> Spec:
+    if not isinstance(doc, dict):
+        raise StateError(f"{bundle}/config.json is not a JSON object")
+    root = _dict(doc, "root")
+    root_path = root.get("path")
+    if not isinstance(root_path, str) or not root_path or "\0" in root_path:
+        raise StateError(f"{bundle}/config.json has no valid root.path")
+    process = _dict(doc, "process")
+    mounts = tuple(
+        Mount(m["destination"], m.get("source") or "", m.get("type") or "")
+        for m in _list(doc, "mounts")
+        if isinstance(m, dict)
+        and isinstance(m.get("destination"), str)
+        and isinstance(m.get("source", ""), str)
+        and isinstance(m.get("type", ""), str)
+    )
+    annotations = {k: v for k, v in _dict(doc, "annotations").items() if isinstance(k, str) and isinstance(v, str)}
+    label = _dict(doc, "linux").get("mountLabel")
+    return Spec(
+        rootfs=os.path.normpath(os.path.join(bundle, root_path)),
+        readonly_rootfs=root.get("readonly") is True,
+        env=environment(_list(process, "env")),
+        bounding_capabilities=frozenset(
+            c for c in _list(_dict(process, "capabilities"), "bounding") if isinstance(c, str)
+        ),
+        mounts=mounts,
+        annotations=annotations,
+        mount_label=label if isinstance(label, str) and label else None,
+    )
+
+
+def load(bundle: str) -> Spec:
+    path = os.path.join(bundle, "config.json")
+    try:
+        # O_NOFOLLOW: the bundle belongs to the runtime, but a config.json symlink is never expected.
+        # O_NONBLOCK: a FIFO there must not hang the hook until the runtime's timeout.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StateError(f"{path}: the container configuration is not a regular file")
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise StateError(f"{path}: cannot read the container configuration: {e.strerror}") from None
+    return parse(load_json(data, path, MAX_CONFIG_BYTES), bundle)

@@ -1,0 +1,440 @@
+"""`oci-gpu-hook doctor`: is this host ready for GPU containers? One line per check, with a fix.
+
+Each check is PASS, WARN or FAIL and stands alone: a broken host gives the FAIL that names what
+is broken, and checks that depend on it say they were not run (WARN) instead of failing too.
+Host facts come from the configured roots (driver_root, dev_root, proc_root), so a simulated host
+is checked like a real one; installed files (hooks.d, CRI-O, systemd, SELinux store) are looked
+up under `root` (/ unless --root says otherwise).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+from oci_gpu_hook.record import Record
+
+PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
+ORDER = {PASS: 0, WARN: 1, FAIL: 2}
+EXIT_STATUS = {PASS: 0, WARN: 1, FAIL: 2}
+KEY_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
+PERSISTENCED_SOCKET = "/var/run/nvidia-persistenced/socket"
+HOOK_FILE_NAME = "oci-gpu-hook.json"
+HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d", "/etc/containers/oci/hooks.d")  # later masks earlier
+CRIO_DEFAULT_HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d",)
+REFRESH_SERVICE = "/etc/systemd/system/oci-gpu-hook-refresh.service"
+SELINUX_BOOLEANS = ("container_use_xserver_devices", "container_use_devices")
+
+
+class Check(Record):
+    __slots__ = ("id", "status", "summary", "fix")
+    _defaults = {"fix": None}
+    id: str
+    status: str
+    summary: str
+    fix: str | None
+
+
+def worst(checks) -> str:
+    return max((c.status for c in checks), key=ORDER.get, default=PASS)
+
+
+def _under(root: str, path: str) -> str:
+    return os.path.join(root, path.lstrip("/"))
+
+
+class NotChecked(Exception):
+    """A check that depends on something already reported broken."""
+
+
+class Doctor:
+    def __init__(self, settings, root: str = "/", config_error: str | None = None,
+                 mountinfo: str = "/proc/self/mountinfo"):  # fmt: skip
+        self.settings = settings
+        self.root = os.path.abspath(root)
+        self.config_error = config_error
+        self.mountinfo = mountinfo
+        self.selinuxfs = _under(self.root, "/sys/fs/selinux")
+        self._driver_version = None
+        self._majors = None
+
+    # --- shared facts ---------------------------------------------------------------------------
+
+    def driver_version(self) -> str:
+        from oci_gpu_hook.errors import InventoryError
+        from oci_gpu_hook.start.discover import read_driver_version
+
+        if self.config_error:
+            raise NotChecked("not checked: the configuration is invalid")
+        if self._driver_version is None:
+            try:
+                self._driver_version = read_driver_version(self.settings)
+            except InventoryError:
+                raise NotChecked("not checked: the NVIDIA driver is not loaded") from None
+        return self._driver_version
+
+    def majors(self) -> dict:
+        from oci_gpu_hook.errors import InventoryError
+        from oci_gpu_hook.start.discover import read_majors
+
+        self.driver_version()
+        if self._majors is None:
+            try:
+                self._majors = read_majors(self.settings)
+            except InventoryError as e:
+                raise NotChecked(f"not checked: {e}") from None
+        return self._majors
+
+    def ld_cache(self):
+        from oci_gpu_hook.errors import InventoryError
+        from oci_gpu_hook.start import ldcache
+
+        if self.config_error:
+            raise NotChecked("not checked: the configuration is invalid")
+        path = _under(self.settings.driver_root, "/etc/ld.so.cache")
+        if not os.path.exists(path):
+            return path, None
+        try:
+            return path, ldcache.read(path)
+        except InventoryError:
+            return path, None
+
+    # --- the checks -----------------------------------------------------------------------------
+
+    def run(self) -> list:
+        checks = []
+        for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
+                     "inventory_cache", "hooks_d", "crio", "cgroups", "selinux", "selinux_policy",
+                     "refresh_units"):  # fmt: skip
+            check_id = name.replace("_", "-")
+            try:
+                status, summary, fix = getattr(self, f"check_{name}")()
+            except NotChecked as e:
+                status, summary, fix = WARN, str(e), None
+            checks.append(Check(check_id, status, summary, fix))
+        return checks
+
+    def check_config(self):
+        if self.config_error:
+            return FAIL, self.config_error, "correct the file (docs/configuration.md lists every key)"
+        return PASS, f"configuration: {self.settings.source or 'built-in defaults'}", None
+
+    def check_driver(self):
+        from oci_gpu_hook.errors import InventoryError
+        from oci_gpu_hook.start.discover import read_driver_version
+
+        if self.config_error:
+            raise NotChecked("not checked: the configuration is invalid")
+        try:
+            version = read_driver_version(self.settings)
+        except InventoryError as e:
+            return FAIL, f"NVIDIA driver: {e}", "install the driver and load it (modprobe nvidia)"
+        return PASS, f"NVIDIA driver {version} is loaded", None
+
+    def check_uvm(self):
+        if "nvidia-uvm" in self.majors():
+            return PASS, f"nvidia-uvm is loaded (major {self._majors['nvidia-uvm']})", None
+        return (FAIL, "nvidia-uvm is not loaded (/proc/devices): CUDA containers cannot start",
+                "nvidia-modprobe -u -c=0 (or modprobe nvidia-uvm)")  # fmt: skip
+
+    def expected_nodes(self):
+        """[(what, DeviceNode)] the hook would mount, checked against procfs's numbers."""
+        from oci_gpu_hook.start import driver
+        from oci_gpu_hook.start.discover import check_node, read_mig_devices, read_procfs_gpus
+
+        majors = self.majors()
+        dev = self.settings.dev_root
+        nodes = [("nvidiactl", check_node(dev, "/dev/nvidiactl", driver.NVIDIA_MAJOR, driver.NVIDIACTL_MINOR))]
+        if "nvidia-uvm" in majors:
+            for name, minor in (("nvidia-uvm", driver.UVM_MINOR), ("nvidia-uvm-tools", driver.UVM_TOOLS_MINOR)):
+                nodes.append((name, check_node(dev, f"/dev/{name}", majors["nvidia-uvm"], minor)))
+        gpus = read_procfs_gpus(self.settings)
+        for index, info in enumerate(gpus):
+            minor = info["minor"]
+            nodes.append((f"GPU {index}", check_node(dev, f"/dev/nvidia{minor}", driver.NVIDIA_MAJOR, minor)))
+            for mig in read_mig_devices(self.settings, minor, majors.get("nvidia-caps"), None):
+                nodes.append((f"MIG {index}:{mig.index}", mig.gi_cap))
+                nodes.append((f"MIG {index}:{mig.index}", mig.ci_cap))
+        return gpus, nodes
+
+    def check_device_nodes(self):
+        from oci_gpu_hook.errors import InventoryError
+
+        try:
+            gpus, nodes = self.expected_nodes()
+        except InventoryError as e:
+            return FAIL, f"device nodes: {e}", "reload the NVIDIA driver (or nvidia-modprobe) so procfs is complete"
+        bad = [f"{node.path} ({what}) {node.problem}" for what, node in nodes if node.problem]
+        if bad:
+            more = f" and {len(bad) - 2} more" if len(bad) > 2 else ""
+            return (FAIL, f"device nodes do not match /proc: {'; '.join(bad[:2])}{more}",
+                    "recreate them: nvidia-modprobe -c <minor> (or the driver's udev rules); "
+                    "a node with wrong numbers must be removed first")  # fmt: skip
+        if not gpus:
+            return WARN, "the driver lists no GPUs in /proc/driver/nvidia/gpus", "check lspci and dmesg for the GPUs"
+        return PASS, f"{len(nodes)} device nodes match /proc ({len(gpus)} GPU(s))", None
+
+    def check_persistence(self):
+        self.driver_version()
+        if os.path.exists(_under(self.settings.driver_root, PERSISTENCED_SOCKET)):
+            return PASS, "nvidia-persistenced is running (persistence mode)", None
+        return (WARN, "nvidia-persistenced is not running: every GPU container start re-initialises the GPUs "
+                "(seconds each)", "systemctl enable --now nvidia-persistenced")  # fmt: skip
+
+    def check_ldcache(self):
+        path, entries = self.ld_cache()
+        fix = "run ldconfig on the host (the driver installer should have)"
+        if entries is None:
+            return FAIL, f"{path}: missing or unreadable", fix
+        names = {e.name for e in entries if e.word_size == 64}
+        missing = [name for name in KEY_LIBRARIES if name not in names]
+        if missing:
+            return FAIL, f"{path} lacks the driver libraries {', '.join(missing)}", fix
+        return PASS, f"{path} lists the driver libraries", None
+
+    def check_libraries(self):
+        from oci_gpu_hook.start import driver
+
+        version = self.driver_version()
+        path, entries = self.ld_cache()
+        if entries is None:
+            raise NotChecked("not checked: no ld.so.cache")
+        prefixes = {p for names in driver.LIBRARIES.values() for p in names}
+        found = {}
+        for entry in entries:
+            prefix = entry.name.split(".so", 1)[0] + ".so"
+            if prefix not in prefixes or entry.word_size != 64 or entry.name in found:
+                continue
+            real = os.path.basename(os.path.realpath(_under(self.settings.driver_root, entry.path)))
+            found[entry.name] = real[len(prefix) + 1 :] if real.startswith(prefix + ".") else "unknown"
+        wrong = sorted(f"{name} is {v}" for name, v in found.items() if v != version)
+        if wrong:
+            key = [w for w in wrong if w.split(" ")[0] in KEY_LIBRARIES] or wrong
+            return (FAIL, f"driver/library version mismatch: {'; '.join(key[:2])}, the kernel driver is {version}",
+                    "install the driver's user-space libraries of the loaded module's version, or reboot into "
+                    "the module that matches them")  # fmt: skip
+        if not found:
+            raise NotChecked("not checked: ld.so.cache lists no driver libraries")
+        return PASS, f"{len(found)} driver libraries match the kernel driver {version}", None
+
+    def check_inventory_cache(self):
+        from oci_gpu_hook.start import inventory_cache
+        from oci_gpu_hook.start.settings import read_trusted
+
+        self.driver_version()
+        path = self.settings.inventory_cache
+        fix = "oci-gpu-hook inventory refresh"
+        try:
+            # As the hook reads it: a cache the hook would ignore is no cache.
+            doc = json.loads(read_trusted(path, inventory_cache.MAX_BYTES))
+        except FileNotFoundError:
+            return WARN, f"{path}: no inventory cache yet (the first GPU container builds it)", fix
+        except OSError as e:  # ELOOP: a symbolic link, which the hook does not follow
+            return FAIL, f"{path}: unreadable inventory cache ({e.strerror}; the hook rediscovers every time)", fix
+        except ValueError as e:
+            return FAIL, f"{path}: unusable inventory cache ({e}; the hook rediscovers every time)", fix
+        if not isinstance(doc, dict) or doc.get("format") != inventory_cache.FORMAT:
+            return FAIL, f"{path}: not an inventory cache of this version", fix
+        if doc.get("fingerprint") != inventory_cache.fingerprint(self.settings):
+            return (FAIL, f"{path}: stale: the driver, GPUs, device nodes or ld.so.cache changed since it was "
+                    "written (the next GPU container pays for rebuilding it)", fix)  # fmt: skip
+        return PASS, f"{path} is fresh", None
+
+    def hooks_d_file(self):
+        """(path of the file podman would use, the directories it reads). ConfigFileError when
+        containers.conf cannot be read as podman reads it."""
+        dirs = list(HOOKS_DIRS)
+        conf = _under(self.root, "/etc/containers/containers.conf")
+        configured = _toml_list(conf, ("engine", "hooks_dir"))
+        if configured is not None:
+            dirs = configured
+        for directory in reversed(dirs):
+            path = _under(self.root, f"{directory}/{HOOK_FILE_NAME}")
+            if os.path.lexists(path):
+                return path, directory, dirs
+        return None, None, dirs
+
+    def check_hooks_d(self):
+        try:
+            path, _, dirs = self.hooks_d_file()
+        except ConfigFileError as e:
+            return FAIL, f"{e} (podman cannot read its configuration)", "correct the file"
+        fix = "oci-gpu-hook install"
+        if path is None:
+            where = ", ".join(dirs)
+            return FAIL, f"no hooks.d file {HOOK_FILE_NAME} in {where}: podman and CRI-O never run the hook", fix
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, ValueError) as e:
+            return FAIL, f"{path}: unreadable ({e})", fix
+        import jsonschema
+
+        from oci_gpu_hook.start.settings import SCHEMA_PATH
+
+        with open(os.path.join(os.path.dirname(SCHEMA_PATH), "oci-hooks.schema.json")) as f:
+            schema = json.load(f)
+        error = next(iter(jsonschema.Draft7Validator(schema).iter_errors(doc)), None)
+        if error is not None:
+            return FAIL, f"{path}: not a valid hooks.d file: {error.message}", fix
+        hook = doc["hook"]["path"]
+        if not (os.access(_under(self.root, hook), os.X_OK) or (self.root != "/" and os.access(hook, os.X_OK))):
+            return FAIL, f"{path}: the hook {hook} is not an executable (runtimes ignore the file)", fix
+        if "prestart" not in doc["hook"].get("args", []) or "prestart" not in doc["stages"]:
+            return FAIL, f"{path}: does not run `oci-gpu-hook prestart` at prestart", fix
+        return PASS, f"{path} runs {hook} at prestart", None
+
+    def check_crio(self):
+        crio_dir = _under(self.root, "/etc/crio")
+        if not (os.path.isdir(crio_dir) or os.path.exists(_under(self.root, "/usr/bin/crio"))):
+            return PASS, "CRI-O is not installed: nothing to check", None
+        dirs = list(CRIO_DEFAULT_HOOKS_DIRS)
+        for conf in [f"{crio_dir}/crio.conf"] + sorted(glob.glob(f"{crio_dir}/crio.conf.d/*.conf")):
+            try:
+                configured = _toml_list(conf, ("crio", "runtime", "hooks_dir"))
+            except ConfigFileError as e:
+                return (FAIL, f"{e} (CRI-O cannot read its configuration)",
+                        "correct the file, then systemctl restart crio")  # fmt: skip
+            if configured is not None:
+                dirs = configured
+        present = [d for d in dirs if os.path.lexists(_under(self.root, f"{d}/{HOOK_FILE_NAME}"))]
+        if not present:
+            return (FAIL, f"CRI-O's hooks_dir ({', '.join(dirs)}) holds no {HOOK_FILE_NAME}",
+                    "oci-gpu-hook install --runtime crio, then systemctl restart crio")  # fmt: skip
+        return PASS, f"CRI-O reads {present[-1]}/{HOOK_FILE_NAME}", None
+
+    def check_cgroups(self):
+        if self.config_error:
+            raise NotChecked("not checked: the configuration is invalid")
+        try:
+            with open(self.mountinfo) as f:
+                text = f.read()
+        except OSError as e:
+            return WARN, f"{self.mountinfo}: {e.strerror}", None
+        v1_devices = v2 = False
+        for line in text.splitlines():
+            if " - " not in line:
+                continue
+            fs = line.split(" - ", 1)[1].split()
+            if len(fs) >= 3 and fs[0] == "cgroup" and "devices" in fs[2].split(","):
+                v1_devices = True
+            elif fs and fs[0] == "cgroup2":
+                v2 = True
+        host = "v1" if v1_devices else ("v2" if v2 else "none")
+        shown = {"v1": "cgroup v1 devices controller" + (" (hybrid)" if v2 else ""), "v2": "cgroup v2 (unified)",
+                 "none": "no device cgroup"}[host]  # fmt: skip
+        wanted = self.settings.cgroups
+        if wanted == "off":
+            return (
+                WARN,
+                f"{shown}; cgroups: off: the hook grants no device access (right only for rootless "
+                "or when something else allows the GPU nodes)",
+                "set cgroups: auto for rootful containers",
+            )
+        if host == "none":
+            return FAIL, "no device cgroup is mounted: the hook cannot grant device access", "set cgroups: off"
+        mode = host if wanted == "auto" else wanted
+        if mode != host:
+            return (FAIL, f"cgroups: {wanted} is configured but the host has the {shown}: device access would be "
+                    "granted where runc does not look", "set cgroups: auto")  # fmt: skip
+        if mode == "v2" and os.geteuid() != 0:
+            return WARN, f"{shown}: eBPF device programs need root", "run the runtime (and the hook) as root"
+        how = "devices.allow" if mode == "v1" else "eBPF device programs"
+        return PASS, f"{shown}: the hook manages device access ({how})", None
+
+    def selinux_mode(self) -> str:
+        from oci_gpu_hook.start.linux import labels
+
+        if not labels.selinux_enabled():
+            return "disabled"
+        try:
+            with open(os.path.join(self.selinuxfs, "enforce")) as f:
+                return "enforcing" if f.read().strip() == "1" else "permissive"
+        except OSError:
+            return "enforcing"
+
+    def check_selinux(self):
+        mode = self.selinux_mode()
+        if mode == "disabled":
+            return PASS, "SELinux is disabled: nothing to check", None
+        if mode == "permissive":
+            return (WARN, "SELinux is permissive: denials are logged, not enforced",
+                    "check GPU containers work, then setenforce 1 (and SELINUX=enforcing)")  # fmt: skip
+        return PASS, "SELinux is enforcing", None
+
+    def check_selinux_policy(self):
+        mode = self.selinux_mode()
+        if mode == "disabled":
+            return PASS, "SELinux is disabled: no policy needed", None
+        module = glob.glob(_under(self.root, "/var/lib/selinux/*/active/modules/*/oci_gpu_hook"))
+        on = []
+        for name in SELINUX_BOOLEANS:
+            try:
+                with open(os.path.join(self.selinuxfs, "booleans", name)) as f:
+                    if f.read().split()[:1] == ["1"]:
+                        on.append(name)
+            except OSError:
+                pass
+        if module:
+            return PASS, "the oci_gpu_hook module is installed (run GPU containers as gpu_container_t)", None
+        if on:
+            return PASS, f"boolean {on[0]} is on: confined containers may use the GPU nodes", None
+        status = FAIL if mode == "enforcing" else WARN
+        return (status, "neither the oci_gpu_hook module nor a container device boolean: confined containers "
+                "cannot open /dev/nvidia*", "dnf install oci-gpu-hook-selinux (label=type:gpu_container_t), or "
+                "setsebool -P container_use_xserver_devices on")  # fmt: skip
+
+    def check_refresh_units(self):
+        if os.path.exists(_under(self.root, REFRESH_SERVICE)):
+            return PASS, "the inventory refresh units are installed", None
+        return (WARN, "no oci-gpu-hook-refresh.service: the first GPU container after a driver change rebuilds "
+                "the cache", "oci-gpu-hook install")  # fmt: skip
+
+
+class ConfigFileError(Exception):
+    """A runtime's TOML configuration file that exists but cannot be read as the runtime reads it."""
+
+
+def _load_toml(text: str) -> dict:
+    # Imported here: doctor is a toolkit command, and the hook's start path never needs TOML.
+    try:
+        import tomllib  # novermin (before Python 3.11: tomli, the same parser and API)
+    except ModuleNotFoundError:
+        tomllib = None
+    if tomllib is None:
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise NotChecked("not checked: reading TOML needs tomli before Python 3.11 (python3-tomli)") from None
+    return tomllib.loads(text)
+
+
+def _toml_list(path: str, keys: tuple):
+    """The list of strings at `keys` (tables, then the key) in a TOML file, or None when the file
+    does not exist or does not set it. ConfigFileError when it is not valid TOML or the value is
+    not a list of strings: the runtime would refuse to start."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise ConfigFileError(f"{path}: unreadable ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigFileError(f"{path}: not valid TOML (not UTF-8: {e.reason} at byte {e.start})") from None
+    try:
+        value = _load_toml(text)
+    except ValueError as e:  # tomllib.TOMLDecodeError
+        raise ConfigFileError(f"{path}: not valid TOML ({e})") from None
+    for key in keys:
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ConfigFileError(f"{path}: {'.'.join(keys)} is not an array of strings")
+    return value
+
+
+def run(settings, root: str = "/", config_error: str | None = None, **options) -> list:
+    return Doctor(settings, root, config_error, **options).run()

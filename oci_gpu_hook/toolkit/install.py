@@ -1,0 +1,334 @@
+"""`oci-gpu-hook install` / `uninstall`: wire the hook into the host's container runtimes.
+
+What install writes, under --root (default /):
+
+| file | for |
+|---|---|
+| /etc/containers/oci/hooks.d/oci-gpu-hook.json | podman and CRI-O (see docs/toolkit.md for why /etc) |
+| /etc/crio/crio.conf.d/50-oci-gpu-hook.conf | CRI-O: its default hooks_dir lacks the directory above |
+| /etc/oci-gpu-hook/config.yaml | the default configuration, only when there is none |
+| /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
+| /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
+| /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
+
+Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
+the manifest lists, and only while each file still has the checksum install gave it (a file an
+administrator changed is kept, with a warning), then the directories install created, if empty.
+A file install did not write (an administrator's own) is never replaced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+from oci_gpu_hook.errors import Exit, HookError
+
+INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
+HOOKS_D_DIR = "/etc/containers/oci/hooks.d"
+PACKAGE_HOOKS_D_DIR = "/usr/share/containers/oci/hooks.d"
+HOOKS_D_FILE = f"{HOOKS_D_DIR}/oci-gpu-hook.json"
+CRIO_DROPIN = "/etc/crio/crio.conf.d/50-oci-gpu-hook.conf"
+CONFIG_FILE = "/etc/oci-gpu-hook/config.yaml"
+UNIT_DIR = "/etc/systemd/system"
+SERVICE = "oci-gpu-hook-refresh.service"
+PATH_UNIT = "oci-gpu-hook-refresh.path"
+UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
+MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
+RUNTIMES = ("podman", "crio", "runc")
+HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
+HOOK_TIMEOUT = 10
+
+
+class InstallError(HookError):
+    exit_code = Exit.INSTALL
+
+
+def hook_command() -> list:
+    """argv prefix that runs this program from a runtime: the installed executable when there
+    is one, else the running console script, else this interpreter with the package."""
+    if os.access(INSTALLED_PATH, os.X_OK):
+        return [INSTALLED_PATH]
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if os.path.basename(script) == "oci-gpu-hook" and os.access(script, os.X_OK):
+        return [script]
+    return [sys.executable, "-I", "-m", "oci_gpu_hook"]
+
+
+def _under(root: str, path: str) -> str:
+    return os.path.join(root, path.lstrip("/"))
+
+
+# --- contents -----------------------------------------------------------------------------------
+
+
+def hook_args(argv_prefix, *rest) -> list:
+    """argv for a runtime's hook entry: argv[0] is the program's own name when it is installed."""
+    args = list(argv_prefix) + list(rest)
+    if os.path.basename(args[0]) == "oci-gpu-hook":
+        args[0] = "oci-gpu-hook"
+    return args
+
+
+def hooks_d_document(argv_prefix) -> dict:
+    return {
+        "version": "1.0.0",
+        "hook": {
+            "path": argv_prefix[0],
+            "args": hook_args(argv_prefix, "prestart"),
+            "env": list(HOOK_ENV),
+            "timeout": HOOK_TIMEOUT,
+        },
+        "when": {"always": True},
+        "stages": ["prestart"],
+    }
+
+
+def write_hooks_dir(directory: str, argv_prefix) -> str:
+    """A hooks.d directory (for podman --hooks-dir) holding oci-gpu-hook.json, the document install
+    writes, for argv_prefix; returns the directory. Built in code: an installed copy of the
+    package has no hooks.d/ file beside it."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "oci-gpu-hook.json"), "w") as f:
+        f.write(json.dumps(hooks_d_document(argv_prefix), indent=2) + "\n")
+    return directory
+
+
+def crio_dropin_text() -> str:
+    return (
+        "# Written by `oci-gpu-hook install`: CRI-O's default hooks_dir lacks the administrators'\n"
+        "# directory, where the GPU hook's hooks.d file is. Removed by `oci-gpu-hook uninstall`.\n"
+        "[crio.runtime]\n"
+        f'hooks_dir = ["{PACKAGE_HOOKS_D_DIR}", "{HOOKS_D_DIR}"]\n'
+    )
+
+
+def config_text() -> str:
+    return (
+        "# oci-gpu-hook configuration (docs/configuration.md). Every key is optional; the\n"
+        "# defaults apply to a host with the NVIDIA driver installed in /.\n"
+        "#\n"
+        "# supported_capabilities: [all]\n"
+        "# accept_envvar_when_unprivileged: true\n"
+        "# accept_volume_mounts: false\n"
+        "# cgroups: auto\n"
+        "# deadline_seconds: 8\n"
+        "# logging:\n"
+        "#   level: info\n"
+        "#   file: /var/log/oci-gpu-hook.log\n"
+        "{}\n"
+    )
+
+
+def service_text(argv_prefix) -> str:
+    command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + ["inventory", "refresh"])
+    return (
+        "# Written by `oci-gpu-hook install`.\n"
+        "[Unit]\n"
+        "Description=Refresh the oci-gpu-hook inventory cache (NVIDIA driver, GPUs, device nodes)\n"
+        "After=systemd-modules-load.service nvidia-persistenced.service\n"
+        "ConditionPathExists=/proc/driver/nvidia/version\n"
+        "\n"
+        "[Service]\n"
+        "Type=oneshot\n"
+        f"ExecStart={command}\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
+def path_unit_text() -> str:
+    # procfs has no inotify, so the driver's kernel side is watched by the udev rule; the path
+    # unit catches a user-space driver change, which always ends with ldconfig.
+    return (
+        "# Written by `oci-gpu-hook install`.\n"
+        "[Unit]\n"
+        "Description=Refresh the oci-gpu-hook inventory cache when the driver libraries change\n"
+        "\n"
+        "[Path]\n"
+        "PathChanged=/etc/ld.so.cache\n"
+        f"Unit={SERVICE}\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=paths.target\n"
+    )
+
+
+def udev_rule_text() -> str:
+    return (
+        "# Written by `oci-gpu-hook install`: refresh the GPU inventory cache when an NVIDIA kernel\n"
+        "# module is loaded (driver installed, updated or reloaded).\n"
+        'ACTION=="add", SUBSYSTEM=="module", KERNEL=="nvidia|nvidia_uvm|nvidia_modeset", '
+        f'TAG+="systemd", ENV{{SYSTEMD_WANTS}}+="{SERVICE}"\n'
+    )
+
+
+def _systemd_quote(arg: str) -> str:
+    if arg and all(c.isalnum() or c in "/._-=:,+@" for c in arg):
+        return arg
+    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class Entry:
+    """One thing install makes: a file with content, or a symlink with a value."""
+
+    def __init__(self, path: str, content: str | None = None, link: str | None = None, only_if_absent=False):
+        self.path, self.content, self.link, self.only_if_absent = path, content, link, only_if_absent
+
+    @property
+    def checksum(self) -> str:
+        if self.link is not None:
+            return "link:" + self.link
+        return "sha256:" + hashlib.sha256(self.content.encode()).hexdigest()
+
+
+def planned(runtimes, argv_prefix) -> list:
+    entries = []
+    if "podman" in runtimes or "crio" in runtimes:
+        entries.append(Entry(HOOKS_D_FILE, json.dumps(hooks_d_document(argv_prefix), indent=2) + "\n"))
+    if "crio" in runtimes:
+        entries.append(Entry(CRIO_DROPIN, crio_dropin_text()))
+    entries.append(Entry(CONFIG_FILE, config_text(), only_if_absent=True))
+    entries += [
+        Entry(f"{UNIT_DIR}/{SERVICE}", service_text(argv_prefix)),
+        Entry(f"{UNIT_DIR}/{PATH_UNIT}", path_unit_text()),
+        Entry(f"{UNIT_DIR}/multi-user.target.wants/{SERVICE}", link=f"../{SERVICE}"),
+        Entry(f"{UNIT_DIR}/paths.target.wants/{PATH_UNIT}", link=f"../{PATH_UNIT}"),
+        Entry(UDEV_RULE, udev_rule_text()),
+    ]
+    return entries
+
+
+# --- the manifest -------------------------------------------------------------------------------
+
+
+def _read_manifest(root: str) -> dict:
+    path = _under(root, MANIFEST)
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return {"format": 1, "files": {}, "directories": []}
+    except (OSError, ValueError) as e:
+        raise InstallError(f"{path}: unreadable install manifest ({e}); remove it to start over") from None
+    if not isinstance(doc, dict) or doc.get("format") != 1:
+        raise InstallError(f"{path}: not an oci-gpu-hook install manifest of format 1")
+    doc.setdefault("files", {})
+    doc.setdefault("directories", [])
+    return doc
+
+
+def _write_text(path: str, text: str, mode: int = 0o644) -> None:
+    tmp = f"{path}.oci-gpu-hook-new"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.rename(tmp, path)
+
+
+def _current(path: str):
+    """The checksum of what is at path now, or None when nothing is."""
+    if os.path.islink(path):
+        return "link:" + os.readlink(path)
+    if not os.path.lexists(path):
+        return None
+    if not os.path.isfile(path):
+        return "other"
+    with open(path, "rb") as f:
+        return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+
+
+def _makedirs(root: str, directory: str, created: list) -> None:
+    """Create directory (a path inside root) and its missing parents, recording each one."""
+    missing = []
+    current = directory
+    while not os.path.isdir(_under(root, current)):
+        missing.append(current)
+        current = os.path.dirname(current)
+    for path in reversed(missing):
+        os.mkdir(_under(root, path), 0o755)
+        os.chmod(_under(root, path), 0o755)
+        if path not in created:
+            created.append(path)
+
+
+# --- install / uninstall ------------------------------------------------------------------------
+
+
+def install(root: str, runtimes, argv_prefix=None) -> list:
+    """Install for the runtimes; returns lines saying what happened (nothing changed: none)."""
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise InstallError(f"{root}: no such directory")
+    argv_prefix = list(argv_prefix or hook_command())
+    manifest = _read_manifest(root)
+    before = json.dumps(manifest, sort_keys=True)
+    files, directories = manifest["files"], manifest["directories"]
+    entries = planned(runtimes, argv_prefix)
+    # Refuse before writing anything: a file we did not write is the administrator's.
+    for entry in entries:
+        path = _under(root, entry.path)
+        now = _current(path)
+        if now is None or entry.only_if_absent or now == entry.checksum:
+            continue
+        if entry.path not in files:
+            raise InstallError(f"{path}: exists and was not written by oci-gpu-hook install; "
+                               "move it away (or merge it by hand) and run install again")  # fmt: skip
+    lines = []
+    try:
+        for entry in entries:
+            path = _under(root, entry.path)
+            now = _current(path)
+            if now == entry.checksum:
+                continue
+            if now is not None:
+                if entry.only_if_absent:
+                    continue  # the administrator's configuration stays
+                if files.get(entry.path) != now:
+                    lines.append(f"kept {path}: changed since install wrote it")
+                    continue
+            _makedirs(root, os.path.dirname(entry.path), directories)
+            if entry.link is not None:
+                if now is not None:
+                    os.unlink(path)
+                os.symlink(entry.link, path)
+            else:
+                _write_text(path, entry.content)
+            files[entry.path] = entry.checksum
+            lines.append(f"{'updated' if now is not None else 'wrote'} {path}")
+    finally:
+        if json.dumps(manifest, sort_keys=True) != before:
+            _makedirs(root, os.path.dirname(MANIFEST), directories)
+            _write_text(_under(root, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return lines
+
+
+def uninstall(root: str) -> list:
+    root = os.path.abspath(root)
+    manifest_path = _under(root, MANIFEST)
+    if not os.path.exists(manifest_path):
+        return []
+    manifest = _read_manifest(root)
+    lines = []
+    for relative, checksum in sorted(manifest["files"].items(), key=lambda kv: kv[0], reverse=True):
+        path = _under(root, relative)
+        now = _current(path)
+        if now is None:
+            continue
+        if now != checksum:
+            lines.append(f"kept {path}: changed since install wrote it")
+            continue
+        os.unlink(path)
+        lines.append(f"removed {path}")
+    os.unlink(manifest_path)
+    for relative in sorted(manifest["directories"], key=lambda p: p.count("/"), reverse=True):
+        try:
+            os.rmdir(_under(root, relative))
+        except FileNotFoundError:
+            pass
+        except OSError:
+            lines.append(f"kept {_under(root, relative)}: not empty")
+    return lines

@@ -1,0 +1,473 @@
+"""Write a simulated GPU host to disk: procfs files, device nodes, driver files, ld.so.cache.
+
+The host is assembled in a staging directory beside the target and swapped in at the end, so a
+failed or interrupted build leaves the previous host (or nothing) behind, never half of one.
+"""
+
+import concurrent.futures
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from typing import List
+
+from oci_gpu_hook.errors import PrerequisiteError, SimulateError
+from oci_gpu_hook.start import driver
+from oci_gpu_hook.toolkit.simulate import model
+from oci_gpu_hook.toolkit.simulate.model import SimulatedHost
+
+MARKER = "simulated-host.json"
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+LIB64_DIR = "usr/lib64"
+LIB32_DIR = "usr/lib"
+BIN_DIR = "usr/bin"
+# Programs the simulation builds run with this environment only: nothing from the caller's
+# environment (CFLAGS, LD_PRELOAD, ...) may change what gets built.
+_TOOL_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+
+
+def find_tool(name: str) -> str:
+    for directory in _TOOL_ENV["PATH"].split(":"):
+        path = os.path.join(directory, name)
+        if os.access(path, os.X_OK):
+            return path
+    raise PrerequisiteError(f"simulate needs {name}, which is not installed (on Debian: apt-get install {name})")
+
+
+def _run(argv: List[str], what: str) -> None:
+    result = subprocess.run(argv, env=_TOOL_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if result.returncode != 0:
+        lines = result.stdout.strip().splitlines() or ["(no output)"]
+        # Compilers open with context lines ("In function ..."); the error line says what broke.
+        first = next((line for line in lines if "error" in line.lower()), lines[0])
+        raise SimulateError(f"{what} failed: {first}")
+
+
+def is_simulated_host(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MARKER)) and not os.path.islink(os.path.join(path, MARKER))
+
+
+def load_host(path: str) -> dict:
+    with open(os.path.join(path, MARKER)) as f:
+        return json.load(f)
+
+
+def used_char_majors(proc_devices: str = "/proc/devices") -> List[int]:
+    majors = []
+    try:
+        with open(proc_devices) as f:
+            text = f.read()
+    except OSError:
+        return majors
+    for line in text.split("Block devices:")[0].splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0].isdigit():
+            majors.append(int(fields[0]))
+    return majors
+
+
+def _check_target(target: str) -> None:
+    parent = os.path.dirname(target)
+    if not os.path.isdir(parent):
+        raise SimulateError(f"{target}: the parent directory {parent} does not exist")
+    if os.path.islink(target) or (os.path.exists(target) and not os.path.isdir(target)):
+        raise SimulateError(f"{target}: exists and is not a directory; refusing to replace it")
+    if os.path.isdir(target) and os.listdir(target) and not is_simulated_host(target):
+        raise SimulateError(f"{target}: directory is not empty and is not a simulated host; refusing to replace it")
+    _check_no_mounts(target)
+
+
+def _check_no_mounts(target: str) -> None:
+    # Removing a tree with a live mount inside would delete the mounted files' contents.
+    prefix = target.rstrip("/") + "/"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mountpoint = line.split()[4].replace("\\040", " ")
+            if mountpoint == target or mountpoint.startswith(prefix):
+                raise SimulateError(f"{target}: {mountpoint} is mounted inside it; unmount it first")
+
+
+def _write(root: str, relpath: str, text: str, mode: int = 0o644) -> None:
+    path = os.path.join(root, relpath)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, mode)
+
+
+def _mknod(root: str, relpath: str, major: int, minor: int, mode: int = 0o666) -> None:
+    path = os.path.join(root, relpath)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mknod(path, stat.S_IFCHR | mode, os.makedev(major, minor))
+    os.chmod(path, mode)  # mknod is subject to the umask
+
+
+# --- procfs -------------------------------------------------------------------------------------
+
+
+def proc_devices_text(host: SimulatedHost) -> str:
+    chars = [
+        (1, "mem"),
+        (4, "/dev/vc/0"),
+        (4, "tty"),
+        (5, "/dev/tty"),
+        (5, "/dev/console"),
+        (5, "/dev/ptmx"),
+        (7, "vcs"),
+        (10, "misc"),
+        (13, "input"),
+        (136, "pts"),
+        (driver.NVIDIA_MAJOR, "nvidia"),
+        (driver.NVIDIA_MAJOR, "nvidia-modeset"),
+        (host.uvm_major, "nvidia-uvm"),
+        (host.caps_major, "nvidia-caps"),
+    ]
+    lines = ["Character devices:"] + [f"{major:3d} {name}" for major, name in sorted(chars)]
+    lines += ["", "Block devices:", "  7 loop", "  8 sd", "259 blkext", ""]
+    return "\n".join(lines)
+
+
+def version_text(host: SimulatedHost) -> str:
+    return (
+        f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {host.driver_version}  Thu Feb 22 01:44:30 UTC 2024\n"
+        "GCC version:  gcc version 12.2.0 (Debian 12.2.0-14)\n"
+    )
+
+
+PARAMS_TEXT = """ResmanDebugLevel: 4294967295
+RmLogonRC: 1
+ModifyDeviceFiles: 1
+DeviceFileUID: 0
+DeviceFileGID: 0
+DeviceFileMode: 438
+InitializeSystemMemoryAllocations: 1
+UsePageAttributeTable: 4294967295
+EnableMSI: 1
+EnablePCIeGen3: 0
+MemoryPoolSize: 0
+KMallocHeapMaxSize: 0
+VMallocHeapMaxSize: 0
+IgnoreMMIOCheck: 0
+EnableStreamMemOPs: 0
+EnableUserNUMAManagement: 1
+NvLinkDisable: 0
+RmProfilingAdminOnly: 1
+PreserveVideoMemoryAllocations: 0
+EnableS0ixPowerManagement: 0
+DynamicPowerManagement: 3
+RegisterPCIDriver: 1
+EnablePCIERelaxedOrderingMode: 0
+EnableResizableBar: 0
+EnableGpuFirmware: 18
+EnableGpuFirmwareLogs: 2
+RmNvlinkBandwidth: ""
+EnableDbgBreakpoint: 0
+OpenRmEnableUnsupportedGpus: 0
+DmaRemapPeerMmio: 1
+RegistryDwords: ""
+RegistryDwordsPerDevice: ""
+RmMsg: ""
+GpuBlacklist: ""
+TemporaryFilePath: ""
+ExcludedGpus: ""
+"""
+
+
+def information_text(gpu: model.Gpu, irq: int) -> str:
+    return (
+        f"Model: \t\t {gpu.model.name}\n"
+        f"IRQ:   \t\t {irq}\n"
+        f"GPU UUID: \t {gpu.uuid}\n"
+        "Video BIOS: \t 92.00.25.00.08\n"
+        "Bus Type: \t PCIe\n"
+        "DMA Size: \t 47 bits\n"
+        "DMA Mask: \t 0x7fffffffffff\n"
+        f"Bus Location: \t {gpu.bus_id}\n"
+        f"Device Minor: \t {gpu.minor}\n"
+        "GPU Excluded:\t No\n"
+    )
+
+
+def cap_access_text(minor: int, mode: int = 0o444) -> str:
+    return f"DeviceFileMinor: {minor}\nDeviceFileMode: {mode}\nDeviceFileModify: 1\n"
+
+
+def mig_minors_text(host: SimulatedHost) -> str:
+    lines = [f"config {driver.MIG_CONFIG_CAP_MINOR}", f"monitor {driver.MIG_MONITOR_CAP_MINOR}"]
+    for gpu_minor in sorted(g.minor for g in host.gpus):
+        for gi in range(driver.MIG_MAX_GPU_INSTANCES):
+            lines.append(f"gpu{gpu_minor}/gi{gi}/access {driver.mig_gi_cap_minor(gpu_minor, gi)}")
+            for ci in range(driver.MIG_MAX_COMPUTE_INSTANCES):
+                lines.append(f"gpu{gpu_minor}/gi{gi}/ci{ci}/access {driver.mig_ci_cap_minor(gpu_minor, gi, ci)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_procfs(root: str, host: SimulatedHost) -> None:
+    nv = "proc/driver/nvidia"
+    _write(root, "proc/devices", proc_devices_text(host), 0o444)
+    _write(root, f"{nv}/version", version_text(host), 0o444)
+    _write(root, f"{nv}/params", PARAMS_TEXT, 0o444)
+    _write(root, f"{nv}/registry", 'Binary: ""\n', 0o444)
+    _write(root, f"{nv}/capabilities/mig/config", cap_access_text(driver.MIG_CONFIG_CAP_MINOR, 0o400), 0o444)
+    _write(root, f"{nv}/capabilities/mig/monitor", cap_access_text(driver.MIG_MONITOR_CAP_MINOR), 0o444)
+    _write(root, "proc/driver/nvidia-caps/mig-minors", mig_minors_text(host), 0o444)
+    for gpu in host.gpus:
+        _write(root, f"{nv}/gpus/{gpu.bus_id}/information", information_text(gpu, 40 + gpu.index), 0o444)
+        _write(root, f"{nv}/gpus/{gpu.bus_id}/registry", 'Binary: ""\n', 0o444)
+        for mig in gpu.mig:
+            gi_dir = f"{nv}/capabilities/gpu{gpu.minor}/mig/gi{mig.gi}"
+            _write(root, f"{gi_dir}/access", cap_access_text(mig.gi_cap_minor), 0o444)
+            _write(root, f"{gi_dir}/ci{mig.ci}/access", cap_access_text(mig.ci_cap_minor), 0o444)
+
+
+def write_devices(root: str, host: SimulatedHost) -> None:
+    for gpu in host.gpus:
+        _mknod(root, f"dev/nvidia{gpu.minor}", driver.NVIDIA_MAJOR, gpu.minor)
+    _mknod(root, "dev/nvidiactl", driver.NVIDIA_MAJOR, driver.NVIDIACTL_MINOR)
+    _mknod(root, "dev/nvidia-modeset", driver.NVIDIA_MAJOR, driver.NVIDIA_MODESET_MINOR)
+    _mknod(root, "dev/nvidia-uvm", host.uvm_major, driver.UVM_MINOR)
+    _mknod(root, "dev/nvidia-uvm-tools", host.uvm_major, driver.UVM_TOOLS_MINOR)
+    caps = [(driver.MIG_CONFIG_CAP_MINOR, 0o400), (driver.MIG_MONITOR_CAP_MINOR, 0o444)]
+    caps += [(m, 0o444) for g in host.gpus for i in g.mig for m in (i.gi_cap_minor, i.ci_cap_minor)]
+    for minor, mode in caps:
+        _mknod(root, f"dev/nvidia-caps/nvidia-cap{minor}", host.caps_major, minor, mode)
+
+
+# --- driver files -------------------------------------------------------------------------------
+
+
+def sim_host_header(host: SimulatedHost) -> str:
+    """The C header that bakes this host's data into the simulated NVML (see csrc/sim_types.h)."""
+
+    def c_str(s: str) -> str:
+        return json.dumps(s)  # JSON string escaping is valid C for these ASCII strings
+
+    out = ['#include "sim_types.h"']
+    out.append(f"#define SIM_ROOT {c_str(host.root)}")
+    out.append(f"#define SIM_DRIVER_VERSION {c_str(host.driver_version)}")
+    out.append(f"#define SIM_NVML_VERSION {c_str('12.' + host.driver_version)}")
+    out.append(f"#define SIM_CUDA_VERSION {host.cuda_version_int}")
+    out.append(f"#define SIM_CAPS_MAJOR {host.caps_major}")
+    for gpu in host.gpus:
+        if gpu.mig:
+            out.append(f"static const struct sim_mig SIM_MIG_{gpu.index}[] = {{")
+            for m in gpu.mig:
+                out.append(
+                    f"    {{{m.gi}, {m.ci}, {c_str(m.uuid)}, {c_str(m.profile)}, {m.gi_cap_minor}, "
+                    f"{m.ci_cap_minor}, {m.memory_total}ULL}},"
+                )
+            out.append("};")
+    out.append(f"#define SIM_N_GPUS {len(host.gpus)}")
+    out.append("static const struct sim_gpu SIM_GPUS[SIM_N_GPUS] = {")
+    for gpu in host.gpus:
+        m = gpu.model
+        domain, bus, rest = gpu.bus_id.split(":")
+        device = int(rest.split(".")[0], 16)
+        mig = f"SIM_MIG_{gpu.index}" if gpu.mig else "0"
+        out.append(
+            f"    {{{c_str(m.name)}, {driver.BRANDS.index(m.brand)}, {c_str(gpu.uuid)}, "
+            f"{c_str(model.nvml_bus_id(gpu.bus_id))}, {int(domain, 16)}, {int(bus, 16)}, {device}, "
+            f"{m.pci_device_id:#x}, {m.pci_subsystem_id:#x}, {gpu.minor}, {m.compute_capability[0]}, "
+            f"{m.compute_capability[1]}, {m.memory_total}ULL, {(512 << 20)}ULL, 0, 0, "
+            f"{1 if gpu.mig else 0}, {len(gpu.mig)}, {mig}}},"
+        )
+    out.append("};")
+    return "\n".join(out) + "\n"
+
+
+def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -> None:
+    gcc = find_tool("gcc")
+    version = host.driver_version
+    with open(os.path.join(workdir, "sim_host.h"), "w") as f:
+        f.write(sim_host_header(host))
+    include = ["-I", workdir, "-I", CSRC]
+    cflags = ["-O2", "-Wall", "-Wextra", "-Werror"]
+    lib64, lib32_dir, bindir = (os.path.join(root, d) for d in (LIB64_DIR, LIB32_DIR, BIN_DIR))
+    for d in (lib64, lib32_dir, bindir):
+        os.makedirs(d, exist_ok=True)
+
+    # One stub object per word size, linked once per library with that library's SONAME. Real
+    # driver libraries need libc, and ldconfig classifies a library by that (libc6 vs plain ELF).
+    needs_libc = ["-Wl,--no-as-needed", "-lc"]
+    stub64 = os.path.join(workdir, "stub64.o")
+    stub32 = os.path.join(workdir, "stub32.o")
+    _run([gcc, *cflags, "-fPIC", "-c", "-o", stub64, os.path.join(CSRC, "driver_stub.c")], "compiling the library stub")
+    if lib32:
+        _run(
+            [gcc, "-m32", *cflags, "-fPIC", "-c", "-o", stub32, os.path.join(CSRC, "driver_stub.c")],
+            "compiling the 32-bit library stub",
+        )
+    nvml = os.path.join(lib64, f"libnvidia-ml.so.{version}")
+    jobs = [
+        [
+            gcc,
+            *cflags,
+            "-fPIC",
+            "-shared",
+            *include,
+            "-Wl,-soname,libnvidia-ml.so.1",
+            "-o",
+            nvml,
+            os.path.join(CSRC, "nvml.c"),
+        ],
+    ]
+    for lib in host.libraries:
+        if lib.prefix != "libnvidia-ml.so":
+            out = os.path.join(lib64, f"{lib.prefix}.{version}")
+            jobs.append([gcc, "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub64, *needs_libc])
+        if lib.lib32 and lib32:
+            out = os.path.join(lib32_dir, f"{lib.prefix}.{version}")
+            jobs.append([gcc, "-m32", "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub32, *needs_libc])
+    for tool in driver.BINARIES["utility"] + driver.BINARIES["compute"]:
+        if tool != "nvidia-smi":
+            jobs.append(
+                [
+                    gcc,
+                    *cflags,
+                    *include,
+                    f'-DTOOL_NAME="{tool}"',
+                    "-o",
+                    os.path.join(bindir, tool),
+                    os.path.join(CSRC, "driver_tool.c"),
+                ]
+            )
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        for future in [
+            pool.submit(_run, argv, f"building {os.path.basename(argv[argv.index('-o') + 1])}") for argv in jobs
+        ]:
+            future.result()
+    # nvidia-smi links against the simulated NVML by SONAME, as the real one does.
+    os.symlink(f"libnvidia-ml.so.{version}", os.path.join(workdir, "libnvidia-ml.so"))
+    shutil.copy2(nvml, os.path.join(workdir, f"libnvidia-ml.so.{version}"))
+    _run(
+        [
+            gcc,
+            *cflags,
+            *include,
+            "-o",
+            os.path.join(bindir, "nvidia-smi"),
+            os.path.join(CSRC, "nvidia-smi.c"),
+            "-L",
+            workdir,
+            "-lnvidia-ml",
+        ],
+        "building nvidia-smi",
+    )
+    # The development links the .run installer creates next to the SONAME links.
+    os.symlink("libcuda.so.1", os.path.join(lib64, "libcuda.so"))
+    os.symlink("libnvidia-ml.so.1", os.path.join(lib64, "libnvidia-ml.so"))
+
+
+def _can_build_32bit(workdir: str) -> bool:
+    probe = os.path.join(workdir, "probe32.o")
+    result = subprocess.run(
+        [find_tool("gcc"), "-m32", "-fPIC", "-c", "-o", probe, os.path.join(CSRC, "driver_stub.c")],
+        env=_TOOL_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return result.returncode == 0
+
+
+def write_driver_files(root: str, host: SimulatedHost, workdir: str) -> bool:
+    """Build libraries and programs, then the ld.so.cache; returns whether 32-bit libraries were built."""
+    lib32 = _can_build_32bit(workdir)
+    _compile_driver(root, host, workdir, lib32)
+    _write(root, "etc/ld.so.conf", f"/{LIB64_DIR}\n/{LIB32_DIR}\n")
+    # ldconfig -r chroots into the host: the cache then holds host-relative paths, as on a real
+    # host, and it creates the SONAME links itself.
+    _run([find_tool("ldconfig"), "-r", root], "ldconfig")
+    fw = f"lib/firmware/nvidia/{host.driver_version}"
+    for name in ("gsp_ga10x.bin", "gsp_tu10x.bin"):
+        _write(root, f"{fw}/{name}", f"simulated GSP firmware {host.driver_version} {name}\n", 0o444)
+    for sock in driver.IPC_SOCKETS["utility"][:1]:
+        path = os.path.join(root, sock.lstrip("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.mknod(path, stat.S_IFSOCK | 0o777)
+    egl = '{\n    "file_format_version" : "1.0.0",\n    "ICD" : {\n        "library_path" : "%s"\n    }\n}\n'
+    vulkan_icd = (
+        '{\n    "file_format_version" : "1.0.0",\n    "ICD": {\n        "library_path": "libGLX_nvidia.so.0",\n'
+        '        "api_version" : "1.3.277"\n    }\n}\n'
+    )
+    vulkan_layer = (
+        '{\n    "file_format_version" : "1.0.0",\n    "layer": {\n        "name": "VK_LAYER_NV_optimus",\n'
+        '        "type": "INSTANCE",\n        "library_path": "libGLX_nvidia.so.0",\n'
+        '        "api_version" : "1.3.277",\n        "implementation_version" : "1",\n'
+        '        "description" : "NVIDIA Optimus layer"\n    }\n}\n'
+    )
+    contents = {
+        "/usr/share/glvnd/egl_vendor.d/10_nvidia.json": egl % "libEGL_nvidia.so.0",
+        "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json": egl % "libnvidia-egl-gbm.so.1",
+        "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json": egl % "libnvidia-egl-wayland.so.1",
+        "/etc/vulkan/icd.d/nvidia_icd.json": vulkan_icd,
+        "/etc/vulkan/implicit_layer.d/nvidia_layers.json": vulkan_layer,
+        "/etc/OpenCL/vendors/nvidia.icd": "libnvidia-opencl.so.1\n",
+    }
+    for path in driver.GRAPHICS_CONFIG_FILES:
+        _write(root, path.lstrip("/"), contents[path])
+    return lib32
+
+
+def config_text(target: str) -> str:
+    return (
+        "# oci-gpu-hook configuration for the simulated GPU host in this directory.\n"
+        f"# Use it with: oci-gpu-hook --config {target}/config.yaml <command>\n"
+        f"driver_root: {json.dumps(target)}\n"
+        f"dev_root: {json.dumps(target)}\n"
+        f"proc_root: {json.dumps(target)}\n"
+        f"inventory_cache: {json.dumps(target + '/inventory-cache.json')}\n"
+        "logging:\n"
+        "  level: info\n"
+        f"  file: {json.dumps(target + '/hook.log')}\n"
+    )
+
+
+# --- the whole host -----------------------------------------------------------------------------
+
+
+def build_host(host: SimulatedHost) -> dict:
+    """Create (or safely replace) the simulated host at host.root; returns a summary."""
+    target = host.root
+    if os.geteuid() != 0:
+        raise PrerequisiteError("simulate needs root: it creates device nodes with mknod (run it as root)")
+    find_tool("gcc")
+    find_tool("ldconfig")
+    _check_target(target)
+    parent, name = os.path.split(target)
+    staging = tempfile.mkdtemp(prefix=f".{name}.building-", dir=parent)
+    workdir = tempfile.mkdtemp(prefix="oci-gpu-hook-simulate-")
+    old = None
+    try:
+        os.chmod(staging, 0o755)
+        write_procfs(staging, host)
+        write_devices(staging, host)
+        lib32 = write_driver_files(staging, host, workdir)
+        _write(staging, "config.yaml", config_text(target))
+        summary = dict(host.to_json(), lib32=lib32)
+        _write(staging, MARKER, json.dumps(summary, indent=2) + "\n")
+        if os.path.isdir(target):
+            old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.rename(target, os.path.join(old, name))
+        os.rename(staging, target)
+        return summary
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old is not None and not os.path.exists(target):
+            os.rename(os.path.join(old, name), target)
+        raise
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_host(target: str) -> None:
+    target = os.path.abspath(target)
+    if not os.path.lexists(target):
+        raise SimulateError(f"{target}: no such directory")
+    if os.path.islink(target) or not is_simulated_host(target):
+        raise SimulateError(f"{target}: not a simulated host (no {MARKER}); refusing to remove it")
+    _check_no_mounts(target)
+    shutil.rmtree(target)

@@ -1,0 +1,45 @@
+/* Types shared by the simulated driver's C programs.  The data itself is
+ * generated per simulated host by oci_gpu_hook.toolkit.simulate into sim_host.h, so
+ * the library carries its host with it: inside a container, where the host
+ * directory is not visible, it still knows the GPUs and filters them by the
+ * device nodes it can see, as the real NVML does. */
+#ifndef SIM_TYPES_H
+#define SIM_TYPES_H
+
+struct sim_mig {
+    unsigned gi_id;            /* GPU instance id */
+    unsigned ci_id;            /* compute instance id */
+    const char *uuid;          /* "MIG-xxxxxxxx-..." */
+    const char *profile;       /* "1g.5gb" */
+    unsigned gi_cap_minor;     /* minor of /dev/nvidia-caps/nvidia-cap<N> for the GI access file */
+    unsigned ci_cap_minor;     /* same for the CI access file */
+    unsigned long long memory_total; /* bytes */
+};
+
+struct sim_gpu {
+    const char *name;          /* "NVIDIA A100-SXM4-40GB" */
+    int brand;                 /* nvmlBrandType_t value */
+    const char *uuid;          /* "GPU-xxxxxxxx-..." */
+    const char *bus_id;        /* NVML form: "00000000:07:00.0" */
+    unsigned domain, bus, device;
+    unsigned pci_device_id;    /* (device id << 16) | vendor id, e.g. 0x20B010DE */
+    unsigned pci_subsystem_id;
+    unsigned minor;            /* /dev/nvidia<minor>; NOT the NVML index */
+    int cc_major, cc_minor;
+    unsigned long long memory_total, memory_used; /* bytes */
+    unsigned util_gpu, util_memory;                /* percent */
+    int mig_enabled;
+    unsigned n_mig;
+    const struct sim_mig *mig;
+};
+
+/* sim_host.h defines:
+ *   SIM_ROOT            "/abs/path/of/simulated/host"
+ *   SIM_DRIVER_VERSION  "550.54.15"
+ *   SIM_NVML_VERSION    "12.550.54.15"
+ *   SIM_CUDA_VERSION    12040
+ *   SIM_CAPS_MAJOR      major of "nvidia-caps" in the simulated /proc/devices
+ *   SIM_N_GPUS          number of entries in SIM_GPUS
+ *   static const struct sim_gpu SIM_GPUS[]   in NVML index (PCI bus) order
+ */
+#endif

@@ -1,0 +1,228 @@
+"""The simulated host as data: which GPUs, MIG instances, device numbers and driver files it has.
+
+Pure: `describe_host()` decides everything, `build.py` writes it to disk. The description is also
+saved in the host directory (simulated-host.json) as the ground truth tests compare against.
+"""
+
+import dataclasses
+import re
+import uuid
+from typing import List, Sequence, Tuple
+
+from oci_gpu_hook.errors import SimulateError
+from oci_gpu_hook.start import driver
+
+DRIVER_VERSION_RE = re.compile(r"^\d{3,4}\.\d{1,3}(\.\d{1,3})?$")
+CUDA_VERSION_RE = re.compile(r"^(\d{1,2})\.(\d{1,2})$")
+MAX_GPUS = 16
+
+# Stable namespace so the same options always give the same UUIDs (reproducible docs and tests).
+_UUID_NAMESPACE = uuid.UUID("6f1c3c57-3bd5-4a53-9f43-0d6a3d6f7a10")
+
+# PCI buses of an 8-GPU HGX A100 board; more GPUs continue past them.
+_BUSES = (0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD)
+
+# A100-SXM4-40GB MIG layout used for every --mig GPU: GPU instance id, profile, memory.
+_MIG_LAYOUT = ((1, "3g.20gb", 20 << 30), (5, "2g.10gb", 10 << 30), (13, "1g.5gb", 5 << 30))
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuModel:
+    name: str
+    brand: str
+    compute_capability: Tuple[int, int]
+    memory_total: int
+    pci_device_id: int
+    pci_subsystem_id: int
+    gsp_firmware: str
+
+
+MODELS = {
+    "a100": GpuModel("NVIDIA A100-SXM4-40GB", "Tesla", (8, 0), 40 << 30, 0x20B010DE, 0x134F10DE, "gsp_ga10x.bin"),
+    "h100": GpuModel("NVIDIA H100 80GB HBM3", "Nvidia", (9, 0), 80 << 30, 0x233010DE, 0x16C110DE, "gsp_ga10x.bin"),
+    "l4": GpuModel("NVIDIA L4", "Nvidia", (8, 9), 24 << 30, 0x27B810DE, 0x16CA10DE, "gsp_ga10x.bin"),
+    "t4": GpuModel("Tesla T4", "Tesla", (7, 5), 15 << 30, 0x1EB810DE, 0x12A210DE, "gsp_tu10x.bin"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MigInstance:
+    index: int  # position among its GPU's MIG devices (the "1" of NVIDIA_VISIBLE_DEVICES=0:1)
+    gi: int
+    ci: int
+    profile: str
+    uuid: str
+    memory_total: int
+    gi_cap_minor: int
+    ci_cap_minor: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    index: int  # NVML index: PCI bus order
+    minor: int  # /dev/nvidia<minor>: assigned at boot, not necessarily the index
+    uuid: str
+    bus_id: str  # procfs form, 0000:07:00.0
+    model: GpuModel
+    mig: Tuple[MigInstance, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    prefix: str  # libcuda.so
+    soname: str  # libcuda.so.1
+    capability: str
+    lib32: bool  # the driver also ships an i386 build
+
+
+@dataclasses.dataclass(frozen=True)
+class SimulatedHost:
+    root: str
+    driver_version: str
+    cuda_version: str
+    gpus: Tuple[Gpu, ...]
+    uvm_major: int
+    caps_major: int
+    libraries: Tuple[Library, ...]
+
+    @property
+    def cuda_version_int(self) -> int:
+        major, minor = self.cuda_version.split(".")
+        return int(major) * 1000 + int(minor) * 10
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# SONAMEs as the driver ships them; "V" stands for the driver version. Whether an i386 build
+# exists follows the .run installer's 32-bit compat set.
+_SONAMES = {
+    "libnvidia-ml.so": ("libnvidia-ml.so.1", True),
+    "libnvidia-cfg.so": ("libnvidia-cfg.so.1", False),
+    "libnvidia-nscq.so": ("libnvidia-nscq.so.2", False),
+    "libcuda.so": ("libcuda.so.1", True),
+    "libcudadebugger.so": ("libcudadebugger.so.1", False),
+    "libnvidia-opencl.so": ("libnvidia-opencl.so.1", True),
+    "libnvidia-gpucomp.so": ("libnvidia-gpucomp.so.V", True),
+    "libnvidia-ptxjitcompiler.so": ("libnvidia-ptxjitcompiler.so.1", True),
+    "libnvidia-fatbinaryloader.so": ("libnvidia-fatbinaryloader.so.V", False),
+    "libnvidia-allocator.so": ("libnvidia-allocator.so.1", True),
+    "libnvidia-compiler.so": ("libnvidia-compiler.so.V", False),
+    "libnvidia-pkcs11.so": ("libnvidia-pkcs11.so.V", False),
+    "libnvidia-pkcs11-openssl3.so": ("libnvidia-pkcs11-openssl3.so.V", False),
+    "libnvidia-nvvm.so": ("libnvidia-nvvm.so.4", True),
+    "libvdpau_nvidia.so": ("libvdpau_nvidia.so.1", True),
+    "libnvidia-encode.so": ("libnvidia-encode.so.1", True),
+    "libnvidia-opticalflow.so": ("libnvidia-opticalflow.so.1", True),
+    "libnvcuvid.so": ("libnvcuvid.so.1", True),
+    "libnvidia-eglcore.so": ("libnvidia-eglcore.so.V", True),
+    "libnvidia-glcore.so": ("libnvidia-glcore.so.V", True),
+    "libnvidia-tls.so": ("libnvidia-tls.so.V", True),
+    "libnvidia-glsi.so": ("libnvidia-glsi.so.V", True),
+    "libnvidia-fbc.so": ("libnvidia-fbc.so.1", True),
+    "libnvidia-ifr.so": ("libnvidia-ifr.so.1", True),
+    "libnvidia-rtcore.so": ("libnvidia-rtcore.so.V", False),
+    "libnvoptix.so": ("libnvoptix.so.1", False),
+    "libGLX_nvidia.so": ("libGLX_nvidia.so.0", True),
+    "libEGL_nvidia.so": ("libEGL_nvidia.so.0", True),
+    "libGLESv2_nvidia.so": ("libGLESv2_nvidia.so.2", True),
+    "libGLESv1_CM_nvidia.so": ("libGLESv1_CM_nvidia.so.1", True),
+    "libnvidia-glvkspirv.so": ("libnvidia-glvkspirv.so.V", True),
+    "libnvidia-cbl.so": ("libnvidia-cbl.so.V", False),
+    "libnvidia-ngx.so": ("libnvidia-ngx.so.1", False),
+}
+
+
+def driver_libraries(driver_version: str) -> Tuple[Library, ...]:
+    libs = []
+    for capability, prefixes in driver.LIBRARIES.items():
+        for prefix in prefixes:
+            soname, lib32 = _SONAMES[prefix]
+            libs.append(Library(prefix, soname.replace(".V", "." + driver_version), capability, lib32))
+    return tuple(libs)
+
+
+def _uuid(kind: str, *key) -> str:
+    return kind + "-" + str(uuid.uuid5(_UUID_NAMESPACE, "/".join(str(k) for k in key)))
+
+
+def _free_majors(used: Sequence[int], count: int) -> List[int]:
+    # The kernel hands out dynamic char majors from 511 downwards; pick ones that no driver on
+    # this machine owns, so opening a simulated node reaches no real driver (ENXIO, not I/O).
+    free = [m for m in range(511, 383, -1) if m not in set(used)]
+    if len(free) < count:
+        raise SimulateError("no free character device major numbers for nvidia-uvm and nvidia-caps")
+    return free[:count]
+
+
+def describe_host(
+    root: str,
+    gpus: int = 2,
+    driver_version: str = "550.54.15",
+    cuda_version: str = "12.4",
+    mig: Sequence[int] = (),
+    model: str = "a100",
+    scramble_minors: bool = False,
+    used_majors: Sequence[int] = (),
+) -> SimulatedHost:
+    """Decide every fact of a simulated host; raises SimulateError on bad options."""
+    if not 1 <= gpus <= MAX_GPUS:
+        raise SimulateError(f"--gpus {gpus}: the simulated host holds 1 to {MAX_GPUS} GPUs")
+    if not DRIVER_VERSION_RE.match(driver_version):
+        raise SimulateError(f"--driver-version {driver_version!r}: expected a version like 550.54.15")
+    if not CUDA_VERSION_RE.match(cuda_version):
+        raise SimulateError(f"--cuda-version {cuda_version!r}: expected MAJOR.MINOR like 12.4")
+    if model not in MODELS:
+        raise SimulateError(f"--model {model!r}: expected one of {', '.join(sorted(MODELS))}")
+    for index in mig:
+        if not 0 <= index < gpus:
+            raise SimulateError(f"--mig {index}: no such GPU (the host has GPUs 0 to {gpus - 1})")
+    gpu_model = MODELS[model]
+    # Minors are handed out at boot; a real host had /dev/nvidia0 at NVML index 3. Reversing
+    # them lets tests catch code that confuses the NVML index with the device minor.
+    minors = list(reversed(range(gpus))) if scramble_minors else list(range(gpus))
+    gpu_list = []
+    for index in range(gpus):
+        bus = _BUSES[index] if index < len(_BUSES) else 0xC0 + index
+        minor = minors[index]
+        instances = ()
+        if index in mig:
+            instances = tuple(
+                MigInstance(
+                    index=i,
+                    gi=gi,
+                    ci=0,
+                    profile=profile,
+                    uuid=_uuid("MIG", driver_version, index, gi, 0),
+                    memory_total=memory,
+                    gi_cap_minor=driver.mig_gi_cap_minor(minor, gi),
+                    ci_cap_minor=driver.mig_ci_cap_minor(minor, gi, 0),
+                )
+                for i, (gi, profile, memory) in enumerate(_MIG_LAYOUT)
+            )
+        gpu_list.append(
+            Gpu(
+                index=index,
+                minor=minor,
+                uuid=_uuid("GPU", driver_version, index),
+                bus_id=f"0000:{bus:02x}:00.0",
+                model=gpu_model,
+                mig=instances,
+            )
+        )
+    uvm_major, caps_major = _free_majors(list(used_majors) + [driver.NVIDIA_MAJOR], 2)
+    return SimulatedHost(
+        root=root,
+        driver_version=driver_version,
+        cuda_version=cuda_version,
+        gpus=tuple(gpu_list),
+        uvm_major=uvm_major,
+        caps_major=caps_major,
+        libraries=driver_libraries(driver_version),
+    )
+
+
+def nvml_bus_id(bus_id: str) -> str:
+    """procfs 0000:07:00.0 -> NVML 00000000:07:00.0 (8-digit domain, upper-case hex)."""
+    domain, rest = bus_id.split(":", 1)
+    return f"{int(domain, 16):08X}:{rest.upper()}"

@@ -1,0 +1,64 @@
+"""Pure: where a process's device cgroup is (v1 and v2), mountinfo's escapes, and which v1 rules
+a cgroup already grants."""
+
+import pytest
+
+from oci_gpu_hook.start.linux import cgroups
+
+HYBRID_MOUNTINFO = """\
+25 30 0:23 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
+31 25 0:26 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755
+41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
+42 31 0:39 / /sys/fs/cgroup/devices rw,relatime - cgroup cgroup rw,devices
+"""
+PURE_V2_MOUNTINFO = "35 25 0:30 / /sys/fs/cgroup rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw\n"
+
+
+@pytest.mark.parametrize(
+    "cgroup_text, mountinfo, expected",
+    [
+        ("5:devices:/docker/abc\n0::/docker/abc\n", HYBRID_MOUNTINFO, "/sys/fs/cgroup/unified/docker/abc"),
+        ("0::/system.slice/runc-x.scope\n", PURE_V2_MOUNTINFO, "/sys/fs/cgroup/system.slice/runc-x.scope"),
+        ("0::/\n", PURE_V2_MOUNTINFO, "/sys/fs/cgroup"),
+        # A mount of a sub-tree (cgroup namespace): the path is taken relative to its root.
+        ("0::/kubepods/pod1/c1\n", "50 1 0:30 /kubepods /cg rw - cgroup2 cgroup2 rw\n", "/cg/pod1/c1"),
+        ("0::/other/c1\n", "50 1 0:30 /kubepods /cg rw - cgroup2 cgroup2 rw\n", None),
+        ("0::/a\n", "50 1 0:30 / /my\\040cgroup rw - cgroup2 cgroup2 rw\n", "/my cgroup/a"),
+        ("5:devices:/a\n", HYBRID_MOUNTINFO, None),  # no 0:: line
+        ("0::/a\n", "42 31 0:39 / /sys/fs/cgroup/devices rw - cgroup cgroup rw,devices\n", None),
+    ],
+)
+def test_v2_path(cgroup_text, mountinfo, expected):
+    assert cgroups.v2_path(cgroup_text, mountinfo) == expected
+
+
+@pytest.mark.parametrize(
+    "cgroup_text, mountinfo, expected",
+    [
+        ("5:devices:/docker/abc\n0::/docker/abc\n", HYBRID_MOUNTINFO, "/sys/fs/cgroup/devices/docker/abc"),
+        ("4:cpu,devices:/a\n", "9 1 0:9 / /cg\\040v1 rw - cgroup cgroup rw,cpu,devices\n", "/cg v1/a"),
+        ("0::/a\n", HYBRID_MOUNTINFO, None),  # no devices line
+        ("5:devices:/a\n", PURE_V2_MOUNTINFO, None),  # no v1 devices hierarchy mounted
+    ],
+)
+def test_v1_devices_path(cgroup_text, mountinfo, expected):
+    assert cgroups.v1_devices_path(cgroup_text, mountinfo) == expected
+
+
+def test_mountinfo_unescapes_its_four_characters():
+    assert cgroups.unescape_mountinfo("a\\040b\\011c\\012d\\134e\\04") == "a b\tc\nd\\e\\04"
+
+
+@pytest.mark.parametrize(
+    "listing, rule, granted",
+    [
+        ("a *:* rwm\n", (195, 0, "rw"), True),  # allow-all: the root, a privileged container
+        ("c 195:* rwm\n", (195, 7, "rw"), True),
+        ("c 195:0 r\n", (195, 0, "rw"), False),
+        ("c 195:0 rw\nc 1:3 rwm\n", (195, 1, "rw"), False),
+        ("", (195, 0, "rw"), False),
+        ("b 195:0 rwm\n", (195, 0, "rw"), False),  # a block device of the same numbers
+    ],
+)
+def test_v1_granted(listing, rule, granted):
+    assert cgroups.v1_granted(listing, *rule) is granted

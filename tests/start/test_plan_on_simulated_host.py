@@ -1,0 +1,182 @@
+"""Issue acceptance for request -> inventory -> plan, on a real simulated host (8 GPUs, MIG on 1)."""
+
+import json
+import os
+
+import pytest
+
+from oci_gpu_hook.start import driver
+from oci_gpu_hook.start.linux import arch
+from oci_gpu_hook.toolkit.simulate.model import driver_libraries
+
+
+@pytest.fixture(scope="module")
+def host(simulated_host):
+    return simulated_host(gpus=8, mig=[1])
+
+
+def make_bundle(tmp_path, env, debian=False, caps=()):
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs" / "etc").mkdir(parents=True, exist_ok=True)
+    if debian:
+        (bundle / "rootfs" / "etc" / "debian_version").write_text("12.0\n")
+    config = {
+        "ociVersion": "1.0.2",
+        "root": {"path": "rootfs"},
+        "process": {"env": [f"{k}={v}" for k, v in env.items()], "capabilities": {"bounding": list(caps)}},
+        "mounts": [],
+    }
+    (bundle / "config.json").write_text(json.dumps(config))
+    return str(bundle)
+
+
+def plan(hook_cli, host, tmp_path, env, *, as_json=True, **kw):
+    args = ["--config", f"{host['root']}/config.yaml", "plan", "--bundle", make_bundle(tmp_path, env, **kw)]
+    out = hook_cli(*args, *(["--json"] if as_json else []))
+    return out, (json.loads(out.stdout) if as_json and out.returncode == 0 else None)
+
+
+def ops(result, name):
+    return [op for op in result["operations"] if op["op"] == name]
+
+
+def device_targets(result):
+    return {op["target"] for op in ops(result, "MountDevice")}
+
+
+def expected_libraries(host, caps):
+    return {
+        f"{lib.prefix}.{host['driver_version']}"
+        for lib in driver_libraries(host["driver_version"])
+        if lib.capability in caps
+    }
+
+
+def test_one_gpu_by_uuid(hook_cli, host, tmp_path):
+    gpu3 = host["gpus"][3]
+    out, result = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": gpu3["uuid"]})
+    assert out.returncode == 0, out.stderr
+    nodes = device_targets(result)
+    assert f"/dev/nvidia{gpu3['minor']}" in nodes
+    assert not {f"/dev/nvidia{g['minor']}" for g in host["gpus"] if g is not gpu3} & nodes
+    assert {"/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"} <= nodes
+    assert "/dev/nvidia-modeset" not in nodes
+    libs = {os.path.basename(op["target"]) for op in ops(result, "BindMount") if "/usr/lib64/" in op["target"]}
+    assert libs == expected_libraries(host, {"utility", "compute"})
+    assert all(op["target"].startswith("/usr/lib64/") for op in ops(result, "BindMount") if ".so." in op["target"])
+    rules = {(op["major"], op["minor"]) for op in ops(result, "DeviceRule")}
+    assert (195, gpu3["minor"]) in rules and (195, 255) in rules
+    assert {op["target"] for op in ops(result, "BindMount") if op["target"].startswith("/usr/bin/")} == {
+        f"/usr/bin/{b}" for b in driver.BINARIES["utility"] + driver.BINARIES["compute"]
+    }
+    gpu_dirs = [op["target"] for op in ops(result, "BindMount") if "/proc/driver/nvidia/gpus/" in op["target"]]
+    assert gpu_dirs == [f"/proc/driver/nvidia/gpus/{gpu3['bus_id']}"]
+    assert ops(result, "RefreshLdcache")[0]["directories"] == ["/usr/lib64"]
+    assert result["operations"][-1]["op"] == "RefreshLdcache"
+
+
+def test_scrambled_minors_follow_the_gpu_not_the_index(hook_cli, simulated_host, tmp_path):
+    host = simulated_host(gpus=4, scramble_minors=True)
+    out, result = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "0"})
+    assert out.returncode == 0, out.stderr
+    gpu_nodes = {t for t in device_targets(result) if t[len("/dev/nvidia") :].isdigit()}
+    assert gpu_nodes == {f"/dev/nvidia{host['gpus'][0]['minor']}"} == {"/dev/nvidia3"}
+
+
+def test_mig_device_gets_cap_nodes_and_access_files(hook_cli, host, tmp_path):
+    out, result = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "1:0"})
+    assert out.returncode == 0, out.stderr
+    gpu1 = host["gpus"][1]
+    mig = gpu1["mig"][0]
+    nodes = device_targets(result)
+    assert {
+        f"/dev/nvidia{gpu1['minor']}",
+        f"/dev/nvidia-caps/nvidia-cap{mig['gi_cap_minor']}",
+        f"/dev/nvidia-caps/nvidia-cap{mig['ci_cap_minor']}",
+    } <= nodes
+    base = f"/proc/driver/nvidia/capabilities/gpu{gpu1['minor']}/mig/gi{mig['gi']}"
+    binds = {op["target"] for op in ops(result, "BindMount")}
+    assert {f"{base}/access", f"{base}/ci{mig['ci']}/access"} <= binds
+    assert result["devices"][0]["mig_uuid"] == mig["uuid"]
+    # the same device by MIG UUID
+    out, by_uuid = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": mig["uuid"]})
+    assert by_uuid["operations"] == result["operations"]
+
+
+def test_none_gives_libraries_and_no_gpu_node(hook_cli, host, tmp_path):
+    out, result = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "none"})
+    assert out.returncode == 0, out.stderr
+    assert not [t for t in device_targets(result) if t[len("/dev/nvidia") :].isdigit()]
+    assert "/dev/nvidiactl" in device_targets(result)
+    assert any("libcuda.so." in op["target"] for op in ops(result, "BindMount"))
+    assert result["devices"] == []
+
+
+def test_void_is_not_a_gpu_container(hook_cli, host, tmp_path):
+    out, _ = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "void"}, as_json=False)
+    assert out.returncode == 0 and out.stdout.startswith("not a GPU container")
+
+
+def test_unsatisfied_cuda_requirement_and_disable_require(hook_cli, host, tmp_path):
+    env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=99.0"}
+    out, _ = plan(hook_cli, host, tmp_path, env)
+    assert out.returncode != 0
+    assert out.stderr == (
+        "oci-gpu-hook: unsatisfied condition: cuda>=99.0, please update your driver to a newer "
+        "version, or use an earlier cuda container\n"
+    )
+    out, result = plan(hook_cli, host, tmp_path, dict(env, NVIDIA_DISABLE_REQUIRE="true"))
+    assert out.returncode == 0, out.stderr
+
+
+def test_arch_and_brand_requirements_use_nvml_facts(hook_cli, host, tmp_path):
+    ok = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_REQUIRE_ARCH": "arch>=8.0 brand=tesla"}
+    assert plan(hook_cli, host, tmp_path, ok)[0].returncode == 0
+    out, _ = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "2", "NVIDIA_REQUIRE_X": "arch>=9.0"})
+    assert out.returncode != 0 and "unsatisfied condition: arch>=9.0" in out.stderr
+
+
+def test_debian_rootfs_gets_multiarch_dirs_and_all_capabilities(hook_cli, host, tmp_path):
+    env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "all"}
+    out, result = plan(hook_cli, host, tmp_path, env, debian=True)
+    assert out.returncode == 0, out.stderr
+    targets = {op["target"] for op in ops(result, "BindMount")}
+    multiarch, multiarch32 = arch.current().multiarch, arch.current().multiarch32  # x86_64: x86_64-linux-gnu
+    assert f"{multiarch}/libGLX_nvidia.so.{host['driver_version']}" in targets
+    if host["lib32"] and multiarch32:
+        assert f"{multiarch32}/libcuda.so.{host['driver_version']}" in targets
+    assert set(driver.GRAPHICS_CONFIG_FILES) <= targets
+    links = {op["target"]: op["value"] for op in ops(result, "Symlink")}
+    assert links[f"{multiarch}/libcuda.so"] == "libcuda.so.1"
+    assert links[f"{multiarch}/libGLX_indirect.so.0"] == f"libGLX_nvidia.so.{host['driver_version']}"
+    assert "/dev/nvidia-modeset" in device_targets(result)
+
+
+def test_unknown_device_is_one_line(hook_cli, host, tmp_path):
+    out, _ = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "0,12"})
+    assert out.returncode == 5 and out.stderr == "oci-gpu-hook: 12: unknown device\n"
+
+
+def test_human_plan_is_readable(hook_cli, host, tmp_path):
+    out, _ = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "1:0"}, as_json=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("request: devices: 1:0 (from env); capabilities: compute, utility")
+    assert "devices: MIG 1:0 (MIG-" in out.stdout and "  1. device  /dev/nvidiactl (char 195:255)" in out.stdout
+
+
+def test_info_json_agrees_with_the_simulator(hook_cli, host):
+    out = hook_cli("--config", f"{host['root']}/config.yaml", "info", "--json")
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["driver_version"] == host["driver_version"] and info["cuda_version"] == host["cuda_version"]
+    assert [(g["uuid"], g["minor"], g["bus_id"]) for g in info["gpus"]] == [
+        (g["uuid"], g["minor"], g["bus_id"]) for g in host["gpus"]
+    ]
+    assert [[(m["gi"], m["ci"], m["uuid"]) for m in g["mig"]] for g in info["gpus"]] == [
+        [(m["gi"], m["ci"], m["uuid"]) for m in g["mig"]] for g in host["gpus"]
+    ]
+    caps = [[(m["gi_cap"]["minor"], m["ci_cap"]["minor"]) for m in g["mig"]] for g in info["gpus"]]
+    assert caps == [[(m["gi_cap_minor"], m["ci_cap_minor"]) for m in g["mig"]] for g in host["gpus"]]
+    libs = {f["path"] for f in info["files"] if f["kind"] == "library"}
+    assert libs == {f"/usr/lib64/{lib['prefix']}.{host['driver_version']}" for lib in host["libraries"]}
+    assert all(g["brand"] == "Tesla" and g["compute_capability"] == "8.0" for g in info["gpus"])

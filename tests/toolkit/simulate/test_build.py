@@ -1,0 +1,192 @@
+"""The simulated host, built for real (root, gcc, ldconfig) and read back with real tools."""
+
+import json
+import os
+import stat
+import subprocess
+
+import pytest
+
+from oci_gpu_hook.errors import SimulateError
+from oci_gpu_hook.start import driver
+from oci_gpu_hook.toolkit.simulate import remove_host, simulate
+
+
+def smi(root, *args):
+    env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": f"{root}/usr/lib64"}
+    return subprocess.run([f"{root}/usr/bin/nvidia-smi", *args], capture_output=True, text=True, env=env)
+
+
+def test_nvidia_smi_lists_gpus_and_follows_device_nodes(tmp_path, require):
+    require("root", "gcc")
+    host = simulate(str(tmp_path / "s"), gpus=4)
+    root = host["root"]
+    out = smi(root, "-L")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines == [f"GPU {g['index']}: NVIDIA A100-SXM4-40GB (UUID: {g['uuid']})" for g in host["gpus"]]
+    os.unlink(f"{root}/dev/nvidia2")
+    out = smi(root, "-L")
+    remaining = [g for g in host["gpus"] if g["minor"] != 2]
+    assert out.stdout.splitlines() == [
+        f"GPU {i}: NVIDIA A100-SXM4-40GB (UUID: {g['uuid']})" for i, g in enumerate(remaining)
+    ]
+
+
+def test_nvidia_smi_table_shows_versions(simulated_host):
+    host = simulated_host(gpus=2)
+    out = smi(host["root"])
+    assert out.returncode == 0, out.stderr
+    assert "Driver Version: 550.54.15" in out.stdout and "CUDA Version: 12.4" in out.stdout
+
+
+def test_mig_devices_indented_under_their_gpu(simulated_host):
+    host = simulated_host(gpus=3, mig=[1])
+    out = smi(host["root"], "-L").stdout.splitlines()
+    gpu1 = host["gpus"][1]
+    at = out.index(f"GPU 1: NVIDIA A100-SXM4-40GB (UUID: {gpu1['uuid']})")
+    for i, mig in enumerate(gpu1["mig"]):
+        assert out[at + 1 + i] == f"  MIG {mig['profile']:<11} Device {i:2d}: (UUID: {mig['uuid']})"
+    assert out[at + 4].startswith("GPU 2:")
+
+
+def test_device_nodes_have_driver_numbers(simulated_host):
+    host = simulated_host(gpus=3, mig=[1], scramble_minors=True)
+    root = host["root"]
+
+    def rdev(path):
+        st = os.lstat(f"{root}{path}")
+        assert stat.S_ISCHR(st.st_mode), path
+        return os.major(st.st_rdev), os.minor(st.st_rdev)
+
+    for gpu in host["gpus"]:
+        assert rdev(f"/dev/nvidia{gpu['minor']}") == (195, gpu["minor"])
+    assert rdev("/dev/nvidiactl") == (195, 255)
+    assert rdev("/dev/nvidia-modeset") == (195, 254)
+    assert rdev("/dev/nvidia-uvm") == (host["uvm_major"], 0)
+    assert rdev("/dev/nvidia-uvm-tools") == (host["uvm_major"], 1)
+    devices = open(f"{root}/proc/devices").read()
+    assert f"{host['uvm_major']} nvidia-uvm" in devices and f"{host['caps_major']} nvidia-caps" in devices
+    for mig in host["gpus"][1]["mig"]:
+        for minor in (mig["gi_cap_minor"], mig["ci_cap_minor"]):
+            assert rdev(f"/dev/nvidia-caps/nvidia-cap{minor}") == (host["caps_major"], minor)
+
+
+def test_procfs_files_as_the_driver_writes_them(simulated_host):
+    host = simulated_host(gpus=3, mig=[1], scramble_minors=True)
+    root, nv = host["root"], f"{host['root']}/proc/driver/nvidia"
+    assert "Kernel Module  550.54.15" in open(f"{nv}/version").read()
+    assert "ModifyDeviceFiles: 1" in open(f"{nv}/params").read()
+    for gpu in host["gpus"]:
+        info = open(f"{nv}/gpus/{gpu['bus_id']}/information").read()
+        assert f"GPU UUID: \t {gpu['uuid']}" in info and f"Device Minor: \t {gpu['minor']}" in info
+    gpu = host["gpus"][1]
+    for mig in gpu["mig"]:
+        base = f"{nv}/capabilities/gpu{gpu['minor']}/mig/gi{mig['gi']}"
+        assert f"DeviceFileMinor: {mig['gi_cap_minor']}\n" in open(f"{base}/access").read()
+        assert f"DeviceFileMinor: {mig['ci_cap_minor']}\n" in open(f"{base}/ci{mig['ci']}/access").read()
+        minors = open(f"{root}/proc/driver/nvidia-caps/mig-minors").read().splitlines()
+        assert f"gpu{gpu['minor']}/gi{mig['gi']}/access {mig['gi_cap_minor']}" in minors
+
+
+def test_ld_so_cache_lists_every_library_with_its_soname(simulated_host):
+    host = simulated_host(gpus=2)
+    root, version = host["root"], host["driver_version"]
+    out = subprocess.run(["ldconfig", "-p", "-C", f"{root}/etc/ld.so.cache"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    entries = {}  # (name, 64-bit?) -> path
+    for line in out.stdout.splitlines()[1:]:
+        name, _, rest = line.strip().partition(" (")
+        flags, _, path = rest.partition(") => ")
+        entries[(name, "x86-64" in flags)] = path
+    for lib in host["libraries"]:
+        # SONAME link in the cache points into the host-relative lib dir, at a real ELF file
+        path = entries[(lib["soname"], True)]
+        assert path == f"/usr/lib64/{lib['soname']}"
+        real = os.path.realpath(f"{root}{path}")
+        assert os.path.basename(real) == f"{lib['prefix']}.{version}"
+        assert open(real, "rb").read(4) == b"\x7fELF"
+        if lib["lib32"] and host["lib32"]:
+            assert entries[(lib["soname"], False)] == f"/usr/lib/{lib['soname']}"
+
+
+def test_32bit_libraries_built_where_gcc_can(simulated_host, require):
+    require("gcc-m32")
+    host = simulated_host(gpus=2)
+    assert host["lib32"]
+    elf = open(f"{host['root']}/usr/lib/libcuda.so.{host['driver_version']}", "rb").read(5)
+    assert elf == b"\x7fELF\x01"  # ELFCLASS32
+
+
+def test_driver_programs_firmware_sockets_and_config_files(simulated_host):
+    host = simulated_host(gpus=2)
+    root, version = host["root"], host["driver_version"]
+    for tool in driver.BINARIES["utility"] + driver.BINARIES["compute"]:
+        assert os.access(f"{root}/usr/bin/{tool}", os.X_OK)
+    out = subprocess.run([f"{root}/usr/bin/nvidia-debugdump"], capture_output=True, text=True)
+    assert out.stdout.startswith("nvidia-debugdump: simulated") and version in out.stdout
+    assert os.path.isfile(f"{root}/lib/firmware/nvidia/{version}/gsp_ga10x.bin")
+    assert stat.S_ISSOCK(os.lstat(f"{root}/var/run/nvidia-persistenced/socket").st_mode)
+    for path in driver.GRAPHICS_CONFIG_FILES:
+        text = open(f"{root}{path}").read()
+        if path.endswith(".json"):
+            json.loads(text)
+
+
+def test_config_points_the_hook_at_the_host(simulated_host, hook_cli):
+    host = simulated_host(gpus=2)
+    out = hook_cli("--config", f"{host['root']}/config.yaml", "info")
+    assert out.returncode == 0, out.stderr
+    assert "NVRM version:   550.54.15" in out.stdout
+    for gpu in host["gpus"]:
+        assert f"GPU UUID:       {gpu['uuid']}" in out.stdout
+
+
+def test_rebuild_replaces_the_host_and_remove_removes_it(tmp_path, require):
+    require("root", "gcc")
+    target = tmp_path / "s"
+    first = simulate(str(target), gpus=2)
+    (target / "dev" / "nvidia1").unlink()
+    second = simulate(str(target), gpus=3, driver_version="535.104.05")
+    assert len(second["gpus"]) == 3 and os.path.exists(target / "dev" / "nvidia1")
+    assert first["gpus"][0]["uuid"] != second["gpus"][0]["uuid"]
+    assert sorted(os.listdir(tmp_path)) == ["s"]  # no staging or old copies left behind
+    remove_host(str(target))
+    assert os.listdir(tmp_path) == []
+
+
+def test_refuses_to_replace_or_remove_a_foreign_directory(tmp_path, require):
+    require("root", "gcc")
+    foreign = tmp_path / "data"
+    foreign.mkdir()
+    (foreign / "precious").write_text("keep")
+    with pytest.raises(SimulateError, match="not empty and is not a simulated host"):
+        simulate(str(foreign), gpus=1)
+    with pytest.raises(SimulateError, match="not a simulated host"):
+        remove_host(str(foreign))
+    assert (foreign / "precious").read_text() == "keep"
+    assert sorted(os.listdir(tmp_path)) == ["data"]
+
+
+def test_cli_errors_are_one_line(tmp_path, hook_cli, require):
+    require("root")
+    out = hook_cli("simulate", str(tmp_path / "missing-parent" / "s"))
+    assert out.returncode != 0
+    assert out.stderr.splitlines() == [
+        f"oci-gpu-hook: {tmp_path}/missing-parent/s: the parent directory {tmp_path}/missing-parent does not exist"
+    ]
+    out = hook_cli("simulate", str(tmp_path / "s"), "--gpus", "99")
+    assert out.stderr.splitlines() == ["oci-gpu-hook: --gpus 99: the simulated host holds 1 to 16 GPUs"]
+
+
+def test_non_root_is_told_to_use_root(tmp_path, run_as_nobody):
+    tmp_path.chmod(0o777)
+    out = run_as_nobody(
+        ["-m", "oci_gpu_hook", "simulate", str(tmp_path / "s")],
+        modules=("oci_gpu_hook", "click"),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 7
+    assert out.stderr == "oci-gpu-hook: simulate needs root: it creates device nodes with mknod (run it as root)\n"
+    assert not os.path.exists(tmp_path / "s")

@@ -1,0 +1,74 @@
+import pytest
+
+from oci_gpu_hook.errors import SimulateError
+from oci_gpu_hook.start import driver
+from oci_gpu_hook.toolkit.simulate.model import describe_host, driver_libraries, nvml_bus_id
+
+
+def test_gpus_in_bus_order_with_stable_uuids():
+    a = describe_host("/s", gpus=4)
+    b = describe_host("/s", gpus=4)
+    assert [g.uuid for g in a.gpus] == [g.uuid for g in b.gpus]
+    assert len({g.uuid for g in a.gpus}) == 4
+    assert [g.bus_id for g in a.gpus] == sorted(g.bus_id for g in a.gpus)
+    assert [g.minor for g in a.gpus] == [0, 1, 2, 3]
+
+
+def test_scrambled_minors_differ_from_index():
+    host = describe_host("/s", gpus=4, scramble_minors=True)
+    assert [g.minor for g in host.gpus] == [3, 2, 1, 0]
+
+
+def test_mig_instances_and_cap_minors():
+    host = describe_host("/s", gpus=2, mig=[1], scramble_minors=True)
+    assert host.gpus[0].mig == ()
+    gpu = host.gpus[1]  # minor 0
+    assert [(m.index, m.gi, m.ci, m.profile) for m in gpu.mig] == [
+        (0, 1, 0, "3g.20gb"),
+        (1, 5, 0, "2g.10gb"),
+        (2, 13, 0, "1g.5gb"),
+    ]
+    # mig-minors: gpu0/gi1/access is 12, its ci0 13 (3 + gi*9, +1 + ci)
+    assert (gpu.mig[0].gi_cap_minor, gpu.mig[0].ci_cap_minor) == (12, 13)
+    assert all(m.uuid.startswith("MIG-") for m in gpu.mig)
+
+
+def test_cap_minor_formula_matches_driver_listing():
+    assert driver.mig_gi_cap_minor(0, 0) == 3
+    assert driver.mig_ci_cap_minor(0, 0, 7) == 11
+    assert driver.mig_gi_cap_minor(0, 1) == 12
+    assert driver.mig_gi_cap_minor(1, 0) == 138
+
+
+def test_dynamic_majors_avoid_used_ones():
+    host = describe_host("/s", used_majors=[511, 510, 508])
+    assert (host.uvm_major, host.caps_major) == (509, 507)
+
+
+def test_every_capability_library_has_a_soname():
+    libs = driver_libraries("550.54.15")
+    prefixes = {lib.prefix for lib in libs}
+    assert prefixes == {p for ps in driver.LIBRARIES.values() for p in ps}
+    sonames = {lib.prefix: lib.soname for lib in libs}
+    assert sonames["libcuda.so"] == "libcuda.so.1"
+    assert sonames["libnvidia-glcore.so"] == "libnvidia-glcore.so.550.54.15"
+
+
+def test_nvml_bus_id_form():
+    assert nvml_bus_id("0000:0f:00.0") == "00000000:0F:00.0"
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"gpus": 0}, "--gpus 0"),
+        ({"gpus": 17}, "--gpus 17"),
+        ({"driver_version": "abc"}, "--driver-version 'abc'"),
+        ({"cuda_version": "12"}, "--cuda-version '12'"),
+        ({"mig": [5]}, "--mig 5: no such GPU"),
+        ({"model": "v100"}, "--model 'v100'"),
+    ],
+)
+def test_bad_options_are_one_line_errors(kwargs, message):
+    with pytest.raises(SimulateError, match=message.replace("'", ".")):
+        describe_host("/s", **kwargs)

@@ -1,0 +1,511 @@
+"""The simulated driver's C programs: libnvidia-ml.so driven by the official pynvml bindings, and
+nvidia-smi run against it.
+
+Both are built once per module from sim_host.example.h, with SIM_ROOT pointing into a temporary
+directory; each test starts from a fully populated device tree and removes what it wants hidden.
+Device nodes are plain files here: the library only checks that they exist.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+CSRC = Path(__file__).resolve().parents[3] / "oci_gpu_hook" / "toolkit" / "simulate" / "csrc"
+DRIVER = "550.54.15"
+CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]
+
+# Facts of sim_host.example.h, in NVML index order.
+GPU0 = {
+    "uuid": "GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77",
+    "bus_id": "00000000:07:00.0",
+    "bus": 7,
+    "minor": 1,
+}
+GPU1 = {
+    "uuid": "GPU-2f76cbca-88aa-4e8e-2fde-65765797dbbb",
+    "bus_id": "00000000:0F:00.0",
+    "bus": 15,
+    "minor": 0,
+}
+NAME = "NVIDIA A100-SXM4-40GB"
+MIGS = [  # GPU1's MIG devices: gi, ci, profile, uuid, GiB, cap minors
+    (1, 0, "3g.20gb", "MIG-0b8f4c2e-6a1d-5f3b-9c7e-2d4a6b8c0e1f", 20, (12, 13)),
+    (5, 0, "2g.10gb", "MIG-1c9a5d3f-7b2e-5a4c-8d6f-3e5b7c9d1f20", 10, (48, 49)),
+    (13, 0, "1g.5gb", "MIG-2dab6e40-8c3f-5b5d-9e70-4f6c8dae2031", 5, (120, 121)),
+]
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, require):
+    require("gcc")
+    base = tmp_path_factory.mktemp("nvml")
+    root = base / "host"
+    include = base / "include"
+    include.mkdir()
+    header = (CSRC / "sim_host.example.h").read_text()
+    header, n = re.subn(r'#define SIM_ROOT ".*"', f"#define SIM_ROOT {json.dumps(str(root))}", header)
+    assert n == 1
+    (include / "sim_host.h").write_text(header)
+
+    lib = base / "lib"
+    lib.mkdir()
+    real = lib / f"libnvidia-ml.so.{DRIVER}"
+    subprocess.run(
+        [
+            "gcc",
+            *CFLAGS,
+            "-fPIC",
+            "-shared",
+            f"-I{include}",
+            f"-I{CSRC}",
+            "-Wl,-soname,libnvidia-ml.so.1",
+            "-o",
+            str(real),
+            str(CSRC / "nvml.c"),
+        ],
+        check=True,
+    )
+    (lib / "libnvidia-ml.so.1").symlink_to(real.name)
+    (lib / "libnvidia-ml.so").symlink_to("libnvidia-ml.so.1")
+    smi = base / "nvidia-smi"
+    subprocess.run(
+        [
+            "gcc",
+            *CFLAGS,
+            f"-I{include}",
+            f"-I{CSRC}",
+            "-o",
+            str(smi),
+            str(CSRC / "nvidia-smi.c"),
+            f"-L{lib}",
+            "-lnvidia-ml",
+        ],
+        check=True,
+    )
+    return {"root": root, "lib": real, "libdir": lib, "smi": smi}
+
+
+@pytest.fixture
+def host(built):
+    """A fully visible host: driver loaded, every GPU node and MIG access file present."""
+    root = built["root"]
+    shutil.rmtree(root, ignore_errors=True)
+    (root / "proc/driver/nvidia").mkdir(parents=True)
+    (root / "proc/driver/nvidia/version").write_text(f"NVRM version: NVIDIA UNIX x86_64 Kernel Module  {DRIVER}\n")
+    caps = root / "dev/nvidia-caps"
+    caps.mkdir(parents=True)
+    for name in ("nvidiactl", "nvidia0", "nvidia1", "nvidia-uvm"):
+        (root / "dev" / name).touch()
+    for *_, minors in MIGS:
+        for minor in minors:
+            (caps / f"nvidia-cap{minor}").touch()
+    return built
+
+
+PREAMBLE = """
+import ctypes, json, sys
+lib = ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+import pynvml as N
+
+def err(fn, *args):
+    try:
+        fn(*args)
+    except N.NVMLError as e:
+        return e.value
+    return 0
+
+r = {}
+s = lambda v: v.decode() if isinstance(v, bytes) else v  # pynvml decodes some char arrays itself
+"""
+
+
+def pynvml(host, body: str, *args: str) -> dict:
+    """Run `body` in a fresh interpreter with pynvml bound to the simulated library; returns `r`.
+
+    `args` follow the library path in sys.argv.
+
+    pynvml dlopens "libnvidia-ml.so.1"; loading ours first makes the loader answer that by SONAME.
+    """
+    code = PREAMBLE + textwrap.dedent(body) + "\nprint(json.dumps(r))\n"
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(host["lib"]), *args], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def smi(host, *args):
+    env = dict(os.environ, LD_LIBRARY_PATH=str(host["libdir"]))
+    return subprocess.run([str(host["smi"]), *args], capture_output=True, text=True, env=env, timeout=60)
+
+
+@pytest.fixture
+def nv(require):
+    require("pynvml")
+
+
+# ---- the library through pynvml ---------------------------------------------------------------
+
+
+def test_loaded_by_soname_and_versions(host, nv):
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        r["same"] = N.nvmlLib._handle == lib._handle
+        r["driver"] = N.nvmlSystemGetDriverVersion()
+        r["nvml"] = N.nvmlSystemGetNVMLVersion()
+        r["cuda"] = N.nvmlSystemGetCudaDriverVersion()
+        r["cuda2"] = N.nvmlSystemGetCudaDriverVersion_v2()
+        r["count"] = N.nvmlDeviceGetCount()
+        N.nvmlShutdown()
+    """,
+    )
+    assert r == {"same": True, "driver": DRIVER, "nvml": "12." + DRIVER, "cuda": 12040, "cuda2": 12040, "count": 2}
+
+
+def test_gpu_attributes(host, nv):
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        r["gpus"] = []
+        for i in range(N.nvmlDeviceGetCount()):
+            h = N.nvmlDeviceGetHandleByIndex(i)
+            pci = N.nvmlDeviceGetPciInfo(h)
+            ext = N.nvmlPciInfoExt_v1_t(version=N.nvmlPciInfoExt_v1)
+            N.nvmlDeviceGetPciInfoExt(h, ctypes.byref(ext))
+            mem = N.nvmlDeviceGetMemoryInfo(h)
+            mem2 = N.nvmlDeviceGetMemoryInfo(h, version=N.nvmlMemory_v2)
+            r["gpus"].append({
+                "name": N.nvmlDeviceGetName(h),
+                "uuid": N.nvmlDeviceGetUUID(h),
+                "minor": N.nvmlDeviceGetMinorNumber(h),
+                "index": N.nvmlDeviceGetIndex(h),
+                "brand": N.nvmlDeviceGetBrand(h),
+                "pci": [s(pci.busId), s(pci.busIdLegacy), pci.domain, pci.bus, pci.device,
+                        pci.pciDeviceId, pci.pciSubSystemId],
+                "ext": [s(ext.busId), ext.bus, ext.pciDeviceId],
+                "cc": list(N.nvmlDeviceGetCudaComputeCapability(h)),
+                "arch": N.nvmlDeviceGetArchitecture(h),
+                "mem": [mem.total, mem.free, mem.used],
+                "mem2": [mem2.total, mem2.reserved, mem2.free, mem2.used],
+                "util": err(N.nvmlDeviceGetUtilizationRates, h) or
+                        [N.nvmlDeviceGetUtilizationRates(h).gpu, N.nvmlDeviceGetUtilizationRates(h).memory],
+                "persistence": N.nvmlDeviceGetPersistenceMode(h),
+                "procs": [N.nvmlDeviceGetComputeRunningProcesses(h),
+                          N.nvmlDeviceGetGraphicsRunningProcesses(h)],
+                "mig_mode": N.nvmlDeviceGetMigMode(h),
+                "max_mig": N.nvmlDeviceGetMaxMigDeviceCount(h),
+                "is_mig": N.nvmlDeviceIsMigDeviceHandle(h).value,
+                "gi": err(N.nvmlDeviceGetGpuInstanceId, h),
+            })
+        N.nvmlShutdown()
+    """,
+    )
+    total = 40 * GIB
+    for gpu, facts in zip(r["gpus"], (GPU0, GPU1)):
+        legacy = "0000:" + facts["bus_id"][9:]
+        assert gpu["name"] == NAME
+        assert gpu["uuid"] == facts["uuid"]
+        assert gpu["minor"] == facts["minor"]
+        assert gpu["brand"] == 2  # NVML_BRAND_TESLA
+        assert gpu["pci"] == [facts["bus_id"], legacy, 0, facts["bus"], 0, 0x20B010DE, 0x134F10DE]
+        assert gpu["ext"] == [facts["bus_id"], facts["bus"], 0x20B010DE]
+        assert gpu["cc"] == [8, 0]
+        assert gpu["arch"] == 7  # NVML_DEVICE_ARCH_AMPERE
+        assert gpu["mem"] == [total, total, 0]
+        assert gpu["mem2"] == [total, 0, total, 0]
+        assert gpu["persistence"] == 0
+        assert gpu["procs"] == [[], []]
+        assert gpu["is_mig"] == 0
+        assert gpu["gi"] == 3  # NOT_SUPPORTED on a physical GPU
+    assert [g["index"] for g in r["gpus"]] == [0, 1]
+    assert r["gpus"][0]["util"] == [0, 0]
+    assert r["gpus"][1]["util"] == 3  # no GPU-wide utilization with MIG on
+    assert [g["mig_mode"] for g in r["gpus"]] == [[0, 0], [1, 1]]
+    assert [g["max_mig"] for g in r["gpus"]] == [0, 7]
+
+
+def test_mig_handles(host, nv):
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        gpu = N.nvmlDeviceGetHandleByIndex(1)
+        r["migs"] = []
+        for i in range(N.nvmlDeviceGetMaxMigDeviceCount(gpu)):
+            try:
+                m = N.nvmlDeviceGetMigDeviceHandleByIndex(gpu, i)
+            except N.NVMLError_NotFound:
+                continue
+            parent = N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m)
+            r["migs"].append({
+                "slot": i,
+                "is_mig": N.nvmlDeviceIsMigDeviceHandle(m).value,
+                "gi": N.nvmlDeviceGetGpuInstanceId(m),
+                "ci": N.nvmlDeviceGetComputeInstanceId(m),
+                "uuid": N.nvmlDeviceGetUUID(m),
+                "name": N.nvmlDeviceGetName(m),
+                "mem": N.nvmlDeviceGetMemoryInfo(m).total,
+                "parent": N.nvmlDeviceGetUUID(parent),
+                "bus": s(N.nvmlDeviceGetPciInfo(m).busId),
+                "minor": err(N.nvmlDeviceGetMinorNumber, m),
+                "util": err(N.nvmlDeviceGetUtilizationRates, m),
+            })
+        r["past_max"] = err(N.nvmlDeviceGetMigDeviceHandleByIndex, gpu, 7)
+        r["on_non_mig_gpu"] = err(N.nvmlDeviceGetMigDeviceHandleByIndex, N.nvmlDeviceGetHandleByIndex(0), 0)
+        r["parent_of_gpu"] = err(N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, gpu)
+        N.nvmlShutdown()
+    """,
+    )
+    assert r["migs"] == [
+        {
+            "slot": slot,
+            "is_mig": 1,
+            "gi": gi,
+            "ci": ci,
+            "uuid": uuid,
+            "name": f"{NAME} MIG {profile}",
+            "mem": gib * GIB,
+            "parent": GPU1["uuid"],
+            "bus": GPU1["bus_id"],
+            "minor": 3,
+            "util": 3,
+        }
+        for slot, (gi, ci, profile, uuid, gib, _) in enumerate(MIGS)
+    ]
+    assert r["past_max"] == 2  # INVALID_ARGUMENT
+    assert r["on_non_mig_gpu"] == 2
+    assert r["parent_of_gpu"] == 2
+
+
+def test_lookups(host, nv):
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        uuid = N.nvmlDeviceGetUUID
+        r["gpu"] = uuid(N.nvmlDeviceGetHandleByUUID(sys.argv[2]))
+        r["mig"] = N.nvmlDeviceGetGpuInstanceId(N.nvmlDeviceGetHandleByUUID(sys.argv[3]))
+        r["bus"] = [uuid(N.nvmlDeviceGetHandleByPciBusId(b))
+                    for b in ("00000000:0F:00.0", "0000:0f:00.0", "0f:00.0", "00000000:07:00.0")]
+        r["unknown_uuid"] = err(N.nvmlDeviceGetHandleByUUID, "GPU-00000000-0000-0000-0000-000000000000")
+        r["unknown_bus"] = err(N.nvmlDeviceGetHandleByPciBusId, "0000:99:00.0")
+        r["bad_bus"] = err(N.nvmlDeviceGetHandleByPciBusId, "not-a-bus-id")
+        r["bad_index"] = err(N.nvmlDeviceGetHandleByIndex, 2)
+        N.nvmlShutdown()
+    """,
+        GPU1["uuid"],
+        MIGS[2][3],
+    )
+    assert r == {
+        "gpu": GPU1["uuid"],
+        "mig": 13,
+        "bus": [GPU1["uuid"], GPU1["uuid"], GPU1["uuid"], GPU0["uuid"]],
+        "unknown_uuid": 6,  # NOT_FOUND
+        "unknown_bus": 6,
+        "bad_bus": 2,  # INVALID_ARGUMENT
+        "bad_index": 2,
+    }
+
+
+def test_init_errors_and_strings(host, nv):
+    r = pynvml(
+        host,
+        """
+        from ctypes import byref, c_uint, c_int, create_string_buffer
+        count = c_uint()
+        # Straight through ctypes: pynvml refuses calls itself until nvmlInit has loaded the library.
+        r["before_init"] = lib.nvmlDeviceGetCount_v2(byref(count))
+        r["shutdown_before_init"] = lib.nvmlShutdown()
+        cuda = c_int()
+        r["cuda_before_init"] = [lib.nvmlSystemGetCudaDriverVersion(byref(cuda)), cuda.value]
+        N.nvmlInit()
+        N.nvmlInit()
+        N.nvmlShutdown()
+        r["still_initialized"] = N.nvmlDeviceGetCount()
+        h = N.nvmlDeviceGetHandleByIndex(0)
+        small = create_string_buffer(8)
+        r["small_name"] = lib.nvmlDeviceGetName(h, small, c_uint(8))
+        r["small_version"] = lib.nvmlSystemGetDriverVersion(small, c_uint(8))
+        r["null_count"] = lib.nvmlDeviceGetCount_v2(None)
+        r["bad_handle"] = lib.nvmlDeviceGetMinorNumber(ctypes.c_void_p(12345), byref(count))
+        r["strings"] = {str(c): N.nvmlErrorString(c) for c in (0, 1, 2, 6, 7, 9, 999)}
+        r["mem_v2_bad_version"] = err(N.nvmlDeviceGetMemoryInfo, h, 1)
+        N.nvmlShutdown()
+        r["after_shutdown"] = lib.nvmlDeviceGetCount_v2(byref(count))
+        r["handle_after_shutdown"] = lib.nvmlDeviceGetMinorNumber(h, byref(count))
+        r["extra_shutdown"] = lib.nvmlShutdown()
+    """,
+    )
+    assert r == {
+        "before_init": 1,
+        "shutdown_before_init": 1,
+        "cuda_before_init": [0, 12040],
+        "still_initialized": 2,
+        "small_name": 7,
+        "small_version": 7,
+        "null_count": 2,
+        "bad_handle": 2,
+        "strings": {
+            "0": "Success",
+            "1": "Uninitialized",
+            "2": "Invalid Argument",
+            "6": "Not Found",
+            "7": "Insufficient Size",
+            "9": "Driver Not Loaded",
+            "999": "Unknown Error",
+        },
+        "mem_v2_bad_version": 25,  # ARGUMENT_VERSION_MISMATCH
+        "after_shutdown": 1,
+        "handle_after_shutdown": 1,
+        "extra_shutdown": 1,
+    }
+
+
+VISIBLE = """
+try:
+    N.nvmlInit()
+except N.NVMLError as e:
+    r["init"] = e.value
+    r["error"] = str(e)
+else:
+    r["init"] = 0
+    r["gpus"] = []
+    for i in range(N.nvmlDeviceGetCount()):
+        h = N.nvmlDeviceGetHandleByIndex(i)
+        migs = []
+        if N.nvmlDeviceGetMigMode(h)[0]:
+            for j in range(N.nvmlDeviceGetMaxMigDeviceCount(h)):
+                try:
+                    migs.append(N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(h, j)))
+                except N.NVMLError_NotFound:
+                    pass
+        r["gpus"].append([N.nvmlDeviceGetIndex(h), N.nvmlDeviceGetMinorNumber(h), N.nvmlDeviceGetUUID(h), migs])
+    r["hidden_uuid"] = err(N.nvmlDeviceGetHandleByUUID, sys.argv[2])
+    N.nvmlShutdown()
+"""
+
+
+def test_removing_nodes_hides_devices(host, nv):
+    dev = host["root"] / "dev"
+    (dev / f"nvidia{GPU0['minor']}").unlink()  # GPU0 is /dev/nvidia1: minors are swapped
+    (dev / "nvidia-caps" / f"nvidia-cap{MIGS[1][5][1]}").unlink()  # 2g.10gb's CI access file
+    r = pynvml(host, VISIBLE, GPU0["uuid"])
+    # The container-style view: GPU1 renumbered to index 0, MIG slots compacted.
+    assert r == {"init": 0, "gpus": [[0, 0, GPU1["uuid"], [MIGS[0][3], MIGS[2][3]]]], "hidden_uuid": 6}
+
+
+def test_no_gpu_nodes_is_an_empty_driver(host, nv):
+    for minor in (0, 1):
+        (host["root"] / "dev" / f"nvidia{minor}").unlink()
+    r = pynvml(host, VISIBLE, GPU0["uuid"])
+    assert r == {"init": 0, "gpus": [], "hidden_uuid": 6}
+
+
+def test_no_nvidiactl_is_driver_not_loaded(host, nv):
+    (host["root"] / "dev" / "nvidiactl").unlink()
+    r = pynvml(host, VISIBLE + "\nr['retry'] = err(N.nvmlInit)\n", GPU0["uuid"])
+    assert r == {"init": 9, "error": "Driver Not Loaded", "retry": 9}
+
+
+def test_without_host_procfs_looks_at_real_dev(host, nv):
+    # As inside a container: the simulated host is out of sight, the runtime's /dev is what counts.
+    (host["root"] / "proc/driver/nvidia/version").unlink()
+    r = pynvml(host, VISIBLE, GPU0["uuid"])
+    if not os.path.exists("/dev/nvidiactl"):
+        assert r == {"init": 9, "error": "Driver Not Loaded"}
+    else:  # a machine with a real driver: only the minors that exist under /dev count
+        minors = [g["minor"] for g in (GPU0, GPU1) if os.path.exists(f"/dev/nvidia{g['minor']}")]
+        assert sorted(g[1] for g in r["gpus"]) == sorted(minors)
+
+
+# ---- nvidia-smi ----------------------------------------------------------------------------------
+
+
+def test_smi_list(host):
+    p = smi(host, "-L")
+    assert (p.returncode, p.stderr) == (0, "")
+    assert p.stdout == (
+        f"GPU 0: {NAME} (UUID: {GPU0['uuid']})\n"
+        f"GPU 1: {NAME} (UUID: {GPU1['uuid']})\n"
+        f"  MIG 3g.20gb     Device  0: (UUID: {MIGS[0][3]})\n"
+        f"  MIG 2g.10gb     Device  1: (UUID: {MIGS[1][3]})\n"
+        f"  MIG 1g.5gb      Device  2: (UUID: {MIGS[2][3]})\n"
+    )
+    assert smi(host, "--list-gpus").stdout == p.stdout
+
+
+def test_smi_list_follows_visibility(host):
+    (host["root"] / "dev" / f"nvidia{GPU0['minor']}").unlink()
+    (host["root"] / "dev" / "nvidia-caps" / f"nvidia-cap{MIGS[0][5][0]}").unlink()
+    p = smi(host, "-L")
+    assert p.returncode == 0
+    assert p.stdout == (
+        f"GPU 0: {NAME} (UUID: {GPU1['uuid']})\n"
+        f"  MIG 2g.10gb     Device  0: (UUID: {MIGS[1][3]})\n"
+        f"  MIG 1g.5gb      Device  1: (UUID: {MIGS[2][3]})\n"
+    )
+
+
+def test_smi_no_devices(host):
+    for minor in (0, 1):
+        (host["root"] / "dev" / f"nvidia{minor}").unlink()
+    for args in (["-L"], []):
+        p = smi(host, *args)
+        assert (p.returncode, p.stdout) == (6, "No devices were found\n")
+
+
+def test_smi_without_driver(host):
+    (host["root"] / "dev" / "nvidiactl").unlink()
+    p = smi(host, "-L")
+    assert p.returncode == 9
+    assert p.stdout.startswith("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")
+
+
+def test_smi_table(host):
+    p = smi(host)
+    assert p.returncode == 0
+    lines = p.stdout.splitlines()
+    table = [line for line in lines if line.startswith(("+", "|"))]
+    assert all(len(line) == 91 for line in table), table
+    header = lines[2]
+    assert re.match(rf"\| NVIDIA-SMI {DRIVER} +Driver Version: {DRIVER} +CUDA Version: 12\.4 +\|$", header)
+    rows = [line for line in lines if re.match(r"\| +\d+  NVIDIA", line)]
+    assert [r.split()[1] for r in rows] == ["0", "1"]
+    assert all(NAME in r for r in rows)
+    assert GPU0["bus_id"] in rows[0] and GPU1["bus_id"] in rows[1]
+    assert p.stdout.count("0MiB /  40960MiB") == 2
+    assert "MIG devices:" in p.stdout
+    assert "No running processes found" in p.stdout
+
+
+def test_smi_version_query_and_usage(host):
+    p = smi(host, "--version")
+    assert p.returncode == 0
+    assert p.stdout == (
+        f"NVIDIA-SMI version  : {DRIVER}\nNVML version        : 550.54\n"
+        f"DRIVER version      : {DRIVER}\nCUDA Version        : 12.4\n"
+    )
+    p = smi(host, "--query-gpu=index,uuid,pci.bus_id,memory.total,mig.mode.current", "--format=csv")
+    assert p.returncode == 0
+    assert p.stdout == (
+        "index, uuid, pci.bus_id, memory.total [MiB], mig.mode.current\n"
+        f"0, {GPU0['uuid']}, {GPU0['bus_id']}, 40960 MiB, Disabled\n"
+        f"1, {GPU1['uuid']}, {GPU1['bus_id']}, 40960 MiB, Enabled\n"
+    )
+    p = smi(host, "--query-gpu=uuid", "--format=csv,noheader")
+    assert p.stdout == f"{GPU0['uuid']}\n{GPU1['uuid']}\n"
+    assert smi(host, "--query-gpu=bogus", "--format=csv").returncode == 2
+    assert smi(host, "--frobnicate").returncode == 2
+    assert smi(host, "-h").returncode == 0
