@@ -106,9 +106,9 @@ def mountinfo(pid="self") -> list[tuple[str, str, str]]:
 
 
 def unescape(field: str) -> str:
-    from oci_gpu_hook.start.linux.cgroups import unescape_mountinfo  # the package's one mountinfo unescape
+    from oci_gpu_hook.start.linux import mountinfo  # the package's one mountinfo unescape
 
-    return unescape_mountinfo(field)
+    return mountinfo.unescape(field)
 
 
 def tree(root: str, contents: bool = False) -> dict:

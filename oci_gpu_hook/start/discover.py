@@ -12,7 +12,7 @@ import os
 import stat
 
 from oci_gpu_hook.errors import InventoryError
-from oci_gpu_hook.start import driver
+from oci_gpu_hook.start import driver, files
 from oci_gpu_hook.start.inventory import (
     DeviceNode,
     DriverFile,
@@ -30,10 +30,12 @@ FIRMWARE_DIRS = ("/lib/firmware/nvidia", "/usr/lib/firmware/nvidia")
 
 def read_text(path: str, limit: int = 1 << 20) -> str:
     try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode("utf-8", "replace")
+        data = files.read_bounded(path, limit)
     except OSError as e:
         raise InventoryError(f"{path}: {e.strerror}") from None
+    if len(data) > limit:
+        raise InventoryError(f"{path}: larger than {limit} bytes")
+    return data.decode("utf-8", "replace")
 
 
 def _bus_order(bus_id: str) -> tuple[int, ...]:

@@ -12,6 +12,29 @@ DEFAULT_CAPABILITIES = ("utility", "compute")
 # A capability that implies others: video needs the CUDA libraries, display the GL ones.
 IMPLIED_CAPABILITIES = {"video": ("compute",), "display": ("graphics",)}
 
+
+class UnknownCapability(ValueError):
+    """args[0]: the entry that names no capability. Callers turn it into their own one line."""
+
+
+def parse_capabilities(value: str) -> frozenset:
+    """The capabilities a comma-separated list names ("all": every one; empty entries and spaces
+    around names are ignored), with those they imply. The one parser: the hook reads
+    NVIDIA_DRIVER_CAPABILITIES and `cdi generate` reads --capabilities with it."""
+    asked = set()
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        if entry == "all":
+            asked.update(CAPABILITIES)
+        elif entry in CAPABILITIES:
+            asked.add(entry)
+        else:
+            raise UnknownCapability(entry)
+    for capability in list(asked):
+        asked.update(IMPLIED_CAPABILITIES.get(capability, ()))
+    return frozenset(asked)
+
 # Library name prefixes per capability; a cache entry matches when its name is the prefix plus
 # ".<driver version>" (libraries of another driver version stay out).
 LIBRARIES = {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from oci_gpu_hook.start import jsonio
+from oci_gpu_hook.start import files, jsonio
 from oci_gpu_hook.start.inventory import Inventory, host_path
 from oci_gpu_hook.start.settings import Settings, read_trusted
 
@@ -31,8 +31,7 @@ def _stat_key(path: str):
 
 def _read_small(path: str) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return f.read(1 << 16).decode("utf-8", "replace")
+        return files.read_bounded(path, 1 << 16)[: 1 << 16].decode("utf-8", "replace")
     except OSError:
         return None
 
@@ -87,26 +86,11 @@ def read(settings: Settings, current: dict | None = None) -> Inventory | None:
 def write(settings: Settings, inventory: Inventory, print_=None) -> None:
     """Write atomically: readers see the old file or the new one, never a torn one."""
     import json
-    import tempfile
 
     path = settings.inventory_cache
-    directory = os.path.dirname(path)
-    os.makedirs(directory, mode=0o755, exist_ok=True)
+    os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     doc = {"format": FORMAT, "fingerprint": print_ or fingerprint(settings), "inventory": inventory.to_json()}
-    fd, tmp = tempfile.mkstemp(prefix=".inventory-", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-            f.flush()
-            os.fchmod(f.fileno(), 0o644)  # not chmod(tmp): the name could be a link by now
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    files.write_atomically(path, json.dumps(doc, separators=(",", ":")).encode())
 
 
 # Of the hook's budget, what a rebuild with NVML must leave for the plan, the mounts and ldconfig.

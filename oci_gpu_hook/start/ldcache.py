@@ -115,9 +115,10 @@ def word_size_of(flags: int) -> int:
 
 def read(path: str) -> Tuple[CacheEntry, ...]:
     """Read and parse the cache file at `path`."""
+    from oci_gpu_hook.start import files
+
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_CACHE_SIZE + 1)
+        data = files.read_bounded(path, MAX_CACHE_SIZE)
     except OSError as e:
         raise InventoryError(f"{path}: cannot read: {e.strerror or e}") from None
     if len(data) > MAX_CACHE_SIZE:

@@ -55,13 +55,21 @@ def parse_gpu_information(text: str, path: str) -> dict[str, object]:
     }
 
 
-def parse_proc_devices(text: str) -> dict[str, int]:
-    """Character device names -> majors, from /proc/devices."""
-    majors = {}
+def parse_char_devices(text: str) -> list[tuple[int, str]]:
+    """(major, name) for each character device driver /proc/devices lists, in its order."""
+    devices = []
     for line in text.split("Block devices:")[0].splitlines():
         fields = line.split()
         if len(fields) == 2 and fields[0].isdigit():
-            majors.setdefault(fields[1], int(fields[0]))
+            devices.append((int(fields[0]), fields[1]))
+    return devices
+
+
+def parse_proc_devices(text: str) -> dict[str, int]:
+    """Character device names -> majors (the first, should a name appear twice), from /proc/devices."""
+    majors = {}
+    for major, name in parse_char_devices(text):
+        majors.setdefault(name, major)
     return majors
 
 

@@ -177,26 +177,18 @@ def select_devices(spec: Spec, settings: Settings, privileged: bool, legacy: boo
 
 def parse_capabilities(value: str | None, supported: tuple[str, ...], legacy: bool) -> frozenset[str]:
     if value is None and legacy:
-        asked = set(driver.CAPABILITIES)
+        asked = driver.parse_capabilities("all")
     elif not value or not value.strip():
-        asked = set(driver.DEFAULT_CAPABILITIES)
+        asked = driver.parse_capabilities(",".join(driver.DEFAULT_CAPABILITIES))
     else:
         _bounded(DRIVER_CAPABILITIES, value)
-        asked = set()
-        for entry in (e.strip() for e in value.split(",")):
-            if not entry:
-                continue
-            if entry == ALL:
-                asked.update(driver.CAPABILITIES)
-            elif entry in driver.CAPABILITIES:
-                asked.add(entry)
-            else:
-                raise RequestError(
-                    f"{DRIVER_CAPABILITIES}={_short(value)}: unknown capability {entry[:40]!r} "
-                    f"(accepted: {', '.join(driver.CAPABILITIES)}, all)"
-                )
-    for capability in list(asked):
-        asked.update(driver.IMPLIED_CAPABILITIES.get(capability, ()))
+        try:
+            asked = driver.parse_capabilities(value)
+        except driver.UnknownCapability as e:
+            raise RequestError(
+                f"{DRIVER_CAPABILITIES}={_short(value)}: unknown capability {e.args[0][:40]!r} "
+                f"(accepted: {', '.join(driver.CAPABILITIES)}, all)"
+            ) from None
     return frozenset(asked & set(supported))
 
 

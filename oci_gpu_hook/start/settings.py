@@ -16,10 +16,11 @@ import stat
 
 from oci_gpu_hook.errors import ConfigError
 from oci_gpu_hook.record import Record
-from oci_gpu_hook.start import driver, jsonio
+from oci_gpu_hook.start import driver, files, jsonio
 
 DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
-COMPILED_DIR = "/run/oci-gpu-hook"
+RUN_DIR = "/run/oci-gpu-hook"  # compiled settings, the inventory cache, pending/ (journal.py)
+COMPILED_DIR = RUN_DIR
 ENV_VAR = "OCI_GPU_HOOK_CONFIG"
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas", "config.schema.json")
 MAX_CONFIG_BYTES = 1 << 20
@@ -64,7 +65,7 @@ class Settings(Record):
         "cdi_kind": "nvidia.com/gpu",
         "disable_require": False,
         "mps_pipe_directories": (driver.MPS_PIPE_DIRECTORY,),
-        "inventory_cache": "/run/oci-gpu-hook/inventory.json",
+        "inventory_cache": f"{RUN_DIR}/inventory.json",
         "cgroups": "auto",
         "deadline_seconds": 8.0,
         "logging": LoggingSettings(),
@@ -187,23 +188,19 @@ def _write_compiled(path: str, key, data: dict) -> None:
     if key is None:
         return
     import json
-    import tempfile
 
     try:
         os.makedirs(COMPILED_DIR, mode=0o755, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".settings-", dir=COMPILED_DIR)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"path": path, "key": key, "settings": data}, f)
-            os.fchmod(fd, 0o644)  # not chmod(tmp): the name could be a link by now
-        os.rename(tmp, compiled_path(path))
+        text = json.dumps({"path": path, "key": key, "settings": data})
+        # Not durable: a compiled copy lost in a crash is rebuilt from the file on the next start.
+        files.write_atomically(compiled_path(path), text.encode(), durable=False)
     except OSError:
         pass  # a read-only /run costs speed, not correctness
 
 
 def read_config_file(path: str) -> str:
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        raw = files.read_bounded(path, MAX_CONFIG_BYTES)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}") from None
     if len(raw) > MAX_CONFIG_BYTES:

@@ -8,9 +8,9 @@ reading config.json itself.
 from __future__ import annotations
 
 import os
-import stat
 
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start import files
 from oci_gpu_hook.start.state import StateError, load_json
 
 MAX_CONFIG_BYTES = 16 << 20
@@ -98,13 +98,8 @@ def parse(doc, bundle: str) -> Spec:
 def load(bundle: str) -> Spec:
     path = os.path.join(bundle, "config.json")
     try:
-        # O_NOFOLLOW: the bundle belongs to the runtime, but a config.json symlink is never expected.
-        # O_NONBLOCK: a FIFO there must not hang the hook until the runtime's timeout.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise StateError(f"{path}: the container configuration is not a regular file")
-            data = f.read(MAX_CONFIG_BYTES + 1)
+        # nofollow: the bundle belongs to the runtime, but a config.json symlink is never expected.
+        data = files.read_bounded(path, MAX_CONFIG_BYTES, nofollow=True, regular=True)
     except OSError as e:
         raise StateError(f"{path}: cannot read the container configuration: {e.strerror}") from None
     return parse(load_json(data, path, MAX_CONFIG_BYTES), bundle)

@@ -24,13 +24,13 @@ import json
 import os
 
 from oci_gpu_hook.errors import Exit, HookError, UsageError
-from oci_gpu_hook.start import driver
+from oci_gpu_hook.start import driver, files
+from oci_gpu_hook.toolkit import install
 
 SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas", "cdi.schema.json")
 SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 DEFAULT_KIND = "nvidia.com/gpu"
 DEFAULT_CAPABILITIES = ("utility", "compute")
-HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
 HOOK_TIMEOUT = 20
 # The spec's devices arrive with the runtime's CDI support; NVIDIA_VISIBLE_DEVICES=void keeps a
 # prestart hook (ours through hooks.d, or NVIDIA's) from configuring the same container again.
@@ -108,22 +108,14 @@ def parse_kind(kind: str) -> str:
 
 
 def parse_capabilities(value: str) -> frozenset:
-    caps = set()
-    for entry in (e.strip() for e in value.split(",")):
-        if not entry:
-            continue
-        if entry == "all":
-            caps.update(driver.CAPABILITIES)
-        elif entry in driver.CAPABILITIES:
-            caps.add(entry)
-        else:
-            accepted = ", ".join(driver.CAPABILITIES)
-            raise UsageError(f"--capabilities: unknown capability {entry!r} (accepted: {accepted}, all)")
-    for cap in list(caps):
-        caps.update(driver.IMPLIED_CAPABILITIES.get(cap, ()))
+    try:
+        caps = driver.parse_capabilities(value)
+    except driver.UnknownCapability as e:
+        accepted = ", ".join(driver.CAPABILITIES)
+        raise UsageError(f"--capabilities: unknown capability {e.args[0]!r} (accepted: {accepted}, all)") from None
     if not caps:
         raise UsageError("--capabilities: at least one capability is needed")
-    return frozenset(caps)
+    return caps
 
 
 def _request(devices, capabilities, settings):
@@ -201,7 +193,7 @@ def translate(plan, hook_prefix) -> dict:
         for directory in dirs:
             args += ["--dir", directory]
         edits["hooks"] = [{"hookName": "createContainer", "path": hook_prefix[0], "args": args,
-                           "env": list(HOOK_ENV), "timeout": HOOK_TIMEOUT}]  # fmt: skip
+                           "env": list(install.HOOK_ENV), "timeout": HOOK_TIMEOUT}]  # fmt: skip
     return edits
 
 
@@ -250,33 +242,17 @@ def format_for(output: str | None, fmt: str | None) -> str:
 
 
 def write_atomically(path: str, text: str) -> None:
-    import tempfile
-
-    directory = os.path.dirname(os.path.abspath(path))
+    path = os.path.abspath(path)
     try:
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".cdi-", dir=directory)
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        files.write_atomically(path, text.encode())
     except OSError as e:
-        raise CdiError(f"{path}: cannot write: {e.strerror}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise CdiError(f"{path}: cannot write: {e.strerror}") from None
 
 
 def _spec_kind(path: str):
     try:
-        with open(path, "rb") as f:
-            text = f.read(16 << 20).decode("utf-8", "replace")
+        text = files.read_bounded(path, 16 << 20).decode("utf-8", "replace")
     except OSError:
         return None
     try:

@@ -9,15 +9,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from oci_gpu_hook.errors import PrerequisiteError
 from oci_gpu_hook.start.linux import arch
+from oci_gpu_hook.toolkit import install
 
 BUSYBOX = "/bin/busybox"
 APPLETS = ("sh", "ls", "cat", "echo", "head", "grep", "test", "stat", "readlink", "mount", "true", "false", "dd", "wc")
-HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
 DEFAULT_CAPS = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
 
 
@@ -63,7 +62,7 @@ def make_rootfs(path: str, debian: bool = False) -> str:
 
 def hook_command() -> List[str]:
     """argv of this program as a runtime must run it: an absolute path, with the interpreter."""
-    return [sys.executable, "-I", "-m", "oci_gpu_hook"]
+    return install.interpreter_command()
 
 
 def make_config(
@@ -71,7 +70,7 @@ def make_config(
     env: Dict[str, str],
     config_file: Optional[str],
     caps: Sequence[str] = DEFAULT_CAPS,
-    hook_env: Sequence[str] = HOOK_ENV,
+    hook_env: Sequence[str] = tuple(install.HOOK_ENV),
     readonly: bool = True,
     with_hook: bool = True,
     mount_label: Optional[str] = None,
@@ -174,9 +173,7 @@ PODMAN_OPTIONS = [
 
 def write_hooks_dir(directory: str, config_file: Optional[str]) -> str:
     """A hooks.d directory with the document `install` writes, pointed at this installation."""
-    from oci_gpu_hook.toolkit.install import write_hooks_dir as write
-
-    return write(directory, hook_command() + (["--config", config_file] if config_file else []))
+    return install.write_hooks_dir(directory, hook_command() + (["--config", config_file] if config_file else []))
 
 
 def podman_image(rootfs: str, tag: str) -> str:

@@ -312,15 +312,9 @@ class Doctor:
                 text = f.read()
         except OSError as e:
             return WARN, f"{self.mountinfo}: {e.strerror}", None
-        v1_devices = v2 = False
-        for line in text.splitlines():
-            if " - " not in line:
-                continue
-            fs = line.split(" - ", 1)[1].split()
-            if len(fs) >= 3 and fs[0] == "cgroup" and "devices" in fs[2].split(","):
-                v1_devices = True
-            elif fs and fs[0] == "cgroup2":
-                v2 = True
+        from oci_gpu_hook.start.linux.cgroups import mounted_hierarchies
+
+        v1_devices, v2 = mounted_hierarchies(text)
         host = "v1" if v1_devices else ("v2" if v2 else "none")
         shown = {"v1": "cgroup v1 devices controller" + (" (hybrid)" if v2 else ""), "v2": "cgroup v2 (unified)",
                  "none": "no device cgroup"}[host]  # fmt: skip

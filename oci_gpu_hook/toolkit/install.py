@@ -25,19 +25,21 @@ import os
 import sys
 
 from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.start import files, settings
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
 HOOKS_D_DIR = "/etc/containers/oci/hooks.d"
 PACKAGE_HOOKS_D_DIR = "/usr/share/containers/oci/hooks.d"
 HOOKS_D_FILE = f"{HOOKS_D_DIR}/oci-gpu-hook.json"
 CRIO_DROPIN = "/etc/crio/crio.conf.d/50-oci-gpu-hook.conf"
-CONFIG_FILE = "/etc/oci-gpu-hook/config.yaml"
+CONFIG_FILE = settings.DEFAULT_PATH
 UNIT_DIR = "/etc/systemd/system"
 SERVICE = "oci-gpu-hook-refresh.service"
 PATH_UNIT = "oci-gpu-hook-refresh.path"
 UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
 MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
 RUNTIMES = ("podman", "crio", "runc")
+# The environment every runtime gives the hook (hooks.d, CDI hooks, test bundles): the one list.
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
 HOOK_TIMEOUT = 10
 
@@ -54,6 +56,12 @@ def hook_command() -> list:
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     if os.path.basename(script) == "oci-gpu-hook" and os.access(script, os.X_OK):
         return [script]
+    return interpreter_command()
+
+
+def interpreter_command() -> list:
+    """This interpreter running this package, isolated (-I): what tests and the demo put in
+    their bundles, so that the code under test runs rather than an installed copy."""
     return [sys.executable, "-I", "-m", "oci_gpu_hook"]
 
 
@@ -222,11 +230,7 @@ def _read_manifest(root: str) -> dict:
 
 
 def _write_text(path: str, text: str, mode: int = 0o644) -> None:
-    tmp = f"{path}.oci-gpu-hook-new"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.chmod(tmp, mode)
-    os.rename(tmp, path)
+    files.write_atomically(path, text.encode(), mode)
 
 
 def _current(path: str):

@@ -50,6 +50,18 @@ def rename_exchange(a: str, b: str) -> None:
         raise OSError(ctypes.get_errno(), "renameat2", a)
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until the process is in state T (stopped): SIGSTOP is delivered asynchronously."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        if state in ("T", "t"):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop (state {state})"
+        time.sleep(0.0005)
+
+
 def normalise(rootfs: str) -> None:
     """Put every directory back under its own name (the swapper is stopped)."""
     for name in PAIRS:
@@ -106,7 +118,7 @@ def test_swapping_directories_and_symlinks_never_leads_outside(live_container, t
                 monkeypatch.setattr(rootfs_module, "_openat2_works", None)
             os.kill(swapper.pid, signal.SIGSTOP)
             assert swapper.poll() is None, "the swapper stopped"
-            time.sleep(0.001)
+            wait_stopped(swapper.pid)  # kill() returns before a running process has stopped
             normalise(rootfs)
             after = hookcheck.observe(container, canary)
             hookcheck.assert_contained(baseline, after, rootfs, canary)

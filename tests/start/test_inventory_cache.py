@@ -53,5 +53,5 @@ def test_refresh_command(tmp_path, require, hook_cli):
     out = hook_cli("--config", f"{host['root']}/config.yaml", "inventory", "refresh")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"{s.inventory_cache}: driver 550.54.15, 2 GPU(s)")
-    leftovers = [n for n in os.listdir(os.path.dirname(s.inventory_cache)) if n.startswith(".inventory-")]
+    leftovers = [n for n in os.listdir(os.path.dirname(s.inventory_cache)) if n.endswith(".tmp")]
     assert leftovers == []

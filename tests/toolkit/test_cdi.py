@@ -11,7 +11,7 @@ import yaml
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import inventory_cache, settings
-from oci_gpu_hook.toolkit import cdi, containers
+from oci_gpu_hook.toolkit import cdi, containers, install
 
 SCHEMA = cdi.load_schema()
 MOUNT_WITH_TYPE = {"hostPath": "/a", "containerPath": "/a", "type": "bind"}
@@ -125,7 +125,7 @@ def test_generated_spec(host):
     assert targets[lib]["options"] == ["ro", "nosuid", "nodev", "bind"]
     assert "/usr/bin/nvidia-smi" in targets and not any(t.startswith("/proc") for t in targets)
     [hook] = edits["hooks"]
-    assert hook["hookName"] == "createContainer" and hook["env"] == cdi.HOOK_ENV
+    assert hook["hookName"] == "createContainer" and hook["env"] == install.HOOK_ENV
     assert "ldcache-refresh" in hook["args"] and "/usr/lib64/libcuda.so=libcuda.so.1" in hook["args"]
     assert hook["args"][hook["args"].index("--dir") + 1] == "/usr/lib64"
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 
 from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.start import files
+from oci_gpu_hook.start.linux import mountinfo
 
 
 class CgroupError(HookError):
@@ -38,36 +40,25 @@ def detect_version(cgroup_text: str) -> str:
     return "v2" if v2 else "none"
 
 
-def unescape_mountinfo(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo (octal)."""
-    out, i = [], 0
-    while i < len(field):
-        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
-
-
 def _where_mounted(relative: str, mountinfo_text: str, fstype: str, option: str | None = None) -> str | None:
     """Where this process sees the cgroup relative (a path inside a hierarchy) of a hierarchy of
-    fstype (and, for v1, with option among its super options) mounted: mountinfo's one walk."""
-    for line in mountinfo_text.splitlines():
-        if " - " not in line:
+    fstype (and, for v1, with option among its super options) mounted."""
+    for mount in mountinfo.parse(mountinfo_text):
+        if mount.fstype != fstype or (option is not None and option not in mount.super_options):
             continue
-        pre, post = line.split(" - ", 1)
-        fields, post_fields = pre.split(), post.split()
-        if len(fields) < 5 or len(post_fields) < 1 or post_fields[0] != fstype:
-            continue
-        if option is not None and (len(post_fields) < 3 or option not in post_fields[2].split(",")):
-            continue
-        root, mountpoint = unescape_mountinfo(fields[3]), unescape_mountinfo(fields[4])
+        root = mount.root
         # The mount may show a sub-tree (a cgroup namespace, a bind mount): the path must lie below.
         if relative == root or relative.startswith(root.rstrip("/") + "/"):
-            return os.path.normpath(os.path.join(mountpoint, os.path.relpath(relative, root)))
+            return os.path.normpath(os.path.join(mount.mountpoint, os.path.relpath(relative, root)))
     return None
+
+
+def mounted_hierarchies(mountinfo_text: str) -> tuple[bool, bool]:
+    """(a v1 hierarchy with the devices controller is mounted, a cgroup2 one is): the host's
+    cgroup setup as doctor reports it (both: hybrid)."""
+    mounts = mountinfo.parse(mountinfo_text)
+    v1 = any(m.fstype == "cgroup" and "devices" in m.super_options for m in mounts)
+    return v1, any(m.fstype == "cgroup2" for m in mounts)
 
 
 def v1_devices_path(cgroup_text: str, mountinfo_text: str) -> str | None:
@@ -115,8 +106,8 @@ def v1_granted(devices_list: str, major: int, minor: int, access: str) -> bool:
 
 def read_v1(directory: str, name: str) -> str:
     try:
-        with open(os.path.join(directory, name)) as f:
-            return f.read(1 << 20)
+        # Truncating is safe here: a rule missed in a longer devices.list is written again.
+        return files.read_bounded(os.path.join(directory, name), 1 << 20)[: 1 << 20].decode("utf-8", "replace")
     except OSError as e:
         raise CgroupError(f"{directory}/{name}: {e.strerror}") from None
 

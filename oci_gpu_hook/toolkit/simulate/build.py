@@ -14,7 +14,8 @@ import tempfile
 from typing import List
 
 from oci_gpu_hook.errors import PrerequisiteError, SimulateError
-from oci_gpu_hook.start import driver
+from oci_gpu_hook.start import driver, procfs
+from oci_gpu_hook.start.linux import mountinfo
 from oci_gpu_hook.toolkit.simulate import model
 from oci_gpu_hook.toolkit.simulate.model import SimulatedHost
 
@@ -55,17 +56,12 @@ def load_host(path: str) -> dict:
 
 
 def used_char_majors(proc_devices: str = "/proc/devices") -> List[int]:
-    majors = []
     try:
         with open(proc_devices) as f:
             text = f.read()
     except OSError:
-        return majors
-    for line in text.split("Block devices:")[0].splitlines():
-        fields = line.split()
-        if len(fields) == 2 and fields[0].isdigit():
-            majors.append(int(fields[0]))
-    return majors
+        return []
+    return [major for major, _name in procfs.parse_char_devices(text)]
 
 
 def _check_target(target: str) -> None:
@@ -82,11 +78,9 @@ def _check_target(target: str) -> None:
 def _check_no_mounts(target: str) -> None:
     # Removing a tree with a live mount inside would delete the mounted files' contents.
     prefix = target.rstrip("/") + "/"
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            mountpoint = line.split()[4].replace("\\040", " ")
-            if mountpoint == target or mountpoint.startswith(prefix):
-                raise SimulateError(f"{target}: {mountpoint} is mounted inside it; unmount it first")
+    for mount in mountinfo.read():
+        if mount.mountpoint == target or mount.mountpoint.startswith(prefix):
+            raise SimulateError(f"{target}: {mount.mountpoint} is mounted inside it; unmount it first")
 
 
 def _write(root: str, relpath: str, text: str, mode: int = 0o644) -> None:

@@ -3,7 +3,7 @@ a cgroup already grants."""
 
 import pytest
 
-from oci_gpu_hook.start.linux import cgroups
+from oci_gpu_hook.start.linux import cgroups, mountinfo
 
 HYBRID_MOUNTINFO = """\
 25 30 0:23 / /sys rw,nosuid,nodev,noexec,relatime shared:7 - sysfs sysfs rw
@@ -46,7 +46,7 @@ def test_v1_devices_path(cgroup_text, mountinfo, expected):
 
 
 def test_mountinfo_unescapes_its_four_characters():
-    assert cgroups.unescape_mountinfo("a\\040b\\011c\\012d\\134e\\04") == "a b\tc\nd\\e\\04"
+    assert mountinfo.unescape("a\\040b\\011c\\012d\\134e\\04") == "a b\tc\nd\\e\\04"
 
 
 @pytest.mark.parametrize(
@@ -62,3 +62,33 @@ def test_mountinfo_unescapes_its_four_characters():
 )
 def test_v1_granted(listing, rule, granted):
     assert cgroups.v1_granted(listing, *rule) is granted
+
+
+MOUNTINFO = (
+    "22 1 0:21 / / rw,relatime - ext4 /dev/sda1 rw\n"
+    "30 22 0:26 / /sys/fs/cgroup rw - tmpfs tmpfs ro,mode=755\n"
+    "31 30 0:27 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate\n"
+    "35 30 0:31 / /sys/fs/cgroup/devices rw - cgroup cgroup rw,devices\n"
+    "40 22 0:40 /a\\040b /mnt/with\\040space rw - overlay over\\040lay rw\n"
+    "not a mountinfo line\n"
+)
+
+
+def test_mountinfo_one_parser():
+    mounts = mountinfo.parse(MOUNTINFO)
+    assert [m.mount_id for m in mounts] == [22, 30, 31, 35, 40]
+    last = mounts[-1]
+    assert (last.root, last.mountpoint, last.fstype, last.source) == ("/a b", "/mnt/with space", "overlay", "over lay")
+    assert mounts[3].super_options == ("rw", "devices")
+
+
+NO_V1_DEVICES = MOUNTINFO.replace(" cgroup cgroup rw,devices", " cgroup cgroup rw,cpu")
+NO_V2 = "".join(line + "\n" for line in MOUNTINFO.splitlines() if "cgroup2" not in line)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [(MOUNTINFO, (True, True)), (NO_V1_DEVICES, (False, True)), (NO_V2, (True, False)), ("", (False, False))],
+)
+def test_mounted_hierarchies(text, expected):
+    assert cgroups.mounted_hierarchies(text) == expected
