@@ -186,9 +186,7 @@ class Applier:
         try:
             fd = self.rootfs.open(op.target)
         except FileNotFoundError:
-            if op.target.startswith("/proc/"):
-                # The container's procfs shows the driver's files only where a driver is loaded
-                # (not on a simulated host); nothing there to mask.
+            if op.optional:  # the plan's decision (see MountTmpfs): skip it and what goes inside
                 self._skipped_trees.append(op.target)
                 self.skipped.append(op.describe())
                 return

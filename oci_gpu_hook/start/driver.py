@@ -93,8 +93,6 @@ GRAPHICS_CONFIG_FILES = (
     "/etc/OpenCL/vendors/nvidia.icd",
 )
 
-FIRMWARE_DIR = "/lib/firmware/nvidia"  # + /<driver version>/gsp*.bin
-
 # Device numbers. The "nvidia" major is fixed; nvidia-uvm and nvidia-caps are dynamic and must
 # be read from /proc/devices.
 NVIDIA_MAJOR = 195
@@ -143,15 +141,3 @@ BRANDS = (
     "GeForceRTX",
     "TitanRTX",
 )
-
-
-def library_capability(name: str, driver_version: str):
-    """The capability a library file name belongs to, or None (another driver, not a driver file)."""
-    suffix = "." + driver_version
-    if not name.endswith(suffix):
-        return None
-    prefix = name[: -len(suffix)]
-    for capability, prefixes in LIBRARIES.items():
-        if prefix in prefixes:
-            return capability
-    return None

@@ -113,14 +113,20 @@ class Symlink(Operation):
 
 
 class MountTmpfs(Operation):
-    __slots__ = ("target", "mode", "flags")
-    _defaults = {"flags": TMPFS_FLAGS}
+    """optional: only over a target that exists; where it does not, the tmpfs and every later
+    operation inside it are skipped (the container's /proc shows the driver's files only where a
+    driver is loaded, so the mask over them has nothing to hide elsewhere)."""
+
+    __slots__ = ("target", "mode", "flags", "optional")
+    _defaults = {"flags": TMPFS_FLAGS, "optional": False}
     target: str
     mode: int
     flags: tuple[str, ...]
+    optional: bool
 
     def describe(self) -> str:
-        return f"tmpfs   {self.target} (mode {self.mode:04o}) [{','.join(self.flags)}]"
+        note = " if present" if self.optional else ""
+        return f"tmpfs   {self.target} (mode {self.mode:04o}) [{','.join(self.flags)}]{note}"
 
 
 class CopyFile(Operation):
@@ -334,7 +340,7 @@ def _proc_driver(builder: _Builder, devices: tuple[SelectedDevice, ...], request
     """Mask /proc/driver/nvidia: only sanitised driver files and the selected GPUs show."""
     inventory = builder.inventory
     proc = inventory.proc_root
-    builder.add(MountTmpfs(PROC_NVIDIA, 0o555))
+    builder.add(MountTmpfs(PROC_NVIDIA, 0o555, optional=True))
     for name in ("params", "version", "registry"):
         # ModifyDeviceFiles: 0 stops a driver inside from creating device nodes of its own.
         rewrite = (("ModifyDeviceFiles:", "ModifyDeviceFiles: 0"),) if name == "params" else ()

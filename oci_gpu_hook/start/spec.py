@@ -33,9 +33,8 @@ def volume_mount_device(destination: str) -> str | None:
 
 
 class Spec(Record):
-    __slots__ = ("rootfs", "readonly_rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label")
+    __slots__ = ("rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label")
     rootfs: str  # absolute host path of the container's root
-    readonly_rootfs: bool
     env: dict
     bounding_capabilities: frozenset
     mounts: tuple
@@ -84,7 +83,6 @@ def parse(doc, bundle: str) -> Spec:
     label = _dict(doc, "linux").get("mountLabel")
     return Spec(
         rootfs=os.path.normpath(os.path.join(bundle, root_path)),
-        readonly_rootfs=root.get("readonly") is True,
         env=environment(_list(process, "env")),
         bounding_capabilities=frozenset(
             c for c in _list(_dict(process, "capabilities"), "bounding") if isinstance(c, str)

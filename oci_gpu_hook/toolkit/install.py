@@ -38,7 +38,6 @@ SERVICE = "oci-gpu-hook-refresh.service"
 PATH_UNIT = "oci-gpu-hook-refresh.path"
 UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
 MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
-RUNTIMES = ("podman", "crio", "runc")
 # The environment every runtime gives the hook (hooks.d, CDI hooks, test bundles): the one list.
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
 HOOK_TIMEOUT = 10

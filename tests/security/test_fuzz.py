@@ -159,7 +159,7 @@ def test_env_to_plan(inventory):
     @FUZZ
     @given(envs, st.booleans(), st.sampled_from(layouts))
     def check(env, privileged, layout):
-        parsed = spec.Spec("/r", False, env, frozenset({"CAP_SYS_ADMIN"} if privileged else ()), (), {}, None)
+        parsed = spec.Spec("/r", env, frozenset({"CAP_SYS_ADMIN"} if privileged else ()), (), {}, None)
         try:
             gpu_request = request.parse_request(parsed, Settings())
             if gpu_request is None:

@@ -169,7 +169,6 @@ HOST = make_host()
 def container(env: dict, privileged: bool = False) -> Spec:
     return Spec(
         rootfs="/r",
-        readonly_rootfs=False,
         env=dict(env),
         bounding_capabilities=frozenset({"CAP_SYS_ADMIN"} if privileged else ()),
         mounts=(),
@@ -259,7 +258,7 @@ def library(directory, prefix, soname=None):
 
 def proc_mask(*inside):
     return [
-        "tmpfs   /proc/driver/nvidia (mode 0555) [nosuid,nodev,noexec]",
+        "tmpfs   /proc/driver/nvidia (mode 0555) [nosuid,nodev,noexec] if present",
         f"copy    /proc/driver/nvidia/params from {PROC_ROOT}/proc/driver/nvidia/params"
         "; 'ModifyDeviceFiles:' -> 'ModifyDeviceFiles: 0'",
         f"copy    /proc/driver/nvidia/version from {PROC_ROOT}/proc/driver/nvidia/version",
@@ -594,6 +593,9 @@ def test_proc_mask_order_and_remount_of_the_tmpfs(value):
     (tmpfs,) = of(plan, MountTmpfs)
     (remount,) = of(plan, Remount)
     assert tmpfs.target == remount.target == PROC_NVIDIA and tmpfs.mode == 0o555
+    # The plan, not apply, decides that the mask is skipped where the container's /proc has no
+    # driver files (with everything inside it).
+    assert tmpfs.optional and tmpfs.to_json()["optional"] is True
     start, end = ops.index(tmpfs), ops.index(remount)
     assert start < end
     assert "ro" in remount.flags and "ro" not in tmpfs.flags

@@ -14,7 +14,6 @@ DEFAULT = Settings()
 def spec(env=None, caps=(), mounts=(), annotations=None):
     return Spec(
         rootfs="/r",
-        readonly_rootfs=False,
         env=dict(env or {}),
         bounding_capabilities=frozenset(caps),
         mounts=tuple(mounts),
@@ -156,11 +155,11 @@ def test_volume_mounts_at_unnormalised_paths_reach_the_request_past_the_fast_pat
     s = Settings(accept_envvar_when_unprivileged=False, accept_volume_mounts=True)
     for destination in ("/var/run/./nvidia-container-devices/0", "//var/run//nvidia-container-devices/0/"):
         mounts = (Mount(destination, "/dev/null", "bind"),)
-        assert prestart.may_ask_for_gpus(Spec("/r", False, {}, frozenset(), mounts, {}, None)), destination
+        assert prestart.may_ask_for_gpus(Spec("/r", {}, frozenset(), mounts, {}, None)), destination
         assert request({}, settings=s, mounts=list(mounts)).devices == ("0",), destination
     for destination in ("/var/run/nvidia-container-devices", "/var/run/nvidia-container-devices/0/.."):
         mounts = (Mount(destination, "/dev/null", "bind"),)
-        assert not prestart.may_ask_for_gpus(Spec("/r", False, {}, frozenset(), mounts, {}, None)), destination
+        assert not prestart.may_ask_for_gpus(Spec("/r", {}, frozenset(), mounts, {}, None)), destination
 
 
 def test_volume_mounts_ignored_unless_enabled():

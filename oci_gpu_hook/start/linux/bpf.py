@@ -436,12 +436,6 @@ class Undo:
             os.close(self._cgroup_fd)
             self._cgroup_fd = -1
 
-    def __enter__(self) -> Undo:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
 
 def allow_devices(cgroup_dir: str, devices: list[tuple[int, int, str]]) -> Undo:
     """Allow the char devices (major, minor, access) with access from "r", "w", "m", in the cgroup

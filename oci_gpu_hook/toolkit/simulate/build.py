@@ -50,11 +50,6 @@ def is_simulated_host(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER)) and not os.path.islink(os.path.join(path, MARKER))
 
 
-def load_host(path: str) -> dict:
-    with open(os.path.join(path, MARKER)) as f:
-        return json.load(f)
-
-
 def used_char_majors(proc_devices: str = "/proc/devices") -> List[int]:
     try:
         with open(proc_devices) as f:

@@ -34,14 +34,13 @@ class GpuModel:
     memory_total: int
     pci_device_id: int
     pci_subsystem_id: int
-    gsp_firmware: str
 
 
 MODELS = {
-    "a100": GpuModel("NVIDIA A100-SXM4-40GB", "Tesla", (8, 0), 40 << 30, 0x20B010DE, 0x134F10DE, "gsp_ga10x.bin"),
-    "h100": GpuModel("NVIDIA H100 80GB HBM3", "Nvidia", (9, 0), 80 << 30, 0x233010DE, 0x16C110DE, "gsp_ga10x.bin"),
-    "l4": GpuModel("NVIDIA L4", "Nvidia", (8, 9), 24 << 30, 0x27B810DE, 0x16CA10DE, "gsp_ga10x.bin"),
-    "t4": GpuModel("Tesla T4", "Tesla", (7, 5), 15 << 30, 0x1EB810DE, 0x12A210DE, "gsp_tu10x.bin"),
+    "a100": GpuModel("NVIDIA A100-SXM4-40GB", "Tesla", (8, 0), 40 << 30, 0x20B010DE, 0x134F10DE),
+    "h100": GpuModel("NVIDIA H100 80GB HBM3", "Nvidia", (9, 0), 80 << 30, 0x233010DE, 0x16C110DE),
+    "l4": GpuModel("NVIDIA L4", "Nvidia", (8, 9), 24 << 30, 0x27B810DE, 0x16CA10DE),
+    "t4": GpuModel("Tesla T4", "Tesla", (7, 5), 15 << 30, 0x1EB810DE, 0x12A210DE),
 }
 
 

@@ -80,7 +80,7 @@ def _inventory() -> Inventory:
 @pytest.mark.parametrize("debian", [True, False])
 def test_aarch64_plan_places_no_32bit_library(debian):
     env = {"NVIDIA_VISIBLE_DEVICES": "none", "NVIDIA_DRIVER_CAPABILITIES": "compute,compat32"}
-    container = spec.Spec("/r", False, env, frozenset({"CAP_SYS_ADMIN"}), (), {}, None)
+    container = spec.Spec("/r", env, frozenset({"CAP_SYS_ADMIN"}), (), {}, None)
     gpu_request = request.parse_request(container, Settings())
     assert "compat32" in gpu_request.capabilities
 

@@ -274,18 +274,17 @@ def test_allow_then_undo(cgroup, nodes):
 
 def test_access_is_limited_to_what_is_asked(cgroup, nodes):
     attach(cgroup, DENY_ALL)
-    with bpf.allow_devices(cgroup, [(195, 0, "r")]) as undo:
+    undo = bpf.allow_devices(cgroup, [(195, 0, "r")])
+    try:
         assert probe(cgroup, nodes, ("r", 0), ("w", 0), ("rw", 0), ("m", 0)) == ["ENXIO", "EPERM", "EPERM", "EPERM"]
-        undo.undo()
-    with bpf.allow_devices(cgroup, [(195, 0, "rwm"), (195, 2, "w")]) as undo:
+    finally:
+        undo.undo()  # closes its descriptors too
+    undo = bpf.allow_devices(cgroup, [(195, 0, "rwm"), (195, 2, "w")])
+    try:
         assert probe(cgroup, nodes, ("rw", 0), ("m", 0), ("w", 2), ("r", 2), ("m", 2)) == [
-            "ENXIO",
-            "ok",
-            "ENXIO",
-            "EPERM",
-            "EPERM",
-        ]
-        undo.undo()
+            "ENXIO", "ok", "ENXIO", "EPERM", "EPERM"]  # fmt: skip
+    finally:
+        undo.undo()  # closes its descriptors too
 
 
 def test_two_programs_are_both_extended(cgroup, nodes):
