@@ -133,3 +133,20 @@ def test_failed_hook_leaves_the_original_program(container, monkeypatch):
         prestart.run(config, stdin=io.BytesIO(state.encode()))
     assert programs(cgroup) == original
     assert probe() == ["ENOENT", "EPERM", "EPERM"]  # the mount is gone and the GPU denied again
+
+
+def test_what_every_process_of_the_hook_imports_on_v2(container, tmp_path):
+    """The start path's import rule on a v2 cgroup: the apply child loads bpf.py and nothing that
+    the start path avoids (test_start_path_imports.py holds the rule and the v1 run)."""
+    from test_start_path_imports import FORBIDDEN, loaded_by_every_process
+
+    state, config, cgroup, original, probe = container
+    # Warm caches first, as on a node that has run a GPU container: the inventory cache and the
+    # compiled settings (a cold start may load json and NVML's child by design).
+    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "inventory", "refresh"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    modules = loaded_by_every_process(["--config", config, "prestart"], state, str(tmp_path / "imports"))
+    assert not {m.split(".")[0] for m in modules} & FORBIDDEN, modules
+    assert "oci_gpu_hook.start.linux.bpf" in modules  # it took the v2 path
+    assert probe() == ["ENXIO", "ENXIO", "EPERM"]

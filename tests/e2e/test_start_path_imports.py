@@ -25,6 +25,29 @@ PROBE = (
 )
 
 
+# The same run, but every process of the hook reports what it imports: an audit hook (inherited
+# across fork) writes each import to a file, so the apply child's lazy imports show too.
+PROBE_ALL = (
+    f"import sys; sys.path[:0] = {PATHS!r}\n"
+    "log = open(sys.argv.pop(1), 'a')\n"
+    "def audit(event, args):\n"
+    "    if event == 'import':\n"
+    "        log.write(args[0] + '\\n'); log.flush()\n"
+    "sys.addaudithook(audit)\n"
+    "from oci_gpu_hook.hook import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def loaded_by_every_process(args, state: str, log: str) -> set:
+    """The full names of every module any process of the hook imported (parent and apply child)."""
+    out = subprocess.run([sys.executable, "-I", "-S", "-c", PROBE_ALL, log, *args], input=state,
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    with open(log) as f:
+        return set(f.read().split())
+
+
 def loaded(args, state: str):
     out = subprocess.run([sys.executable, "-I", "-S", "-c", PROBE, *args], input=state, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
@@ -82,3 +105,15 @@ def test_ldcache_refresh_takes_the_fast_path(live_container):
                    state) - baseline()  # fmt: skip
     assert not added & {"click", "yaml", "jsonschema", "pynvml"}, added
     assert "oci_gpu_hook" in added
+
+
+def test_gpu_start_on_cgroup_v1_in_every_process(live_container, tmp_path):
+    """The whole start on cgroup v1, the apply child included; tests/e2e/test_cgroup_v2.py runs
+    the same check on a v2 cgroup."""
+    warm = live_container(env={"NVIDIA_VISIBLE_DEVICES": "0"})
+    config = f"{warm[4]['root']}/config.yaml"
+    assert loaded(["--config", config, "prestart"], warm[0])  # fills the caches
+    state = live_container(env={"NVIDIA_VISIBLE_DEVICES": "0"})[0]
+    modules = loaded_by_every_process(["--config", config, "prestart"], state, str(tmp_path / "imports"))
+    assert not {m.split(".")[0] for m in modules} & FORBIDDEN, modules
+    assert "oci_gpu_hook.start.linux.cgroups" in modules and "oci_gpu_hook.start.linux.bpf" not in modules
