@@ -21,8 +21,11 @@ file system allows round-trips through os.fsencode; an empty string is rejected.
 Every malformed input raises InventoryError("<path>: <what is wrong>").
 """
 
+from __future__ import annotations
+
+import collections
 import struct
-from typing import Dict, Iterable, List, NamedTuple, Tuple
+from collections.abc import Iterable
 
 from oci_gpu_hook.errors import InventoryError
 
@@ -95,12 +98,9 @@ _ENDIAN_INVALID = 1
 _ENDIAN_BIG = 3
 
 
-class CacheEntry(NamedTuple):
-    name: str  # the soname, e.g. "libcuda.so.1"
-    path: str  # e.g. "/usr/lib64/libcuda.so.1"
-    word_size: int  # 64, 32, or 0 when the flags do not tell
-    flags: int  # raw entry flags
-    hwcap: int  # raw hwcap (0 in the old format)
+# name: the soname ("libcuda.so.1"); path: "/usr/lib64/libcuda.so.1"; word_size: 64, 32, or 0
+# when the flags do not tell; flags: the raw entry flags; hwcap: raw (0 in the old format).
+CacheEntry = collections.namedtuple("CacheEntry", ("name", "path", "word_size", "flags", "hwcap"))
 
 
 def word_size_of(flags: int) -> int:
@@ -113,7 +113,7 @@ def word_size_of(flags: int) -> int:
     return 32 if flags & FLAG_TYPE_MASK == FLAG_ELF_LIBC6 else 0
 
 
-def read(path: str) -> Tuple[CacheEntry, ...]:
+def read(path: str) -> tuple[CacheEntry, ...]:
     """Read and parse the cache file at `path`."""
     from oci_gpu_hook.start import files
 
@@ -126,7 +126,7 @@ def read(path: str) -> Tuple[CacheEntry, ...]:
     return parse(data, path)
 
 
-def parse(data: bytes, path: str) -> Tuple[CacheEntry, ...]:
+def parse(data: bytes, path: str) -> tuple[CacheEntry, ...]:
     """Parse the bytes of an ld.so.cache; `path` names it in error messages."""
     data = bytes(data)
     if data.startswith(NEW_MAGIC):
@@ -146,7 +146,7 @@ def parse(data: bytes, path: str) -> Tuple[CacheEntry, ...]:
     raise InventoryError(f"{path}: not an ld.so.cache (unknown magic {data[:20]!r})")
 
 
-def _parse_new(data: bytes, base: int, path: str) -> Tuple[CacheEntry, ...]:
+def _parse_new(data: bytes, base: int, path: str) -> tuple[CacheEntry, ...]:
     if len(data) - base < _NEW_HEADER_LE.size:
         raise InventoryError(f"{path}: truncated header at offset {base} ({len(data) - base} bytes)")
     hflags = data[base + 28]
@@ -162,20 +162,20 @@ def _parse_new(data: bytes, base: int, path: str) -> Tuple[CacheEntry, ...]:
     return _entries(data, base, rows, path)
 
 
-def _parse_old(data: bytes, table: int, nlibs: int, base: int, path: str) -> Tuple[CacheEntry, ...]:
+def _parse_old(data: bytes, table: int, nlibs: int, base: int, path: str) -> tuple[CacheEntry, ...]:
     rows = _OLD_ENTRY.iter_unpack(memoryview(data)[table : table + nlibs * _OLD_ENTRY.size])
     return _entries(data, base, ((flags, key, value, 0, 0) for flags, key, value in rows), path)
 
 
-def _entries(data: bytes, base: int, rows: Iterable[tuple], path: str) -> Tuple[CacheEntry, ...]:
+def _entries(data: bytes, base: int, rows: Iterable[tuple], path: str) -> tuple[CacheEntry, ...]:
     """Entries from rows of (flags, key, value, osversion, hwcap); key and value are offsets from
     `base` of NUL-terminated strings. This loop is the parser's hot path, hence inlined lookups."""
     find = data.find
-    strings: Dict[int, str] = {}  # by offset: ldconfig shares strings (the same path recurs)
+    strings: dict[int, str] = {}  # by offset: ldconfig shares strings (the same path recurs)
     get_string = strings.get
-    sizes: Dict[int, int] = {}
+    sizes: dict[int, int] = {}
     get_size = sizes.get
-    out: List[CacheEntry] = []
+    out: list[CacheEntry] = []
     append = out.append
     for flags, key, value, _osversion, hwcap in rows:
         name = get_string(key)

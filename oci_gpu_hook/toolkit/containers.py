@@ -5,11 +5,13 @@ glibc loader and libc so dynamically linked programs such as nvidia-smi run) and
 whose prestart hook is this program; runc and podman runs of them.
 """
 
+from __future__ import annotations
+
 import json
 import os
 import shutil
 import subprocess
-from typing import Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from oci_gpu_hook.errors import PrerequisiteError
 from oci_gpu_hook.start.linux import arch
@@ -20,7 +22,7 @@ APPLETS = ("sh", "ls", "cat", "echo", "head", "grep", "test", "stat", "readlink"
 DEFAULT_CAPS = ["CAP_AUDIT_WRITE", "CAP_KILL", "CAP_NET_BIND_SERVICE"]
 
 
-def _libc_dirs(entry: arch.Architecture) -> Tuple[str, ...]:
+def _libc_dirs(entry: arch.Architecture) -> tuple[str, ...]:
     """Where the host's libc.so.6 may be: Debian's multiarch directories (/lib and /usr/lib), then
     RHEL's."""
     return (entry.multiarch.replace("/usr", "", 1), entry.multiarch, "/lib64", "/usr/lib64")
@@ -60,20 +62,20 @@ def make_rootfs(path: str, debian: bool = False) -> str:
     return path
 
 
-def hook_command() -> List[str]:
+def hook_command() -> list[str]:
     """argv of this program as a runtime must run it: an absolute path, with the interpreter."""
     return install.interpreter_command()
 
 
 def make_config(
     args: Sequence[str],
-    env: Dict[str, str],
-    config_file: Optional[str],
+    env: dict[str, str],
+    config_file: str | None,
     caps: Sequence[str] = DEFAULT_CAPS,
     hook_env: Sequence[str] = tuple(install.HOOK_ENV),
     readonly: bool = True,
     with_hook: bool = True,
-    mount_label: Optional[str] = None,
+    mount_label: str | None = None,
 ) -> dict:
     """config.json for runc: like `runc spec`, with our prestart hook and a deny-all device cgroup."""
     hook_args = hook_command() + (["--config", config_file] if config_file else []) + ["prestart"]
@@ -171,7 +173,7 @@ PODMAN_OPTIONS = [
 ]  # fmt: skip
 
 
-def write_hooks_dir(directory: str, config_file: Optional[str]) -> str:
+def write_hooks_dir(directory: str, config_file: str | None) -> str:
     """A hooks.d directory with the document `install` writes, pointed at this installation."""
     return install.write_hooks_dir(directory, hook_command() + (["--config", config_file] if config_file else []))
 
@@ -184,7 +186,7 @@ def podman_image(rootfs: str, tag: str) -> str:
     return tag
 
 
-def podman_run(hooks_dir: Optional[str], image: str, args: Sequence[str], env: Dict[str, str],
+def podman_run(hooks_dir: str | None, image: str, args: Sequence[str], env: dict[str, str],
                timeout: float = 120, options: Sequence[str] = ()) -> subprocess.CompletedProcess:  # fmt: skip
     argv = ["podman"] + (["--hooks-dir", hooks_dir] if hooks_dir else []) + ["run", "--rm"] + PODMAN_OPTIONS
     argv += list(options)

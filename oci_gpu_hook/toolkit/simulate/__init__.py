@@ -1,8 +1,10 @@
 """The simulated GPU host: a directory that looks to our code, to ldconfig and to NVML's
 official bindings like a machine with NVIDIA GPUs. model.py decides it, build.py writes it."""
 
+from __future__ import annotations
+
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from oci_gpu_hook.toolkit.simulate.build import build_host, remove_host, used_char_majors
 from oci_gpu_hook.toolkit.simulate.model import describe_host

@@ -4,6 +4,8 @@ The host is assembled in a staging directory beside the target and swapped in at
 failed or interrupted build leaves the previous host (or nothing) behind, never half of one.
 """
 
+from __future__ import annotations
+
 import concurrent.futures
 import json
 import os
@@ -11,7 +13,6 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from typing import List
 
 from oci_gpu_hook.errors import PrerequisiteError, SimulateError
 from oci_gpu_hook.start import driver, procfs
@@ -37,7 +38,7 @@ def find_tool(name: str) -> str:
     raise PrerequisiteError(f"simulate needs {name}, which is not installed (on Debian: apt-get install {name})")
 
 
-def _run(argv: List[str], what: str) -> None:
+def _run(argv: list[str], what: str) -> None:
     result = subprocess.run(argv, env=_TOOL_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if result.returncode != 0:
         lines = result.stdout.strip().splitlines() or ["(no output)"]
@@ -50,7 +51,7 @@ def is_simulated_host(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MARKER)) and not os.path.islink(os.path.join(path, MARKER))
 
 
-def used_char_majors(proc_devices: str = "/proc/devices") -> List[int]:
+def used_char_majors(proc_devices: str = "/proc/devices") -> list[int]:
     try:
         with open(proc_devices) as f:
             text = f.read()

@@ -4,10 +4,12 @@ Pure: `describe_host()` decides everything, `build.py` writes it to disk. The de
 saved in the host directory (simulated-host.json) as the ground truth tests compare against.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import re
 import uuid
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
 
 from oci_gpu_hook.errors import SimulateError
 from oci_gpu_hook.start import driver
@@ -30,7 +32,7 @@ _MIG_LAYOUT = ((1, "3g.20gb", 20 << 30), (5, "2g.10gb", 10 << 30), (13, "1g.5gb"
 class GpuModel:
     name: str
     brand: str
-    compute_capability: Tuple[int, int]
+    compute_capability: tuple[int, int]
     memory_total: int
     pci_device_id: int
     pci_subsystem_id: int
@@ -63,7 +65,7 @@ class Gpu:
     uuid: str
     bus_id: str  # procfs form, 0000:07:00.0
     model: GpuModel
-    mig: Tuple[MigInstance, ...]
+    mig: tuple[MigInstance, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,10 +81,10 @@ class SimulatedHost:
     root: str
     driver_version: str
     cuda_version: str
-    gpus: Tuple[Gpu, ...]
+    gpus: tuple[Gpu, ...]
     uvm_major: int
     caps_major: int
-    libraries: Tuple[Library, ...]
+    libraries: tuple[Library, ...]
 
     @property
     def cuda_version_int(self) -> int:
@@ -132,7 +134,7 @@ _SONAMES = {
 }
 
 
-def driver_libraries(driver_version: str) -> Tuple[Library, ...]:
+def driver_libraries(driver_version: str) -> tuple[Library, ...]:
     libs = []
     for capability, prefixes in driver.LIBRARIES.items():
         for prefix in prefixes:
@@ -145,7 +147,7 @@ def _uuid(kind: str, *key) -> str:
     return kind + "-" + str(uuid.uuid5(_UUID_NAMESPACE, "/".join(str(k) for k in key)))
 
 
-def _free_majors(used: Sequence[int], count: int) -> List[int]:
+def _free_majors(used: Sequence[int], count: int) -> list[int]:
     # The kernel hands out dynamic char majors from 511 downwards; pick ones that no driver on
     # this machine owns, so opening a simulated node reaches no real driver (ENXIO, not I/O).
     free = [m for m in range(511, 383, -1) if m not in set(used)]
