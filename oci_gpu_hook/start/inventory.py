@@ -128,10 +128,15 @@ def normalize_bus_id(value: str) -> str | None:
         parts.insert(0, "0")
     if len(parts) != 3:
         return None
-    try:
-        return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
-    except ValueError:
+    device, dot, function = parts[2].partition(".")
+    fields = (parts[0], parts[1], device, function)
+    # Each field with or without its leading zeros (0:7:0.0 is 0000:07:00.0), as NVIDIA reads them.
+    if not dot or not all(0 < len(f) <= n and f.strip("0123456789abcdef") == "" for f, n in zip(fields, (8, 2, 2, 1))):
         return None
+    domain, bus, device_number, function_number = (int(f, 16) for f in fields)
+    if function_number > 7:
+        return None
+    return f"{domain:04x}:{bus:02x}:{device_number:02x}.{function_number}"
 
 
 def host_path(root: str, path: str) -> str:

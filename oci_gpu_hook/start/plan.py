@@ -26,7 +26,7 @@ from oci_gpu_hook.start.inventory import (
     normalize_bus_id,
 )
 from oci_gpu_hook.start.linux import arch
-from oci_gpu_hook.start.request import GpuRequest
+from oci_gpu_hook.start.request import GpuRequest, device_index
 from oci_gpu_hook.start.requirements import GpuFacts
 
 # Mount flags per kind of source (NVIDIA's choices, which images expect).
@@ -229,11 +229,13 @@ def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
     """One id of NVIDIA_VISIBLE_DEVICES -> the device, or RequestError '<id>: unknown device'."""
     gpus = inventory.gpus
     lowered = device_id.lower()
-    if device_id.isdigit():
-        if int(device_id) < len(gpus):
-            return SelectedDevice(gpus[int(device_id)])
-    elif ":" in device_id and all(p.isdigit() for p in device_id.split(":")):
-        gpu_index, mig_index = (int(p) for p in device_id.split(":"))
+    index = device_index(device_id)
+    gpu_part, colon, mig_part = device_id.partition(":")
+    if index is not None:
+        if index < len(gpus):
+            return SelectedDevice(gpus[index])
+    elif colon and device_index(gpu_part) is not None and device_index(mig_part) is not None:
+        gpu_index, mig_index = device_index(gpu_part), device_index(mig_part)
         if gpu_index < len(gpus) and mig_index < len(gpus[gpu_index].mig):
             return SelectedDevice(gpus[gpu_index], gpus[gpu_index].mig[mig_index])
     elif lowered.startswith("gpu-"):
@@ -261,12 +263,19 @@ def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
 
 
 def select_devices(request: GpuRequest, inventory: Inventory) -> tuple[SelectedDevice, ...]:
-    if request.all_devices:
-        return tuple(SelectedDevice(gpu) for gpu in inventory.gpus)
+    """The devices in the order asked. "all" (last, see parse_device_list) adds every GPU and every
+    MIG device, as libnvidia-container does: an `all` container can use the MIG instances too."""
     selected: dict[tuple[int, int | None], SelectedDevice] = {}
-    for device_id in request.devices:
+    ids = request.devices[:-1] if request.all_devices else request.devices
+    for device_id in ids:
         device = resolve_device(device_id, inventory)
         selected.setdefault((device.gpu.index, device.mig.index if device.mig else None), device)
+    if request.all_devices:
+        for gpu in inventory.gpus:
+            selected.setdefault((gpu.index, None), SelectedDevice(gpu))
+        for gpu in inventory.gpus:
+            for mig in gpu.mig:
+                selected.setdefault((gpu.index, mig.index), SelectedDevice(gpu, mig))
     return tuple(selected.values())
 
 

@@ -36,34 +36,43 @@ def _digits(text: str, most: int) -> bool:
     return 0 < len(text) <= most and _DIGITS.issuperset(text)
 
 
+def device_index(text: str) -> int | None:
+    """A decimal index as libnvidia-container reads one (strtoumax: an optional '+', leading
+    zeros allowed), or None."""
+    digits = text[1:] if text.startswith("+") else text
+    return int(digits) if _digits(digits, 19) else None
+
+
 def _uuid_like(text: str) -> bool:
     return 0 < len(text) <= 64 and _HEX.union("-").issuperset(text)
 
 
 def _bus_id(text: str) -> bool:
-    """[domain:]bus:device.function, as 0000:3b:00.0 or 3b:00.0 (4 to 8 hex digits of domain)."""
+    """[domain:]bus:device.function with or without leading zeros in each field: 0000:3b:00.0,
+    0:3b:0.0, 3b:00.0 (1 to 8 hex digits of domain, 1 or 2 of bus and device)."""
     parts = text.split(":")
     if len(parts) == 3:
         domain = parts.pop(0)
-        if not (4 <= len(domain) <= 8 and _HEX.issuperset(domain)):
+        if not (1 <= len(domain) <= 8 and _HEX.issuperset(domain)):
             return False
-    if len(parts) != 2 or len(parts[0]) != 2 or not _HEX.issuperset(parts[0]):
+    if len(parts) != 2 or not (1 <= len(parts[0]) <= 2) or not _HEX.issuperset(parts[0]):
         return False
     device, dot, function = parts[1].partition(".")
-    return len(device) == 2 and _HEX.issuperset(device) and dot == "." and function in tuple("01234567")
+    return 1 <= len(device) <= 2 and _HEX.issuperset(device) and dot == "." and function in tuple("01234567")
 
 
 def valid_device_id(device_id: str) -> bool:
     """Syntax of one NVIDIA_VISIBLE_DEVICES id (string checks, not re: this is the start path)."""
-    if device_id.startswith("MIG-GPU-"):  # pre-R470 MIG naming: MIG-GPU-<uuid>/<gi>/<ci>
+    prefix = device_id[:8].upper()  # UUID prefixes match without regard to case, as NVIDIA's do
+    if prefix == "MIG-GPU-":  # pre-R470 MIG naming: MIG-GPU-<uuid>/<gi>/<ci>
         parts = device_id[8:].split("/")
         return len(parts) == 3 and _uuid_like(parts[0]) and _digits(parts[1], 2) and _digits(parts[2], 2)
-    if device_id.startswith(("GPU-", "MIG-")):
+    if prefix.startswith(("GPU-", "MIG-")):
         return _uuid_like(device_id[4:])
-    if _digits(device_id, 4):
+    if device_index(device_id) is not None:
         return True
     gpu, colon, mig = device_id.partition(":")
-    if colon and _digits(gpu, 4) and _digits(mig, 2):
+    if colon and device_index(gpu) is not None and device_index(mig) is not None:
         return True
     return _bus_id(device_id)
 
@@ -98,10 +107,11 @@ class GpuRequest(Record):
 
     @property
     def all_devices(self) -> bool:
-        return self.devices == (ALL,)
+        # "all" ends the list; ids before it must still name devices (see parse_device_list)
+        return bool(self.devices) and self.devices[-1] == ALL
 
     def describe(self) -> str:
-        devices = "all" if self.all_devices else (", ".join(self.devices) or "none")
+        devices = ", ".join(self.devices) or "none"
         # Requirement variable names are the image's (NVIDIA_REQUIRE_<anything>).
         return printable(
             f"devices: {devices} (from {self.source}); capabilities: {', '.join(sorted(self.capabilities))}; "
@@ -119,18 +129,24 @@ def parse_device_list(value: str, name: str) -> tuple[str, ...] | None:
     """A device list value -> None (not a GPU container), () (none), ("all",) or checked ids."""
     _bounded(name, value)
     entries = [entry.strip() for entry in value.split(",")]
-    entries = [entry for entry in entries if entry]
+    entries = [entry for entry in entries if entry]  # empty entries are tolerated, as by NVIDIA
     if not entries or "void" in entries:
         return None
-    if any(entry.lower() == ALL for entry in entries):
-        return (ALL,)
-    ids = [entry for entry in entries if entry != "none"]
+    for position, entry in enumerate(entries):
+        if entry.lower() == ALL:
+            # As libnvidia-container reads the list: in order, and "all" (any case) ends it. The
+            # ids before it must still name devices; those after it are not read.
+            entries = entries[:position] + [ALL]
+            break
+    ids = [entry for entry in entries if entry not in ("none", ALL)]
     if len(ids) > MAX_DEVICE_IDS:
         raise RequestError(f"{name}: {len(ids)} device ids; at most {MAX_DEVICE_IDS} are accepted")
     for device_id in ids:
         if not valid_device_id(device_id):
             shown = device_id if len(device_id) <= 80 else device_id[:80] + "..."
             raise RequestError(f"{name}={_short(value)}: {shown}: unknown device (accepted: {ACCEPTED_DEVICES})")
+    if entries[-1] == ALL:
+        ids.append(ALL)
     return tuple(dict.fromkeys(ids))  # duplicates collapse, order kept
 
 

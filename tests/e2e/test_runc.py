@@ -38,7 +38,8 @@ def gpu(host, i):
 
 
 CASES = {
-    "all": lambda h: [g["uuid"] for g in h["gpus"]],
+    # all: every GPU and every MIG device (nvidia-smi lists each GPU, then its MIG devices)
+    "all": lambda h: [u for g in h["gpus"] for u in [g["uuid"]] + [m["uuid"] for m in g["mig"]]],
     "1": lambda h: [gpu(h, 1)["uuid"]],
     "uuid": lambda h: [gpu(h, 3)["uuid"]],
     "0,3": lambda h: [gpu(h, 0)["uuid"], gpu(h, 3)["uuid"]],
@@ -55,10 +56,14 @@ def test_nvidia_smi_lists_exactly_the_requested_gpus(tmp_path, host, case, debia
     assert listed_uuids(out.stdout) == CASES[case](host)
 
 
-def test_all_on_a_mig_gpu_shows_the_gpu_without_its_mig_devices(tmp_path, host):
-    # The whole GPU is given, but no MIG capability nodes: NVML inside cannot see the instances.
-    out = run(tmp_path, host, "nvidia-smi -L; ls /dev/nvidia-caps 2>&1", {"NVIDIA_VISIBLE_DEVICES": "all"})
-    assert "MIG-" not in out.stdout and "No such file or directory" in out.stdout
+def test_all_gives_every_mig_devices_capability_nodes(tmp_path, host):
+    """As with NVIDIA's hook: `all` on a host with a MIG GPU gives the GPU instance and compute
+    instance capability nodes of every MIG device, so the instances can be used inside."""
+    migs = gpu(host, 2)["mig"]
+    out = run(tmp_path, host, "ls /dev/nvidia-caps", {"NVIDIA_VISIBLE_DEVICES": "all"})
+    assert out.returncode == 0, out.stderr
+    expected = {f"nvidia-cap{m[k]}" for m in migs for k in ("gi_cap_minor", "ci_cap_minor")}
+    assert set(out.stdout.split()) == expected and len(expected) == 2 * len(migs)
 
 
 def test_none_gives_a_working_nvidia_smi_and_no_gpu(tmp_path, host):

@@ -413,7 +413,7 @@ def test_operations_serialise_with_their_type():
         (mig_uuid(2, 1), [(1, 1)]),
         ("MIG-" + mig_uuid(2, 1)[4:].upper(), [(1, 1)]),
         (f"MIG-{gpu_uuid(1)}/2/0", [(1, 1)]),  # pre-R470 naming: MIG-GPU-<uuid>/<gi>/<ci>
-        ("all", [(0, None), (1, None), (2, None)]),  # whole GPUs, no MIG devices
+        ("all", [(0, None), (1, None), (2, None), (1, 0), (1, 1)]),  # every GPU and every MIG device
         ("none", []),
     ],
 )
@@ -606,7 +606,7 @@ def test_proc_mask_order_and_remount_of_the_tmpfs(value):
     assert all(op.source.startswith(PROC_ROOT + "/") for op in ops[start + 1 : end])
     # Only the selected GPUs' directories show.
     gpu_dirs = [t for t in targets(plan, BindMount) if t.startswith(f"{PROC_NVIDIA}/gpus/")]
-    assert gpu_dirs == [f"{PROC_NVIDIA}/gpus/{d.gpu.bus_id}" for d in plan.devices]
+    assert gpu_dirs == list(dict.fromkeys(f"{PROC_NVIDIA}/gpus/{d.gpu.bus_id}" for d in plan.devices))
 
 
 def test_proc_params_copy_turns_off_device_file_creation():
@@ -769,3 +769,17 @@ def test_host_without_gpus_still_plans_none_and_rejects_an_index():
     assert plan_for("all", host=host).devices == ()
     with pytest.raises(RequestError, match=r"^0: unknown device$"):
         plan_for("0", host=host)
+
+
+def test_all_gives_every_mig_devices_nodes_and_access_files():
+    """`all` on a host with a MIG GPU: as NVIDIA's hook does, every MIG device's capability nodes
+    and /proc access files, besides every GPU."""
+    plan = plan_for("all")
+    migs = HOST.gpus[1].mig
+    assert len(migs) == 2
+    mounted = set(targets(plan, MountDevice))
+    binds = set(targets(plan, BindMount))
+    for mig in migs:
+        assert {mig.gi_cap.path, mig.ci_cap.path} <= mounted
+        assert {mig.gi_access, mig.ci_access} <= binds
+    assert {g.node.path for g in HOST.gpus} <= mounted

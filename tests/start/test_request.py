@@ -41,7 +41,7 @@ def test_not_a_gpu_container(value):
         ("none", ()),
         ("all", ("all",)),
         ("ALL", ("all",)),
-        ("0,all", ("all",)),
+        ("0,all", ("0", "all")),  # ids before "all" stay, to be checked against the host
         ("0", ("0",)),
         (" 0 , 2 ,, 0", ("0", "2")),
         ("GPU-3b9521e4-f0b2-520f-8ee3-2dbc4ee49933", ("GPU-3b9521e4-f0b2-520f-8ee3-2dbc4ee49933",)),

@@ -113,7 +113,12 @@ def test_generated_spec(host):
     node = {"path": f"/dev/nvidia{gpu1['minor']}", "hostPath": f"{host['root']}/dev/nvidia{gpu1['minor']}",
             "type": "c", "major": 195, "minor": gpu1["minor"]}  # fmt: skip
     assert devices["1"] == devices[gpu1["uuid"]] == {"deviceNodes": [node]}
-    assert len(devices["all"]["deviceNodes"]) == 4
+    # all: every GPU node, and both capability nodes of every MIG device (as NVIDIA's spec has)
+    migs = [m for gpu in host["gpus"] for m in gpu["mig"]]
+    assert len(devices["all"]["deviceNodes"]) == len(host["gpus"]) + 2 * len(migs) and migs
+    all_minors = {(n["major"], n["minor"]) for n in devices["all"]["deviceNodes"]}
+    caps_major = devices["2:0"]["deviceNodes"][1]["major"]
+    assert {(caps_major, m[k]) for m in migs for k in ("gi_cap_minor", "ci_cap_minor")} <= all_minors
     mig = host["gpus"][2]["mig"][0]
     assert [n["minor"] for n in devices["2:0"]["deviceNodes"]] == [host["gpus"][2]["minor"], mig["gi_cap_minor"],
                                                                    mig["ci_cap_minor"]]  # fmt: skip
@@ -190,6 +195,16 @@ def test_podman_runs_the_spec_for_all_gpus(host, podman_spec):
     out = podman_device(image, "nvidia.com/gpu=all", "nvidia-smi", "-L")
     assert out.returncode == 0, out.stderr
     assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [g["uuid"] for g in host["gpus"]]
+
+
+def test_podman_all_gives_the_mig_capability_nodes(host, podman_spec):
+    _, image = podman_spec
+    out = podman_device(image, "nvidia.com/gpu=all", "sh", "-c", "ls /dev/nvidia-caps; nvidia-smi -L")
+    assert out.returncode == 0, out.stderr
+    migs = [m for g in host["gpus"] for m in g["mig"]]
+    expected = {f"nvidia-cap{m[k]}" for m in migs for k in ("gi_cap_minor", "ci_cap_minor")}
+    assert expected and expected <= set(out.stdout.split())
+    assert set(re.findall(r"UUID: (MIG-[0-9a-f-]+)", out.stdout)) == {m["uuid"] for m in migs}
 
 
 def test_podman_spec_by_uuid_and_mig_and_the_hooks_work(host, podman_spec):
