@@ -8,13 +8,17 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
 
 
 @click.command()
-@click.option("--runtime", "runtimes", type=click.Choice(["podman", "crio", "runc"]), multiple=True,
+@click.option("--runtime", "runtimes", type=click.Choice(["podman", "crio", "runc", "docker"]), multiple=True,
               help="Runtime to wire the hook into (repeatable; default podman).")  # fmt: skip
+@click.option("--replace-nvidia-hook", is_flag=True,
+              help="With --runtime docker: move NVIDIA's nvidia-container-runtime-hook aside (uninstall "
+                   "restores it) instead of refusing.")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
-def install(obj, runtimes, root):
-    """Install the hook's hooks.d file (and a CRI-O drop-in), a default configuration, and the
-    systemd units and udev rule that refresh the inventory cache when the driver changes.
+def install(obj, runtimes, root, replace_nvidia_hook):
+    """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
+    nvidia-container-runtime-hook program), a default configuration, and the systemd units and
+    udev rule that refresh the inventory cache when the driver changes.
 
     Idempotent; everything written is listed in /var/lib/oci-gpu-hook/install-manifest.json for
     `uninstall`."""
@@ -24,7 +28,7 @@ def install(obj, runtimes, root):
     prefix = install_module.hook_command()
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
-    lines = install_module.install(root, runtimes, prefix)
+    lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook)
     for line in lines:
         click.echo(line)
     if not lines:
@@ -32,6 +36,9 @@ def install(obj, runtimes, root):
     if "runc" in runtimes:
         click.echo(f"runc reads no hooks.d: add the hook to each config.json (docs/cli.md, prestart): "
                    f"path {prefix[0]}, args {prefix + ['prestart']}")  # fmt: skip
+    if "docker" in runtimes and lines:
+        click.echo("then restart dockerd: it looks for nvidia-container-runtime-hook when it starts "
+                   "(systemctl restart docker)")  # fmt: skip
     if lines and os.path.abspath(root) == "/":
         click.echo("then: systemctl daemon-reload && systemctl start oci-gpu-hook-refresh.path "
                    "oci-gpu-hook-refresh.service && udevadm control --reload"

@@ -105,7 +105,7 @@ class Doctor:
     def run(self) -> list:
         checks = []
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
-                     "inventory_cache", "hooks_d", "crio", "cgroups", "selinux", "selinux_policy",
+                     "inventory_cache", "hooks_d", "crio", "docker", "cgroups", "selinux", "selinux_policy",
                      "refresh_units"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
@@ -304,6 +304,29 @@ class Doctor:
                     "oci-gpu-hook install --runtime crio, then systemctl restart crio")  # fmt: skip
         return PASS, f"CRI-O reads {present[-1]}/{HOOK_FILE_NAME}", None
 
+    def check_docker(self):
+        from oci_gpu_hook.toolkit.install import DOCKER_HOOK, DOCKER_HOOK_MARKER
+
+        if not any(os.path.exists(_under(self.root, f"{d}/dockerd")) for d in DOCKER_PATH):
+            return PASS, "Docker is not installed: nothing to check", None
+        fix = "oci-gpu-hook install --runtime docker, then systemctl restart docker"
+        found = [f"{d}/{os.path.basename(DOCKER_HOOK)}" for d in DOCKER_PATH]
+        found = [p for p in found if os.path.lexists(_under(self.root, p))]
+        if not found:
+            return WARN, "no nvidia-container-runtime-hook on dockerd's PATH: `docker run --gpus` fails", fix
+        path = found[0]  # the first on the PATH is the one dockerd runs
+        if not os.access(_under(self.root, path), os.X_OK):
+            return FAIL, f"{path} is not executable: `docker run --gpus` fails", fix
+        try:
+            with open(_under(self.root, path), "rb") as f:
+                head = f.read(4096)
+        except OSError as e:
+            return FAIL, f"{path}: unreadable ({e.strerror})", fix
+        if DOCKER_HOOK_MARKER.encode() not in head:
+            replace = "oci-gpu-hook install --runtime docker --replace-nvidia-hook, then systemctl restart docker"
+            return WARN, f"{path} is not oci-gpu-hook's (NVIDIA's?): `docker run --gpus` runs that", replace
+        return PASS, f"{path} runs oci-gpu-hook for `docker run --gpus` (restart dockerd after installing it)", None
+
     def check_cgroups(self):
         if self.config_error:
             raise NotChecked("not checked: the configuration is invalid")
@@ -384,6 +407,10 @@ class Doctor:
             return PASS, "the inventory refresh units are installed", None
         return (WARN, "no oci-gpu-hook-refresh.service: the first GPU container after a driver change rebuilds "
                 "the cache", "oci-gpu-hook install")  # fmt: skip
+
+
+# Where dockerd (and so the program it looks for) is found: the PATH of docker.service.
+DOCKER_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
 class ConfigFileError(Exception):

@@ -9,12 +9,15 @@ What install writes, under --root (default /):
 | /etc/oci-gpu-hook/config.yaml | the default configuration, only when there is none |
 | /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
+| /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
 Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
 the manifest lists, and only while each file still has the checksum install gave it (a file an
 administrator changed is kept, with a warning), then the directories install created, if empty.
-A file install did not write (an administrator's own) is never replaced.
+A file install did not write (an administrator's own) is never replaced. The one exception is
+NVIDIA's nvidia-container-runtime-hook, and only with --replace-nvidia-hook: it is moved aside
+(to DOCKER_HOOK_SAVED) and uninstall puts it back.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ UNIT_DIR = "/etc/systemd/system"
 SERVICE = "oci-gpu-hook-refresh.service"
 PATH_UNIT = "oci-gpu-hook-refresh.path"
 UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
+# Docker's --gpus runs the program of this name, which dockerd looks up on its PATH when it starts
+# (NVIDIA's container toolkit installs it at this path).
+DOCKER_HOOK = "/usr/bin/nvidia-container-runtime-hook"
+DOCKER_HOOK_SAVED = "/usr/bin/nvidia-container-runtime-hook.saved-by-oci-gpu-hook"
+DOCKER_HOOK_MARKER = "# Written by `oci-gpu-hook install --runtime docker`"
 MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
 # The environment every runtime gives the hook (hooks.d, CDI hooks, test bundles): the one list.
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
@@ -112,6 +120,21 @@ def crio_dropin_text() -> str:
     )
 
 
+def docker_hook_text(argv_prefix) -> str:
+    """The program dockerd runs as `nvidia-container-runtime-hook prestart` for `docker run --gpus`:
+    a host shell that hands its arguments (prestart) and stdin (the OCI state) to the hook."""
+    import shlex
+
+    command = " ".join(shlex.quote(a) for a in argv_prefix)
+    return (
+        "#!/bin/sh\n"
+        f"{DOCKER_HOOK_MARKER}: dockerd runs the program of this name\n"
+        "# (found on its PATH when it starts) for `docker run --gpus`; it gives the container its GPUs\n"
+        "# with oci-gpu-hook. Removed by `oci-gpu-hook uninstall`.\n"
+        f'exec {command} "$@"\n'
+    )
+
+
 def config_text() -> str:
     return (
         "# oci-gpu-hook configuration (docs/configuration.md). Every key is optional; the\n"
@@ -182,8 +205,10 @@ def _systemd_quote(arg: str) -> str:
 class Entry:
     """One thing install makes: a file with content, or a symlink with a value."""
 
-    def __init__(self, path: str, content: str | None = None, link: str | None = None, only_if_absent=False):
+    def __init__(self, path: str, content: str | None = None, link: str | None = None, only_if_absent=False,
+                 mode: int = 0o644):  # fmt: skip
         self.path, self.content, self.link, self.only_if_absent = path, content, link, only_if_absent
+        self.mode = mode
 
     @property
     def checksum(self) -> str:
@@ -198,6 +223,8 @@ def planned(runtimes, argv_prefix) -> list:
         entries.append(Entry(HOOKS_D_FILE, json.dumps(hooks_d_document(argv_prefix), indent=2) + "\n"))
     if "crio" in runtimes:
         entries.append(Entry(CRIO_DROPIN, crio_dropin_text()))
+    if "docker" in runtimes:
+        entries.append(Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755))
     entries.append(Entry(CONFIG_FILE, config_text(), only_if_absent=True))
     entries += [
         Entry(f"{UNIT_DIR}/{SERVICE}", service_text(argv_prefix)),
@@ -261,8 +288,10 @@ def _makedirs(root: str, directory: str, created: list) -> None:
 # --- install / uninstall ------------------------------------------------------------------------
 
 
-def install(root: str, runtimes, argv_prefix=None) -> list:
-    """Install for the runtimes; returns lines saying what happened (nothing changed: none)."""
+def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False) -> list:
+    """Install for the runtimes; returns lines saying what happened (nothing changed: none).
+    replace_nvidia_hook: move a nvidia-container-runtime-hook that is not ours aside (uninstall
+    restores it) instead of refusing."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
@@ -277,9 +306,18 @@ def install(root: str, runtimes, argv_prefix=None) -> list:
         now = _current(path)
         if now is None or entry.only_if_absent or now == entry.checksum:
             continue
-        if entry.path not in files:
-            raise InstallError(f"{path}: exists and was not written by oci-gpu-hook install; "
-                               "move it away (or merge it by hand) and run install again")  # fmt: skip
+        if entry.path in files:
+            continue
+        if entry.path == DOCKER_HOOK:
+            if not replace_nvidia_hook:
+                raise InstallError(f"{path}: another nvidia-container-runtime-hook (NVIDIA's?) is installed; "
+                                   "install --runtime docker --replace-nvidia-hook puts oci-gpu-hook's in its place "
+                                   "(uninstall puts this one back)")  # fmt: skip
+            if os.path.lexists(_under(root, DOCKER_HOOK_SAVED)):
+                raise InstallError(f"{_under(root, DOCKER_HOOK_SAVED)}: exists; move it away first")
+            continue
+        raise InstallError(f"{path}: exists and was not written by oci-gpu-hook install; "
+                           "move it away (or merge it by hand) and run install again")  # fmt: skip
     lines = []
     try:
         for entry in entries:
@@ -287,6 +325,12 @@ def install(root: str, runtimes, argv_prefix=None) -> list:
             now = _current(path)
             if now == entry.checksum:
                 continue
+            if now is not None and entry.path == DOCKER_HOOK and entry.path not in files:
+                # Someone else's program (checked above: allowed by replace_nvidia_hook): aside.
+                os.rename(path, _under(root, DOCKER_HOOK_SAVED))  # the same directory: atomic
+                manifest.setdefault("saved", {})[DOCKER_HOOK] = DOCKER_HOOK_SAVED
+                lines.append(f"moved {path} to {_under(root, DOCKER_HOOK_SAVED)}")
+                now = None
             if now is not None:
                 if entry.only_if_absent:
                     continue  # the administrator's configuration stays
@@ -299,7 +343,7 @@ def install(root: str, runtimes, argv_prefix=None) -> list:
                     os.unlink(path)
                 os.symlink(entry.link, path)
             else:
-                _write_text(path, entry.content)
+                _write_text(path, entry.content, entry.mode)
             files[entry.path] = entry.checksum
             lines.append(f"{'updated' if now is not None else 'wrote'} {path}")
     finally:
@@ -326,6 +370,15 @@ def uninstall(root: str) -> list:
             continue
         os.unlink(path)
         lines.append(f"removed {path}")
+    for relative, saved in sorted(manifest.get("saved", {}).items()):
+        path, saved_path = _under(root, relative), _under(root, saved)
+        if not os.path.lexists(saved_path):
+            continue
+        if os.path.lexists(path):
+            lines.append(f"kept {saved_path}: {path} is still there (changed since install wrote it)")
+            continue
+        os.rename(saved_path, path)
+        lines.append(f"restored {path}")
     os.unlink(manifest_path)
     for relative in sorted(manifest["directories"], key=lambda p: p.count("/"), reverse=True):
         try:

@@ -302,3 +302,41 @@ def test_before_python_3_11_tomli_parses(installed_root, monkeypatch):
     monkeypatch.setitem(sys.modules, "tomli", None)
     checks = {c.id: c for c in doc.run()}
     assert checks["hooks-d"].status == doctor.WARN and "tomli" in checks["hooks-d"].summary
+
+
+def _executable(path, text):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+
+
+NVIDIAS_HOOK = "#!/bin/sh\n# stands in for NVIDIA's nvidia-container-runtime-hook\nexit 0\n"
+
+
+@pytest.mark.parametrize(
+    "state, status, words",
+    [
+        ("no docker", doctor.PASS, "not installed"),
+        ("docker, no program", doctor.WARN, "no nvidia-container-runtime-hook"),
+        ("docker, NVIDIA's program", doctor.WARN, "not oci-gpu-hook's"),
+        ("docker, ours not executable", doctor.FAIL, "not executable"),
+        ("docker, ours", doctor.PASS, "runs oci-gpu-hook"),
+        ("docker, NVIDIA's first on the PATH", doctor.WARN, "/usr/local/bin/nvidia-container-runtime-hook"),
+    ],
+)
+def test_docker_check(setup, state, status, words):
+    host, config, root, mountinfo = setup
+    if state != "no docker":
+        _executable(root + "/usr/bin/dockerd", "#!/bin/sh\n")
+    if state.endswith("NVIDIA's program"):
+        _executable(root + install.DOCKER_HOOK, NVIDIAS_HOOK)
+    if "ours" in state or "first on the PATH" in state:
+        install.install(root, ("docker",), ["/usr/bin/oci-gpu-hook"])
+    if state.endswith("not executable"):
+        os.chmod(root + install.DOCKER_HOOK, 0o644)
+    if state.endswith("first on the PATH"):
+        _executable(root + "/usr/local/bin/nvidia-container-runtime-hook", NVIDIAS_HOOK)
+    (check,) = [c for c in run(config, root, mountinfo) if c.id == "docker"]
+    assert (check.status, words in check.summary) == (status, True), check
+    assert (check.fix is None) == (status == doctor.PASS)

@@ -136,3 +136,59 @@ def test_a_hooks_dir_of_its_own_holds_what_install_writes(root, tmp_path):
     with open(os.path.join(root, "etc/containers/oci/hooks.d/oci-gpu-hook.json")) as f:
         assert written == f.read()
     assert json.loads(written) == json.load(open(os.path.join(REPO, "hooks.d", "oci-gpu-hook.json")))
+
+
+NVIDIAS_HOOK = b"#!/bin/sh\n# stands in for NVIDIA's nvidia-container-runtime-hook\nexit 0\n"
+
+
+def test_docker_round_trip_and_the_program(root):
+    before = snapshot(root)
+    lines = install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"])
+    program = root + install.DOCKER_HOOK
+    assert f"wrote {program}" in lines
+    assert os.stat(program).st_mode & 0o777 == 0o755
+    text = open(program).read()
+    assert text.startswith("#!/bin/sh\n") and install.DOCKER_HOOK_MARKER in text
+    assert text.rstrip().endswith('exec /usr/bin/oci-gpu-hook --config /etc/gpu/config.yaml "$@"')
+    assert install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"]) == []
+    install.uninstall(root)
+    assert snapshot(root) == before
+
+
+def test_the_docker_program_hands_over_its_arguments(root):
+    """What dockerd runs (`nvidia-container-runtime-hook prestart`) reaches the hook's own command
+    line: shown here with --version, which needs no container."""
+    import subprocess
+    import sys
+
+    install.install(root, ("docker",), [sys.executable, "-I", "-m", "oci_gpu_hook"])
+    out = subprocess.run([root + install.DOCKER_HOOK, "--version"], capture_output=True, text=True,
+                         env={"PYTHONPATH": REPO}, cwd=REPO)  # fmt: skip
+    assert out.returncode == 0 and "oci-gpu-hook" in out.stdout, out.stderr
+
+
+def test_nvidias_program_is_never_replaced_unless_told(root):
+    os.makedirs(root + "/usr/bin")
+    with open(root + install.DOCKER_HOOK, "wb") as f:
+        f.write(NVIDIAS_HOOK)
+    os.chmod(root + install.DOCKER_HOOK, 0o755)
+    before = snapshot(root)
+    with pytest.raises(HookError, match="--replace-nvidia-hook") as e:
+        install.install(root, ("docker",), PREFIX)
+    assert "\n" not in e.value.message
+    assert snapshot(root) == before  # refused before writing anything
+
+
+def test_replacing_nvidias_program_and_uninstall_restores_it(root):
+    os.makedirs(root + "/usr/bin")
+    with open(root + install.DOCKER_HOOK, "wb") as f:
+        f.write(NVIDIAS_HOOK)
+    os.chmod(root + install.DOCKER_HOOK, 0o755)
+    before = snapshot(root)
+    lines = install.install(root, ("docker",), PREFIX, replace_nvidia_hook=True)
+    assert f"moved {root + install.DOCKER_HOOK} to {root + install.DOCKER_HOOK_SAVED}" in lines
+    assert open(root + install.DOCKER_HOOK_SAVED, "rb").read() == NVIDIAS_HOOK
+    assert install.DOCKER_HOOK_MARKER in open(root + install.DOCKER_HOOK).read()
+    lines = install.uninstall(root)
+    assert f"restored {root + install.DOCKER_HOOK}" in lines
+    assert snapshot(root) == before  # NVIDIA's file back, byte for byte, with its mode and mtime
