@@ -209,7 +209,9 @@ def assert_contained(before: Observation, after: Observation, rootfs: str, canar
     if canary:
         assert not [m for m in after.container_mounts if m[0].startswith(canary)], "a mount on the canary"
         assert after.canary == before.canary, "the canary tree on the host changed"
-    assert after.host_mounts == before.host_mounts, "the host's own mount table changed"
+    gone = sorted(set(before.host_mounts) - set(after.host_mounts))
+    new = sorted(set(after.host_mounts) - set(before.host_mounts))
+    assert after.host_mounts == before.host_mounts, f"the host's mount table changed: gone {gone[:3]}, new {new[:3]}"
     assert after.host == before.host, _diff(before.host, after.host)
     assert after.host_root == before.host_root, "the simulated host's files changed"
 

@@ -80,6 +80,9 @@ def docker(simulated_host, require, tmp_path_factory):
     assert os.listdir(program_dir) == ["nvidia-container-runtime-hook"]
 
     etc_docker_existed = os.path.exists("/etc/docker")
+    # Fixed paths dockerd and its containerd shims use whatever their roots: the plugin socket
+    # directory and the shims' socket directory.
+    run_dirs_existed = {d: os.path.exists(d) for d in ("/run/docker", "/run/containerd")}
     key_existed = os.path.exists("/etc/docker/key.json")
     settings_before = sysctls()
     parent = f"ocigpu-docker-{os.getpid()}"
@@ -132,6 +135,9 @@ def docker(simulated_host, require, tmp_path_factory):
         if not etc_docker_existed and os.path.isdir("/etc/docker") and not os.listdir("/etc/docker"):
             os.rmdir("/etc/docker")
         subprocess.run(["rm", "-rf", "--one-file-system", f"{work}/data", f"{work}/exec"], check=False)
+        for directory, existed in run_dirs_existed.items():
+            if not existed:
+                subprocess.run(["rm", "-rf", "--one-file-system", directory], check=False)
         assert sysctls() == settings_before
         assert not cgroup_dirs(parent)
 
