@@ -46,6 +46,34 @@ class LibraryLayout(Record):
     lib64: str
     lib32: str | None  # None: no 32-bit libraries are placed (aarch64)
 
+    # Where 32-bit libraries go in an image without multiarch directories: the rule is
+    # libnvidia-container's, as distributions disagree.
+    LIB32 = "/usr/lib32"
+    LIB32_ALT = "/usr/lib"
+
+    @classmethod
+    def probe_paths(cls, machine: str | None = None) -> tuple[str, ...]:
+        """The image directories for_image needs to know about."""
+        entry = arch.current(machine)
+        return (entry.multiarch, entry.lib64, cls.LIB32, cls.LIB32_ALT)
+
+    @classmethod
+    def for_image(cls, dirs: dict, machine: str | None = None) -> LibraryLayout:
+        """From the image's directories (rootfs.directories of probe_paths): its multiarch
+        directories when it has the 64-bit one; else /usr/lib64, with 32-bit libraries in
+        /usr/lib32 when the image has it, in /usr/lib when that is a directory of its own (not
+        /usr/lib64 under another name), else in /usr/lib32."""
+        entry = arch.current(machine)
+        if dirs.get(entry.multiarch):
+            return cls(entry.multiarch, entry.multiarch32)
+        if entry.lib32 is None:
+            return cls(entry.lib64, None)
+        lib32 = cls.LIB32
+        usr_lib = dirs.get(cls.LIB32_ALT)
+        if not dirs.get(cls.LIB32) and usr_lib and usr_lib != dirs.get(entry.lib64):
+            lib32 = cls.LIB32_ALT
+        return cls(entry.lib64, lib32)
+
     @classmethod
     def for_rootfs(cls, debian: bool, machine: str | None = None) -> LibraryLayout:
         """The multiarch directories of a Debian-like image, else /usr/lib64 (and /usr/lib), for

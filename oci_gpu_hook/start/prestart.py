@@ -51,7 +51,7 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
 def _configure(container, spec, settings, budget) -> int:
     from oci_gpu_hook.start import apply, inventory_cache, request
     from oci_gpu_hook.start.linux import arch
-    from oci_gpu_hook.start.linux.rootfs import has_debian_layout
+    from oci_gpu_hook.start.linux.rootfs import directories
     from oci_gpu_hook.start.plan import LibraryLayout, build_plan
 
     gpu_request = request.parse_request(spec, settings)
@@ -59,7 +59,8 @@ def _configure(container, spec, settings, budget) -> int:
         return 0
     arch.current()  # an unknown machine says so first, not through whatever fails next
     inventory = inventory_cache.load(settings, budget)
-    plan = build_plan(gpu_request, inventory, LibraryLayout.for_rootfs(has_debian_layout(spec.rootfs)))
+    layout = LibraryLayout.for_image(directories(spec.rootfs, LibraryLayout.probe_paths()))
+    plan = build_plan(gpu_request, inventory, layout)
     result = apply.apply(plan, container, spec, settings, budget)
     report.record(
         settings, container.id, "info", "GPU devices configured",

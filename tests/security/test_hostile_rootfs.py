@@ -99,6 +99,14 @@ def _ld_so_conf_through_proc(c: Ctx):
                               "include /etc/ld.so.conf.d/*.conf\n".encode())  # fmt: skip
 
 
+def _link_to_canary_and_in_root(c: Ctx, relative: str):
+    """relative -> an absolute path under the host's canary, which the image also has (so that,
+    resolved inside the rootfs, it is a directory)."""
+    target = f"{c.canary}/{relative}"
+    os.makedirs(c.path(target.lstrip("/")), exist_ok=True)
+    c.link(relative, target)
+
+
 def _ld_so_conf_d_to_canary(c: Ctx):
     c.write("etc/ld.so.conf", b"include /etc/ld.so.conf.d/*.conf\n")
     c.link("etc/ld.so.conf.d", f"{c.canary}/etc/ld.so.conf.d")
@@ -162,8 +170,15 @@ def _in_root_vulkan(c: Ctx):
 CASES = {
     # absolute symlinks to the canary at every path the hook writes or reads
     "usr-lib64-absolute": Case(lambda c: c.link(LIB64, f"{c.canary}/usr/lib64"), FAIL, "/usr/lib64"),
-    "multiarch-absolute": Case(lambda c: c.link(MULTIARCH, f"{c.canary}/{MULTIARCH}"), FAIL, MULTIARCH, debian=True),
-    "usr-lib-32bit-absolute": Case(lambda c: c.link("usr/lib", f"{c.canary}/usr/lib"), FAIL, "/usr/lib/"),
+    # The library layout is chosen from the directories the image has, resolved inside the
+    # rootfs (as libnvidia-container chooses it). A multiarch or /usr/lib link to the host's
+    # canary is no directory there: the hook places the libraries elsewhere (/usr/lib64,
+    # /usr/lib32) and never goes through it. Where the image also has that path, the link
+    # resolves inside the rootfs, as runc resolves one: the libraries land there, contained.
+    "multiarch-absolute": Case(lambda c: c.link(MULTIARCH, f"{c.canary}/{MULTIARCH}"), OK, debian=True),
+    "usr-lib-32bit-absolute": Case(lambda c: c.link("usr/lib", f"{c.canary}/usr/lib"), OK),
+    "multiarch-absolute-in-root": Case(lambda c: _link_to_canary_and_in_root(c, MULTIARCH), OK, debian=True),
+    "usr-lib-32bit-absolute-in-root": Case(lambda c: _link_to_canary_and_in_root(c, "usr/lib"), OK),
     "usr-bin-absolute": Case(lambda c: c.link("usr/bin", f"{c.canary}/usr/bin"), FAIL, "/usr/bin"),
     "usr-absolute": Case(lambda c: c.link("usr", f"{c.canary}/usr"), FAIL, "/usr/lib64"),
     "dev-absolute": Case(lambda c: c.link("dev", f"{c.canary}/dev"), FAIL, "/dev/nvidiactl"),

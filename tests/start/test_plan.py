@@ -783,3 +783,36 @@ def test_all_gives_every_mig_devices_nodes_and_access_files():
         assert {mig.gi_cap.path, mig.ci_cap.path} <= mounted
         assert {mig.gi_access, mig.ci_access} <= binds
     assert {g.node.path for g in HOST.gpus} <= mounted
+
+
+LIB64_ID, LIB_ID, LIB32_ID, MULTI_ID = (1, 10), (1, 11), (1, 12), (1, 13)
+LIB32_LAYOUT = LibraryLayout("/usr/lib64", "/usr/lib32")
+
+
+@pytest.mark.parametrize(
+    "dirs, expected",
+    [
+        # multiarch: the 64-bit multiarch directory decides (as libnvidia-container checks it)
+        ({"/usr/lib/x86_64-linux-gnu": MULTI_ID, "/usr/lib": LIB_ID}, DEBIAN),
+        # RHEL: /usr/lib is a directory of its own, no /usr/lib32
+        ({"/usr/lib64": LIB64_ID, "/usr/lib": LIB_ID}, RHEL),
+        # /usr/lib32 present: it wins
+        ({"/usr/lib64": LIB64_ID, "/usr/lib": LIB_ID, "/usr/lib32": LIB32_ID}, LIB32_LAYOUT),
+        # no /usr/lib at all: /usr/lib32
+        ({"/usr/lib64": LIB64_ID}, LIB32_LAYOUT),
+        # /usr/lib is /usr/lib64 under another name (a symlink): /usr/lib32
+        ({"/usr/lib64": LIB64_ID, "/usr/lib": LIB64_ID}, LIB32_LAYOUT),
+        # nothing (no rootfs): /usr/lib64 and /usr/lib32
+        ({}, LIB32_LAYOUT),
+    ],
+    ids=["multiarch", "rhel", "lib32-present", "no-usr-lib", "usr-lib-is-lib64", "nothing"],
+)
+def test_library_layout_for_image(dirs, expected):
+    assert LibraryLayout.for_image(dirs, "x86_64") == expected
+
+
+def test_library_layout_for_image_aarch64():
+    assert LibraryLayout.for_image({"/usr/lib/aarch64-linux-gnu": MULTI_ID}, "aarch64") == AARCH64_DEBIAN
+    assert LibraryLayout.for_image({"/usr/lib64": LIB64_ID, "/usr/lib": LIB_ID}, "aarch64") == AARCH64_RHEL
+    assert set(LibraryLayout.probe_paths("x86_64")) == {"/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib32",
+                                                        "/usr/lib"}  # fmt: skip

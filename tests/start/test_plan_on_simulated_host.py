@@ -18,8 +18,9 @@ def host(simulated_host):
 def make_bundle(tmp_path, env, debian=False, caps=()):
     bundle = tmp_path / "bundle"
     (bundle / "rootfs" / "etc").mkdir(parents=True, exist_ok=True)
-    if debian:
+    if debian:  # what tells the layout is the multiarch directory, as for NVIDIA's hook
         (bundle / "rootfs" / "etc" / "debian_version").write_text("12.0\n")
+        (bundle / "rootfs" / arch.current().multiarch.lstrip("/")).mkdir(parents=True)
     config = {
         "ociVersion": "1.0.2",
         "root": {"path": "rootfs"},

@@ -299,13 +299,26 @@ class Rootfs:
         undo.on_commit.append(lambda: os.unlink(temporary, dir_fd=dir_fd))  # the image's old entry
 
 
-def has_debian_layout(rootfs: str) -> bool:
-    """Whether the image is Debian-like (/etc/debian_version is a regular file inside it)."""
+def directories(rootfs: str, paths) -> dict:
+    """{path: (st_dev, st_ino) of the directory the image resolves it to, or None} for each path,
+    resolved inside the rootfs (an absent rootfs: all None)."""
+    found = dict.fromkeys(paths)
     try:
         root = Rootfs(rootfs)
     except OSError:
-        return False
+        return found
     try:
-        return root.exists_as("/etc/debian_version", stat.S_ISREG)
+        for path in paths:
+            try:
+                fd = root.open(path)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISDIR(st.st_mode):
+                    found[path] = (st.st_dev, st.st_ino)
+            finally:
+                os.close(fd)
     finally:
         root.close()
+    return found
