@@ -30,6 +30,7 @@ from oci_gpu_hook.start.plan import (
     RefreshLdcache,
     Remount,
     Symlink,
+    WriteFile,
 )
 from oci_gpu_hook.start.settings import Settings
 from oci_gpu_hook.start.spec import Spec
@@ -209,13 +210,20 @@ class Applier:
             lines = f.read(1 << 20).decode("utf-8", "replace").splitlines(keepends=True)
         for prefix, replacement in op.rewrite:
             lines = [replacement + "\n" if line.startswith(prefix) else line for line in lines]
-        parent, name = os.path.split(op.target)
+        self._write_new(op.target, "".join(lines).encode(), 0o444)
+
+    def do_WriteFile(self, op: WriteFile) -> None:
+        self._write_new(op.target, op.content.encode(), op.mode)
+
+    def _write_new(self, target: str, data: bytes, mode: int) -> None:
+        """A new file at target (O_EXCL: nothing the image put there is written through)."""
+        parent, name = os.path.split(target)
         parent_fd = self.undo.keep_fd(self.rootfs.ensure_dir(parent, self.undo))
-        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o444, dir_fd=parent_fd)
-        self.undo.add(f"remove file {op.target}", lambda: os.unlink(name, dir_fd=parent_fd))
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+        self.undo.add(f"remove file {target}", lambda: os.unlink(name, dir_fd=parent_fd))
         self.rootfs.created(parent_fd, name)
         with os.fdopen(fd, "wb") as f:
-            f.write("".join(lines).encode())
+            f.write(data)
 
     def do_Remount(self, op: Remount) -> None:
         # The hook's own mount at the target, through its descriptor, and always with MS_BIND: a

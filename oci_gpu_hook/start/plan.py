@@ -37,6 +37,10 @@ SOCKET_FLAGS = ("ro", "nosuid", "nodev", "noexec")  # connect() needs no write a
 PROC_FLAGS = ("ro", "nosuid", "nodev", "noexec")
 TMPFS_FLAGS = ("nosuid", "nodev", "noexec")
 PROC_NVIDIA = "/proc/driver/nvidia"
+# graphics: NVIDIA's driver reads application profiles here; the hook's one limits EGL (and so
+# Vulkan) to the container's GPUs, as libnvidia-container's does.
+APP_PROFILE_DIR = "/etc/nvidia/nvidia-application-profiles-rc.d"
+APP_PROFILE = f"{APP_PROFILE_DIR}/10-container.conf"
 
 
 class LibraryLayout(Record):
@@ -169,6 +173,18 @@ class CopyFile(Operation):
     def describe(self) -> str:
         note = "".join(f"; {old!r} -> {new!r}" for old, new in self.rewrite)
         return f"copy    {self.target} from {self.source}{note}"
+
+
+class WriteFile(Operation):
+    """Write a file whose content the plan decided (into a tmpfs the hook mounted)."""
+
+    __slots__ = ("target", "content", "mode")
+    target: str
+    content: str
+    mode: int
+
+    def describe(self) -> str:
+        return f"write   {self.target} (mode {self.mode:04o}): {self.content.strip()}"
 
 
 class Remount(Operation):
@@ -354,7 +370,7 @@ class _Builder:
         self.add(BindMount(host_path(self.inventory.driver_root, f.path), target, "file", flags))
 
 
-def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout) -> tuple[str, ...]:
+def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout, for_cdi: bool) -> tuple[str, ...]:
     inventory, caps = builder.inventory, request.capabilities
     kinds = ("library", "library32") if "compat32" in caps and layout.lib32 else ("library",)
     dirs = []
@@ -368,9 +384,36 @@ def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout) ->
             builder.add(Symlink(f"{directory}/libcuda.so", "libcuda.so.1"))
         if name.startswith("libGLX_nvidia.so."):
             builder.add(Symlink(f"{directory}/libGLX_indirect.so.0", name))
+        # The development link NVIDIA's hook adds (the Optical Flow SDK dlopens the bare name).
+        if name.startswith("libnvidia-opticalflow.so."):
+            builder.add(Symlink(f"{directory}/libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"))
+        if for_cdi:  # two more that NVIDIA's CDI specs carry (its hook does not)
+            if name.startswith("libnvidia-ml.so."):
+                builder.add(Symlink(f"{directory}/libnvidia-ml.so", "libnvidia-ml.so.1"))
+            if name.startswith("libnvidia-allocator.so.") and "graphics" in caps and f.kind == "library":
+                # Mesa's GBM loads <libdir>/gbm/<name>_gbm.so; NVIDIA's backend is the allocator.
+                builder.add(Symlink(f"{directory}/gbm/nvidia-drm_gbm.so", "../libnvidia-allocator.so.1"))
         if directory not in dirs:
             dirs.append(directory)
     return tuple(dirs)
+
+
+def app_profile_text(devices: tuple[SelectedDevice, ...]) -> str:
+    """libnvidia-container's profile, byte for byte: EGLVisibleDGPUDevices is a mask of device
+    minors (the driver documents 32 bits; minors past 63 cannot be named)."""
+    mask = 0
+    for device in devices:
+        if device.gpu.minor < 64:
+            mask |= 1 << device.gpu.minor
+    return ('{"profiles": [{"name": "_container_", "settings": ["EGLVisibleDGPUDevices", '
+            f'0x{mask:x}]}}], "rules": [{{"pattern": [], "profile": "_container_"}}]}}\n')  # fmt: skip
+
+
+def _app_profile(builder: _Builder, devices: tuple[SelectedDevice, ...]) -> None:
+    builder.add(MountTmpfs(APP_PROFILE_DIR, 0o555))
+    if devices:
+        builder.add(WriteFile(APP_PROFILE, app_profile_text(devices), 0o444))
+    builder.add(Remount(APP_PROFILE_DIR, ("ro",) + TMPFS_FLAGS))
 
 
 def _proc_driver(builder: _Builder, devices: tuple[SelectedDevice, ...], request: GpuRequest) -> None:
@@ -395,7 +438,9 @@ def _proc_driver(builder: _Builder, devices: tuple[SelectedDevice, ...], request
     builder.add(Remount(PROC_NVIDIA, ("ro",) + TMPFS_FLAGS))
 
 
-def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout) -> Plan:
+def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout, for_cdi: bool = False) -> Plan:
+    """for_cdi: the plan a CDI spec is translated from (toolkit/cdi.py): NVIDIA's CDI specs carry
+    two development links its hook does not add, and so do ours."""
     devices = select_devices(request, inventory)
     check_requirements(request, inventory, devices)
     caps = request.capabilities
@@ -423,7 +468,7 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout)
                 raise InventoryError(f"MIG {name}: /proc/devices lists no nvidia-caps driver")
             builder.device(inventory.mig_caps[name], f"MIG {name} capability")
 
-    library_dirs = _libraries(builder, request, layout)
+    library_dirs = _libraries(builder, request, layout, for_cdi)
     for f in inventory.files_for(caps, ("binary",)):
         builder.file(f, f"/usr/bin/{os.path.basename(f.path)}")
     for f in inventory.files:
@@ -436,6 +481,8 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout)
         builder.add(BindMount(source, request.mps_pipe_directory, "dir", IPC_FLAGS, optional=True))
     for f in inventory.files_for(caps, ("config",)):
         builder.file(f, f.path)
+    if "graphics" in caps:
+        _app_profile(builder, devices)
     _proc_driver(builder, devices, request)
     if library_dirs:
         builder.add(RefreshLdcache(library_dirs))

@@ -12,7 +12,11 @@ device, and its operations are translated:
 - Symlink and RefreshLdcache -> one createContainer hook that runs `oci-gpu-hook ldcache-refresh`
   with the links and library directories, with an explicit environment;
 - the /proc/driver/nvidia masking (tmpfs, sanitised copies) has no CDI form and is left out, as
-  in NVIDIA's own CDI specs.
+  in NVIDIA's own CDI specs; so is the graphics application profile (a tmpfs and a file whose
+  mask depends on the container's whole device set, which a per-device spec cannot know).
+
+The plans are built with for_cdi: NVIDIA's CDI specs carry the libnvidia-ml.so and GBM backend
+links, which its hook does not add.
 
 Operations every device shares (control nodes, driver files, the hook) go to the spec's top-level
 containerEdits; each device carries only its own nodes.
@@ -206,13 +210,13 @@ def build_spec(inventory, settings, kind: str = DEFAULT_KIND, capabilities=DEFAU
         raise CdiError("the host has no GPUs: there is nothing to put in a CDI spec")
     layout = LibraryLayout.for_rootfs(False)
     hook_prefix = hook_command()  # ldcache-refresh reads no configuration
-    common = build_plan(_request((), capabilities, settings), inventory, layout)
+    common = build_plan(_request((), capabilities, settings), inventory, layout, for_cdi=True)
     shared_targets = {op.target for op in common.operations if isinstance(op, MountDevice)}
     edits = translate(common, hook_prefix)
     edits["env"] = list(SPEC_ENV)
 
     def own_nodes(device_ids):
-        plan = build_plan(_request(device_ids, capabilities, settings), inventory, layout)
+        plan = build_plan(_request(device_ids, capabilities, settings), inventory, layout, for_cdi=True)
         return [_node(op) for op in plan.operations if isinstance(op, MountDevice) and op.target not in shared_targets]
 
     devices = [{"name": name, "containerEdits": {"deviceNodes": own_nodes([device_id])}}

@@ -111,3 +111,18 @@ def test_failure_reaches_the_user_as_one_line(tmp_path, host):
     assert "oci-gpu-hook: 7: unknown device" in out.stderr
     records = [json.loads(line) for line in open(f"{host['root']}/hook.log")]
     assert any(r["message"] == "7: unknown device" and r["container"].startswith("ocigpu-") for r in records)
+
+
+def test_graphics_gets_the_application_profile_and_video_the_opticalflow_link(tmp_path, host):
+    """The EGL application profile limits EGL to the container's GPU by its device minor, in a
+    read-only tmpfs; video brings the libnvidia-opticalflow.so development link."""
+    profile = "/etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf"
+    script = (f"cat {profile}; touch {profile}.x 2>/dev/null && echo WRITABLE; "
+              "readlink /usr/lib64/libnvidia-opticalflow.so")  # fmt: skip
+    out = run(tmp_path, host, script, {"NVIDIA_VISIBLE_DEVICES": "3", "NVIDIA_DRIVER_CAPABILITIES": "graphics,video"})
+    assert out.returncode == 0, out.stderr
+    text, link = out.stdout.rsplit("\n", 2)[:2]
+    minor = gpu(host, 3)["minor"]
+    assert text == ('{"profiles": [{"name": "_container_", "settings": ["EGLVisibleDGPUDevices", '
+                    f'{hex(1 << minor)}]}}], "rules": [{{"pattern": [], "profile": "_container_"}}]}}')  # fmt: skip
+    assert link == "libnvidia-opticalflow.so.1" and "WRITABLE" not in out.stdout

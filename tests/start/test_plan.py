@@ -26,6 +26,8 @@ from oci_gpu_hook.errors import Exit, InventoryError, RequestError, RequirementE
 from oci_gpu_hook.start import driver
 from oci_gpu_hook.start.inventory import DeviceNode, DriverFile, GpuInfo, Inventory, MigDevice
 from oci_gpu_hook.start.plan import (
+    APP_PROFILE,
+    APP_PROFILE_DIR,
     PROC_NVIDIA,
     BindMount,
     CopyFile,
@@ -36,6 +38,7 @@ from oci_gpu_hook.start.plan import (
     RefreshLdcache,
     Remount,
     Symlink,
+    WriteFile,
     build_plan,
     resolve_device,
 )
@@ -363,6 +366,12 @@ def test_graphics_only_exact_plan_debian():
         bind(f"/lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin"),  # firmware, whatever the capabilities
         bind("/usr/share/glvnd/egl_vendor.d/10_nvidia.json"),
         bind("/etc/vulkan/icd.d/nvidia_icd.json"),
+        # EGL (and Vulkan) limited to GPU 2, device minor 0, as libnvidia-container writes it
+        "tmpfs   /etc/nvidia/nvidia-application-profiles-rc.d (mode 0555) [nosuid,nodev,noexec]",
+        "write   /etc/nvidia/nvidia-application-profiles-rc.d/10-container.conf (mode 0444): "
+        '{"profiles": [{"name": "_container_", "settings": ["EGLVisibleDGPUDevices", 0x1]}], '
+        '"rules": [{"pattern": [], "profile": "_container_"}]}',
+        "remount /etc/nvidia/nvidia-application-profiles-rc.d [ro,nosuid,nodev,noexec]",
         *proc_mask("/proc/driver/nvidia/gpus/0000:af:00.0"),
         f"ldcache refresh /etc/ld.so.cache for {multiarch}",
     ]
@@ -816,3 +825,42 @@ def test_library_layout_for_image_aarch64():
     assert LibraryLayout.for_image({"/usr/lib64": LIB64_ID, "/usr/lib": LIB_ID}, "aarch64") == AARCH64_RHEL
     assert set(LibraryLayout.probe_paths("x86_64")) == {"/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib32",
                                                         "/usr/lib"}  # fmt: skip
+
+
+@pytest.mark.parametrize("devices, mask",
+                         [("0", "0x2"), ("0,2", "0x3"), ("all", "0x7"), ("1:0", "0x4"), ("none", None)])  # fmt: skip
+def test_graphics_app_profile_mask_is_the_device_minors(devices, mask):
+    """GPU i has minor (i + 1) % 3 here: the mask is of minors, not indices."""
+    plan = plan_for(devices, "graphics")
+    written = [op for op in of(plan, WriteFile) if op.target == APP_PROFILE]
+    if mask is None:
+        assert written == [] and APP_PROFILE_DIR in targets(plan, MountTmpfs)  # the tmpfs hides the image's
+    else:
+        (op,) = written
+        assert f'"EGLVisibleDGPUDevices", {mask}]' in op.content and op.mode == 0o444
+    assert APP_PROFILE_DIR in targets(plan, Remount)
+
+
+def test_no_app_profile_without_graphics():
+    plan = plan_for("0", "utility,compute")
+    assert APP_PROFILE_DIR not in targets(plan, MountTmpfs) and not of(plan, WriteFile)
+
+
+@pytest.mark.parametrize("for_cdi", [False, True])
+def test_development_links(for_cdi):
+    """opticalflow's link as NVIDIA's hook adds it; libnvidia-ml.so and the GBM backend as NVIDIA's
+    CDI specs add them (the hook does not)."""
+    files = FILES + (
+        lib("video", "library", "/usr/lib64", "libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"),
+        lib("compute", "library", "/usr/lib64", "libnvidia-allocator.so", "libnvidia-allocator.so.1"),
+    )
+    host = make_host(files=files)
+    with no_file_system():
+        request = parse_request(container({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "all"}),
+                                Settings())  # fmt: skip
+        plan = build_plan(request, host, RHEL, for_cdi=for_cdi)
+    links = {op.target: op.value for op in of(plan, Symlink)}
+    assert links["/usr/lib64/libnvidia-opticalflow.so"] == "libnvidia-opticalflow.so.1"
+    cdi_only = {"/usr/lib64/libnvidia-ml.so": "libnvidia-ml.so.1",
+                "/usr/lib64/gbm/nvidia-drm_gbm.so": "../libnvidia-allocator.so.1"}  # fmt: skip
+    assert {k: links.get(k) for k in cdi_only} == (cdi_only if for_cdi else dict.fromkeys(cdi_only))

@@ -239,3 +239,15 @@ def test_a_higher_version_than_needed_would_lock_out_podman_4_3(podman_spec):
     finally:
         with open(path, "w") as f:
             f.write(original)
+
+
+def test_spec_carries_nvidias_cdi_development_links(host):
+    """As NVIDIA's CDI specs: libnvidia-ml.so, and with graphics the GBM backend link (the hook
+    adds neither; libnvidia-opticalflow.so it adds in both)."""
+    config = settings.load(f"{host['root']}/config.yaml")
+    spec = cdi.build_spec(inventory_cache.load(config), config, capabilities=cdi.parse_capabilities("all"))
+    (hook,) = spec["containerEdits"]["hooks"]
+    links = {hook["args"][i + 1] for i, arg in enumerate(hook["args"]) if arg == "--link"}
+    assert {"/usr/lib64/libnvidia-ml.so=libnvidia-ml.so.1",
+            "/usr/lib64/gbm/nvidia-drm_gbm.so=../libnvidia-allocator.so.1",
+            "/usr/lib64/libnvidia-opticalflow.so=libnvidia-opticalflow.so.1"} <= links
