@@ -97,6 +97,9 @@ def _mknod(root: str, relpath: str, major: int, minor: int, mode: int = 0o666) -
 # --- procfs -------------------------------------------------------------------------------------
 
 
+DRM_MAJOR = 226  # the kernel's fixed major for DRM (card and render nodes)
+
+
 def proc_devices_text(host: SimulatedHost) -> str:
     chars = [
         (1, "mem"),
@@ -109,6 +112,7 @@ def proc_devices_text(host: SimulatedHost) -> str:
         (10, "misc"),
         (13, "input"),
         (136, "pts"),
+        (DRM_MAJOR, "drm"),
         (driver.NVIDIA_MAJOR, "nvidia"),
         (driver.NVIDIA_MAJOR, "nvidia-modeset"),
         (host.uvm_major, "nvidia-uvm"),
@@ -223,6 +227,14 @@ def write_devices(root: str, host: SimulatedHost) -> None:
     caps += [(m, 0o444) for g in host.gpus for i in g.mig for m in (i.gi_cap_minor, i.ci_cap_minor)]
     for minor, mode in caps:
         _mknod(root, f"dev/nvidia-caps/nvidia-cap{minor}", host.caps_major, minor, mode)
+    # DRM: card1.. (card0 is the BMC's display on a server), renderD128.., by PCI address too.
+    for gpu in host.gpus:
+        card, render = f"card{gpu.index + 1}", f"renderD{128 + gpu.index}"
+        _mknod(root, f"dev/dri/{card}", DRM_MAJOR, gpu.index + 1, 0o660)
+        _mknod(root, f"dev/dri/{render}", DRM_MAJOR, 128 + gpu.index, 0o666)
+        os.makedirs(os.path.join(root, "dev/dri/by-path"), exist_ok=True)
+        os.symlink(f"../{card}", os.path.join(root, f"dev/dri/by-path/pci-{gpu.bus_id}-card"))
+        os.symlink(f"../{render}", os.path.join(root, f"dev/dri/by-path/pci-{gpu.bus_id}-render"))
 
 
 # --- driver files -------------------------------------------------------------------------------
@@ -284,11 +296,16 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
     stub64 = os.path.join(workdir, "stub64.o")
     stub32 = os.path.join(workdir, "stub32.o")
     _run([gcc, *cflags, "-fPIC", "-c", "-o", stub64, os.path.join(CSRC, "driver_stub.c")], "compiling the library stub")
+    # libnvidia-tls also carries the ELF ABI note a real one has (csrc/abi_tag.c).
+    abi64, abi32 = os.path.join(workdir, "abi64.o"), os.path.join(workdir, "abi32.o")
+    _run([gcc, *cflags, "-fPIC", "-c", "-o", abi64, os.path.join(CSRC, "abi_tag.c")], "compiling the ABI note")
     if lib32:
         _run(
             [gcc, "-m32", *cflags, "-fPIC", "-c", "-o", stub32, os.path.join(CSRC, "driver_stub.c")],
             "compiling the 32-bit library stub",
         )
+        _run([gcc, "-m32", *cflags, "-fPIC", "-c", "-o", abi32, os.path.join(CSRC, "abi_tag.c")],
+             "compiling the 32-bit ABI note")  # fmt: skip
     nvml = os.path.join(lib64, f"libnvidia-ml.so.{version}")
     jobs = [
         [
@@ -304,12 +321,15 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
         ],
     ]
     for lib in host.libraries:
+        tls = lib.prefix == "libnvidia-tls.so"
         if lib.prefix != "libnvidia-ml.so":
             out = os.path.join(lib64, f"{lib.prefix}.{version}")
-            jobs.append([gcc, "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub64, *needs_libc])
+            objects = [stub64] + ([abi64] if tls else [])
+            jobs.append([gcc, "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, *objects, *needs_libc])
         if lib.lib32 and lib32:
             out = os.path.join(lib32_dir, f"{lib.prefix}.{version}")
-            jobs.append([gcc, "-m32", "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, stub32, *needs_libc])
+            objects = [stub32] + ([abi32] if tls else [])
+            jobs.append([gcc, "-m32", "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, *objects, *needs_libc])
     for tool in driver.BINARIES["utility"] + driver.BINARIES["compute"]:
         if tool != "nvidia-smi":
             jobs.append(

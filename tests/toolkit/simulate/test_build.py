@@ -133,6 +133,39 @@ def test_driver_programs_firmware_sockets_and_config_files(simulated_host):
             json.loads(text)
 
 
+def abi_tag(path):
+    """readelf's ABI tag line of an ELF file, or None."""
+    out = subprocess.run(["readelf", "-n", path], capture_output=True, text=True, check=True).stdout
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("OS:")]
+    return lines[0] if lines else None
+
+
+def test_libnvidia_tls_carries_the_abi_note(simulated_host, require):
+    """As on a real driver (libnvidia-container refuses a libnvidia-tls without it)."""
+    require("readelf")
+    host = simulated_host(gpus=2)
+    version = host["driver_version"]
+    assert abi_tag(f"{host['root']}/usr/lib64/libnvidia-tls.so.{version}") == "OS: Linux, ABI: 2.3.99"
+    assert abi_tag(f"{host['root']}/usr/lib64/libcuda.so.{version}") is None
+    lib32 = f"{host['root']}/usr/lib/libnvidia-tls.so.{version}"
+    if os.path.exists(lib32):
+        assert abi_tag(lib32) == "OS: Linux, ABI: 2.3.99"
+
+
+def test_dri_card_and_render_nodes_with_by_path_links(simulated_host):
+    host = simulated_host(gpus=2)
+    root = host["root"]
+    assert "226 drm" in open(f"{root}/proc/devices").read().split("Block devices:")[0]
+    for gpu in host["gpus"]:
+        card, render = f"card{gpu['index'] + 1}", f"renderD{128 + gpu['index']}"
+        for name, minor in ((card, gpu["index"] + 1), (render, 128 + gpu["index"])):
+            st = os.stat(f"{root}/dev/dri/{name}")
+            assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (226, minor)
+        by_path = f"{root}/dev/dri/by-path/pci-{gpu['bus_id']}"
+        assert os.readlink(f"{by_path}-card") == f"../{card}"
+        assert os.readlink(f"{by_path}-render") == f"../{render}"
+
+
 def test_config_points_the_hook_at_the_host(simulated_host, hook_cli):
     host = simulated_host(gpus=2)
     out = hook_cli("--config", f"{host['root']}/config.yaml", "info")

@@ -289,6 +289,76 @@ def test_mig_handles(host, nv):
     assert r["parent_of_gpu"] == 2
 
 
+# A100-SXM4-40GB's profiles as nvidia-smi mig -lgip lists them: profile enum -> (id, slices,
+# instances, SMs, copy engines, decoders, memory MiB, placement size)
+A100_PROFILES = {0: (19, 1, 7, 14, 1, 0, 4864, 1), 1: (14, 2, 3, 28, 2, 1, 9856, 2), 2: (9, 3, 2, 42, 3, 2, 19968, 4),
+                 3: (5, 4, 1, 56, 4, 2, 19968, 4), 4: (0, 7, 1, 98, 7, 5, 40192, 8)}  # fmt: skip
+SLICES = {"3g.20gb": 3, "2g.10gb": 2, "1g.5gb": 1}
+
+
+def test_mig_instances_as_nvidias_cdi_generator_asks(host, nv):
+    """The calls NVIDIA's CDI generator makes for a MIG device, through the official bindings:
+    the device's attributes, its GPU and compute instance looked up by id, their info, and the
+    instance profiles."""
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        gpu = N.nvmlDeviceGetHandleByIndex(1)
+        r["migs"] = []
+        for i in range(3):
+            m = N.nvmlDeviceGetMigDeviceHandleByIndex(gpu, i)
+            a = N.nvmlDeviceGetAttributes(m)
+            gi = N.nvmlDeviceGetGpuInstanceById(gpu, N.nvmlDeviceGetGpuInstanceId(m))
+            gi_info = N.nvmlGpuInstanceGetInfo(gi)
+            ci = N.nvmlGpuInstanceGetComputeInstanceById(gi, N.nvmlDeviceGetComputeInstanceId(m))
+            ci_info = N.nvmlComputeInstanceGetInfo(ci)
+            cip = N.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, ci_info.profileId, 0)
+            r["migs"].append({
+                "attributes": [a.gpuInstanceSliceCount, a.computeInstanceSliceCount, a.memorySizeMB,
+                               a.multiprocessorCount],
+                "gi": [gi_info.id, gi_info.profileId, gi_info.placement.start, gi_info.placement.size,
+                       N.nvmlDeviceGetUUID(gi_info.device)],
+                "ci": [ci_info.id, ci_info.profileId, ci_info.placement.size, N.nvmlDeviceGetUUID(ci_info.device)],
+                "ci_profile": [cip.sliceCount, s(cip.name)],
+            })
+        r["profiles"] = {}
+        for index in range(8):
+            try:
+                p = N.nvmlDeviceGetGpuInstanceProfileInfo(gpu, index)
+            except N.NVMLError as e:
+                r["profiles"][index] = e.value
+                continue
+            r["profiles"][index] = [p.id, p.sliceCount, p.instanceCount, p.multiprocessorCount, p.copyEngineCount,
+                                    p.decoderCount, p.memorySizeMB, s(p.name)]
+        r["v1"] = N.nvmlDeviceGetGpuInstanceProfileInfo(gpu, 0, version=1).memorySizeMB
+        r["gi_unknown"] = err(N.nvmlDeviceGetGpuInstanceById, gpu, 2)
+        r["gi_on_non_mig"] = err(N.nvmlDeviceGetGpuInstanceById, N.nvmlDeviceGetHandleByIndex(0), 1)
+        r["ci_unknown"] = err(N.nvmlGpuInstanceGetComputeInstanceById, N.nvmlDeviceGetGpuInstanceById(gpu, 1), 1)
+        r["whole_gpu_attributes"] = err(N.nvmlDeviceGetAttributes, gpu)
+        r["ci_profile_too_big"] = err(N.nvmlGpuInstanceGetComputeInstanceProfileInfo,
+                                      N.nvmlDeviceGetGpuInstanceById(gpu, 13), 1, 0)
+        N.nvmlShutdown()
+    """,
+    )
+    starts = {"3g.20gb": 0, "2g.10gb": 4, "1g.5gb": 6}
+    by_slices = {p[1]: p for p in A100_PROFILES.values()}
+    for got, (gi, ci, profile, _uuid, _gib, _) in zip(r["migs"], MIGS):
+        pid, slices, _, sms, _, _, memory_mb, size = by_slices[SLICES[profile]]
+        assert got["attributes"] == [slices, slices, memory_mb, sms]
+        assert got["gi"] == [gi, pid, starts[profile], size, GPU1["uuid"]]
+        assert got["ci"] == [ci, {1: 0, 2: 1, 3: 2}[slices], slices, GPU1["uuid"]]
+        assert got["ci_profile"] == [slices, f"MIG {profile}"]
+    names = ("1g.5gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb")
+    expected_profiles = {str(i): [*v[:6], v[6], f"MIG {n}"] for (i, v), n in zip(A100_PROFILES.items(), names)}
+    expected_profiles.update({"5": 3, "6": 3, "7": 3})  # NOT_SUPPORTED: 6- and 8-slice, REV1
+    assert r["profiles"] == expected_profiles
+    assert r["v1"] == 4864
+    assert r["gi_unknown"] == 6 and r["ci_unknown"] == 6  # NOT_FOUND
+    assert r["gi_on_non_mig"] == 3 and r["whole_gpu_attributes"] == 3  # NOT_SUPPORTED
+    assert r["ci_profile_too_big"] == 3
+
+
 def test_lookups(host, nv):
     r = pynvml(
         host,

@@ -701,3 +701,318 @@ EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mi
     *device = migDevice->parent;
     return NVML_SUCCESS;
 }
+
+/* ---- MIG instances and profiles ------------------------------------------
+ * What NVIDIA's CDI generator asks of a MIG device: its attributes, its GPU
+ * and compute instance (by id) and their info, and the instance profiles.
+ * Every simulated MIG GPU is an A100-SXM4-40GB; the numbers are that part's
+ * (nvidia-smi mig -lgip / -lcip).  Each MIG device is one GPU instance
+ * holding one compute instance that spans it. */
+
+struct sim_gi_profile {
+    const char *name;
+    unsigned index;               /* NVML_GPU_INSTANCE_PROFILE_<n>_SLICE */
+    unsigned id;                  /* the profile id nvidia-smi shows */
+    unsigned slices, instances, sms, copy_engines, decoders, encoders, jpegs, ofas;
+    unsigned long long memory_mb;
+    unsigned placement_size;      /* in memory slices (eight on an A100) */
+};
+
+static const struct sim_gi_profile GI_PROFILES[] = {
+    {"1g.5gb", 0, 19, 1, 7, 14, 1, 0, 0, 0, 0, 4864, 1},
+    {"2g.10gb", 1, 14, 2, 3, 28, 2, 1, 0, 0, 0, 9856, 2},
+    {"3g.20gb", 2, 9, 3, 2, 42, 3, 2, 0, 0, 0, 19968, 4},
+    {"4g.20gb", 3, 5, 4, 1, 56, 4, 2, 0, 0, 0, 19968, 4},
+    {"7g.40gb", 4, 0, 7, 1, 98, 7, 5, 0, 1, 1, 40192, 8},
+};
+#define N_GI_PROFILES (sizeof GI_PROFILES / sizeof GI_PROFILES[0])
+
+/* NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE for a compute instance of n slices. */
+static int ci_profile_index(unsigned slices)
+{
+    switch (slices) {
+    case 1: return 0;
+    case 2: return 1;
+    case 3: return 2;
+    case 4: return 3;
+    case 7: return 4;
+    default: return -1;
+    }
+}
+
+static const struct sim_gi_profile *profile_named(const char *name)
+{
+    for (unsigned i = 0; i < N_GI_PROFILES; i++)
+        if (strcmp(GI_PROFILES[i].name, name) == 0)
+            return &GI_PROFILES[i];
+    return NULL;
+}
+
+static const struct sim_gi_profile *profile_of(nvmlDevice_t mig)
+{
+    return profile_named(mig->mig->profile);
+}
+
+/* Where a GPU instance sits: its GPU's instances, in the host's order, packed from slice 0. */
+static unsigned placement_start(nvmlDevice_t mig)
+{
+    const struct sim_gpu *gpu = mig->gpu;
+    unsigned start = 0;
+    for (unsigned i = 0; i < gpu->n_mig && &gpu->mig[i] != mig->mig; i++) {
+        const struct sim_gi_profile *p = profile_named(gpu->mig[i].profile);
+        start += p ? p->placement_size : 1;
+    }
+    return start;
+}
+
+/* A GPU or compute instance handle is the MIG device's own. */
+static nvmlReturn_t check_instance(const void *handle, nvmlDevice_t *mig)
+{
+    nvmlDevice_t device = (nvmlDevice_t)(uintptr_t)handle;
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (device->mig == NULL || profile_of(device) == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *mig = device;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    nvmlReturn_t ret = check_out(device, attributes);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    const struct sim_gi_profile *p = device->mig ? profile_of(device) : NULL;
+    if (p == NULL)
+        return NVML_ERROR_NOT_SUPPORTED; /* whole GPUs: see docs/simulate.md */
+    attributes->multiprocessorCount = p->sms;
+    attributes->sharedCopyEngineCount = p->copy_engines;
+    attributes->sharedDecoderCount = p->decoders;
+    attributes->sharedEncoderCount = p->encoders;
+    attributes->sharedJpegCount = p->jpegs;
+    attributes->sharedOfaCount = p->ofas;
+    attributes->gpuInstanceSliceCount = p->slices;
+    attributes->computeInstanceSliceCount = p->slices;
+    attributes->memorySizeMB = p->memory_mb;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
+{
+    return nvmlDeviceGetAttributes_v2(device, attributes);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id, nvmlGpuInstance_t *gpuInstance)
+{
+    nvmlReturn_t ret = check_out(device, gpuInstance);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (device->mig != NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!device->gpu->mig_enabled)
+        return NVML_ERROR_NOT_SUPPORTED;
+    for (unsigned i = 0; i < device->n_mig; i++) {
+        if (device->migs[i]->mig->gi_id == id) {
+            *gpuInstance = (nvmlGpuInstance_t)(uintptr_t)device->migs[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGpuInstanceInfo_t *info)
+{
+    nvmlDevice_t mig = NULL;
+    nvmlReturn_t ret = check_instance(gpuInstance, &mig);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct sim_gi_profile *p = profile_of(mig);
+    info->device = mig->parent;
+    info->id = mig->mig->gi_id;
+    info->profileId = p->id;
+    info->placement.start = placement_start(mig);
+    info->placement.size = p->placement_size;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t gpuInstance, unsigned int id,
+                                                          nvmlComputeInstance_t *computeInstance)
+{
+    nvmlDevice_t mig = NULL;
+    nvmlReturn_t ret = check_instance(gpuInstance, &mig);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (computeInstance == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (mig->mig->ci_id != id)
+        return NVML_ERROR_NOT_FOUND;
+    *computeInstance = (nvmlComputeInstance_t)(uintptr_t)mig;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeInstance,
+                                                  nvmlComputeInstanceInfo_t *info)
+{
+    nvmlDevice_t mig = NULL;
+    nvmlReturn_t ret = check_instance(computeInstance, &mig);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    const struct sim_gi_profile *p = profile_of(mig);
+    info->device = mig->parent;
+    info->gpuInstance = (nvmlGpuInstance_t)(uintptr_t)mig;
+    info->id = mig->mig->ci_id;
+    info->profileId = (unsigned)ci_profile_index(p->slices);
+    info->placement.start = 0;
+    info->placement.size = p->slices;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t computeInstance, nvmlComputeInstanceInfo_t *info)
+{
+    return nvmlComputeInstanceGetInfo_v2(computeInstance, info);
+}
+
+static nvmlReturn_t gi_profile(nvmlDevice_t device, unsigned int profile, const struct sim_gi_profile **out)
+{
+    nvmlReturn_t ret = check(device);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (device->mig != NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!mig_capable(device->gpu))
+        return NVML_ERROR_NOT_SUPPORTED;
+    for (unsigned i = 0; i < N_GI_PROFILES; i++) {
+        if (GI_PROFILES[i].index == profile) {
+            *out = &GI_PROFILES[i];
+            return NVML_SUCCESS;
+        }
+    }
+    return NVML_ERROR_NOT_SUPPORTED; /* the *_REV1 and other parts' profiles */
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int profile,
+                                                        nvmlGpuInstanceProfileInfo_t *info)
+{
+    const struct sim_gi_profile *p = NULL;
+    nvmlReturn_t ret = gi_profile(device, profile, &p);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    info->id = p->id;
+    info->isP2pSupported = 0;
+    info->sliceCount = p->slices;
+    info->instanceCount = p->instances;
+    info->multiprocessorCount = p->sms;
+    info->copyEngineCount = p->copy_engines;
+    info->decoderCount = p->decoders;
+    info->encoderCount = p->encoders;
+    info->jpegCount = p->jpegs;
+    info->ofaCount = p->ofas;
+    info->memorySizeMB = p->memory_mb;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, unsigned int profile,
+                                                         nvmlGpuInstanceProfileInfo_v2_t *info)
+{
+    const struct sim_gi_profile *p = NULL;
+    nvmlReturn_t ret = gi_profile(device, profile, &p);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlGpuInstanceProfileInfo_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    nvmlGpuInstanceProfileInfo_t v1;
+    nvmlDeviceGetGpuInstanceProfileInfo(device, profile, &v1);
+    info->id = v1.id;
+    info->isP2pSupported = v1.isP2pSupported;
+    info->sliceCount = v1.sliceCount;
+    info->instanceCount = v1.instanceCount;
+    info->multiprocessorCount = v1.multiprocessorCount;
+    info->copyEngineCount = v1.copyEngineCount;
+    info->decoderCount = v1.decoderCount;
+    info->encoderCount = v1.encoderCount;
+    info->jpegCount = v1.jpegCount;
+    info->ofaCount = v1.ofaCount;
+    info->memorySizeMB = v1.memorySizeMB;
+    snprintf(info->name, sizeof info->name, "MIG %s", p->name);
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t ci_profile(nvmlGpuInstance_t gpuInstance, unsigned int profile, unsigned int engProfile,
+                               const struct sim_gi_profile **gi, unsigned *slices)
+{
+    nvmlDevice_t mig = NULL;
+    nvmlReturn_t ret = check_instance(gpuInstance, &mig);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (engProfile != 0) /* NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED only */
+        return NVML_ERROR_NOT_SUPPORTED;
+    *gi = profile_of(mig);
+    static const unsigned SLICES[] = {1, 2, 3, 4, 7};
+    if (profile >= sizeof SLICES / sizeof SLICES[0] || SLICES[profile] > (*gi)->slices)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *slices = SLICES[profile];
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance_t gpuInstance, unsigned int profile,
+                                                                 unsigned int engProfile,
+                                                                 nvmlComputeInstanceProfileInfo_t *info)
+{
+    const struct sim_gi_profile *gi = NULL;
+    unsigned slices = 0;
+    nvmlReturn_t ret = ci_profile(gpuInstance, profile, engProfile, &gi, &slices);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    info->id = profile;
+    info->sliceCount = slices;
+    info->instanceCount = gi->slices / slices;
+    info->multiprocessorCount = 14 * slices;
+    info->sharedCopyEngineCount = gi->copy_engines;
+    info->sharedDecoderCount = gi->decoders;
+    info->sharedEncoderCount = gi->encoders;
+    info->sharedJpegCount = gi->jpegs;
+    info->sharedOfaCount = gi->ofas;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstance_t gpuInstance, unsigned int profile,
+                                                                  unsigned int engProfile,
+                                                                  nvmlComputeInstanceProfileInfo_v2_t *info)
+{
+    const struct sim_gi_profile *gi = NULL;
+    unsigned slices = 0;
+    nvmlReturn_t ret = ci_profile(gpuInstance, profile, engProfile, &gi, &slices);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlComputeInstanceProfileInfo_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    nvmlComputeInstanceProfileInfo_t v1;
+    nvmlGpuInstanceGetComputeInstanceProfileInfo(gpuInstance, profile, engProfile, &v1);
+    info->id = v1.id;
+    info->sliceCount = v1.sliceCount;
+    info->instanceCount = v1.instanceCount;
+    info->multiprocessorCount = v1.multiprocessorCount;
+    info->sharedCopyEngineCount = v1.sharedCopyEngineCount;
+    info->sharedDecoderCount = v1.sharedDecoderCount;
+    info->sharedEncoderCount = v1.sharedEncoderCount;
+    info->sharedJpegCount = v1.sharedJpegCount;
+    info->sharedOfaCount = v1.sharedOfaCount;
+    if (slices == gi->slices)
+        snprintf(info->name, sizeof info->name, "MIG %s", gi->name);
+    else
+        snprintf(info->name, sizeof info->name, "MIG %uc.%s", slices, gi->name);
+    return NVML_SUCCESS;
+}
