@@ -14,6 +14,7 @@ import os
 import re
 
 import pytest
+from test_runc import config_with
 
 from oci_gpu_hook.toolkit import containers
 
@@ -27,12 +28,6 @@ SHOW = "nvidia-smi -L; ls /dev"
 def host(simulated_host, require):
     require("root", "runc", "busybox", "gcc")
     return simulated_host(gpus=4, mig=[2], scramble_minors=True)
-
-
-def config_file(host, tmp_path, extra: str) -> str:
-    path = tmp_path / "config.yaml"
-    path.write_text(open(f"{host['root']}/config.yaml").read() + extra)
-    return str(path)
 
 
 def node(host, path):
@@ -49,7 +44,7 @@ def allocate(host, tmp_path, name, shape, ids, settings="", env=None):
     elif shape == "volume-mounts":
         env["NVIDIA_VISIBLE_DEVICES"] = VOLUME_DIR
     bundle = containers.make_bundle(str(tmp_path / name), args=["sh", "-c", SHOW], env=env,
-                                    config_file=config_file(host, tmp_path, settings))  # fmt: skip
+                                    config_file=config_with(host, tmp_path, settings))  # fmt: skip
     path = os.path.join(bundle, "config.json")
     with open(path) as f:
         config = json.load(f)

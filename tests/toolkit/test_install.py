@@ -167,11 +167,15 @@ def test_the_docker_program_hands_over_its_arguments(root):
     assert out.returncode == 0 and "oci-gpu-hook" in out.stdout, out.stderr
 
 
-def test_nvidias_program_is_never_replaced_unless_told(root):
+def plant_nvidias_hook(root):
     os.makedirs(root + "/usr/bin")
     with open(root + install.DOCKER_HOOK, "wb") as f:
         f.write(NVIDIAS_HOOK)
     os.chmod(root + install.DOCKER_HOOK, 0o755)
+
+
+def test_nvidias_program_is_never_replaced_unless_told(root):
+    plant_nvidias_hook(root)
     before = snapshot(root)
     with pytest.raises(HookError, match="--replace-nvidia-hook") as e:
         install.install(root, ("docker",), PREFIX)
@@ -180,10 +184,7 @@ def test_nvidias_program_is_never_replaced_unless_told(root):
 
 
 def test_replacing_nvidias_program_and_uninstall_restores_it(root):
-    os.makedirs(root + "/usr/bin")
-    with open(root + install.DOCKER_HOOK, "wb") as f:
-        f.write(NVIDIAS_HOOK)
-    os.chmod(root + install.DOCKER_HOOK, 0o755)
+    plant_nvidias_hook(root)
     before = snapshot(root)
     lines = install.install(root, ("docker",), PREFIX, replace_nvidia_hook=True)
     assert f"moved {root + install.DOCKER_HOOK} to {root + install.DOCKER_HOOK_SAVED}" in lines
