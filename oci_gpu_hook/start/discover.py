@@ -104,6 +104,33 @@ def read_procfs_gpus(settings: Settings):
     return found
 
 
+DRM_MAJOR = 226
+DRI_BY_PATH = "/dev/dri/by-path"
+
+
+def read_dri_nodes(settings: Settings, bus_id: str) -> tuple[DeviceNode, ...]:
+    """A GPU's DRM card and render nodes, found as udev names them: /dev/dri/by-path/
+    pci-<bus id>-card -> ../card1 (and -render). None when nvidia-drm is not loaded. A link that
+    leads anywhere but a char 226 node in /dev/dri is not used."""
+    found = []
+    for kind, prefix in (("card", "card"), ("render", "renderD")):
+        link = host_path(settings.dev_root, f"{DRI_BY_PATH}/pci-{bus_id}-{kind}")
+        try:
+            value = os.readlink(link)
+        except OSError:
+            continue
+        name = value[3:] if value.startswith("../") else ""
+        if not (name.startswith(prefix) and name[len(prefix):].isdigit()):
+            continue
+        try:
+            st = os.lstat(host_path(settings.dev_root, f"/dev/dri/{name}"))
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == DRM_MAJOR:
+            found.append(DeviceNode(f"/dev/dri/{name}", DRM_MAJOR, os.minor(st.st_rdev)))
+    return tuple(found)
+
+
 def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None, nvml_mig) -> tuple[MigDevice, ...]:
     """MIG devices of one GPU: cap minors from procfs, order and UUIDs from NVML when known."""
     import glob
@@ -241,6 +268,7 @@ def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | No
                 compute_capability=extra.get("compute_capability"),
                 memory_total=extra.get("memory_total"),
                 mig=read_mig_devices(settings, info["minor"], caps_major, extra.get("mig") if facts else None),
+                dri=read_dri_nodes(settings, info["bus_id"]),
             )
         )
     control = {

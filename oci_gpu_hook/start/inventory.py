@@ -45,8 +45,9 @@ class GpuInfo(Record):
         "compute_capability",
         "memory_total",
         "mig",
+        "dri",
     )
-    _defaults = {"brand": None, "compute_capability": None, "memory_total": None, "mig": ()}
+    _defaults = {"brand": None, "compute_capability": None, "memory_total": None, "mig": (), "dri": ()}
     index: int  # NVML index: PCI bus order
     minor: int  # /dev/nvidia<minor>
     uuid: str
@@ -57,6 +58,7 @@ class GpuInfo(Record):
     compute_capability: str | None
     memory_total: int | None
     mig: tuple[MigDevice, ...]
+    dri: tuple[DeviceNode, ...]  # its DRM card and render nodes (/dev/dri/card1, renderD128), if any
 
 
 class DriverFile(Record):
@@ -103,7 +105,8 @@ class Inventory(Record):
             return MigDevice(**dict(d, gi_cap=node(d["gi_cap"]), ci_cap=node(d["ci_cap"])))
 
         def gpu(d):
-            return GpuInfo(**dict(d, node=node(d["node"]), mig=tuple(mig(m) for m in d["mig"])))
+            return GpuInfo(**dict(d, node=node(d["node"]), mig=tuple(mig(m) for m in d["mig"]),
+                                  dri=tuple(node(n) for n in d.get("dri", ()))))  # fmt: skip
 
         return cls(
             **dict(

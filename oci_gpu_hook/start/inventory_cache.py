@@ -17,7 +17,7 @@ from oci_gpu_hook.start import files, jsonio
 from oci_gpu_hook.start.inventory import Inventory, host_path
 from oci_gpu_hook.start.settings import Settings, read_trusted
 
-FORMAT = 1
+FORMAT = 2  # 2: GPUs list their DRM nodes
 MAX_BYTES = 16 << 20  # an 8-GPU host's cache is 14 kB
 
 

@@ -370,6 +370,15 @@ class _Builder:
         self.add(BindMount(host_path(self.inventory.driver_root, f.path), target, "file", flags))
 
 
+def _dri(builder: _Builder, gpu) -> None:
+    """graphics/display: the GPU's DRM card and render nodes (EGL, Vulkan and GBM open them), and
+    the /dev/dri/by-path links that name them by PCI address, as NVIDIA's runtime adds them."""
+    for node in gpu.dri:
+        builder.device(node, f"GPU {gpu.index} DRM node")
+        kind = "render" if os.path.basename(node.path).startswith("renderD") else "card"
+        builder.add(Symlink(f"/dev/dri/by-path/pci-{gpu.bus_id}-{kind}", f"../{os.path.basename(node.path)}"))
+
+
 def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout, for_cdi: bool) -> tuple[str, ...]:
     inventory, caps = builder.inventory, request.capabilities
     kinds = ("library", "library32") if "compat32" in caps and layout.lib32 else ("library",)
@@ -459,6 +468,8 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout,
         builder.device(control["nvidia-modeset"], "nvidia-modeset")
     for device in devices:
         builder.device(device.gpu.node, f"GPU {device.gpu.index}")
+        if caps & {"graphics", "display"}:
+            _dri(builder, device.gpu)
         if device.mig:
             builder.device(device.mig.gi_cap, f"MIG {device.gpu.index}:{device.mig.index} GPU instance")
             builder.device(device.mig.ci_cap, f"MIG {device.gpu.index}:{device.mig.index} compute instance")

@@ -126,3 +126,17 @@ def test_graphics_gets_the_application_profile_and_video_the_opticalflow_link(tm
     assert text == ('{"profiles": [{"name": "_container_", "settings": ["EGLVisibleDGPUDevices", '
                     f'{hex(1 << minor)}]}}], "rules": [{{"pattern": [], "profile": "_container_"}}]}}')  # fmt: skip
     assert link == "libnvidia-opticalflow.so.1" and "WRITABLE" not in out.stdout
+
+
+def test_graphics_gets_the_gpus_drm_nodes(tmp_path, host):
+    """graphics: the chosen GPU's /dev/dri card and render nodes (char 226) and their by-path
+    links; compute alone: no /dev/dri."""
+    g = gpu(host, 1)
+    card, render = f"card{g['index'] + 1}", f"renderD{128 + g['index']}"
+    by_path = f"/dev/dri/by-path/pci-{g['bus_id']}"
+    script = f"ls /dev/dri; stat -c '%t:%T' /dev/dri/{card}; readlink {by_path}-card; readlink {by_path}-render"
+    out = run(tmp_path, host, script, {"NVIDIA_VISIBLE_DEVICES": "1", "NVIDIA_DRIVER_CAPABILITIES": "graphics"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["by-path", card, render, f"e2:{g['index'] + 1:x}", f"../{card}", f"../{render}"]
+    out = run(tmp_path, host, "ls /dev/dri 2>&1", {"NVIDIA_VISIBLE_DEVICES": "1"}, name="compute")
+    assert "No such file or directory" in out.stdout

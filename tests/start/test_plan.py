@@ -864,3 +864,23 @@ def test_development_links(for_cdi):
     cdi_only = {"/usr/lib64/libnvidia-ml.so": "libnvidia-ml.so.1",
                 "/usr/lib64/gbm/nvidia-drm_gbm.so": "../libnvidia-allocator.so.1"}  # fmt: skip
     assert {k: links.get(k) for k in cdi_only} == (cdi_only if for_cdi else dict.fromkeys(cdi_only))
+
+
+def test_graphics_gets_the_gpus_drm_nodes_and_by_path_links():
+    """As NVIDIA's runtime does for graphics and display: the selected GPUs' DRM nodes only."""
+    gpus = []
+    for gpu in HOST.gpus:
+        dri = (DeviceNode(f"/dev/dri/card{gpu.index + 1}", 226, gpu.index + 1),
+               DeviceNode(f"/dev/dri/renderD{128 + gpu.index}", 226, 128 + gpu.index))  # fmt: skip
+        gpus.append(gpu.replace(dri=dri))
+    host = HOST.replace(gpus=tuple(gpus))
+    graphics = plan_for("1", "graphics", host=host)
+    assert set(targets(graphics, MountDevice)) >= {"/dev/dri/card2", "/dev/dri/renderD129"}
+    assert not {"/dev/dri/card1", "/dev/dri/card3"} & set(targets(graphics, MountDevice))
+    links = {op.target: op.value for op in of(graphics, Symlink)}
+    assert links["/dev/dri/by-path/pci-0000:3b:00.0-card"] == "../card2"
+    assert links["/dev/dri/by-path/pci-0000:3b:00.0-render"] == "../renderD129"
+    rules = {(op.major, op.minor) for op in of(graphics, DeviceRule)}
+    assert {(226, 2), (226, 129)} <= rules
+    compute = plan_for("1", "utility,compute", host=host)
+    assert not [t for t in targets(compute, MountDevice) if t.startswith("/dev/dri/")]

@@ -1,0 +1,32 @@
+"""Discovery on a simulated host: the DRM nodes of each GPU, found through udev's by-path links."""
+
+import os
+
+from oci_gpu_hook.start import settings
+from oci_gpu_hook.start.discover import DRM_MAJOR, discover, read_dri_nodes
+from oci_gpu_hook.toolkit.simulate import simulate
+
+
+def test_each_gpu_lists_its_card_and_render_node(simulated_host):
+    host = simulated_host(gpus=2)
+    inventory = discover(settings.load(f"{host['root']}/config.yaml"), use_nvml=False)
+    for gpu in inventory.gpus:
+        assert [(n.path, n.major, n.minor, n.problem) for n in gpu.dri] == [
+            (f"/dev/dri/card{gpu.index + 1}", DRM_MAJOR, gpu.index + 1, None),
+            (f"/dev/dri/renderD{128 + gpu.index}", DRM_MAJOR, 128 + gpu.index, None),
+        ]
+
+
+def test_a_by_path_link_that_leads_elsewhere_is_not_used(tmp_path, require):
+    """Only ../card<N> and ../renderD<N> naming a char 226 node in /dev/dri count: a link to
+    another node (here the GPU's own /dev/nvidia node) or a missing driver gives nothing."""
+    require("root", "gcc")
+    host = simulate(str(tmp_path / "host"), gpus=1)
+    config = settings.load(f"{host['root']}/config.yaml")
+    bus = host["gpus"][0]["bus_id"]
+    by_path = f"{host['root']}/dev/dri/by-path/pci-{bus}"
+    os.unlink(f"{by_path}-card")
+    os.symlink(f"../../nvidia{host['gpus'][0]['minor']}", f"{by_path}-card")
+    os.unlink(f"{host['root']}/dev/dri/renderD128")
+    os.mknod(f"{host['root']}/dev/dri/renderD128", 0o20666, os.makedev(1, 3))  # /dev/null's numbers
+    assert read_dri_nodes(config, bus) == ()
