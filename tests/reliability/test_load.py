@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from oci_gpu_hook.start.inventory_cache import FORMAT
+
 CONTAINERS = 50
 REFRESHERS = 4
 REFRESH_ROUNDS = 3
@@ -56,7 +58,7 @@ def cache_reader(path: str, stop: threading.Event, seen: dict) -> None:
             continue
         try:
             doc = json.loads(data)
-            assert doc["format"] == 1 and len(doc["inventory"]["gpus"]) == 8
+            assert doc["format"] == FORMAT and len(doc["inventory"]["gpus"]) == 8
             seen["whole"] += 1
         except (ValueError, KeyError, AssertionError):
             seen["torn"] += 1
