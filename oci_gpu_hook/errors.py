@@ -95,6 +95,10 @@ class InventoryError(HookError):
     exit_code = Exit.INVENTORY
 
 
+class NvmlError(InventoryError):
+    """NVML failed, timed out, or disagrees with procfs: what a stale cache's rebuild runs into."""
+
+
 class RequestError(HookError):
     """The container asks for something malformed or impossible."""
 

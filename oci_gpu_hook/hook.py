@@ -8,15 +8,13 @@ stderr and an exit status, never a traceback (OCI_GPU_HOOK_DEBUG=1 shows one for
 import os
 import sys
 
-from oci_gpu_hook.errors import Exit
+from oci_gpu_hook.errors import Exit, HookError, printable
 
 PROG = "oci-gpu-hook"
 INTERNAL_ERROR_EXIT = Exit.INTERNAL
 
 
 def report(message: str) -> None:
-    from oci_gpu_hook.errors import printable
-
     # HookError messages are safe already; an internal error's text (any exception's) is not.
     sys.stderr.write(f"{PROG}: {printable(message)}\n")
     sys.stderr.flush()
@@ -42,6 +40,8 @@ def run(argv, as_program: bool = False) -> int:
         from oci_gpu_hook.start.prestart import run as prestart
 
         return prestart(config, since_process_start=as_program)
+    # "ldcache-refresh" is start/ldcache_refresh.COMMAND, written out: importing that module here
+    # would load it on every container start.
     if rest and rest[0] == "ldcache-refresh" and not {"-h", "--help"} & set(rest):
         from oci_gpu_hook.start import ldcache_refresh
 
@@ -52,8 +52,6 @@ def run(argv, as_program: bool = False) -> int:
 
 
 def main(argv=None) -> int:
-    from oci_gpu_hook.errors import HookError
-
     as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -184,7 +184,7 @@ def _compiled_settings_in_tmp(tmp_path_factory, monkeypatch):
     """In-process tests keep compiled settings out of the host's /run."""
     from oci_gpu_hook.start import settings
 
-    monkeypatch.setattr(settings, "COMPILED_DIR", str(tmp_path_factory.mktemp("run")))
+    monkeypatch.setattr(settings, "RUN_DIR", str(tmp_path_factory.mktemp("run")))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -193,12 +193,12 @@ def _clean_compiled_settings_of_subprocesses():
     from oci_gpu_hook.start import settings
 
     try:
-        names = os.listdir(settings.COMPILED_DIR)
+        names = os.listdir(settings.RUN_DIR)
     except OSError:
         return
     for name in names:
         if "pytest-of-" in name:
-            os.unlink(os.path.join(settings.COMPILED_DIR, name))
+            os.unlink(os.path.join(settings.RUN_DIR, name))
 
 
 CGROUP_ROOT = "/sys/fs/cgroup/devices"
@@ -227,9 +227,10 @@ def live_container(tmp_path, simulated_host, require):
             config_file=None,
             mount_label=mount_label,
         )
+        # The holder first: if it cannot start, no cgroup is left behind.
+        proc = containers.hold_namespace(os.path.join(bundle, "rootfs"))
         cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-test-{os.getpid()}-{time.monotonic_ns()}")
         os.mkdir(cgroup)
-        proc = containers.hold_namespace(os.path.join(bundle, "rootfs"))
         started.append((proc, cgroup))
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
             f.write(str(proc.pid))

@@ -9,6 +9,7 @@ would write into. Importable from any test (pytest puts tests/ on sys.path for i
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
@@ -164,14 +165,31 @@ def _file_hash(path):
         return e.errno
 
 
+def config_with(host: dict, tmp_path, extra: str) -> str:
+    """A configuration file of the test's own: the simulated host's, plus the YAML lines extra."""
+    path = os.path.join(str(tmp_path), "config.yaml")
+    with open(f"{host['root']}/config.yaml") as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text + extra)
+    return path
+
+
 def remove_cgroup(path: str, tries: int = 100) -> None:
-    """rmdir a test cgroup; the kernel keeps it busy for a moment after its last process exits."""
-    for _ in range(tries):
+    """rmdir a test cgroup; the kernel keeps it busy (EBUSY) for a moment after its last process
+    exits. Any other failure, or one still busy after the tries, is raised: a cgroup left on the
+    host must not go unnoticed."""
+    for _ in range(tries - 1):
         try:
             os.rmdir(path)
             return
-        except OSError:
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
             time.sleep(0.02)
+    os.rmdir(path)
 
 
 def device_rules(cgroup: str) -> str:

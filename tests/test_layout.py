@@ -17,8 +17,8 @@ import oci_gpu_hook
 PACKAGE = os.path.dirname(os.path.abspath(oci_gpu_hook.__file__))
 START = os.path.join(PACKAGE, "start")
 SHARED = ("errors.py", "record.py")
-# The start path's own subpackages; anything else of ours is off limits to it.
-ALLOWED_OURS = ("oci_gpu_hook", "oci_gpu_hook.errors", "oci_gpu_hook.record", "oci_gpu_hook.start")
+# What of ours the start path may import (with what lies below): anything else is off limits.
+ALLOWED_OURS = ("oci_gpu_hook.errors", "oci_gpu_hook.record", "oci_gpu_hook.start")
 # The two places where the start path may load more than the standard library, both lazily and
 # both only when a cache is stale: nvml.py's child process (a separate interpreter, with what is
 # left of the budget) loads NVIDIA's bindings when the inventory cache is; settings.py loads YAML
@@ -66,7 +66,7 @@ def is_ours(module):
 
 
 def allowed_ours(module):
-    return any(module == a or module.startswith(a + ".") for a in ALLOWED_OURS[1:]) or module == "oci_gpu_hook"
+    return module == "oci_gpu_hook" or any(module == a or module.startswith(a + ".") for a in ALLOWED_OURS)
 
 
 def is_stdlib(module):

@@ -3,6 +3,8 @@
 
 import click
 
+from oci_gpu_hook.start import ldcache_refresh as ldcache_refresh_command
+
 
 @click.group()
 def cdi():
@@ -46,7 +48,7 @@ def generate(obj, output, fmt, kind, capabilities, no_cache):
     return 0
 
 
-@click.command(name="ldcache-refresh")
+@click.command(name=ldcache_refresh_command.COMMAND)
 @click.option("--dir", "directories", multiple=True, metavar="DIR",
               help="Library directory inside the container to add to its ld.so.cache (repeatable).")  # fmt: skip
 @click.option("--link", "links", multiple=True, metavar="PATH=VALUE",
@@ -56,7 +58,5 @@ def ldcache_refresh(directories, links):
     driver's symlinks in the container's rootfs and refresh its ld.so.cache with the host's
     ldconfig (confined to the rootfs). The runtime's calls take the stdlib-only fast path in
     hook.py and never reach click; this entry is for --help."""
-    from oci_gpu_hook.start import ldcache_refresh as fast
-
     argv = [f"--dir={d}" for d in directories] + [f"--link={link}" for link in links]
-    return fast.run(argv)
+    return ldcache_refresh_command.run(argv)

@@ -19,8 +19,8 @@ def plan(obj, bundle, as_json, no_cache):
     from oci_gpu_hook.errors import printable
     from oci_gpu_hook.start import inventory_cache, request, spec
     from oci_gpu_hook.start.discover import discover
-    from oci_gpu_hook.start.linux.rootfs import directories
-    from oci_gpu_hook.start.plan import LibraryLayout, build_plan
+    from oci_gpu_hook.start.plan import build_plan
+    from oci_gpu_hook.start.prestart import library_layout
 
     container = spec.load(os.path.abspath(bundle))
     settings = obj.settings
@@ -32,8 +32,7 @@ def plan(obj, bundle, as_json, no_cache):
             click.echo("not a GPU container (NVIDIA_VISIBLE_DEVICES unset, empty or void): the hook does nothing")
         return
     inventory = discover(settings) if no_cache else inventory_cache.load(settings)
-    layout = LibraryLayout.for_image(directories(container.rootfs, LibraryLayout.probe_paths()))
-    result = build_plan(gpu_request, inventory, layout)
+    result = build_plan(gpu_request, inventory, library_layout(container.rootfs))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))  # ASCII: json escapes every control character
     else:

@@ -298,7 +298,7 @@ class Applier:
 
     def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
         remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)
-        for note in ldconfig.refresh(self.rootfs, op.directories, self.undo, timeout=remaining):
+        for note in ldconfig.refresh(self.rootfs, op.directories, self.undo, timeout=remaining, sources=self.sources):
             self.skipped.append(note)
 
 
@@ -388,6 +388,7 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
     signal.signal(signal.SIGALRM, _on_deadline)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     applier = None
+    keep_journal = False  # kept when something could not be undone: the next start finishes it
     try:
         own_namespace = os.stat("/proc/self/ns/mnt").st_ino
         bundle_rootfs = _identity(spec.rootfs)
@@ -407,9 +408,7 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
     except BaseException as e:
         signal.setitimer(signal.ITIMER_REAL, 0)  # the rollback itself must not be interrupted
         failures = applier.undo.rollback() if applier else []
-        if applier and applier.undo.journal:  # kept when something could not be undone: next start
-            applier.undo.journal.close(keep=bool(failures))
-            applier.undo.journal = None
+        keep_journal = bool(failures)
         if isinstance(e, HookError):
             return {"ok": False, "error": e.message, "exit_code": e.exit_code, "undo_failures": failures}
         return {
@@ -421,7 +420,7 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
     finally:
         if applier:
             if applier.undo.journal:
-                applier.undo.journal.close()
+                applier.undo.journal.close(keep=keep_journal)
             applier.undo.close()
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 
-from oci_gpu_hook.errors import InventoryError
+from oci_gpu_hook.errors import InventoryError, NvmlError
 from oci_gpu_hook.start import driver, files
 from oci_gpu_hook.start.inventory import (
     DeviceNode,
@@ -104,17 +104,13 @@ def read_procfs_gpus(settings: Settings):
     return found
 
 
-DRM_MAJOR = 226
-DRI_BY_PATH = "/dev/dri/by-path"
-
-
 def read_dri_nodes(settings: Settings, bus_id: str) -> tuple[DeviceNode, ...]:
     """A GPU's DRM card and render nodes, found as udev names them: /dev/dri/by-path/
     pci-<bus id>-card -> ../card1 (and -render). None when nvidia-drm is not loaded. A link that
     leads anywhere but a char 226 node in /dev/dri is not used."""
     found = []
     for kind, prefix in (("card", "card"), ("render", "renderD")):
-        link = host_path(settings.dev_root, f"{DRI_BY_PATH}/pci-{bus_id}-{kind}")
+        link = host_path(settings.dev_root, f"{driver.DRI_BY_PATH}/pci-{bus_id}-{kind}")
         try:
             value = os.readlink(link)
         except OSError:
@@ -126,8 +122,8 @@ def read_dri_nodes(settings: Settings, bus_id: str) -> tuple[DeviceNode, ...]:
             st = os.lstat(host_path(settings.dev_root, f"/dev/dri/{name}"))
         except OSError:
             continue
-        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == DRM_MAJOR:
-            found.append(DeviceNode(f"/dev/dri/{name}", DRM_MAJOR, os.minor(st.st_rdev)))
+        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == driver.DRM_MAJOR:
+            found.append(DeviceNode(f"/dev/dri/{name}", driver.DRM_MAJOR, os.minor(st.st_rdev)))
     return tuple(found)
 
 
@@ -155,7 +151,7 @@ def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None,
     devices = []
     for key, uuid in order:
         if key not in instances:
-            raise InventoryError(
+            raise NvmlError(
                 f"NVML lists MIG device gi{key[0]}/ci{key[1]} of GPU minor {gpu_minor}, "
                 f"but {base}/gi{key[0]}/ci{key[1]}/access does not exist"
             )
@@ -249,7 +245,7 @@ def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | No
         nvml_lib = next((f for f in libraries if f.soname == "libnvidia-ml.so.1" and f.kind == "library"), None)
         if nvml_lib is not None:
             library = host_path(settings.driver_root, nvml_lib.path)
-            facts = nvml.query(library) if nvml_timeout is None else nvml.query(library, nvml_timeout)
+            facts = nvml.query(library, nvml.DEFAULT_TIMEOUT if nvml_timeout is None else nvml_timeout)
     nvml_gpus = facts["gpus"] if facts else {}
     caps_major = majors.get("nvidia-caps")
     gpus = []

@@ -105,6 +105,11 @@ UVM_TOOLS_MINOR = 1
 # /dev/nvidia-caps minors of the MIG capabilities, as /proc/driver/nvidia-caps/mig-minors lists
 # them: config 1, monitor 2, then per GPU minor 15 GPU instances of (1 access + 8 compute
 # instances) minors each.
+# DRM (nvidia-drm): the kernel's fixed major for card and render nodes, and where udev names them
+# by PCI address.
+DRM_MAJOR = 226
+DRI_BY_PATH = "/dev/dri/by-path"
+
 MIG_CONFIG_CAP_MINOR = 1
 MIG_MONITOR_CAP_MINOR = 2
 MIG_MAX_GPU_INSTANCES = 15

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from oci_gpu_hook.start import files, jsonio
+from oci_gpu_hook.start import driver, files, jsonio
 from oci_gpu_hook.start.inventory import Inventory, host_path
 from oci_gpu_hook.start.settings import Settings, read_trusted
 
@@ -52,6 +52,13 @@ def _nodes(directory: str):
     return sorted(nodes)
 
 
+def _names(directory: str) -> list:
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
 def fingerprint(settings: Settings) -> dict:
     proc_nvidia = host_path(settings.proc_root, "/proc/driver/nvidia")
     devices = _read_small(host_path(settings.proc_root, "/proc/devices")) or ""
@@ -67,6 +74,8 @@ def fingerprint(settings: Settings) -> dict:
         "ld.so.cache": _stat_key(host_path(settings.driver_root, "/etc/ld.so.cache")),
         "dev": _nodes(host_path(settings.dev_root, "/dev")),
         "dev/nvidia-caps": _nodes(host_path(settings.dev_root, "/dev/nvidia-caps")),
+        # nvidia-drm loaded (or unloaded) after the cache was written: its DRM nodes come or go.
+        "dev/dri/by-path": _names(host_path(settings.dev_root, driver.DRI_BY_PATH)),
     }
 
 
@@ -102,7 +111,7 @@ def load(settings: Settings, budget=None) -> Inventory:
     """The inventory for the hook: from the cache when fresh, else discovered and cached. With a
     budget (the hook's), NVML gets only what the budget leaves after APPLY_RESERVE, and a hung
     NVML fails the start with one line in time, before anything in the container changed."""
-    from oci_gpu_hook.errors import InventoryError
+    from oci_gpu_hook.errors import InventoryError, NvmlError
     from oci_gpu_hook.start.discover import discover
 
     current = fingerprint(settings)
@@ -119,8 +128,8 @@ def load(settings: Settings, budget=None) -> Inventory:
             )
     try:
         inventory = discover(settings, nvml_timeout=nvml_timeout)
-    except InventoryError as e:
-        if budget is None or "NVML" not in e.message:
+    except NvmlError as e:
+        if budget is None:
             raise
         stale = "the inventory cache is stale: run `oci-gpu-hook inventory refresh`"
         raise InventoryError(f"{e.message}; {stale}") from None

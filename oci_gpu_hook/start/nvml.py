@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import oci_gpu_hook
-from oci_gpu_hook.errors import InventoryError
+from oci_gpu_hook.errors import NvmlError
 
 DEFAULT_TIMEOUT = 20.0
 
@@ -37,10 +37,10 @@ def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
             cwd="/",
         )
     except subprocess.TimeoutExpired:
-        raise InventoryError(f"NVML ({library_path}) did not answer within {timeout:.1f} s") from None
+        raise NvmlError(f"NVML ({library_path}) did not answer within {timeout:.1f} s") from None
     if result.returncode != 0:
         message = result.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise InventoryError(f"NVML ({library_path}): {message[-1] if message else 'failed'}")
+        raise NvmlError(f"NVML ({library_path}): {message[-1] if message else 'failed'}")
     return json.loads(result.stdout)
 
 

@@ -275,11 +275,11 @@ def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
     lowered = device_id.lower()
     index = device_index(device_id)
     gpu_part, colon, mig_part = device_id.partition(":")
+    gpu_index, mig_index = (device_index(gpu_part), device_index(mig_part)) if colon else (None, None)
     if index is not None:
         if index < len(gpus):
             return SelectedDevice(gpus[index])
-    elif colon and device_index(gpu_part) is not None and device_index(mig_part) is not None:
-        gpu_index, mig_index = device_index(gpu_part), device_index(mig_part)
+    elif gpu_index is not None and mig_index is not None:
         if gpu_index < len(gpus) and mig_index < len(gpus[gpu_index].mig):
             return SelectedDevice(gpus[gpu_index], gpus[gpu_index].mig[mig_index])
     elif lowered.startswith("gpu-"):

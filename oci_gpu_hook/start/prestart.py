@@ -39,28 +39,26 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
     settings = None
     try:
         settings = settings_module.load(config)
-        from oci_gpu_hook.start.budget import Budget
-
-        budget = Budget(settings.deadline_seconds, age=None if since_process_start else 0.0)
-        return _configure(container, spec, settings, budget)
+        return _configure(container, spec, settings, since_process_start)
     except HookError as e:
         report.record(settings, container.id, "error", e.message, bundle=container.bundle)
         raise
 
 
-def _configure(container, spec, settings, budget) -> int:
+def _configure(container, spec, settings, since_process_start: bool) -> int:
     from oci_gpu_hook.start import apply, inventory_cache, request
+    from oci_gpu_hook.start.budget import Budget
     from oci_gpu_hook.start.linux import arch
-    from oci_gpu_hook.start.linux.rootfs import directories
-    from oci_gpu_hook.start.plan import LibraryLayout, build_plan
+    from oci_gpu_hook.start.plan import build_plan
 
     gpu_request = request.parse_request(spec, settings)
     if gpu_request is None:
         return 0
+    # Counted from the process start all the same; built only once the container asks for GPUs.
+    budget = Budget(settings.deadline_seconds, age=None if since_process_start else 0.0)
     arch.current()  # an unknown machine says so first, not through whatever fails next
     inventory = inventory_cache.load(settings, budget)
-    layout = LibraryLayout.for_image(directories(spec.rootfs, LibraryLayout.probe_paths()))
-    plan = build_plan(gpu_request, inventory, layout)
+    plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))
     result = apply.apply(plan, container, spec, settings, budget)
     report.record(
         settings, container.id, "info", "GPU devices configured",
@@ -68,3 +66,12 @@ def _configure(container, spec, settings, budget) -> int:
         notes=list(gpu_request.notes),
     )  # fmt: skip
     return 0
+
+
+def library_layout(rootfs: str):
+    """Where the image's loader looks for libraries, from the directories it has (the hook and the
+    dry run decide it here, alike)."""
+    from oci_gpu_hook.start.linux.rootfs import directories
+    from oci_gpu_hook.start.plan import LibraryLayout
+
+    return LibraryLayout.for_image(directories(rootfs, LibraryLayout.probe_paths()))

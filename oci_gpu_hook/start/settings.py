@@ -20,9 +20,10 @@ from oci_gpu_hook.start import driver, files, jsonio
 
 DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
 RUN_DIR = "/run/oci-gpu-hook"  # compiled settings, the inventory cache, pending/ (journal.py)
-COMPILED_DIR = RUN_DIR
 ENV_VAR = "OCI_GPU_HOOK_CONFIG"
-SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas", "config.schema.json")
+# The package's JSON schemas (config, CDI, oci-hooks): the one place that says where they are.
+SCHEMAS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas")
+SCHEMA_PATH = os.path.join(SCHEMAS_DIR, "config.schema.json")
 MAX_CONFIG_BYTES = 1 << 20
 
 
@@ -133,7 +134,7 @@ def _file_key(path: str):
 
 def compiled_path(path: str) -> str:
     # Readable and collision-tolerant: the file records its source path, checked on read.
-    return os.path.join(COMPILED_DIR, "settings" + path.replace("_", "__").replace("/", "_") + ".json")
+    return os.path.join(RUN_DIR, "settings" + path.replace("_", "__").replace("/", "_") + ".json")
 
 
 def trusted(st) -> bool:
@@ -174,7 +175,7 @@ def _read_compiled(path: str, key) -> dict | None:
     if key is None:
         return None
     try:
-        if not trusted(os.stat(COMPILED_DIR)):  # whoever may write it could rename our files around
+        if not trusted(os.stat(RUN_DIR)):  # whoever may write it could rename our files around
             return None
         doc = jsonio.loads(read_trusted(compiled_path(path), MAX_CONFIG_BYTES))
     except (OSError, ValueError):
@@ -190,7 +191,7 @@ def _write_compiled(path: str, key, data: dict) -> None:
     import json
 
     try:
-        os.makedirs(COMPILED_DIR, mode=0o755, exist_ok=True)
+        os.makedirs(RUN_DIR, mode=0o755, exist_ok=True)
         text = json.dumps({"path": path, "key": key, "settings": data})
         # Not durable: a compiled copy lost in a crash is rebuilt from the file on the next start.
         files.write_atomically(compiled_path(path), text.encode(), durable=False)

@@ -28,10 +28,10 @@ import json
 import os
 
 from oci_gpu_hook.errors import Exit, HookError, UsageError
-from oci_gpu_hook.start import driver, files
+from oci_gpu_hook.start import driver, files, ldcache_refresh, settings
 from oci_gpu_hook.toolkit import install
 
-SCHEMA_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas", "cdi.schema.json")
+SCHEMA_PATH = os.path.join(settings.SCHEMAS_DIR, "cdi.schema.json")
 SPEC_DIRS = ("/etc/cdi", "/var/run/cdi")
 DEFAULT_KIND = "nvidia.com/gpu"
 DEFAULT_CAPABILITIES = ("utility", "compute")
@@ -39,7 +39,7 @@ HOOK_TIMEOUT = 20
 # The spec's devices arrive with the runtime's CDI support; NVIDIA_VISIBLE_DEVICES=void keeps a
 # prestart hook (ours through hooks.d, or NVIDIA's) from configuring the same container again.
 SPEC_ENV = ["NVIDIA_VISIBLE_DEVICES=void"]
-HOOK_SUBCOMMAND = "ldcache-refresh"
+HOOK_SUBCOMMAND = ldcache_refresh.COMMAND
 
 
 class CdiError(HookError):
@@ -189,9 +189,7 @@ def translate(plan, hook_prefix) -> dict:
     if mounts:
         edits["mounts"] = mounts
     if links or dirs:
-        from oci_gpu_hook.toolkit.install import hook_args
-
-        args = hook_args(hook_prefix, HOOK_SUBCOMMAND)
+        args = install.hook_args(hook_prefix, HOOK_SUBCOMMAND)
         for link in links:
             args += ["--link", link]
         for directory in dirs:
@@ -204,12 +202,11 @@ def translate(plan, hook_prefix) -> dict:
 def build_spec(inventory, settings, kind: str = DEFAULT_KIND, capabilities=DEFAULT_CAPABILITIES) -> dict:
     """The CDI spec (a dict) for every GPU and MIG device of the inventory, plus `all`."""
     from oci_gpu_hook.start.plan import LibraryLayout, MountDevice, build_plan
-    from oci_gpu_hook.toolkit.install import hook_command
 
     if not inventory.gpus:
         raise CdiError("the host has no GPUs: there is nothing to put in a CDI spec")
     layout = LibraryLayout.for_rootfs(False)
-    hook_prefix = hook_command()  # ldcache-refresh reads no configuration
+    hook_prefix = install.hook_command()  # ldcache-refresh reads no configuration
     common = build_plan(_request((), capabilities, settings), inventory, layout, for_cdi=True)
     shared_targets = {op.target for op in common.operations if isinstance(op, MountDevice)}
     edits = translate(common, hook_prefix)

@@ -62,9 +62,10 @@ def make_rootfs(path: str, debian: bool = False) -> str:
     return path
 
 
-def hook_command() -> list[str]:
-    """argv of this program as a runtime must run it: an absolute path, with the interpreter."""
-    return install.interpreter_command()
+def hook_command(config_file: str | None = None) -> list[str]:
+    """argv prefix of the hook in bundles and hooks.d files made here: this interpreter and this
+    copy of the package (not an installed one), with --config when one is given."""
+    return install.interpreter_command() + (["--config", config_file] if config_file else [])
 
 
 def make_config(
@@ -78,7 +79,7 @@ def make_config(
     mount_label: str | None = None,
 ) -> dict:
     """config.json for runc: like `runc spec`, with our prestart hook and a deny-all device cgroup."""
-    hook_args = hook_command() + (["--config", config_file] if config_file else []) + ["prestart"]
+    hook_args = hook_command(config_file) + ["prestart"]
     config = {
         "ociVersion": "1.0.2",
         "process": {
@@ -127,7 +128,7 @@ def make_config(
         config["linux"]["mountLabel"] = mount_label
     if with_hook:
         config["hooks"] = {"prestart": [{"path": hook_args[0], "args": hook_args, "env": list(hook_env),
-                                         "timeout": 10}]}  # fmt: skip
+                                         "timeout": install.HOOK_TIMEOUT}]}  # fmt: skip
     return config
 
 
@@ -167,15 +168,16 @@ def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.
         subprocess.run([runc, "delete", "--force", container_id], capture_output=True)
 
 
-PODMAN_OPTIONS = [
-    # This sandbox's hard limits make runc fail unless the container asks for smaller ones.
-    "--runtime", "runc", "--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024",
-]  # fmt: skip
+# podman run options besides the image: limits of the container's own (some hosts' and sandboxes'
+# hard limits are below podman's defaults, and runc then fails), no network.
+PODMAN_RUN_OPTIONS = ["--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
+# What the demo and the tests run podman with: runc, as the runc bundles are run.
+PODMAN_OPTIONS = ["--runtime", "runc"] + PODMAN_RUN_OPTIONS
 
 
 def write_hooks_dir(directory: str, config_file: str | None) -> str:
     """A hooks.d directory with the document `install` writes, pointed at this installation."""
-    return install.write_hooks_dir(directory, hook_command() + (["--config", config_file] if config_file else []))
+    return install.write_hooks_dir(directory, hook_command(config_file))
 
 
 def podman_image(rootfs: str, tag: str) -> str:
@@ -187,8 +189,11 @@ def podman_image(rootfs: str, tag: str) -> str:
 
 
 def podman_run(hooks_dir: str | None, image: str, args: Sequence[str], env: dict[str, str],
-               timeout: float = 120, options: Sequence[str] = ()) -> subprocess.CompletedProcess:  # fmt: skip
-    argv = ["podman"] + (["--hooks-dir", hooks_dir] if hooks_dir else []) + ["run", "--rm"] + PODMAN_OPTIONS
+               timeout: float = 120, options: Sequence[str] = (), oci_runtime: str | None = "runc",
+               ) -> subprocess.CompletedProcess:  # fmt: skip
+    """oci_runtime: the OCI runtime podman uses (None: podman's own default)."""
+    argv = ["podman"] + (["--hooks-dir", hooks_dir] if hooks_dir else [])
+    argv += (["--runtime", oci_runtime] if oci_runtime else []) + ["run", "--rm"] + PODMAN_RUN_OPTIONS
     argv += list(options)
     for key, value in env.items():
         argv += ["-e", f"{key}={value}"]

@@ -14,6 +14,7 @@ import json
 import os
 
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start import files
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
@@ -271,9 +272,9 @@ class Doctor:
             return FAIL, f"{path}: unreadable ({e})", fix
         import jsonschema
 
-        from oci_gpu_hook.start.settings import SCHEMA_PATH
+        from oci_gpu_hook.start.settings import SCHEMAS_DIR
 
-        with open(os.path.join(os.path.dirname(SCHEMA_PATH), "oci-hooks.schema.json")) as f:
+        with open(os.path.join(SCHEMAS_DIR, "oci-hooks.schema.json")) as f:
             schema = json.load(f)
         error = next(iter(jsonschema.Draft7Validator(schema).iter_errors(doc)), None)
         if error is not None:
@@ -310,16 +311,15 @@ class Doctor:
         if not any(os.path.exists(_under(self.root, f"{d}/dockerd")) for d in DOCKER_PATH):
             return PASS, "Docker is not installed: nothing to check", None
         fix = "oci-gpu-hook install --runtime docker, then systemctl restart docker"
-        found = [f"{d}/{os.path.basename(DOCKER_HOOK)}" for d in DOCKER_PATH]
-        found = [p for p in found if os.path.lexists(_under(self.root, p))]
-        if not found:
+        candidates = (f"{d}/{os.path.basename(DOCKER_HOOK)}" for d in DOCKER_PATH)
+        # The first on the PATH is the one dockerd runs.
+        path = next((p for p in candidates if os.path.lexists(_under(self.root, p))), None)
+        if path is None:
             return WARN, "no nvidia-container-runtime-hook on dockerd's PATH: `docker run --gpus` fails", fix
-        path = found[0]  # the first on the PATH is the one dockerd runs
         if not os.access(_under(self.root, path), os.X_OK):
             return FAIL, f"{path} is not executable: `docker run --gpus` fails", fix
         try:
-            with open(_under(self.root, path), "rb") as f:
-                head = f.read(4096)
+            head = files.read_bounded(_under(self.root, path), 4096)
         except OSError as e:
             return FAIL, f"{path}: unreadable ({e.strerror})", fix
         if DOCKER_HOOK_MARKER.encode() not in head:
@@ -422,8 +422,6 @@ def _load_toml(text: str) -> dict:
     try:
         import tomllib  # novermin (before Python 3.11: tomli, the same parser and API)
     except ModuleNotFoundError:
-        tomllib = None
-    if tomllib is None:
         try:
             import tomli as tomllib
         except ModuleNotFoundError:

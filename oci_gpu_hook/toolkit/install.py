@@ -101,13 +101,17 @@ def hooks_d_document(argv_prefix) -> dict:
     }
 
 
+def hooks_d_text(argv_prefix) -> str:
+    return json.dumps(hooks_d_document(argv_prefix), indent=2) + "\n"
+
+
 def write_hooks_dir(directory: str, argv_prefix) -> str:
     """A hooks.d directory (for podman --hooks-dir) holding oci-gpu-hook.json, the document install
     writes, for argv_prefix; returns the directory. Built in code: an installed copy of the
     package has no hooks.d/ file beside it."""
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "oci-gpu-hook.json"), "w") as f:
-        f.write(json.dumps(hooks_d_document(argv_prefix), indent=2) + "\n")
+        f.write(hooks_d_text(argv_prefix))
     return directory
 
 
@@ -203,12 +207,15 @@ def _systemd_quote(arg: str) -> str:
 
 
 class Entry:
-    """One thing install makes: a file with content, or a symlink with a value."""
+    """One thing install makes: a file with content, or a symlink with a value.
+
+    set_aside: where another program's file at path goes when install is told to replace it
+    (uninstall moves it back); without one, a file install did not write is never replaced."""
 
     def __init__(self, path: str, content: str | None = None, link: str | None = None, only_if_absent=False,
-                 mode: int = 0o644):  # fmt: skip
+                 mode: int = 0o644, set_aside: str | None = None):  # fmt: skip
         self.path, self.content, self.link, self.only_if_absent = path, content, link, only_if_absent
-        self.mode = mode
+        self.mode, self.set_aside = mode, set_aside
 
     @property
     def checksum(self) -> str:
@@ -220,11 +227,11 @@ class Entry:
 def planned(runtimes, argv_prefix) -> list:
     entries = []
     if "podman" in runtimes or "crio" in runtimes:
-        entries.append(Entry(HOOKS_D_FILE, json.dumps(hooks_d_document(argv_prefix), indent=2) + "\n"))
+        entries.append(Entry(HOOKS_D_FILE, hooks_d_text(argv_prefix)))
     if "crio" in runtimes:
         entries.append(Entry(CRIO_DROPIN, crio_dropin_text()))
     if "docker" in runtimes:
-        entries.append(Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755))
+        entries.append(Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755, set_aside=DOCKER_HOOK_SAVED))
     entries.append(Entry(CONFIG_FILE, config_text(), only_if_absent=True))
     entries += [
         Entry(f"{UNIT_DIR}/{SERVICE}", service_text(argv_prefix)),
@@ -290,15 +297,15 @@ def _makedirs(root: str, directory: str, created: list) -> None:
 
 def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False) -> list:
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
-    replace_nvidia_hook: move a nvidia-container-runtime-hook that is not ours aside (uninstall
-    restores it) instead of refusing."""
+    replace_nvidia_hook: move another program's file aside where an entry allows it (the one
+    is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
     argv_prefix = list(argv_prefix or hook_command())
     manifest = _read_manifest(root)
     before = json.dumps(manifest, sort_keys=True)
-    files, directories = manifest["files"], manifest["directories"]
+    written, directories = manifest["files"], manifest["directories"]
     entries = planned(runtimes, argv_prefix)
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
@@ -306,15 +313,15 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
         now = _current(path)
         if now is None or entry.only_if_absent or now == entry.checksum:
             continue
-        if entry.path in files:
+        if entry.path in written:
             continue
-        if entry.path == DOCKER_HOOK:
+        if entry.set_aside is not None:
             if not replace_nvidia_hook:
-                raise InstallError(f"{path}: another nvidia-container-runtime-hook (NVIDIA's?) is installed; "
+                raise InstallError(f"{path}: another {os.path.basename(path)} (NVIDIA's?) is installed; "
                                    "install --runtime docker --replace-nvidia-hook puts oci-gpu-hook's in its place "
                                    "(uninstall puts this one back)")  # fmt: skip
-            if os.path.lexists(_under(root, DOCKER_HOOK_SAVED)):
-                raise InstallError(f"{_under(root, DOCKER_HOOK_SAVED)}: exists; move it away first")
+            if os.path.lexists(_under(root, entry.set_aside)):
+                raise InstallError(f"{_under(root, entry.set_aside)}: exists; move it away first")
             continue
         raise InstallError(f"{path}: exists and was not written by oci-gpu-hook install; "
                            "move it away (or merge it by hand) and run install again")  # fmt: skip
@@ -325,16 +332,16 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
             now = _current(path)
             if now == entry.checksum:
                 continue
-            if now is not None and entry.path == DOCKER_HOOK and entry.path not in files:
-                # Someone else's program (checked above: allowed by replace_nvidia_hook): aside.
-                os.rename(path, _under(root, DOCKER_HOOK_SAVED))  # the same directory: atomic
-                manifest.setdefault("saved", {})[DOCKER_HOOK] = DOCKER_HOOK_SAVED
-                lines.append(f"moved {path} to {_under(root, DOCKER_HOOK_SAVED)}")
+            if now is not None and entry.set_aside is not None and entry.path not in written:
+                # Another program's file (checked above: replacing it was asked for): aside.
+                os.rename(path, _under(root, entry.set_aside))  # the same directory: atomic
+                manifest.setdefault("saved", {})[entry.path] = entry.set_aside
+                lines.append(f"moved {path} to {_under(root, entry.set_aside)}")
                 now = None
             if now is not None:
                 if entry.only_if_absent:
                     continue  # the administrator's configuration stays
-                if files.get(entry.path) != now:
+                if written.get(entry.path) != now:
                     lines.append(f"kept {path}: changed since install wrote it")
                     continue
             _makedirs(root, os.path.dirname(entry.path), directories)
@@ -344,7 +351,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
                 os.symlink(entry.link, path)
             else:
                 _write_text(path, entry.content, entry.mode)
-            files[entry.path] = entry.checksum
+            written[entry.path] = entry.checksum
             lines.append(f"{'updated' if now is not None else 'wrote'} {path}")
     finally:
         if json.dumps(manifest, sort_keys=True) != before:

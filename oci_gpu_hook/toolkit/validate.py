@@ -18,7 +18,7 @@ import tempfile
 
 from oci_gpu_hook.errors import InventoryError, PrerequisiteError
 from oci_gpu_hook.record import Record
-from oci_gpu_hook.toolkit import containers, install
+from oci_gpu_hook.toolkit import containers
 
 CUDA_SAMPLES = (
     "/usr/local/cuda/extras/demo_suite/deviceQuery",
@@ -28,10 +28,6 @@ CUDA_SAMPLES = (
 _UUID = re.compile(r"UUID: (GPU-[0-9a-fA-F-]+)")
 # Driver libraries come from the hook; everything else a sample needs is copied into the rootfs.
 _DRIVER_LIBRARY = re.compile(r"^lib(cuda|nvidia-|nvcuvid|GLX_nvidia|EGL_nvidia)")
-# podman run options besides the image: small limits of the container's own (some hosts' and
-# sandboxes' hard limits are below podman's defaults, and runc then fails), no network. The OCI
-# runtime is podman's own unless --oci-runtime names one.
-PODMAN_OPTIONS = ["--network", "none", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"]
 
 
 class GpuResult(Record):
@@ -110,15 +106,6 @@ def podman_oci_runtime(oci_runtime: str | None) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def podman_run(hooks_dir: str, image: str, args, env: dict, oci_runtime: str | None, timeout: float = 120):
-    argv = ["podman", "--hooks-dir", hooks_dir] + (["--runtime", oci_runtime] if oci_runtime else [])
-    argv += ["run", "--rm"] + PODMAN_OPTIONS
-    for key, value in env.items():
-        argv += ["-e", f"{key}={value}"]
-    return subprocess.run(argv + [image, *args], capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
-
-
 def run(settings, config_file: str | None, runtime: str = "runc", workdir: str | None = None, on_result=None,
         oci_runtime: str | None = None):  # fmt: skip
     """Validate every GPU; returns [GpuResult]. on_result(result) is called as each one finishes.
@@ -149,14 +136,14 @@ def run(settings, config_file: str | None, runtime: str = "runc", workdir: str |
         image = hooks_dir = None
         if runtime == "podman":
             # The hook as the runc bundle runs it: this interpreter with this copy of the package.
-            argv_prefix = containers.hook_command() + (["--config", config_file] if config_file else [])
-            hooks_dir = install.write_hooks_dir(os.path.join(workdir, "hooks.d"), argv_prefix)
+            hooks_dir = containers.write_hooks_dir(os.path.join(workdir, "hooks.d"), config_file)
             image = containers.podman_image(rootfs, f"localhost/oci-gpu-hook-validate-{os.getpid()}:latest")
         try:
             for gpu in inventory.gpus:
                 env = {"NVIDIA_VISIBLE_DEVICES": gpu.uuid}
                 if runtime == "podman":
-                    out = podman_run(hooks_dir, image, command, env, oci_runtime)
+                    # The OCI runtime is podman's own unless --oci-runtime names one.
+                    out = containers.podman_run(hooks_dir, image, command, env, oci_runtime=oci_runtime)
                 else:
                     containers.write_config(bundle, args=command, env=env, config_file=config_file)
                     out = containers.runc_run(bundle, f"oci-gpu-hook-validate-{os.getpid()}-{gpu.index}")

@@ -14,7 +14,7 @@ import sys
 import time
 
 import pytest
-from hookcheck import remove_cgroup
+from hookcheck import config_with, remove_cgroup
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import prestart
@@ -73,37 +73,40 @@ def container(tmp_path, simulated_host, require):
     host = simulated_host(gpus=2)
     cgroup = os.path.join(UNIFIED, f"ocigpu-v2-{os.getpid()}-{time.monotonic_ns()}")
     os.mkdir(cgroup)
-    original = attach_deny_all(cgroup)
-    bundle = containers.make_bundle(
-        str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None
-    )
-    config = tmp_path / "config.yaml"
-    config.write_text(open(f"{host['root']}/config.yaml").read() + "cgroups: v2\n")
-    gpu0 = f"/dev/nvidia{host['gpus'][0]['minor']}"
-    # Nodes made by hand inside the rootfs: one with GPU 0's numbers (what the device program says
-    # of the requested GPU, whether or not the hook's mount is there) and one of a GPU not asked for.
-    for name, gpu in (("nvidia-same", 0), ("nvidia-other", 1)):
-        os.mknod(os.path.join(bundle, "rootfs", "dev", name), 0o20666, os.makedev(195, host["gpus"][gpu]["minor"]))
-    script = tmp_path / "opener.py"
-    script.write_text(OPENER)
-    proc = subprocess.Popen(
-        ["unshare", "--mount", "--propagation", "private", sys.executable, "-I", str(script), cgroup,
-         os.path.join(bundle, "rootfs"), gpu0, "/dev/nvidia-same", "/dev/nvidia-other"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout.readline().strip() == "ready"
-    state = json.dumps({"ociVersion": "1.0.2", "id": "v2", "status": "creating", "pid": proc.pid, "bundle": bundle})
+    proc = None
+    try:  # whatever fails from here, the cgroup (and its program) goes
+        original = attach_deny_all(cgroup)
+        bundle = containers.make_bundle(
+            str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"}, config_file=None
+        )
+        config = config_with(host, tmp_path, "cgroups: v2\n")
+        gpu0 = f"/dev/nvidia{host['gpus'][0]['minor']}"
+        # Nodes made by hand inside the rootfs: one with GPU 0's numbers (what the device program says
+        # of the requested GPU, whether or not the hook's mount is there) and one of a GPU not asked for.
+        for name, gpu in (("nvidia-same", 0), ("nvidia-other", 1)):
+            node = os.path.join(bundle, "rootfs", "dev", name)
+            os.mknod(node, 0o20666, os.makedev(195, host["gpus"][gpu]["minor"]))
+        script = tmp_path / "opener.py"
+        script.write_text(OPENER)
+        proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", sys.executable, "-I", str(script), cgroup,
+             os.path.join(bundle, "rootfs"), gpu0, "/dev/nvidia-same", "/dev/nvidia-other"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert proc.stdout.readline().strip() == "ready"
+        state = json.dumps({"ociVersion": "1.0.2", "id": "v2", "status": "creating", "pid": proc.pid,
+                            "bundle": bundle})  # fmt: skip
 
-    def probe():
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        return proc.stdout.readline().split()
+        def probe():
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            return proc.stdout.readline().split()
 
-    try:
-        yield state, str(config), cgroup, original, probe
+        yield state, config, cgroup, original, probe
     finally:
-        proc.kill()
-        proc.wait()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
         remove_cgroup(cgroup)
 
 

@@ -14,7 +14,7 @@ import os
 import re
 
 import pytest
-from test_runc import config_with
+from hookcheck import config_with
 
 from oci_gpu_hook.toolkit import containers
 

@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import pytest
+from hookcheck import remove_cgroup
 
 from oci_gpu_hook.toolkit import containers, install
 
@@ -42,7 +43,9 @@ def sysctls() -> dict:
 
 
 def cgroup_dirs(name: str) -> list:
-    paths = (os.path.join(d.path, name) for d in os.scandir("/sys/fs/cgroup"))
+    """The cgroup name in every hierarchy: /sys/fs/cgroup/<controller>/name (v1, hybrid) and
+    /sys/fs/cgroup/name (pure v2)."""
+    paths = [os.path.join("/sys/fs/cgroup", name)] + [os.path.join(d.path, name) for d in os.scandir("/sys/fs/cgroup")]
     return [p for p in paths if os.path.isdir(p)]
 
 
@@ -74,7 +77,7 @@ def docker(simulated_host, require, tmp_path_factory):
     work = str(tmp_path_factory.mktemp("docker"))
     root = os.path.join(work, "root")
     os.mkdir(root)
-    prefix = containers.hook_command() + ["--config", f"{host['root']}/config.yaml"]
+    prefix = containers.hook_command(f"{host['root']}/config.yaml")
     assert install.install(root, ("docker",), prefix)
     program_dir = os.path.join(root, "usr/bin")
     assert os.listdir(program_dir) == ["nvidia-container-runtime-hook"]
@@ -89,6 +92,8 @@ def docker(simulated_host, require, tmp_path_factory):
     assert not cgroup_dirs(parent)
     pidfile = os.path.join(work, "docker.pid")
     log = open(os.path.join(work, "dockerd.log"), "w")
+    with open(f"{work}/daemon.json", "w") as f:  # before dockerd reads it
+        f.write("{}\n")
     daemon = subprocess.Popen(
         [DOCKERD, "--host", f"unix://{work}/docker.sock", "--data-root", f"{work}/data", "--exec-root",
          f"{work}/exec", "--pidfile", pidfile, "--iptables=false", "--ip-masq=false", "--bridge=none",
@@ -96,8 +101,6 @@ def docker(simulated_host, require, tmp_path_factory):
         env={"PATH": f"{program_dir}:/usr/sbin:/usr/bin:/sbin:/bin"}, stdout=log, stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
     )  # fmt: skip
-    with open(f"{work}/daemon.json", "w") as f:
-        f.write("{}\n")
     client = Docker(work)
     try:
         deadline = time.monotonic() + 90
@@ -126,10 +129,6 @@ def docker(simulated_host, require, tmp_path_factory):
             if now != value:
                 with open(path, "w") as f:
                     f.write(value)
-        for directory in sorted(cgroup_dirs(parent), key=len, reverse=True):
-            for sub in sorted((e.path for e in os.scandir(directory) if e.is_dir()), reverse=True):
-                os.rmdir(sub)
-            os.rmdir(directory)
         if not key_existed and os.path.exists("/etc/docker/key.json"):
             os.unlink("/etc/docker/key.json")
         if not etc_docker_existed and os.path.isdir("/etc/docker") and not os.listdir("/etc/docker"):
@@ -138,6 +137,11 @@ def docker(simulated_host, require, tmp_path_factory):
         for directory, existed in run_dirs_existed.items():
             if not existed:
                 subprocess.run(["rm", "-rf", "--one-file-system", directory], check=False)
+        # Last: a cgroup the kernel keeps busy for a moment must not stop the steps above.
+        for directory in sorted(cgroup_dirs(parent), key=len, reverse=True):
+            for sub in sorted((e.path for e in os.scandir(directory) if e.is_dir()), reverse=True):
+                remove_cgroup(sub)
+            remove_cgroup(directory)
         assert sysctls() == settings_before
         assert not cgroup_dirs(parent)
 

@@ -5,6 +5,7 @@ import os
 import re
 
 import pytest
+from hookcheck import config_with
 
 from oci_gpu_hook.toolkit import containers
 
@@ -13,12 +14,6 @@ from oci_gpu_hook.toolkit import containers
 def host(simulated_host, require):
     require("root", "runc", "busybox", "gcc")
     return simulated_host(gpus=4, mig=[2], scramble_minors=True)
-
-
-def config_with(host, tmp_path, extra: str) -> str:
-    path = tmp_path / "config.yaml"
-    path.write_text(open(f"{host['root']}/config.yaml").read() + extra)
-    return str(path)
 
 
 def run(tmp_path, host, script, env, debian=False, config=None, with_hook=True, name="c"):

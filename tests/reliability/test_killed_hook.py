@@ -59,11 +59,13 @@ def test_a_running_apply_is_not_recovered(live_container):
     journal = f"{host['root']}/pending/{st.st_dev:x}-{st.st_ino:x}.999999"
     made = os.path.join(rootfs, "usr/lib64/made-by-a-running-apply")
     open(made, "w").close()
-    with open(journal, "w") as f:
-        f.write(json.dumps(["file", "/usr/lib64/made-by-a-running-apply", ""]) + "\n")
-        f.flush()
-        fcntl.flock(f, fcntl.LOCK_EX)
-        out = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
-        assert out.returncode == 0, out.stderr
-        assert os.path.exists(made) and os.path.exists(journal)
-    os.unlink(journal)
+    try:
+        with open(journal, "w") as f:
+            f.write(json.dumps(["file", "/usr/lib64/made-by-a-running-apply", ""]) + "\n")
+            f.flush()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            out = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+            assert out.returncode == 0, out.stderr
+            assert os.path.exists(made) and os.path.exists(journal)
+    finally:  # the simulated host is shared: no journal may outlive the test
+        os.unlink(journal)

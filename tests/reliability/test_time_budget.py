@@ -26,15 +26,15 @@ def hanging_nvml(live_container, tmp_path, require):
     host = container[4]
     library = f"{host['root']}/usr/lib64/libnvidia-ml.so.{host['driver_version']}"
     saved = tmp_path / "libnvidia-ml.saved"
-    os.rename(library, saved)
-    source = tmp_path / "hang.c"
-    source.write_text(HANG)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", "-o", library, str(source)],
-                   check=True)  # fmt: skip
     cache = f"{host['root']}/inventory-cache.json"
-    if os.path.exists(cache):
-        os.unlink(cache)  # stale: the next GPU start must rediscover, with NVML
-    try:
+    os.rename(library, saved)
+    try:  # the simulated host is shared: its NVML comes back whatever fails
+        source = tmp_path / "hang.c"
+        source.write_text(HANG)
+        subprocess.run(["gcc", "-shared", "-fPIC", "-Wl,-soname,libnvidia-ml.so.1", "-o", library, str(source)],
+                       check=True)  # fmt: skip
+        if os.path.exists(cache):
+            os.unlink(cache)  # stale: the next GPU start must rediscover, with NVML
         yield container
     finally:
         os.replace(saved, library)
@@ -42,14 +42,12 @@ def hanging_nvml(live_container, tmp_path, require):
             os.unlink(cache)
 
 
-def test_a_hung_nvml_on_a_stale_cache_fails_within_the_budget(hanging_nvml):
+def test_a_hung_nvml_on_a_stale_cache_fails_within_the_budget(hanging_nvml, tmp_path):
     state, bundle, pid, cgroup, host = hanging_nvml
     config = f"{host['root']}/config.yaml"
     with open(config) as f:
         assert "deadline_seconds" not in f.read()
-    config_3s = f"{host['root']}/config-3s.yaml"
-    with open(config) as f, open(config_3s, "w") as out:
-        out.write(f.read() + "deadline_seconds: 3\n")
+    config_3s = hookcheck.config_with(host, tmp_path, "deadline_seconds: 3\n")
     before = hookcheck.observe(hanging_nvml)
     started = time.monotonic()
     out = hookcheck.run_hook(config_3s, state, timeout=60)

@@ -265,9 +265,7 @@ def test_bad_config_json(name, host, bundle, tmp_path, live_container):
     (bundle / "config.json").write_bytes(data)
     config = f"{host['root']}/config.yaml"
     if "cdi" in name:  # annotations are a device source only where enabled (the runtime may do CDI itself)
-        config = str(tmp_path / "config-cdi.yaml")
-        with open(config, "w") as f:
-            f.write(open(f"{host['root']}/config.yaml").read() + "accept_cdi_annotations: true\n")
+        config = hookcheck.config_with(host, tmp_path, "accept_cdi_annotations: true\n")
     result = run_bounded(config, write(tmp_path, state_doc(bundle)), tmp_path)
     assert_refused(result, code, words)
 

@@ -20,8 +20,7 @@ def setup(tmp_path, simulated_host, require):
     host = simulated_host(gpus=2)
     bundle = containers.make_bundle(str(tmp_path / "bundle"), args=["true"], env={"NVIDIA_VISIBLE_DEVICES": "0"},
                               config_file=None)  # fmt: skip
-    config = tmp_path / "config.yaml"
-    config.write_text(open(f"{host['root']}/config.yaml").read() + "cgroups: off\n")
+    config = hookcheck.config_with(host, tmp_path, "cgroups: off\n")
     started = []
 
     def start(argv):

@@ -98,10 +98,6 @@ def test_refused(value, reason):
     assert "\n" not in e.value.message
 
 
-def test_the_table_is_big_enough():
-    assert len(ACCEPTED) + len(REFUSED) >= 30
-
-
 @pytest.mark.parametrize("value", ["void", "", " ", ",", "0,void"])
 def test_no_gpu_container(value):
     """void, or nothing: not a GPU container at all (no plan)."""

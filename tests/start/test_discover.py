@@ -3,7 +3,8 @@
 import os
 
 from oci_gpu_hook.start import settings
-from oci_gpu_hook.start.discover import DRM_MAJOR, discover, read_dri_nodes
+from oci_gpu_hook.start.discover import discover, read_dri_nodes
+from oci_gpu_hook.start.driver import DRM_MAJOR
 from oci_gpu_hook.toolkit.simulate import simulate
 
 

@@ -37,6 +37,17 @@ def test_stale_when_a_device_node_or_the_driver_changes(tmp_path, require):
     assert inventory_cache.read(s) is None
 
 
+def test_stale_when_nvidia_drm_comes_or_goes(tmp_path, require):
+    """The DRM nodes are in the inventory: loading or unloading nvidia-drm makes the cache stale."""
+    import shutil
+
+    host, s = host_settings(tmp_path, require, gpus=1)
+    assert inventory_cache.refresh(s).gpus[0].dri
+    shutil.rmtree(f"{host['root']}/dev/dri/by-path")
+    assert inventory_cache.read(s) is None
+    assert inventory_cache.load(s).gpus[0].dri == ()
+
+
 def test_torn_or_foreign_cache_is_ignored(tmp_path, require):
     host, s = host_settings(tmp_path, require, gpus=1)
     inventory_cache.refresh(s)

@@ -7,9 +7,10 @@ and where a Debian-like image's loader looks for libraries (its multiarch direct
 rest is the same on both: os module flags come from the running Python, and the bpf_attr
 layout, the eBPF instruction encoding and ld.so.cache are little-endian on both.
 
-On any other machine the first GPU start fails with one line (UnsupportedArchitecture): both
-plan.LibraryLayout.for_rootfs and _linux._nr ask current(), so nothing is changed before. A
-container that cannot be asking for a GPU never gets here.
+On any other machine the first GPU start fails with one line (UnsupportedArchitecture):
+prestart asks current() as soon as a container asks for GPUs, before anything is read or
+changed (the library layout and _linux._nr ask it too). A container that cannot be asking for a
+GPU never gets here.
 
 The RPM is noarch: its %check runs verify(), which fails the build unless every architecture
 numbers every system call _linux.py makes and has a library layout.

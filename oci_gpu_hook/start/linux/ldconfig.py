@@ -30,6 +30,7 @@ import time
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start.linux import _linux
+from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 
 LDCONFIG_PATHS = ("/sbin/ldconfig", "/usr/sbin/ldconfig")
 SANDBOX_ID = 65534  # nobody: owns nothing in the view but the output tmpfs
@@ -63,19 +64,19 @@ def host_ldconfig() -> str:
     raise LdconfigError("the host has no ldconfig (/sbin/ldconfig); it is needed to refresh the container's ld cache")
 
 
-def _open_ldconfig() -> int:
+def _open_ldconfig(sources: HostSources | None = None) -> int:
     """O_PATH descriptor of the host's ldconfig, opened as mount sources are (root's, in
-    directories only root can change, writable by nobody else), and static."""
-    from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
-
+    directories only root can change, writable by nobody else), and static. sources: the
+    caller's HostSources, whose directories are already checked (else a walk of its own)."""
     path = host_ldconfig()
-    opener = HostSources()
+    opener = sources or HostSources()
     try:
         fd = opener.open(path, "file")
     except UntrustedSource as e:
         raise LdconfigError(f"{e}: refusing to run it") from None
     finally:
-        opener.close()
+        if sources is None:
+            opener.close()
     try:
         with open(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC), "rb") as f:
             head = f.read(4096)
@@ -234,11 +235,11 @@ def flatten_conf(rootfs) -> tuple[str, list[str]]:
 # --- the sandbox -------------------------------------------------------------------------------
 
 
-def build_cache(rootfs_fd: int, conf: str, directories, timeout: float = 20.0) -> bytes:
+def build_cache(rootfs_fd: int, conf: str, directories, timeout: float = 20.0, sources=None) -> bytes:
     """Run the host's ldconfig in the sandbox over the rootfs open at rootfs_fd; returns the new
     ld.so.cache. fork and execve by hand rather than subprocess: the hook already runs in a
     single-threaded child, and subprocess (with locale and re) would cost ~5 ms of imports."""
-    exe = _open_ldconfig()
+    exe = _open_ldconfig(sources)
     out = None
     try:
         try:
@@ -372,15 +373,16 @@ def _wait(pid: int, read_fd: int, timeout: float):
 # --- the whole step --------------------------------------------------------------------------
 
 
-def refresh(rootfs, directories, undo, timeout: float = 20.0) -> list[str]:
+def refresh(rootfs, directories, undo, timeout: float = 20.0, sources=None) -> list[str]:
     """Rebuild /etc/ld.so.cache of the rootfs (a rootfs.Rootfs) for directories; the change is
-    recorded in undo. Returns notes (image configuration files that were ignored)."""
+    recorded in undo. Returns notes (image configuration files that were ignored). sources: a
+    HostSources to open the host's ldconfig with (the hook's, which has walked /usr already)."""
     conf, notes = flatten_conf(rootfs)
     try:
         etc = undo.keep_fd(rootfs.ensure_dir("/etc", undo))
     except OSError as e:
         raise LdconfigError(f"/etc in the container: {e.strerror or e}") from None
-    data = build_cache(rootfs.fd, conf, directories, timeout)
+    data = build_cache(rootfs.fd, conf, directories, timeout, sources)
     try:
         rootfs.replace_file("/etc", etc, "ld.so.cache", data, 0o644, undo)
     except OSError as e:

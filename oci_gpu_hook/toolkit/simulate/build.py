@@ -16,6 +16,7 @@ import tempfile
 
 from oci_gpu_hook.errors import PrerequisiteError, SimulateError
 from oci_gpu_hook.start import driver, procfs
+from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux import mountinfo
 from oci_gpu_hook.toolkit.simulate import model
 from oci_gpu_hook.toolkit.simulate.model import SimulatedHost
@@ -97,9 +98,6 @@ def _mknod(root: str, relpath: str, major: int, minor: int, mode: int = 0o666) -
 # --- procfs -------------------------------------------------------------------------------------
 
 
-DRM_MAJOR = 226  # the kernel's fixed major for DRM (card and render nodes)
-
-
 def proc_devices_text(host: SimulatedHost) -> str:
     chars = [
         (1, "mem"),
@@ -112,7 +110,7 @@ def proc_devices_text(host: SimulatedHost) -> str:
         (10, "misc"),
         (13, "input"),
         (136, "pts"),
-        (DRM_MAJOR, "drm"),
+        (driver.DRM_MAJOR, "drm"),
         (driver.NVIDIA_MAJOR, "nvidia"),
         (driver.NVIDIA_MAJOR, "nvidia-modeset"),
         (host.uvm_major, "nvidia-uvm"),
@@ -227,14 +225,16 @@ def write_devices(root: str, host: SimulatedHost) -> None:
     caps += [(m, 0o444) for g in host.gpus for i in g.mig for m in (i.gi_cap_minor, i.ci_cap_minor)]
     for minor, mode in caps:
         _mknod(root, f"dev/nvidia-caps/nvidia-cap{minor}", host.caps_major, minor, mode)
-    # DRM: card1.. (card0 is the BMC's display on a server), renderD128.., by PCI address too.
+    # DRM: card1.. (card0 is the BMC's display on a server), renderD128.., and udev's links by PCI
+    # address, where discovery looks for them.
+    by_path = host_path(root, driver.DRI_BY_PATH)
+    os.makedirs(by_path, exist_ok=True)
     for gpu in host.gpus:
         card, render = f"card{gpu.index + 1}", f"renderD{128 + gpu.index}"
-        _mknod(root, f"dev/dri/{card}", DRM_MAJOR, gpu.index + 1, 0o660)
-        _mknod(root, f"dev/dri/{render}", DRM_MAJOR, 128 + gpu.index, 0o666)
-        os.makedirs(os.path.join(root, "dev/dri/by-path"), exist_ok=True)
-        os.symlink(f"../{card}", os.path.join(root, f"dev/dri/by-path/pci-{gpu.bus_id}-card"))
-        os.symlink(f"../{render}", os.path.join(root, f"dev/dri/by-path/pci-{gpu.bus_id}-render"))
+        _mknod(root, f"dev/dri/{card}", driver.DRM_MAJOR, gpu.index + 1, 0o660)
+        _mknod(root, f"dev/dri/{render}", driver.DRM_MAJOR, 128 + gpu.index, 0o666)
+        os.symlink(f"../{card}", os.path.join(by_path, f"pci-{gpu.bus_id}-card"))
+        os.symlink(f"../{render}", os.path.join(by_path, f"pci-{gpu.bus_id}-render"))
 
 
 # --- driver files -------------------------------------------------------------------------------

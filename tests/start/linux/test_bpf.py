@@ -15,6 +15,7 @@ import time
 import uuid
 
 import pytest
+from hookcheck import remove_cgroup
 
 from oci_gpu_hook.start.linux import bpf, cgroups
 from oci_gpu_hook.start.linux.bpf import BPF_F_ALLOW_MULTI, Insn
@@ -202,16 +203,7 @@ def cgroup(cgroup2_root):
     yield path
     for sub in sorted((e.path for e in os.scandir(path) if e.is_dir()), reverse=True):
         os.rmdir(sub)
-    for _ in range(100):  # a just-reaped child may take a moment to leave the cgroup
-        try:
-            os.rmdir(path)
-            break
-        except OSError as e:
-            if e.errno != errno.EBUSY:
-                raise
-            time.sleep(0.01)
-    else:
-        os.rmdir(path)
+    remove_cgroup(path)  # a just-reaped child may take a moment to leave the cgroup
 
 
 @pytest.fixture

@@ -709,9 +709,10 @@ EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mi
  * (nvidia-smi mig -lgip / -lcip).  Each MIG device is one GPU instance
  * holding one compute instance that spans it. */
 
+/* Indexed by NVML_GPU_INSTANCE_PROFILE_<n>_SLICE; the compute instance profiles
+ * (NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE) have the same indices and slice counts. */
 struct sim_gi_profile {
     const char *name;
-    unsigned index;               /* NVML_GPU_INSTANCE_PROFILE_<n>_SLICE */
     unsigned id;                  /* the profile id nvidia-smi shows */
     unsigned slices, instances, sms, copy_engines, decoders, encoders, jpegs, ofas;
     unsigned long long memory_mb;
@@ -719,25 +720,21 @@ struct sim_gi_profile {
 };
 
 static const struct sim_gi_profile GI_PROFILES[] = {
-    {"1g.5gb", 0, 19, 1, 7, 14, 1, 0, 0, 0, 0, 4864, 1},
-    {"2g.10gb", 1, 14, 2, 3, 28, 2, 1, 0, 0, 0, 9856, 2},
-    {"3g.20gb", 2, 9, 3, 2, 42, 3, 2, 0, 0, 0, 19968, 4},
-    {"4g.20gb", 3, 5, 4, 1, 56, 4, 2, 0, 0, 0, 19968, 4},
-    {"7g.40gb", 4, 0, 7, 1, 98, 7, 5, 0, 1, 1, 40192, 8},
+    {"1g.5gb", 19, 1, 7, 14, 1, 0, 0, 0, 0, 4864, 1},
+    {"2g.10gb", 14, 2, 3, 28, 2, 1, 0, 0, 0, 9856, 2},
+    {"3g.20gb", 9, 3, 2, 42, 3, 2, 0, 0, 0, 19968, 4},
+    {"4g.20gb", 5, 4, 1, 56, 4, 2, 0, 0, 0, 19968, 4},
+    {"7g.40gb", 0, 7, 1, 98, 7, 5, 0, 1, 1, 40192, 8},
 };
 #define N_GI_PROFILES (sizeof GI_PROFILES / sizeof GI_PROFILES[0])
 
 /* NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE for a compute instance of n slices. */
 static int ci_profile_index(unsigned slices)
 {
-    switch (slices) {
-    case 1: return 0;
-    case 2: return 1;
-    case 3: return 2;
-    case 4: return 3;
-    case 7: return 4;
-    default: return -1;
-    }
+    for (unsigned i = 0; i < N_GI_PROFILES; i++)
+        if (GI_PROFILES[i].slices == slices)
+            return (int)i;
+    return -1;
 }
 
 static const struct sim_gi_profile *profile_named(const char *name)
@@ -766,13 +763,14 @@ static unsigned placement_start(nvmlDevice_t mig)
 }
 
 /* A GPU or compute instance handle is the MIG device's own. */
-static nvmlReturn_t check_instance(const void *handle, nvmlDevice_t *mig)
+/* A GPU or compute instance handle is the MIG device's own; profile: its GPU instance profile. */
+static nvmlReturn_t check_instance(const void *handle, nvmlDevice_t *mig, const struct sim_gi_profile **profile)
 {
     nvmlDevice_t device = (nvmlDevice_t)(uintptr_t)handle;
     nvmlReturn_t ret = check(device);
     if (ret != NVML_SUCCESS)
         return ret;
-    if (device->mig == NULL || profile_of(device) == NULL)
+    if (device->mig == NULL || (*profile = profile_of(device)) == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     *mig = device;
     return NVML_SUCCESS;
@@ -824,12 +822,12 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned i
 EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGpuInstanceInfo_t *info)
 {
     nvmlDevice_t mig = NULL;
-    nvmlReturn_t ret = check_instance(gpuInstance, &mig);
+    const struct sim_gi_profile *p = NULL;
+    nvmlReturn_t ret = check_instance(gpuInstance, &mig, &p);
     if (ret != NVML_SUCCESS)
         return ret;
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    const struct sim_gi_profile *p = profile_of(mig);
     info->device = mig->parent;
     info->id = mig->mig->gi_id;
     info->profileId = p->id;
@@ -842,7 +840,8 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t gpuI
                                                           nvmlComputeInstance_t *computeInstance)
 {
     nvmlDevice_t mig = NULL;
-    nvmlReturn_t ret = check_instance(gpuInstance, &mig);
+    const struct sim_gi_profile *p = NULL;
+    nvmlReturn_t ret = check_instance(gpuInstance, &mig, &p);
     if (ret != NVML_SUCCESS)
         return ret;
     if (computeInstance == NULL)
@@ -857,12 +856,12 @@ EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeI
                                                   nvmlComputeInstanceInfo_t *info)
 {
     nvmlDevice_t mig = NULL;
-    nvmlReturn_t ret = check_instance(computeInstance, &mig);
+    const struct sim_gi_profile *p = NULL;
+    nvmlReturn_t ret = check_instance(computeInstance, &mig, &p);
     if (ret != NVML_SUCCESS)
         return ret;
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    const struct sim_gi_profile *p = profile_of(mig);
     info->device = mig->parent;
     info->gpuInstance = (nvmlGpuInstance_t)(uintptr_t)mig;
     info->id = mig->mig->ci_id;
@@ -884,16 +883,27 @@ static nvmlReturn_t gi_profile(nvmlDevice_t device, unsigned int profile, const 
         return ret;
     if (device->mig != NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    if (!mig_capable(device->gpu))
-        return NVML_ERROR_NOT_SUPPORTED;
-    for (unsigned i = 0; i < N_GI_PROFILES; i++) {
-        if (GI_PROFILES[i].index == profile) {
-            *out = &GI_PROFILES[i];
-            return NVML_SUCCESS;
-        }
-    }
-    return NVML_ERROR_NOT_SUPPORTED; /* the *_REV1 and other parts' profiles */
+    if (!mig_capable(device->gpu) || profile >= N_GI_PROFILES)
+        return NVML_ERROR_NOT_SUPPORTED; /* past 7 slices: the *_REV1 and other parts' profiles */
+    *out = &GI_PROFILES[profile];
+    return NVML_SUCCESS;
 }
+
+/* Both versions of the profile structs share their field names: one filler each serves both. */
+#define FILL_GI_PROFILE(info, p)                                                                \
+    do {                                                                                        \
+        (info)->id = (p)->id;                                                                   \
+        (info)->isP2pSupported = 0;                                                             \
+        (info)->sliceCount = (p)->slices;                                                       \
+        (info)->instanceCount = (p)->instances;                                                 \
+        (info)->multiprocessorCount = (p)->sms;                                                 \
+        (info)->copyEngineCount = (p)->copy_engines;                                            \
+        (info)->decoderCount = (p)->decoders;                                                   \
+        (info)->encoderCount = (p)->encoders;                                                   \
+        (info)->jpegCount = (p)->jpegs;                                                         \
+        (info)->ofaCount = (p)->ofas;                                                           \
+        (info)->memorySizeMB = (p)->memory_mb;                                                  \
+    } while (0)
 
 EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, unsigned int profile,
                                                         nvmlGpuInstanceProfileInfo_t *info)
@@ -904,17 +914,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, uns
         return ret;
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    info->id = p->id;
-    info->isP2pSupported = 0;
-    info->sliceCount = p->slices;
-    info->instanceCount = p->instances;
-    info->multiprocessorCount = p->sms;
-    info->copyEngineCount = p->copy_engines;
-    info->decoderCount = p->decoders;
-    info->encoderCount = p->encoders;
-    info->jpegCount = p->jpegs;
-    info->ofaCount = p->ofas;
-    info->memorySizeMB = p->memory_mb;
+    FILL_GI_PROFILE(info, p);
     return NVML_SUCCESS;
 }
 
@@ -929,19 +929,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, un
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlGpuInstanceProfileInfo_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    nvmlGpuInstanceProfileInfo_t v1;
-    nvmlDeviceGetGpuInstanceProfileInfo(device, profile, &v1);
-    info->id = v1.id;
-    info->isP2pSupported = v1.isP2pSupported;
-    info->sliceCount = v1.sliceCount;
-    info->instanceCount = v1.instanceCount;
-    info->multiprocessorCount = v1.multiprocessorCount;
-    info->copyEngineCount = v1.copyEngineCount;
-    info->decoderCount = v1.decoderCount;
-    info->encoderCount = v1.encoderCount;
-    info->jpegCount = v1.jpegCount;
-    info->ofaCount = v1.ofaCount;
-    info->memorySizeMB = v1.memorySizeMB;
+    FILL_GI_PROFILE(info, p);
     snprintf(info->name, sizeof info->name, "MIG %s", p->name);
     return NVML_SUCCESS;
 }
@@ -950,18 +938,29 @@ static nvmlReturn_t ci_profile(nvmlGpuInstance_t gpuInstance, unsigned int profi
                                const struct sim_gi_profile **gi, unsigned *slices)
 {
     nvmlDevice_t mig = NULL;
-    nvmlReturn_t ret = check_instance(gpuInstance, &mig);
+    nvmlReturn_t ret = check_instance(gpuInstance, &mig, gi);
     if (ret != NVML_SUCCESS)
         return ret;
     if (engProfile != 0) /* NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED only */
         return NVML_ERROR_NOT_SUPPORTED;
-    *gi = profile_of(mig);
-    static const unsigned SLICES[] = {1, 2, 3, 4, 7};
-    if (profile >= sizeof SLICES / sizeof SLICES[0] || SLICES[profile] > (*gi)->slices)
+    if (profile >= N_GI_PROFILES || GI_PROFILES[profile].slices > (*gi)->slices)
         return NVML_ERROR_NOT_SUPPORTED;
-    *slices = SLICES[profile];
+    *slices = GI_PROFILES[profile].slices;
     return NVML_SUCCESS;
 }
+
+#define FILL_CI_PROFILE(info, profile, slices, gi)                                              \
+    do {                                                                                        \
+        (info)->id = (profile);                                                                 \
+        (info)->sliceCount = (slices);                                                          \
+        (info)->instanceCount = (gi)->slices / (slices);                                        \
+        (info)->multiprocessorCount = 14 * (slices); /* an A100 slice has 14 SMs */             \
+        (info)->sharedCopyEngineCount = (gi)->copy_engines;                                     \
+        (info)->sharedDecoderCount = (gi)->decoders;                                            \
+        (info)->sharedEncoderCount = (gi)->encoders;                                            \
+        (info)->sharedJpegCount = (gi)->jpegs;                                                  \
+        (info)->sharedOfaCount = (gi)->ofas;                                                    \
+    } while (0)
 
 EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance_t gpuInstance, unsigned int profile,
                                                                  unsigned int engProfile,
@@ -974,15 +973,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance
         return ret;
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    info->id = profile;
-    info->sliceCount = slices;
-    info->instanceCount = gi->slices / slices;
-    info->multiprocessorCount = 14 * slices;
-    info->sharedCopyEngineCount = gi->copy_engines;
-    info->sharedDecoderCount = gi->decoders;
-    info->sharedEncoderCount = gi->encoders;
-    info->sharedJpegCount = gi->jpegs;
-    info->sharedOfaCount = gi->ofas;
+    FILL_CI_PROFILE(info, profile, slices, gi);
     return NVML_SUCCESS;
 }
 
@@ -999,17 +990,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstanc
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlComputeInstanceProfileInfo_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    nvmlComputeInstanceProfileInfo_t v1;
-    nvmlGpuInstanceGetComputeInstanceProfileInfo(gpuInstance, profile, engProfile, &v1);
-    info->id = v1.id;
-    info->sliceCount = v1.sliceCount;
-    info->instanceCount = v1.instanceCount;
-    info->multiprocessorCount = v1.multiprocessorCount;
-    info->sharedCopyEngineCount = v1.sharedCopyEngineCount;
-    info->sharedDecoderCount = v1.sharedDecoderCount;
-    info->sharedEncoderCount = v1.sharedEncoderCount;
-    info->sharedJpegCount = v1.sharedJpegCount;
-    info->sharedOfaCount = v1.sharedOfaCount;
+    FILL_CI_PROFILE(info, profile, slices, gi);
     if (slices == gi->slices)
         snprintf(info->name, sizeof info->name, "MIG %s", gi->name);
     else

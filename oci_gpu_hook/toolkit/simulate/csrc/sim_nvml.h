@@ -163,60 +163,50 @@ typedef struct {
     nvmlComputeInstancePlacement_t placement;
 } nvmlComputeInstanceInfo_t;
 
-typedef struct {
-    unsigned int id;
-    unsigned int isP2pSupported;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int copyEngineCount;
-    unsigned int decoderCount;
-    unsigned int encoderCount;
-    unsigned int jpegCount;
-    unsigned int ofaCount;
+/* The profile structs come in two versions: v2 adds a leading version and a trailing name.
+ * One field list each keeps the pair in step (the layouts are nvml.h's). */
+#define SIM_GI_PROFILE_FIELDS                                                                   \
+    unsigned int id;                                                                            \
+    unsigned int isP2pSupported;                                                                \
+    unsigned int sliceCount;                                                                    \
+    unsigned int instanceCount;                                                                 \
+    unsigned int multiprocessorCount;                                                           \
+    unsigned int copyEngineCount;                                                               \
+    unsigned int decoderCount;                                                                  \
+    unsigned int encoderCount;                                                                  \
+    unsigned int jpegCount;                                                                     \
+    unsigned int ofaCount;                                                                      \
     unsigned long long memorySizeMB;
+
+typedef struct {
+    SIM_GI_PROFILE_FIELDS
 } nvmlGpuInstanceProfileInfo_t;
 
 typedef struct {
     unsigned int version;
-    unsigned int id;
-    unsigned int isP2pSupported;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int copyEngineCount;
-    unsigned int decoderCount;
-    unsigned int encoderCount;
-    unsigned int jpegCount;
-    unsigned int ofaCount;
-    unsigned long long memorySizeMB;
+    SIM_GI_PROFILE_FIELDS
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
 } nvmlGpuInstanceProfileInfo_v2_t;
 #define nvmlGpuInstanceProfileInfo_v2 ((unsigned)(sizeof(nvmlGpuInstanceProfileInfo_v2_t) | (2u << 24)))
 
-typedef struct {
-    unsigned int id;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int sharedCopyEngineCount;
-    unsigned int sharedDecoderCount;
-    unsigned int sharedEncoderCount;
-    unsigned int sharedJpegCount;
+#define SIM_CI_PROFILE_FIELDS                                                                   \
+    unsigned int id;                                                                            \
+    unsigned int sliceCount;                                                                    \
+    unsigned int instanceCount;                                                                 \
+    unsigned int multiprocessorCount;                                                           \
+    unsigned int sharedCopyEngineCount;                                                         \
+    unsigned int sharedDecoderCount;                                                            \
+    unsigned int sharedEncoderCount;                                                            \
+    unsigned int sharedJpegCount;                                                               \
     unsigned int sharedOfaCount;
+
+typedef struct {
+    SIM_CI_PROFILE_FIELDS
 } nvmlComputeInstanceProfileInfo_t;
 
 typedef struct {
     unsigned int version;
-    unsigned int id;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int sharedCopyEngineCount;
-    unsigned int sharedDecoderCount;
-    unsigned int sharedEncoderCount;
-    unsigned int sharedJpegCount;
-    unsigned int sharedOfaCount;
+    SIM_CI_PROFILE_FIELDS
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
 } nvmlComputeInstanceProfileInfo_v2_t;
 #define nvmlComputeInstanceProfileInfo_v2 ((unsigned)(sizeof(nvmlComputeInstanceProfileInfo_v2_t) | (2u << 24)))
