@@ -62,6 +62,15 @@ class Exit:
     }
 
 
+def exit_reason(code: int) -> str:
+    """The exit status's name in lower case ("request", "ldconfig"): a failure's reason in the
+    container records and the exporter's counters."""
+    for name, value in vars(Exit).items():
+        if name.isupper() and value == code:
+            return name.lower()
+    return "unknown"
+
+
 class HookError(Exception):
     """An error with a one-line message meant for the user."""
 

@@ -39,11 +39,11 @@ def cli(ctx, config):
 
 
 def _register():
-    from oci_gpu_hook.cli import cdi, demo, doctor, info, install, inventory, plan, runtime, simulate, validate
+    from oci_gpu_hook.cli import cdi, demo, doctor, info, install, inventory, node, plan, runtime, simulate, validate
 
     commands = (demo.demo, info.info, inventory.inventory, plan.plan, runtime.prestart, runtime.create_runtime,
                 simulate.simulate, cdi.cdi, cdi.ldcache_refresh, doctor.doctor, install.install, install.uninstall,
-                validate.validate)  # fmt: skip
+                validate.validate, node.exporter, node.labels)  # fmt: skip
     for command in commands:
         cli.add_command(command)
 

@@ -7,19 +7,17 @@ back and fails with one line instead of being killed half-way. Standard library 
 
 from __future__ import annotations
 
-import os
 import time
+
+from oci_gpu_hook.start import pids
 
 
 def process_age() -> float:
     """Seconds since this process started, by the kernel's clock (0.0 if procfs cannot say)."""
-    try:
-        with open("/proc/self/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()  # the name, in parentheses, may hold spaces
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time since boot
-        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - started)
-    except (OSError, ValueError, IndexError):
+    ticks = pids.start_ticks("self")
+    if ticks is None:
         return 0.0
+    return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / pids.ticks_per_second())
 
 
 class Budget:

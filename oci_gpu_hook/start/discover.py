@@ -145,11 +145,11 @@ def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None,
             if ci.isdigit():
                 instances[(int(gi), int(ci))] = (gi_access, ci_access)
     if nvml_mig is not None:
-        order = [((m["gi"], m["ci"]), m["uuid"]) for m in nvml_mig]
+        order = [((m["gi"], m["ci"]), m) for m in nvml_mig]
     else:
-        order = [(key, None) for key in sorted(instances)]
+        order = [(key, {}) for key in sorted(instances)]
     devices = []
-    for key, uuid in order:
+    for key, facts in order:
         if key not in instances:
             raise NvmlError(
                 f"NVML lists MIG device gi{key[0]}/ci{key[1]} of GPU minor {gpu_minor}, "
@@ -165,7 +165,9 @@ def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None,
                 index=len(devices),
                 gi=key[0],
                 ci=key[1],
-                uuid=uuid,
+                uuid=facts.get("uuid"),
+                profile=facts.get("profile"),
+                memory_total=facts.get("memory_total"),
                 gi_cap=check_node(settings.dev_root, f"/dev/nvidia-caps/nvidia-cap{gi_minor}", caps_major, gi_minor),
                 ci_cap=check_node(settings.dev_root, f"/dev/nvidia-caps/nvidia-cap{ci_minor}", caps_major, ci_minor),
                 gi_access="/" + os.path.relpath(gi_access, settings.proc_root),

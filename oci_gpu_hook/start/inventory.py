@@ -22,7 +22,8 @@ class DeviceNode(Record):
 
 
 class MigDevice(Record):
-    __slots__ = ("index", "gi", "ci", "uuid", "gi_cap", "ci_cap", "gi_access", "ci_access")
+    __slots__ = ("index", "gi", "ci", "uuid", "gi_cap", "ci_cap", "gi_access", "ci_access", "profile", "memory_total")
+    _defaults = {"profile": None, "memory_total": None}
     index: int  # among its GPU's MIG devices, NVML order: the "1" of "0:1"
     gi: int
     ci: int
@@ -31,6 +32,8 @@ class MigDevice(Record):
     ci_cap: DeviceNode
     gi_access: str  # procfs path (under proc_root) of the GPU instance's access file
     ci_access: str
+    profile: str | None  # 1g.5gb; None when NVML was not available
+    memory_total: int | None  # bytes
 
 
 class GpuInfo(Record):

@@ -48,14 +48,20 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _collect(library_path: str) -> dict:
+def bind(library_path: str):
+    """pynvml, bound to the NVML library at library_path (once per process: see above). Loading
+    it by full path first makes pynvml's dlopen("libnvidia-ml.so.1") find this library (glibc
+    matches the SONAME already loaded), so no LD_LIBRARY_PATH reaches any process."""
     import ctypes
 
-    # Loading by full path first makes pynvml's dlopen("libnvidia-ml.so.1") find this library
-    # (glibc matches the SONAME already loaded), so no LD_LIBRARY_PATH reaches any process.
     ctypes.CDLL(library_path, mode=ctypes.RTLD_GLOBAL)
     import pynvml
 
+    return pynvml
+
+
+def _collect(library_path: str) -> dict:
+    pynvml = bind(library_path)
     pynvml.nvmlInit()
     try:
         cuda = pynvml.nvmlSystemGetCudaDriverVersion()
@@ -90,6 +96,8 @@ def _collect(library_path: str) -> dict:
                             "gi": pynvml.nvmlDeviceGetGpuInstanceId(mig),
                             "ci": pynvml.nvmlDeviceGetComputeInstanceId(mig),
                             "uuid": _text(pynvml.nvmlDeviceGetUUID(mig)),
+                            # Named "<GPU name> MIG <profile>", by the real library and ours.
+                            "profile": _text(pynvml.nvmlDeviceGetName(mig)).rpartition(" MIG ")[2] or None,
                             "memory_total": pynvml.nvmlDeviceGetMemoryInfo(mig).total,
                         }
                     )

@@ -8,6 +8,7 @@ small JSON documents, before any configuration file or inventory is read.
 from __future__ import annotations
 
 import sys
+import time
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import report
@@ -29,6 +30,9 @@ def may_ask_for_gpus(spec) -> bool:
 
 
 def run(config: str | None, stdin=None, since_process_start: bool = False) -> int:
+    # How long the start took is counted from the process's start when the runtime started this
+    # process for it, from now when a caller runs it in-process.
+    started = None if since_process_start else time.monotonic()
     stdin = stdin if stdin is not None else sys.stdin.buffer
     container = state_module.parse(stdin.read(state_module.MAX_STATE_BYTES + 1))
     spec = spec_module.load(container.bundle)
@@ -39,13 +43,15 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
     settings = None
     try:
         settings = settings_module.load(config)
-        return _configure(container, spec, settings, since_process_start)
+        return _configure(container, spec, settings, started)
     except HookError as e:
         report.record(settings, container.id, "error", e.message, bundle=container.bundle)
+        if settings is not None:  # a GPU start that failed (a bad request included): counted
+            _keep_record(settings, container, spec, (), started, failure_code=e.exit_code)
         raise
 
 
-def _configure(container, spec, settings, since_process_start: bool) -> int:
+def _configure(container, spec, settings, started: float | None) -> int:
     from oci_gpu_hook.start import apply, inventory_cache, request
     from oci_gpu_hook.start.budget import Budget
     from oci_gpu_hook.start.linux import arch
@@ -55,17 +61,31 @@ def _configure(container, spec, settings, since_process_start: bool) -> int:
     if gpu_request is None:
         return 0
     # Counted from the process start all the same; built only once the container asks for GPUs.
-    budget = Budget(settings.deadline_seconds, age=None if since_process_start else 0.0)
+    budget = Budget(settings.deadline_seconds, age=None if started is None else time.monotonic() - started)
     arch.current()  # an unknown machine says so first, not through whatever fails next
     inventory = inventory_cache.load(settings, budget)
     plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))
     result = apply.apply(plan, container, spec, settings, budget)
+    _keep_record(settings, container, spec, plan.devices, started)
     report.record(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],
         notes=list(gpu_request.notes),
     )  # fmt: skip
     return 0
+
+
+def _keep_record(settings, container, spec, devices, started: float | None, failure_code=None) -> None:
+    """The container record (container_record.py); like the log, it never fails a start."""
+    from oci_gpu_hook.start import container_record
+    from oci_gpu_hook.start.budget import process_age
+
+    duration = process_age() if started is None else time.monotonic() - started
+    try:
+        record = container_record.build(container, spec.annotations, devices, duration, failure_code)
+        container_record.write(settings.records_path, record)
+    except OSError as e:
+        report.record(settings, container.id, "warning", f"the container record was not written: {e}")
 
 
 def library_layout(rootfs: str):

@@ -35,6 +35,22 @@ class LoggingSettings(Record):
     syslog: bool
 
 
+class NodeSettings(Record):
+    """The node services' keys (node/): nothing on the start path reads them."""
+
+    __slots__ = ("exporter_listen", "features_file", "mig_strategy", "replicas")
+    _defaults = {
+        "exporter_listen": ":9400",
+        "features_file": "/etc/kubernetes/node-feature-discovery/features.d/oci-gpu-hook",
+        "mig_strategy": "none",
+        "replicas": 1,
+    }
+    exporter_listen: str
+    features_file: str
+    mig_strategy: str
+    replicas: int
+
+
 class Settings(Record):
     __slots__ = (
         "driver_root",
@@ -48,9 +64,11 @@ class Settings(Record):
         "disable_require",
         "mps_pipe_directories",
         "inventory_cache",
+        "records_directory",
         "cgroups",
         "deadline_seconds",
         "logging",
+        "node",
         "source",
     )
     _defaults = {
@@ -67,9 +85,11 @@ class Settings(Record):
         "disable_require": False,
         "mps_pipe_directories": (driver.MPS_PIPE_DIRECTORY,),
         "inventory_cache": f"{RUN_DIR}/inventory.json",
+        "records_directory": None,  # RUN_DIR/containers (records_path)
         "cgroups": "auto",
         "deadline_seconds": 8.0,
         "logging": LoggingSettings(),
+        "node": NodeSettings(),
         "source": None,
     }
     driver_root: str
@@ -83,16 +103,24 @@ class Settings(Record):
     disable_require: bool
     mps_pipe_directories: tuple[str, ...]
     inventory_cache: str
+    records_directory: str | None
     cgroups: str
     deadline_seconds: float
     logging: LoggingSettings
+    node: NodeSettings
     source: str | None  # the file these settings came from; None for built-in defaults
+
+    @property
+    def records_path(self) -> str:
+        """Where the container records are (start/container_record.py)."""
+        return self.records_directory or os.path.join(RUN_DIR, "containers")
 
     @classmethod
     def from_mapping(cls, data: dict, source: str | None) -> Settings:
         """Build from an already validated mapping."""
         values = dict(data)
         values["logging"] = LoggingSettings(**values.get("logging", {}))
+        values["node"] = NodeSettings(**values.get("node", {}))
         caps = values.get("supported_capabilities")
         if caps is not None:
             values["supported_capabilities"] = driver.CAPABILITIES if "all" in caps else tuple(caps)

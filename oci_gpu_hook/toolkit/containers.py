@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 
 from oci_gpu_hook.errors import PrerequisiteError
@@ -77,6 +78,7 @@ def make_config(
     readonly: bool = True,
     with_hook: bool = True,
     mount_label: str | None = None,
+    annotations: dict[str, str] | None = None,
 ) -> dict:
     """config.json for runc: like `runc spec`, with our prestart hook and a deny-all device cgroup."""
     hook_args = hook_command(config_file) + ["prestart"]
@@ -126,6 +128,8 @@ def make_config(
     }
     if mount_label:
         config["linux"]["mountLabel"] = mount_label
+    if annotations:
+        config["annotations"] = dict(annotations)
     if with_hook:
         config["hooks"] = {"prestart": [{"path": hook_args[0], "args": hook_args, "env": list(hook_env),
                                          "timeout": install.HOOK_TIMEOUT}]}  # fmt: skip
@@ -166,6 +170,29 @@ def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.
                               timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
     finally:
         subprocess.run([runc, "delete", "--force", container_id], capture_output=True)
+
+
+def runc_detached(bundle: str, container_id: str, timeout: float = 60) -> int:
+    """Start a container that keeps running (`runc run --detach`); returns its init pid. The caller
+    removes it with runc_delete."""
+    runc = shutil.which("runc")
+    if runc is None:
+        raise PrerequisiteError("runc is not installed (on Debian: apt-get install runc)")
+    # The container inherits runc's stdio: a pipe there would stay open as long as it runs.
+    with tempfile.TemporaryFile() as errors:
+        proc = subprocess.run([runc, "run", "--detach", "--bundle", bundle, container_id], stdout=subprocess.DEVNULL,
+                              stderr=errors, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+        if proc.returncode != 0:
+            runc_delete(container_id)
+            errors.seek(0)
+            message = errors.read().decode(errors="replace").strip()
+            raise PrerequisiteError(f"runc run --detach {container_id}: {message}")
+    state = subprocess.run([runc, "state", container_id], capture_output=True, text=True, timeout=timeout)
+    return json.loads(state.stdout)["pid"]
+
+
+def runc_delete(container_id: str) -> None:
+    subprocess.run(["runc", "delete", "--force", container_id], capture_output=True, timeout=60)
 
 
 # podman run options besides the image: limits of the container's own (some hosts' and sandboxes'

@@ -40,6 +40,28 @@ def detect_version(cgroup_text: str) -> str:
     return "v2" if v2 else "none"
 
 
+def identity(cgroup_text: str) -> str | None:
+    """The cgroup that tells a container's processes from everyone else's, from /proc/<pid>/cgroup
+    text: the devices controller's path where a v1 devices hierarchy is in use (hybrid hosts keep
+    "0::/" for everything there), else the unified "0::" path. None for the root cgroup, which
+    holds host processes too: nothing may be attributed by it."""
+    unified = None
+    for line in cgroup_text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if "devices" in parts[1].split(","):
+            return parts[2] if parts[2].startswith("/") and parts[2] != "/" else None
+        if parts[0] == "0" and parts[1] == "":
+            unified = parts[2]
+    return unified if unified and unified.startswith("/") and unified != "/" else None
+
+
+def is_within(cgroup: str, container_cgroup: str) -> bool:
+    """A process's cgroup (identity()) lies in a container's: the same one or below it."""
+    return cgroup == container_cgroup or cgroup.startswith(container_cgroup.rstrip("/") + "/")
+
+
 def _where_mounted(relative: str, mountinfo_text: str, fstype: str, option: str | None = None) -> str | None:
     """Where this process sees the cgroup relative (a path inside a hierarchy) of a hierarchy of
     fstype (and, for v1, with option among its super options) mounted."""

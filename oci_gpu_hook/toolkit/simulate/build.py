@@ -428,6 +428,7 @@ def config_text(target: str) -> str:
         f"dev_root: {json.dumps(target)}\n"
         f"proc_root: {json.dumps(target)}\n"
         f"inventory_cache: {json.dumps(target + '/inventory-cache.json')}\n"
+        f"records_directory: {json.dumps(target + '/containers')}\n"
         "logging:\n"
         "  level: info\n"
         f"  file: {json.dumps(target + '/hook.log')}\n"

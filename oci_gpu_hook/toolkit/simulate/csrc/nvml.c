@@ -6,10 +6,14 @@
  * is decided at init from the device nodes it can reach, as with the real
  * driver inside a container: the library carries the whole host, the mount
  * namespace decides what is visible. */
+#include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "sim_host.h"
@@ -120,6 +124,8 @@ static int initialized(void)
     return ok;
 }
 
+static nvmlReturn_t injected_fault(void);
+
 /* Every device query starts here: a handle is valid only if it points into
  * our tables and names a device visible in the current session. */
 static nvmlReturn_t check(nvmlDevice_t device)
@@ -141,7 +147,7 @@ static nvmlReturn_t check(nvmlDevice_t device)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!device->visible || device->gpu == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
-    return NVML_SUCCESS;
+    return injected_fault();
 }
 
 /* The usual head of a device query: a valid handle and somewhere to put the answer. */
@@ -172,12 +178,203 @@ static int mig_capable(const struct sim_gpu *gpu)
     return (gpu->cc_major == 8 && gpu->cc_minor == 0) || gpu->cc_major == 9 || gpu->cc_major == 10;
 }
 
+/* ---- live values: the control file -------------------------------------- */
+
+/* Tests (and `oci-gpu-hook simulate set`) change what the GPUs report while
+ * clients run, through SIM_ROOT/nvml-control, re-read whenever it changes:
+ *     fail <nvmlReturn_t>            every call from nvmlInit on answers it
+ *     <uuid> <key> <number>          util_gpu util_memory memory_used (bytes)
+ *                                    temperature (C) power (mW) sm_clock
+ *                                    mem_clock (MHz) energy (mJ)
+ *     <uuid> process <pid> <bytes>   a process using that GPU or MIG device
+ * Only on the host: inside a container the file is out of reach, as the
+ * real driver's state is out of a container's reach too. */
+#define SIM_MAX_LIVE (SIM_N_GPUS * (SIM_MAX_MIG + 1) + 1)
+#define SIM_MAX_PROCS 256
+enum { L_UTIL_GPU, L_UTIL_MEM, L_MEM_USED, L_TEMP, L_POWER, L_SM_CLOCK, L_MEM_CLOCK, L_ENERGY, L_N };
+static const char *const LIVE_KEYS[L_N] = {"util_gpu", "util_memory", "memory_used", "temperature",
+                                           "power", "sm_clock", "mem_clock", "energy"};
+
+struct sim_live {
+    char uuid[96];
+    int have[L_N];
+    unsigned long long value[L_N];
+};
+struct sim_proc {
+    char uuid[96];
+    unsigned pid;
+    unsigned long long bytes;
+};
+
+static struct sim_live g_live[SIM_MAX_LIVE];
+static unsigned g_n_live;
+static struct sim_proc g_procs[SIM_MAX_PROCS];
+static unsigned g_n_procs;
+static nvmlReturn_t g_fail;
+static struct stat g_control_stat;
+static int g_control_seen;
+static pthread_mutex_t g_live_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static struct sim_live *live_slot(const char *uuid)
+{
+    for (unsigned i = 0; i < g_n_live; i++)
+        if (strcmp(g_live[i].uuid, uuid) == 0)
+            return &g_live[i];
+    if (g_n_live == SIM_MAX_LIVE)
+        return NULL;
+    struct sim_live *l = &g_live[g_n_live++];
+    memset(l, 0, sizeof *l);
+    snprintf(l->uuid, sizeof l->uuid, "%s", uuid);
+    return l;
+}
+
+/* Called with g_live_lock held. */
+static void reload_control(void)
+{
+    const char *path = SIM_ROOT "/nvml-control";
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        g_n_live = g_n_procs = 0;
+        g_fail = NVML_SUCCESS;
+        g_control_seen = 0;
+        return;
+    }
+    if (g_control_seen && st.st_ino == g_control_stat.st_ino && st.st_size == g_control_stat.st_size &&
+        st.st_mtim.tv_sec == g_control_stat.st_mtim.tv_sec &&
+        st.st_mtim.tv_nsec == g_control_stat.st_mtim.tv_nsec)
+        return;
+    FILE *f = fopen(path, "re");
+    if (f == NULL)
+        return;
+    g_n_live = g_n_procs = 0;
+    g_fail = NVML_SUCCESS;
+    char line[512], uuid[96], key[32];
+    unsigned long long a, b;
+    while (fgets(line, sizeof line, f)) {
+        if (sscanf(line, "fail %llu", &a) == 1) {
+            g_fail = (nvmlReturn_t)a;
+        } else if (sscanf(line, "%95s process %llu %llu", uuid, &a, &b) == 3) {
+            if (g_n_procs < SIM_MAX_PROCS) {
+                struct sim_proc *p = &g_procs[g_n_procs++];
+                snprintf(p->uuid, sizeof p->uuid, "%s", uuid);
+                p->pid = (unsigned)a;
+                p->bytes = b;
+            }
+        } else if (sscanf(line, "%95s %31s %llu", uuid, key, &a) == 3) {
+            for (int k = 0; k < L_N; k++) {
+                if (strcmp(key, LIVE_KEYS[k]) == 0) {
+                    struct sim_live *l = live_slot(uuid);
+                    if (l) {
+                        l->have[k] = 1;
+                        l->value[k] = a;
+                    }
+                }
+            }
+        }
+    }
+    fclose(f);
+    g_control_stat = st;
+    g_control_seen = 1;
+}
+
+static int on_host(void)
+{
+    return access(SIM_ROOT "/proc/driver/nvidia/version", F_OK) == 0;
+}
+
+/* The fault the control file asks for, NVML_SUCCESS for none. */
+static nvmlReturn_t injected_fault(void)
+{
+    if (!on_host())
+        return NVML_SUCCESS;
+    pthread_mutex_lock(&g_live_lock);
+    reload_control();
+    nvmlReturn_t fail = g_fail;
+    pthread_mutex_unlock(&g_live_lock);
+    return fail;
+}
+
+static const char *uuid_of(nvmlDevice_t device)
+{
+    return device->mig ? device->mig->uuid : device->gpu->uuid;
+}
+
+/* The control file's value of key for device, or fallback. */
+static unsigned long long live_value(nvmlDevice_t device, int key, unsigned long long fallback)
+{
+    if (!on_host())
+        return fallback;
+    pthread_mutex_lock(&g_live_lock);
+    reload_control();
+    unsigned long long v = fallback;
+    for (unsigned i = 0; i < g_n_live; i++)
+        if (strcmp(g_live[i].uuid, uuid_of(device)) == 0 && g_live[i].have[key])
+            v = g_live[i].value[key];
+    pthread_mutex_unlock(&g_live_lock);
+    return v;
+}
+
+/* A process is reported only while it exists, as the real driver forgets
+ * the processes that exit. */
+static int process_exists(unsigned pid)
+{
+    return pid > 0 && (kill((pid_t)pid, 0) == 0 || errno == EPERM);
+}
+
+/* Does process p run on device: on it, or (for a GPU) on one of its MIG devices. */
+static int process_on(const struct sim_proc *p, nvmlDevice_t device, const struct sim_mig **mig)
+{
+    *mig = NULL;
+    if (strcmp(p->uuid, uuid_of(device)) == 0) {
+        *mig = device->mig;
+        return 1;
+    }
+    if (device->mig)
+        return 0;
+    for (unsigned m = 0; m < device->gpu->n_mig; m++) {
+        if (strcmp(p->uuid, device->gpu->mig[m].uuid) == 0) {
+            *mig = &device->gpu->mig[m];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Copies the device's live processes into buf (up to cap), returns how many there are. */
+static unsigned live_processes(nvmlDevice_t device, nvmlProcessInfo_t *buf, unsigned cap,
+                               unsigned long long *bytes)
+{
+    unsigned n = 0;
+    *bytes = 0;
+    if (!on_host())
+        return 0;
+    pthread_mutex_lock(&g_live_lock);
+    reload_control();
+    for (unsigned i = 0; i < g_n_procs; i++) {
+        const struct sim_mig *mig;
+        if (!process_on(&g_procs[i], device, &mig) || !process_exists(g_procs[i].pid))
+            continue;
+        if (buf && n < cap) {
+            buf[n].pid = g_procs[i].pid;
+            buf[n].usedGpuMemory = g_procs[i].bytes;
+            buf[n].gpuInstanceId = mig ? mig->gi_id : 0xFFFFFFFFu;
+            buf[n].computeInstanceId = mig ? mig->ci_id : 0xFFFFFFFFu;
+        }
+        *bytes += g_procs[i].bytes;
+        n++;
+    }
+    pthread_mutex_unlock(&g_live_lock);
+    return n;
+}
+
 /* ---- init / shutdown ---------------------------------------------------- */
 
 EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
 {
     (void)flags; /* NO_GPUS is the behaviour anyway: zero visible GPUs is not an error */
-    nvmlReturn_t ret = NVML_SUCCESS;
+    nvmlReturn_t ret = injected_fault();
+    if (ret != NVML_SUCCESS)
+        return ret;
     pthread_mutex_lock(&g_lock);
     if (g_refcount == 0)
         ret = scan_devices();
@@ -526,15 +723,14 @@ EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, nvmlDeviceArc
 
 /* ---- state -------------------------------------------------------------- */
 
+/* Used memory: the control file's figure; else what the device's live
+ * processes use; else the host description's. */
 static void memory_of(nvmlDevice_t device, unsigned long long *total, unsigned long long *used)
 {
-    if (device->mig) {
-        *total = device->mig->memory_total;
-        *used = 0;
-    } else {
-        *total = device->gpu->memory_total;
-        *used = device->gpu->memory_used;
-    }
+    unsigned long long by_processes;
+    unsigned n = live_processes(device, NULL, 0, &by_processes);
+    *total = device->mig ? device->mig->memory_total : device->gpu->memory_total;
+    *used = live_value(device, L_MEM_USED, n ? by_processes : device->mig ? 0 : device->gpu->memory_used);
     if (*used > *total)
         *used = *total;
 }
@@ -570,8 +766,61 @@ EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtili
     /* With MIG on, the GPU has no single utilization figure (nvidia-smi shows N/A). */
     if (device->mig || device->gpu->mig_enabled)
         return NVML_ERROR_NOT_SUPPORTED;
-    utilization->gpu = device->gpu->util_gpu;
-    utilization->memory = device->gpu->util_memory;
+    utilization->gpu = (unsigned)live_value(device, L_UTIL_GPU, device->gpu->util_gpu);
+    utilization->memory = (unsigned)live_value(device, L_UTIL_MEM, device->gpu->util_memory);
+    return NVML_SUCCESS;
+}
+
+/* Sensors and counters of the board: a MIG device has none of its own. */
+static nvmlReturn_t board_value(nvmlDevice_t device, const void *out)
+{
+    nvmlReturn_t ret = check_out(device, out);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    return device->mig ? NVML_ERROR_NOT_SUPPORTED : NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType, unsigned int *temp)
+{
+    nvmlReturn_t ret = board_value(device, temp);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (sensorType != 0) /* NVML_TEMPERATURE_GPU is the only sensor */
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *temp = (unsigned)live_value(device, L_TEMP, 33);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
+{
+    nvmlReturn_t ret = board_value(device, power);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    *power = (unsigned)live_value(device, L_POWER, 58000); /* milliwatts */
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock)
+{
+    nvmlReturn_t ret = board_value(device, clock);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    switch (type) { /* nvmlClockType_t: graphics, SM, memory, video */
+    case 0:
+    case 1: *clock = (unsigned)live_value(device, L_SM_CLOCK, 1410); break;
+    case 2: *clock = (unsigned)live_value(device, L_MEM_CLOCK, 1215); break;
+    case 3: *clock = 1275; break;
+    default: return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, unsigned long long *energy)
+{
+    nvmlReturn_t ret = board_value(device, energy);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    *energy = live_value(device, L_ENERGY, 0); /* millijoules since the driver loaded */
     return NVML_SUCCESS;
 }
 
@@ -584,33 +833,56 @@ EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnable
     return NVML_SUCCESS;
 }
 
-/* No process ever runs on a simulated GPU; the count protocol still holds:
- * a NULL array with a count is the size query, and 0 needs no buffer. */
-static nvmlReturn_t no_processes(nvmlDevice_t device, unsigned int *infoCount)
+/* The count protocol of the process queries: a NULL array (or a count too
+ * small) is a size query answered with INSUFFICIENT_SIZE and the count
+ * needed; zero processes need no buffer. Compute processes come from the
+ * control file; graphics and MPS lists are always empty here. */
+static nvmlReturn_t processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, int v1, int any)
 {
     nvmlReturn_t ret = check_out(device, infoCount);
     if (ret != NVML_SUCCESS)
         return ret;
-    *infoCount = 0;
+    nvmlProcessInfo_t found[SIM_MAX_PROCS];
+    unsigned long long bytes;
+    unsigned n = any ? live_processes(device, found, SIM_MAX_PROCS, &bytes) : 0;
+    if (n > SIM_MAX_PROCS)
+        n = SIM_MAX_PROCS;
+    if (n == 0) {
+        *infoCount = 0;
+        return NVML_SUCCESS;
+    }
+    if (infos == NULL || *infoCount < n) {
+        *infoCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned i = 0; i < n; i++) {
+        if (v1) {
+            nvmlProcessInfo_v1_t *out = (nvmlProcessInfo_v1_t *)infos + i;
+            out->pid = found[i].pid;
+            out->usedGpuMemory = found[i].usedGpuMemory;
+        } else {
+            ((nvmlProcessInfo_t *)infos)[i] = found[i];
+        }
+    }
+    *infoCount = n;
     return NVML_SUCCESS;
 }
 
-#define PROCESS_QUERY(fn, type)                                                 \
+#define PROCESS_QUERY(fn, type, v1, any)                                        \
     EXPORT nvmlReturn_t fn(nvmlDevice_t device, unsigned int *infoCount, type *infos) \
     {                                                                           \
-        (void)infos;                                                            \
-        return no_processes(device, infoCount);                                 \
+        return processes(device, infoCount, infos, v1, any);                    \
     }
 
-PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t)
-PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_t)
-PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t)
-PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t)
-PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_t)
-PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t)
-PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t)
-PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t)
-PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t)
+PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses, nvmlProcessInfo_v1_t, 1, 1)
+PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses_v2, nvmlProcessInfo_t, 0, 1)
+PROCESS_QUERY(nvmlDeviceGetComputeRunningProcesses_v3, nvmlProcessInfo_t, 0, 1)
+PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses, nvmlProcessInfo_v1_t, 1, 0)
+PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses_v2, nvmlProcessInfo_t, 0, 0)
+PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, 0, 0)
+PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t, 1, 0)
+PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t, 0, 0)
+PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, 0, 0)
 
 /* ---- MIG ---------------------------------------------------------------- */
 

@@ -1,0 +1,69 @@
+"""Who holds what: the live container records against the devices and GPU processes NVML
+reports. A device is held by the containers whose record names it; a GPU process belongs to the
+container whose cgroup holds the process (cgroups.identity of /proc/<pid>/cgroup, the same
+reading the hook recorded for the container's init process). Nothing is attributed by the root
+cgroup, nor to a record without a cgroup: a host process is nobody's container.
+"""
+
+from __future__ import annotations
+
+from oci_gpu_hook.start import container_record
+from oci_gpu_hook.start.linux import cgroups
+
+
+def live_starts(records: dict, proc: str = "/proc") -> list:
+    """The records of running containers that the hook configured (not failed starts)."""
+    return [
+        r for r in records.values()
+        if r is not None and r["outcome"] == "started" and container_record.is_live(r, proc)
+    ]  # fmt: skip
+
+
+def device_uuids(record: dict) -> set:
+    """The devices a container holds: a MIG device by its own UUID, a whole GPU by the GPU's."""
+    return {d.get("mig_uuid") or d["gpu_uuid"] for d in record["devices"]}
+
+
+def holders(live: list) -> dict:
+    """{device uuid: [records of the containers holding it]}."""
+    held = {}
+    for record in live:
+        for uuid in device_uuids(record):
+            held.setdefault(uuid, []).append(record)
+    return held
+
+
+def process_cgroup(pid: int, proc: str = "/proc") -> str | None:
+    try:
+        with open(f"{proc}/{pid}/cgroup") as f:
+            return cgroups.identity(f.read(65536))
+    except OSError:
+        return None
+
+
+def container_of(pid: int, live: list, proc: str = "/proc") -> dict | None:
+    """The record of the container whose cgroup holds pid (the innermost, should two nest)."""
+    cgroup = process_cgroup(pid, proc)
+    if cgroup is None:
+        return None
+    matches = [r for r in live if r.get("cgroup") and cgroups.is_within(cgroup, r["cgroup"])]
+    return max(matches, key=lambda r: len(r["cgroup"]), default=None)
+
+
+def leaf_samples(samples) -> list:
+    """The samples whose processes are each counted once: MIG devices, and GPUs without MIG (a
+    MIG GPU's own list repeats its MIG devices' processes)."""
+    with_mig = {s.device.gpu_uuid for s in samples if s.device.gi is not None}
+    return [s for s in samples if s.device.gi is not None or s.device.uuid not in with_mig]
+
+
+def memory_by_container(samples, live: list, proc: str = "/proc") -> list:
+    """[(record, device, bytes)]: GPU memory each container's processes use on each device."""
+    used = {}
+    for sample in leaf_samples(samples):
+        for pid, size in sample.processes:
+            record = container_of(pid, live, proc)
+            if record is not None:
+                key = (record["id"], sample.device)
+                used[key] = (record, sample.device, used.get(key, (None, None, 0))[2] + size)
+    return list(used.values())

@@ -1,0 +1,130 @@
+"""`oci-gpu-hook exporter`: GPU metrics for Prometheus, with the container, pod and namespace
+holding each device, and the hook's own counters.
+
+Each scrape reads the container records (collecting those of containers that are gone), asks
+NVML through the one reader, attributes devices and GPU processes to containers, and renders the
+page (metrics.py). NVML failing does not take the endpoint down: the page keeps the last facts
+read, oci_gpu_hook_gpu_facts_stale says so, and one line is logged when that starts and ends.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from oci_gpu_hook.errors import HookError, NvmlError, UsageError
+from oci_gpu_hook.node import attribution, metrics
+from oci_gpu_hook.start import container_record
+
+DEFAULT_LISTEN = ":9400"  # NVIDIA's DCGM exporter's port
+
+
+def log(message: str) -> None:
+    sys.stderr.write(f"oci-gpu-hook exporter: {message}\n")
+    sys.stderr.flush()
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """HOST:PORT, :PORT or [IPv6]:PORT -> (host, port); an empty host means every address."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--listen {value!r}: expected HOST:PORT or :PORT (port 1-65535)")
+    return host.strip("[]"), int(port)
+
+
+class Exporter:
+    def __init__(self, reader, records_directory: str, hostname: str | None = None, proc: str = "/proc"):
+        self.reader = reader
+        self.records_directory = records_directory
+        self.hostname = hostname or socket.gethostname()
+        self.proc = proc
+        self.counters = metrics.StartCounters()
+        self.samples = ()
+        self.stale = False
+        self.garbage_seen = set()
+        self.extra = []  # further families (the watchdog's counters, when it runs in this process)
+        self.lock = threading.Lock()
+
+    def scrape(self) -> str:
+        with self.lock:
+            records = container_record.read_all(self.records_directory)
+            for name in sorted(n for n, r in records.items() if r is None and n not in self.garbage_seen):
+                log(f"{self.records_directory}/{name}: not a container record; removed")
+            self.garbage_seen = {n for n, r in records.items() if r is None}
+            self.counters.observe(records)
+            live = attribution.live_starts(records, self.proc)
+            container_record.collect(self.records_directory, records, self.proc)
+            try:
+                self.samples = self.reader.read()
+                if self.stale:
+                    log("NVML answers again; GPU facts are current")
+                self.stale = False
+            except NvmlError as e:
+                if not self.stale:
+                    log(f"{e.message}; serving the last GPU facts read, marked stale")
+                self.stale = True
+            memory = attribution.memory_by_container(self.samples, live, self.proc)
+            return metrics.render(self.samples, attribution.holders(live), memory, self.counters, self.stale,
+                                  len(live), self.hostname, self.extra)  # fmt: skip
+
+
+def _handler(exporter: Exporter):
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                body, kind = exporter.scrape().encode(), "text/plain; version=0.0.4; charset=utf-8"
+            elif path == "/":
+                body, kind = b'<html><body><a href="/metrics">metrics</a></body></html>\n', "text/html"
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format, *args):  # one line per request is noise for a scrape target
+            pass
+
+    return Handler
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address, handler):
+        host = address[0]
+        if ":" in host:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+
+def serve(exporter: Exporter, listen: str, ready=None) -> None:
+    host, port = parse_listen(listen)
+    try:
+        server = _Server((host or "0.0.0.0", port), _handler(exporter))
+    except OSError as e:
+        raise HookError(f"cannot listen on {listen}: {e.strerror or e}") from None
+    log(f"serving /metrics on {listen} (records: {exporter.records_directory})")
+    if ready:
+        ready(server)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    finally:
+        server.server_close()
+
+
+def run(settings, listen: str) -> int:
+    from oci_gpu_hook.node.nvml_reader import HostReader
+
+    started = time.monotonic()
+    exporter = Exporter(HostReader(settings), settings.records_path)
+    exporter.scrape()  # NVML started, and a failure logged, before the first scrape
+    log(f"ready in {time.monotonic() - started:.2f} s")
+    serve(exporter, listen)
+    return 0

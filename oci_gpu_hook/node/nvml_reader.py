@@ -1,0 +1,193 @@
+"""The node services' one NVML reader: what each GPU and MIG device reports now (utilization,
+memory, temperature, power, clocks, energy) and which processes use it, through NVIDIA's
+official bindings, bound to the driver library the inventory found.
+
+A read either returns a sample of every device or raises NvmlError; the caller decides what a
+failure means (the exporter: stale facts; the watchdog: no action). After a failure the next
+read starts NVML afresh, so a driver that comes back is picked up without a restart.
+"""
+
+from __future__ import annotations
+
+from oci_gpu_hook.errors import NvmlError
+from oci_gpu_hook.record import Record
+
+MIB = 1 << 20
+
+
+class Device(Record):
+    """A GPU, or a MIG device of one, as the metrics name it."""
+
+    __slots__ = ("uuid", "gpu_index", "gpu_uuid", "minor", "model", "gi", "ci", "profile")
+    _defaults = {"gi": None, "ci": None, "profile": None}
+    uuid: str  # the device's own: GPU-... or MIG-...
+    gpu_index: int  # NVML index of the GPU (of the parent, for a MIG device)
+    gpu_uuid: str
+    minor: int  # /dev/nvidia<minor> of the GPU
+    model: str
+    gi: int | None  # MIG: GPU instance id
+    ci: int | None
+    profile: str | None  # MIG: 1g.5gb
+
+
+class Sample(Record):
+    __slots__ = ("device", "values", "processes")
+    device: Device
+    values: dict  # name -> number, for what the device supports (nvml_reader.FIELDS)
+    processes: tuple  # (pid, used bytes) of the processes using it
+
+
+# What a sample may carry, and its unit.
+FIELDS = {
+    "util_gpu": "%",
+    "util_memory": "%",
+    "fb_used": "MiB",
+    "fb_free": "MiB",
+    "temperature": "C",
+    "power": "W",
+    "sm_clock": "MHz",
+    "mem_clock": "MHz",
+    "energy": "mJ",
+}
+
+
+def library_path(inventory) -> str | None:
+    """The host's libnvidia-ml.so.1, from the inventory's driver files (the same file the hook's
+    inventory asked)."""
+    from oci_gpu_hook.start.inventory import host_path
+
+    for f in inventory.files:
+        if f.kind == "library" and f.soname == "libnvidia-ml.so.1":
+            return host_path(inventory.driver_root, f.path)
+    return None
+
+
+class NvmlReader:
+    def __init__(self, inventory):
+        self.inventory = inventory
+        self.path = library_path(inventory)
+        self._nvml = None
+        self._started = False
+
+    def _start(self):
+        if self.path is None:
+            raise NvmlError("the inventory lists no libnvidia-ml.so.1: is the driver installed?")
+        if self._nvml is None:
+            try:
+                from oci_gpu_hook.start.nvml import bind
+
+                self._nvml = bind(self.path)
+            except (OSError, ImportError) as e:
+                raise NvmlError(f"NVML ({self.path}) cannot be loaded: {e}") from None
+        if not self._started:
+            self._call(self._nvml.nvmlInit)
+            self._started = True
+        return self._nvml
+
+    def _call(self, fn, *args):
+        """fn's answer; None where the device does not support it; NvmlError for a failure."""
+        nvml = self._nvml
+        try:
+            return fn(*args)
+        except nvml.NVMLError_NotSupported:
+            return None
+        except nvml.NVMLError as e:
+            raise NvmlError(f"NVML: {fn.__name__}: {e}") from None
+
+    def close(self) -> None:
+        if self._started:
+            try:
+                self._nvml.nvmlShutdown()
+            except self._nvml.NVMLError:
+                pass
+            self._started = False
+
+    def read(self) -> tuple[Sample, ...]:
+        try:
+            nvml = self._start()
+            return tuple(self._read_all(nvml))
+        except NvmlError:
+            self.close()  # the next read starts NVML again
+            raise
+
+    def _read_all(self, nvml):
+        by_uuid = {g.uuid: g for g in self.inventory.gpus}
+        call = self._call
+        for index in range(call(nvml.nvmlDeviceGetCount)):
+            handle = call(nvml.nvmlDeviceGetHandleByIndex, index)
+            uuid = _text(call(nvml.nvmlDeviceGetUUID, handle))
+            known = by_uuid.get(uuid)
+            gpu = Device(
+                uuid, index, uuid, known.minor if known else index, _text(call(nvml.nvmlDeviceGetName, handle))
+            )
+            yield Sample(gpu, self._values(nvml, handle, board=True), self._processes(nvml, handle))
+            mode = call(nvml.nvmlDeviceGetMigMode, handle)
+            if not mode or not mode[0]:
+                continue
+            for mig_index in range(call(nvml.nvmlDeviceGetMaxMigDeviceCount, handle) or 0):
+                try:
+                    mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, mig_index)
+                except nvml.NVMLError_NotFound:
+                    continue
+                except nvml.NVMLError as e:
+                    raise NvmlError(f"NVML: MIG device {index}:{mig_index}: {e}") from None
+                name = _text(call(nvml.nvmlDeviceGetName, mig))
+                device = gpu.replace(
+                    uuid=_text(call(nvml.nvmlDeviceGetUUID, mig)),
+                    gi=call(nvml.nvmlDeviceGetGpuInstanceId, mig),
+                    ci=call(nvml.nvmlDeviceGetComputeInstanceId, mig),
+                    profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else None,
+                )
+                yield Sample(device, self._values(nvml, mig, board=False), self._processes(nvml, mig))
+
+    def _values(self, nvml, handle, board: bool) -> dict:
+        call, values = self._call, {}
+        memory = call(nvml.nvmlDeviceGetMemoryInfo, handle)
+        if memory is not None:
+            values["fb_used"] = memory.used // MIB
+            values["fb_free"] = memory.free // MIB
+        utilization = call(nvml.nvmlDeviceGetUtilizationRates, handle)
+        if utilization is not None:
+            values["util_gpu"], values["util_memory"] = utilization.gpu, utilization.memory
+        if board:  # a MIG device has no sensors of its own
+            for name, fn, args, scale in (
+                ("temperature", nvml.nvmlDeviceGetTemperature, (nvml.NVML_TEMPERATURE_GPU,), 1),
+                ("power", nvml.nvmlDeviceGetPowerUsage, (), 1000),  # NVML: milliwatts
+                ("sm_clock", nvml.nvmlDeviceGetClockInfo, (nvml.NVML_CLOCK_SM,), 1),
+                ("mem_clock", nvml.nvmlDeviceGetClockInfo, (nvml.NVML_CLOCK_MEM,), 1),
+                ("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, (), 1),
+            ):
+                value = call(fn, handle, *args)
+                if value is not None:
+                    values[name] = value / scale if scale != 1 else value
+        return values
+
+    def _processes(self, nvml, handle) -> tuple:
+        found = self._call(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or ()
+        graphics = self._call(nvml.nvmlDeviceGetGraphicsRunningProcesses, handle) or ()
+        return tuple((p.pid, p.usedGpuMemory or 0) for p in (*found, *graphics))
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class HostReader:
+    """An NvmlReader for the configured host, made on the first read that finds an inventory: a
+    node service started before the driver (or with a broken one) keeps running and reads NVML
+    once the driver is there."""
+
+    def __init__(self, settings):
+        self.settings = settings
+        self.reader = None
+
+    def read(self) -> tuple[Sample, ...]:
+        if self.reader is None:
+            from oci_gpu_hook.errors import InventoryError
+            from oci_gpu_hook.start import inventory_cache
+
+            try:
+                self.reader = NvmlReader(inventory_cache.load(self.settings))
+            except InventoryError as e:
+                raise NvmlError(f"no GPU inventory: {e.message}") from None
+        return self.reader.read()

@@ -1,0 +1,186 @@
+"""The hook's record of each GPU container start: which container, which devices it got, its init
+process and cgroup, its Kubernetes names, how long the hook took, and, for a start that failed,
+why. The node services read these (the exporter: which container holds a device, and the hook's
+counters; the watchdog: whose GPU process it is) instead of asking the kubelet or the runtime.
+
+One small JSON file per container, in records_directory (root's alone), put in place by one
+atomic rename: the only write this adds to a GPU container's start. A record names a live
+container only while its init process has the recorded start time (pids are reused); the readers
+collect the rest (collect()). The hook collects too, but only when the directory has grown past
+COLLECT_ABOVE files, so a host with no node service running stays bounded at little cost.
+Standard library only: this is on the start path.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+from oci_gpu_hook.errors import exit_reason
+from oci_gpu_hook.start import files, jsonio, pids
+from oci_gpu_hook.start.linux import cgroups
+
+FORMAT = 1
+SUFFIX = ".json"
+MAX_RECORD_BYTES = 64 << 10
+COLLECT_ABOVE = 512
+# Pod, namespace and container names as the runtimes pass them into config.json: containerd's
+# CRI plugin first, then CRI-O's.
+KUBERNETES_ANNOTATIONS = {
+    "pod": ("io.kubernetes.cri.sandbox-name", "io.kubernetes.pod.name"),
+    "namespace": ("io.kubernetes.cri.sandbox-namespace", "io.kubernetes.pod.namespace"),
+    "container": ("io.kubernetes.cri.container-name", "io.kubernetes.container.name"),
+}
+_SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-.")
+_MAX_NAME = 240
+
+
+def file_name(container_id: str) -> str | None:
+    """The record's file name: the id itself when it is made of the characters runc allows in ids
+    (podman's and CRI-O's 64 hex digits are), else '%' and the id's bytes in hex; None for an id
+    too long to name a file (no record: such a container is not shown by the node services)."""
+    if container_id and set(container_id) <= _SAFE and not container_id.startswith("."):
+        name = container_id
+    else:
+        name = "%" + container_id.encode("utf-8", "surrogatepass").hex()
+    return name + SUFFIX if len(name) <= _MAX_NAME else None
+
+
+def kubernetes_names(annotations: dict) -> dict | None:
+    names = {}
+    for field, keys in KUBERNETES_ANNOTATIONS.items():
+        for key in keys:
+            if annotations.get(key):
+                names[field] = annotations[key]
+                break
+    return names or None
+
+
+def describe_devices(devices) -> list:
+    """The selected devices (plan.SelectedDevice) as the records keep them."""
+    return [
+        {"gpu_index": d.gpu.index, "gpu_uuid": d.gpu.uuid,
+         "mig_index": d.mig.index if d.mig else None, "mig_uuid": d.mig.uuid if d.mig else None}
+        for d in devices
+    ]  # fmt: skip
+
+
+def build(container, annotations: dict, devices, duration: float, failure_code: int | None = None,
+          gpu_memory_limit=None) -> dict:  # fmt: skip
+    """The record of one start (pure, but for reading the init process's start time and cgroup)."""
+    cgroup = None
+    if container.pid:
+        try:
+            with open(f"/proc/{container.pid}/cgroup") as f:
+                cgroup = cgroups.identity(f.read(65536))
+        except OSError:
+            pass
+    return {
+        "format": FORMAT,
+        "id": container.id,
+        "outcome": "failed" if failure_code is not None else "started",
+        "reason": exit_reason(failure_code) if failure_code is not None else None,
+        "devices": describe_devices(devices),
+        "pid": container.pid,
+        "pid_start": pids.start_ticks(container.pid) if container.pid else None,
+        "cgroup": cgroup,
+        "kubernetes": kubernetes_names(annotations),
+        "gpu_memory_limit": gpu_memory_limit,
+        "time": round(time.time(), 3),
+        "duration_seconds": round(duration, 6),
+    }
+
+
+def _directory(path: str) -> bool:
+    """Make records_directory (0700) if missing; False when it is not root's alone (or not a
+    directory): no record is written there then, for anyone could forge or read them."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def write(directory: str, record: dict) -> bool:
+    """Put the record in place; False (nothing written) when the directory cannot be trusted or
+    the id cannot name a file. OSError from the write itself goes to the caller."""
+    name = file_name(record["id"])
+    if name is None or not _directory(directory):
+        return False
+    files.write_atomically(os.path.join(directory, name), jsonio.dumps(record).encode(), 0o600, durable=False)
+    if len(os.listdir(directory)) > COLLECT_ABOVE:
+        collect(directory)
+    return True
+
+
+# --- the readers' side --------------------------------------------------------------------------
+
+
+def parse(data: bytes) -> dict | None:
+    """A record from a file's bytes; None for anything that is not one of ours (garbage, another
+    format, a wrong type in a field the readers rely on)."""
+    try:
+        record = jsonio.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != FORMAT:
+        return None
+    checks = {"id": str, "outcome": str, "devices": list, "time": (int, float), "duration_seconds": (int, float)}
+    if not all(isinstance(record.get(k), t) and not isinstance(record.get(k), bool) for k, t in checks.items()):
+        return None
+    for key in ("pid", "pid_start"):
+        if record.get(key) is not None and (not isinstance(record[key], int) or isinstance(record[key], bool)):
+            return None
+    for field in ("cgroup", "reason"):
+        if record.get(field) is not None and not isinstance(record[field], str):
+            return None
+    if record.get("kubernetes") is not None and not (
+        isinstance(record["kubernetes"], dict) and all(isinstance(v, str) for v in record["kubernetes"].values())
+    ):
+        return None
+    for device in record["devices"]:
+        if not isinstance(device, dict) or not isinstance(device.get("gpu_uuid"), str):
+            return None
+    return record
+
+
+def is_live(record: dict, proc: str = "/proc") -> bool:
+    """The record's container is still running: its init pid has the recorded start time."""
+    return record.get("pid") is not None and pids.is_same_process(record["pid"], record.get("pid_start"), proc)
+
+
+def read_all(directory: str) -> dict:
+    """{file name: record or None (garbage)} for every record file; {} when there is no directory.
+    Files that are not regular, not root's, or too large count as garbage."""
+    records = {}
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return records
+    for name in names:
+        if not name.endswith(SUFFIX) or name.startswith("."):
+            continue
+        try:
+            data = files.read_bounded(os.path.join(directory, name), MAX_RECORD_BYTES, nofollow=True, regular=True)
+            st = os.stat(os.path.join(directory, name), follow_symlinks=False)
+        except OSError:
+            continue  # gone meanwhile
+        trusted = st.st_uid == os.geteuid() and not st.st_mode & 0o022 and len(data) <= MAX_RECORD_BYTES
+        records[name] = parse(data) if trusted else None
+    return records
+
+
+def collect(directory: str, records: dict | None = None, proc: str = "/proc") -> list:
+    """Remove the records of containers that are gone, and garbage; returns the names removed."""
+    records = read_all(directory) if records is None else records
+    removed = []
+    for name, record in records.items():
+        if record is None or not is_live(record, proc):
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
