@@ -41,7 +41,9 @@ HOST_WATCH = (
 
 # The hook's own log, inventory cache and journal directory (empty between applies) are the host
 # files it is meant to write.
-HOOK_OWN_FILES = ("hook.log", "inventory-cache.json", "pending")
+# The hook's own bookkeeping in the simulated host's directory; containers/ holds the records of
+# GPU starts (container_record.py), failed ones included, so only its name is compared.
+HOOK_OWN_FILES = ("hook.log", "inventory-cache.json", "pending", "containers")
 
 
 def run_hook(config: str, state, env=None, timeout: float = 60, preexec_fn=None) -> subprocess.CompletedProcess:
@@ -198,7 +200,9 @@ def device_rules(cgroup: str) -> str:
 
 
 def host_files(root: str) -> dict:
-    return {p: v for p, v in tree(root, contents=True).items() if p not in HOOK_OWN_FILES}
+    return {
+        p: v for p, v in tree(root, contents=True).items() if p not in HOOK_OWN_FILES and not p.startswith("containers/")
+    }
 
 
 class Observation:

@@ -92,3 +92,28 @@ NO_V2 = "".join(line + "\n" for line in MOUNTINFO.splitlines() if "cgroup2" not 
 )
 def test_mounted_hierarchies(text, expected):
     assert cgroups.mounted_hierarchies(text) == expected
+
+
+@pytest.mark.parametrize(
+    "cgroup_text, expected",
+    [
+        ("5:devices:/docker/abc\n0::/\n", "/docker/abc"),  # hybrid: the devices hierarchy tells
+        ("5:cpu,devices:/k/c1\n0::/k/c1\n", "/k/c1"),
+        ("0::/system.slice/runc-x.scope\n", "/system.slice/runc-x.scope"),
+        ("0::/\n", None),  # the root holds host processes too
+        ("5:devices:/\n0::/x\n", None),  # a devices line decides, even at the root
+        ("1:name=systemd:/a\n", None),
+        ("", None),
+        ("garbage\n0::relative\n", None),
+    ],
+)
+def test_identity_names_a_container_never_the_root(cgroup_text, expected):
+    assert cgroups.identity(cgroup_text) == expected
+
+
+@pytest.mark.parametrize(
+    "cgroup, container, inside",
+    [("/k/c1", "/k/c1", True), ("/k/c1/sub", "/k/c1", True), ("/k/c10", "/k/c1", False), ("/k", "/k/c1", False)],
+)
+def test_is_within(cgroup, container, inside):
+    assert cgroups.is_within(cgroup, container) is inside

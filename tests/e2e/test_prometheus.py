@@ -1,0 +1,118 @@
+"""Debian's Prometheus server scrapes the exporter while real runc containers run with the hook
+on a simulated host whose NVML values the test sets: the framebuffer-used series of each pod is
+the value set for that pod's GPU, and a deleted container's labels are gone at the next scrape.
+The server gets its own port, configuration and data directory, and is stopped by its pid."""
+
+import json
+import os
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+from servicecheck import Exporter, free_port
+
+from oci_gpu_hook.toolkit import containers
+from oci_gpu_hook.toolkit.simulate import control
+
+MIB = 1 << 20
+SCRAPE_SECONDS = 1
+
+
+class Prometheus:
+    def __init__(self, tmp_path, target: str):
+        self.port = free_port()
+        config = tmp_path / "prometheus.yml"
+        config.write_text(
+            "global:\n"
+            f"  scrape_interval: {SCRAPE_SECONDS}s\n"
+            "scrape_configs:\n"
+            "  - job_name: gpu\n"
+            f"    static_configs: [{{targets: ['{target}']}}]\n"
+        )
+        self.log = open(tmp_path / "prometheus.log", "w+")
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL, cwd=str(tmp_path),
+        )  # fmt: skip
+
+    def query(self, expr: str) -> list:
+        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as r:
+            doc = json.load(r)
+        assert doc["status"] == "success", doc
+        return doc["data"]["result"]
+
+    def wait_for(self, expr: str, timeout: float = 60) -> list:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                result = self.query(expr)
+                if result:
+                    return result
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                self.log.seek(0)
+                pytest.fail(f"Prometheus never answered {expr!r}: {self.log.read()[-2000:]}")
+            time.sleep(0.2)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+@pytest.fixture
+def stack(simulated_host, require, tmp_path):
+    require("root", "gcc", "runc", "busybox", "pynvml", "prometheus")
+    host = simulated_host(gpus=2)
+    exporter = Exporter(f"{host['root']}/config.yaml", tmp_path)
+    prometheus = Prometheus(tmp_path, f"127.0.0.1:{exporter.port}")
+    started = []
+    yield host, prometheus, started
+    for name in started:
+        containers.runc_delete(name)
+    prometheus.stop()
+    exporter.stop()
+    control.clear(host["root"])
+
+
+def pod(tmp_path, host, started, name: str, gpu: int) -> str:
+    container_id = f"ocigpu-prom-{os.getpid()}-{name}"
+    bundle = containers.make_bundle(
+        str(tmp_path / name), args=["busybox", "sleep", "600"], env={"NVIDIA_VISIBLE_DEVICES": str(gpu)},
+        config_file=f"{host['root']}/config.yaml",
+        annotations={"io.kubernetes.cri.sandbox-name": name, "io.kubernetes.cri.sandbox-namespace": "ml",
+                     "io.kubernetes.cri.container-name": "trainer"},
+    )  # fmt: skip
+    started.append(container_id)
+    containers.runc_detached(bundle, container_id)
+    return container_id
+
+
+def test_framebuffer_used_by_pod_from_a_real_prometheus(stack, tmp_path):
+    host, prometheus, started = stack
+    gpu0, gpu1 = host["gpus"]
+    control.write(host["root"], {gpu0["uuid"]: {"memory_used": 1111 * MIB}, gpu1["uuid"]: {"memory_used": 2222 * MIB}})
+    pod(tmp_path, host, started, "pod-a", 0)
+    b = pod(tmp_path, host, started, "pod-b", 1)
+
+    (series,) = prometheus.wait_for('DCGM_FI_DEV_FB_USED{pod="pod-b"}')
+    assert float(series["value"][1]) == 2222
+    labels = series["metric"]
+    assert (labels["UUID"], labels["gpu"], labels["namespace"], labels["container"]) == (gpu1["uuid"], "1", "ml",
+                                                                                         "trainer")  # fmt: skip
+    (series,) = prometheus.wait_for('DCGM_FI_DEV_FB_USED{pod="pod-a"}')
+    assert float(series["value"][1]) == 1111 and series["metric"]["UUID"] == gpu0["uuid"]
+
+    containers.runc_delete(b)
+    deleted = time.time()
+    # The first scrape that starts after the deletion already lacks pod-b's labels.
+    prometheus.wait_for(f'timestamp(up{{job="gpu"}}) > {deleted + 0.05}')
+    assert prometheus.query('DCGM_FI_DEV_FB_USED{pod="pod-b"}') == []
+    (series,) = prometheus.query('DCGM_FI_DEV_FB_USED{gpu="1"}')
+    assert "pod" not in series["metric"] and float(series["value"][1]) == 2222
+    assert [s["metric"]["pod"] for s in prometheus.query('DCGM_FI_DEV_FB_USED{pod!=""}')] == ["pod-a"]

@@ -1,0 +1,210 @@
+"""`oci-gpu-hook exporter` as a program, on a simulated host whose NVML values the tests set:
+the DCGM names and labels, the container holding each device, per-container memory from NVML's
+process lists, the hook's counters, and every fault (NVML failing or missing, garbage records,
+a container that is gone, a port in use) met with one line and an endpoint that keeps serving."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import hookcheck
+import pytest
+from servicecheck import Exporter
+
+from oci_gpu_hook.start import container_record, pids
+from oci_gpu_hook.toolkit.simulate import control
+
+MIB = 1 << 20
+ANNOTATIONS = {"io.kubernetes.cri.sandbox-name": "pod-a", "io.kubernetes.cri.sandbox-namespace": "team",
+               "io.kubernetes.cri.container-name": "cuda"}  # fmt: skip
+
+
+def values(samples, name, **labels) -> list:
+    return [v for n, ls, v in samples if n == name and all(ls.get(k) == w for k, w in labels.items())]
+
+
+@pytest.fixture
+def host(simulated_host, require):
+    require("root", "gcc", "pynvml", "prometheus_client")
+    host = simulated_host(gpus=2, mig=[1])
+    yield host
+    control.clear(host["root"])
+
+
+@pytest.fixture
+def exporter(host, tmp_path):
+    started = []
+
+    def start(config=None):
+        e = Exporter(config or f"{host['root']}/config.yaml", tmp_path)
+        started.append(e)
+        return e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+def start_gpu_container(live_container, host, devices, annotations=None):
+    state, bundle, pid, cgroup, _ = live_container({"NVIDIA_VISIBLE_DEVICES": devices})
+    if annotations:
+        config_path = os.path.join(bundle, "config.json")
+        config = json.load(open(config_path))
+        config["annotations"] = annotations
+        with open(config_path, "w") as f:
+            json.dump(config, f)
+    done = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+    assert done.returncode == 0, done.stderr
+    return json.loads(state)["id"], pid
+
+
+def test_device_metrics_carry_the_holding_containers_names(host, exporter, live_container):
+    gpu0, gpu1 = host["gpus"]
+    container_id, pid = start_gpu_container(live_container, host, "0", ANNOTATIONS)
+    host_process = subprocess.Popen(["sleep", "60"])  # the root cgroup: nobody's container
+    try:
+        control.write(
+            host["root"],
+            {gpu0["uuid"]: {"util_gpu": 42, "util_memory": 17, "temperature": 61, "power": 123456, "sm_clock": 1305,
+                            "mem_clock": 1593, "energy": 987654, "memory_used": 3000 * MIB}},
+            processes=[(gpu0["uuid"], pid, 700 * MIB), (gpu0["uuid"], host_process.pid, 900 * MIB),
+                       (gpu1["mig"][0]["uuid"], pid, 5 * MIB)],
+        )  # fmt: skip
+        e = exporter()
+        samples = e.scrape()
+        text = e.text()
+    finally:
+        host_process.kill()
+        host_process.wait()
+    held = {"gpu": "0", "UUID": gpu0["uuid"], "device": f"nvidia{gpu0['minor']}", "pod": "pod-a",
+            "namespace": "team", "container": "cuda"}  # fmt: skip
+    expected = {"DCGM_FI_DEV_GPU_UTIL": 42, "DCGM_FI_DEV_MEM_COPY_UTIL": 17, "DCGM_FI_DEV_GPU_TEMP": 61,
+                "DCGM_FI_DEV_POWER_USAGE": 123.456, "DCGM_FI_DEV_SM_CLOCK": 1305, "DCGM_FI_DEV_MEM_CLOCK": 1593,
+                # prometheus_client's parser adds _total to a counter's samples; DCGM's name has none (below)
+                "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total": 987654, "DCGM_FI_DEV_FB_USED": 3000,
+                "DCGM_FI_DEV_FB_FREE": (gpu0["model"]["memory_total"] >> 20) - 3000}  # fmt: skip
+    for name, value in expected.items():
+        assert values(samples, name, **held) == [value], name
+    assert "# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n" in text
+    assert "\nDCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION{" in text and "_CONSUMPTION_total" not in text
+    (labels,) = [ls for n, ls, v in samples if n == "DCGM_FI_DEV_FB_USED" and ls.get("pod") == "pod-a"]
+    assert labels["modelName"] == gpu0["model"]["name"]
+    assert labels["Hostname"] == socket.gethostname()
+    # GPU 1 is not held: its series have no container labels; its MIG devices carry their profile.
+    assert [ls for n, ls, v in samples if n == "DCGM_FI_DEV_FB_USED" and ls["gpu"] == "1" and "pod" in ls] == []
+    mig_series = [ls for n, ls, v in samples if n == "DCGM_FI_DEV_FB_FREE" and "GPU_I_ID" in ls]
+    assert sorted(ls["GPU_I_ID"] for ls in mig_series) == sorted(str(m["gi"]) for m in gpu1["mig"])
+    assert all(ls["UUID"] == gpu1["uuid"] for ls in mig_series)  # DCGM's: the GPU's UUID
+    # Per container: its own process only (not the host's, not what it would use elsewhere unrecorded).
+    assert values(samples, "oci_gpu_hook_container_gpu_memory_used_bytes", container_id=container_id,
+                  UUID=gpu0["uuid"], pod="pod-a") == [700 * MIB]  # fmt: skip
+    per_container = values(samples, "oci_gpu_hook_container_gpu_memory_used_bytes")
+    assert sorted(per_container) == [5 * MIB, 700 * MIB]  # the MIG process is its cgroup's too
+    assert values(samples, "oci_gpu_hook_gpu_facts_stale") == [0]
+    assert values(samples, "oci_gpu_hook_gpu_containers") >= [1]
+
+
+def test_a_deleted_containers_labels_are_gone_at_the_next_scrape(host, exporter, live_container):
+    container_id, pid = start_gpu_container(live_container, host, "1", ANNOTATIONS)
+    e = exporter()
+    assert values(e.scrape(), "DCGM_FI_DEV_GPU_TEMP", pod="pod-a", gpu="1") == [33]
+    os.kill(pid, 9)
+    # The fixture reaps its holder only at teardown: until then a zombie, which runs nothing.
+    deadline = time.monotonic() + 10
+    while pids.start_ticks(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    samples = e.scrape()
+    assert [ls for n, ls, v in samples if ls.get("pod") == "pod-a"] == []
+    assert values(samples, "DCGM_FI_DEV_GPU_TEMP", gpu="1") == [33]
+    assert container_record.file_name(container_id) not in os.listdir(f"{host['root']}/containers")
+
+
+def test_the_hooks_counters(host, exporter, live_container):
+    e = exporter()
+    before = e.scrape()
+    start_gpu_container(live_container, host, "0")
+    state, bundle, pid, cgroup, _ = live_container({"NVIDIA_VISIBLE_DEVICES": "9"})
+    assert hookcheck.run_hook(f"{host['root']}/config.yaml", state).returncode == 5
+    after = e.scrape()
+
+    def delta(name, **labels):
+        return sum(values(after, name, **labels)) - sum(values(before, name, **labels))
+
+    assert delta("oci_gpu_hook_gpu_container_starts_total") == 2
+    assert delta("oci_gpu_hook_gpu_container_failures_total", reason="request") == 1
+    assert delta("oci_gpu_hook_start_duration_seconds_count") == 2
+    assert delta("oci_gpu_hook_start_duration_seconds_bucket", le="+Inf") == 2
+    assert delta("oci_gpu_hook_start_duration_seconds_sum") > 0
+    # Counted once: the same records seen again add nothing.
+    assert values(e.scrape(), "oci_gpu_hook_gpu_container_starts_total") == values(
+        after, "oci_gpu_hook_gpu_container_starts_total"
+    )
+
+
+def test_failing_nvml_keeps_the_endpoint_serving_marked_stale(host, exporter):
+    gpu0 = host["gpus"][0]
+    control.write(host["root"], {gpu0["uuid"]: {"temperature": 55}})
+    e = exporter()
+    assert values(e.scrape(), "DCGM_FI_DEV_GPU_TEMP", gpu="0") == [55]
+    control.write(host["root"], {gpu0["uuid"]: {"temperature": 99}}, fail=999)
+    for _ in range(3):
+        samples = e.scrape()
+        assert values(samples, "oci_gpu_hook_gpu_facts_stale") == [1]
+        assert values(samples, "DCGM_FI_DEV_GPU_TEMP", gpu="0") == [55]  # the last facts read
+    control.write(host["root"], {gpu0["uuid"]: {"temperature": 70}})
+    samples = e.scrape()
+    assert values(samples, "oci_gpu_hook_gpu_facts_stale") == [0]
+    assert values(samples, "DCGM_FI_DEV_GPU_TEMP", gpu="0") == [70]
+    lines = [line for line in e.output().splitlines() if "NVML" in line]
+    assert len(lines) == 2 and "Unknown Error" in lines[0] and "stale" in lines[0] and "again" in lines[1]
+    assert "Traceback" not in e.output()
+
+
+def test_missing_nvml_keeps_the_endpoint_serving(host, exporter, tmp_path):
+    config = hookcheck.config_with(host, tmp_path, "")
+    text = open(config).read().replace(f'proc_root: "{host["root"]}"', f'proc_root: "{tmp_path}/no-driver"')
+    text = text.replace("inventory-cache.json", "no-driver-cache.json")
+    open(config, "w").write(text)
+    e = exporter(config)
+    samples = e.scrape()
+    assert values(samples, "oci_gpu_hook_gpu_facts_stale") == [1]
+    assert values(samples, "DCGM_FI_DEV_GPU_TEMP") == []
+    (line,) = [line for line in e.output().splitlines() if "GPU inventory" in line]
+    assert "/proc/driver/nvidia" in line and "Traceback" not in e.output()
+
+
+def test_garbage_records_are_logged_once_and_removed(host, exporter):
+    directory = f"{host['root']}/containers"
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    with open(f"{directory}/garbage.json", "w") as f:
+        f.write("{not json")
+    e = exporter()
+    e.scrape()
+    e.scrape()
+    assert not os.path.exists(f"{directory}/garbage.json")
+    assert [line for line in e.output().splitlines() if "garbage.json" in line] == [
+        f"oci-gpu-hook exporter: {directory}/garbage.json: not a container record; removed"
+    ]
+
+
+def test_a_port_in_use_is_one_line_and_an_exit(host):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        done = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
+                               "exporter", "--listen", f"127.0.0.1:{port}"], capture_output=True, text=True,
+                              timeout=60)  # fmt: skip
+    assert done.returncode != 0
+    assert done.stderr.splitlines()[-1] == f"oci-gpu-hook: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("listen", ["9400", "host:", ":0", ":70000", "a:b"])
+def test_a_bad_listen_address_is_one_line(host, listen):
+    done = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
+                           "exporter", "--listen", listen], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "--listen" in done.stderr

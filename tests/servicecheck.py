@@ -1,0 +1,56 @@
+"""Helpers for tests of the node services: the exporter run as a program, on a port of its own."""
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Exporter:
+    def __init__(self, config: str, tmp_path):
+        self.port = free_port()
+        self.log = open(tmp_path / f"exporter-{self.port}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "exporter", "--listen",
+             f"127.0.0.1:{self.port}"], stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.text()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"the exporter did not start: {self.output()}")
+                time.sleep(0.1)
+
+    def text(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            return r.read().decode()
+
+    def scrape(self) -> list:
+        """[(name, labels, value)], through prometheus_client's own parser (the format is checked)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(self.text()) for s in f.samples]
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self.log.close()

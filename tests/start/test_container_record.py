@@ -1,0 +1,215 @@
+"""The hook's per-container records: names, contents, the trust rules of their directory, the
+readers' parsing and collection, and what a real GPU start (and a failed one) leaves."""
+
+import json
+import os
+import subprocess
+
+import hookcheck
+import pytest
+
+from oci_gpu_hook.start import container_record as cr
+from oci_gpu_hook.start import pids
+from oci_gpu_hook.start.state import ContainerState
+
+
+@pytest.mark.parametrize(
+    "container_id, expected",
+    [
+        ("abc", "abc.json"),
+        ("a" * 64, "a" * 64 + ".json"),
+        ("my_container-1.2+x", "my_container-1.2+x.json"),
+        ("../etc/passwd", "%" + b"../etc/passwd".hex() + ".json"),
+        (".hidden", "%" + b".hidden".hex() + ".json"),
+        ("a/b", "%" + b"a/b".hex() + ".json"),
+        ("é", "%" + "é".encode().hex() + ".json"),
+        ("x" * 240, "x" * 240 + ".json"),
+        ("x" * 241, None),
+        ("/" * 200, None),
+    ],
+)
+def test_file_name(container_id, expected):
+    assert cr.file_name(container_id) == expected
+
+
+def test_file_names_are_distinct_for_distinct_ids():
+    ids = ["a", "%61", "%" + b"%61".hex(), "a.json", ".a", "a/", "A"]
+    names = [cr.file_name(i) for i in ids]
+    assert len(set(names)) == len(ids) and all("/" not in n for n in names)
+
+
+@pytest.mark.parametrize(
+    "annotations, expected",
+    [
+        ({}, None),
+        ({"io.kubernetes.cri.sandbox-name": "p", "io.kubernetes.cri.sandbox-namespace": "n",
+          "io.kubernetes.cri.container-name": "c"}, {"pod": "p", "namespace": "n", "container": "c"}),
+        ({"io.kubernetes.pod.name": "p2", "io.kubernetes.pod.namespace": "n2", "io.kubernetes.container.name": "c2"},
+         {"pod": "p2", "namespace": "n2", "container": "c2"}),
+        ({"io.kubernetes.cri.sandbox-name": "cri", "io.kubernetes.pod.name": "crio"}, {"pod": "cri"}),
+        ({"io.kubernetes.pod.name": ""}, None),
+    ],
+)  # fmt: skip
+def test_kubernetes_names_from_containerd_and_cri_o(annotations, expected):
+    assert cr.kubernetes_names(annotations) == expected
+
+
+def _state(pid, cid="c1"):
+    return ContainerState("1.0.2", cid, "creating", pid, "/b", {})
+
+
+def test_build_records_this_process_and_its_start_time():
+    record = cr.build(_state(os.getpid()), {}, (), 0.25)
+    assert record["pid"] == os.getpid() and record["pid_start"] == pids.start_ticks(os.getpid())
+    assert record["outcome"] == "started" and record["reason"] is None and record["duration_seconds"] == 0.25
+    assert cr.parse(json.dumps(record).encode()) == record
+    assert cr.is_live(record)
+
+
+def test_a_failed_start_names_its_reason():
+    record = cr.build(_state(os.getpid()), {}, (), 0.1, failure_code=5)
+    assert (record["outcome"], record["reason"]) == ("failed", "request")
+
+
+def test_reused_pid_and_dead_pid_are_not_live():
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        record = cr.build(_state(proc.pid), {}, (), 0.1)
+        assert cr.is_live(record)
+        assert not cr.is_live(dict(record, pid_start=record["pid_start"] - 1))  # the pid was reused
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not cr.is_live(record)
+    assert not cr.is_live(dict(record, pid=None))
+
+
+def test_a_zombie_is_not_live():
+    proc = subprocess.Popen(["true"])
+    record = cr.build(_state(proc.pid), {}, (), 0.1)
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # exited, not yet reaped
+    try:
+        assert pids.start_ticks(proc.pid) is None and not cr.is_live(record)
+    finally:
+        proc.wait()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"", b"garbage", b"[]", b"{}", b'{"format": 2}', b"\xff\xfe", b"[" * 100000,
+     json.dumps({"format": 1, "id": 5}).encode()],
+)  # fmt: skip
+def test_garbage_is_not_a_record(data):
+    assert cr.parse(data) is None
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("pid", "1"), ("pid", True), ("pid_start", 1.5), ("cgroup", 3), ("kubernetes", {"pod": 1}),
+     ("kubernetes", []), ("devices", [{"gpu_uuid": None}]), ("devices", ["x"]), ("time", "now"), ("outcome", None)],
+)  # fmt: skip
+def test_a_record_with_a_wrong_field_is_garbage(field, value):
+    record = cr.build(_state(os.getpid()), {}, (), 0.1)
+    assert cr.parse(json.dumps(record).encode()) is not None
+    assert cr.parse(json.dumps(dict(record, **{field: value})).encode()) is None
+
+
+def test_write_makes_a_root_only_directory_and_file(tmp_path):
+    directory = str(tmp_path / "records")
+    record = cr.build(_state(os.getpid(), "ab/c"), {}, (), 0.1)
+    assert cr.write(directory, record)
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+    (name,) = os.listdir(directory)
+    assert name == cr.file_name("ab/c") and os.stat(os.path.join(directory, name)).st_mode & 0o777 == 0o600
+    assert cr.read_all(directory) == {name: record}
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o770, 0o707])
+def test_no_record_in_a_directory_others_can_use(tmp_path, mode):
+    directory = tmp_path / "records"
+    directory.mkdir()
+    directory.chmod(mode)
+    assert not cr.write(str(directory), cr.build(_state(os.getpid()), {}, (), 0.1))
+    assert os.listdir(directory) == []
+
+
+def test_no_record_through_a_symlinked_directory(tmp_path):
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    os.symlink(tmp_path / "elsewhere", tmp_path / "records")
+    assert not cr.write(str(tmp_path / "records"), cr.build(_state(os.getpid()), {}, (), 0.1))
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_readers_treat_untrusted_files_as_garbage_and_collect_them(tmp_path):
+    directory = tmp_path / "records"
+    directory.mkdir(mode=0o700)
+    good = cr.build(_state(os.getpid(), "alive"), {}, (), 0.1)
+    (directory / "alive.json").write_text(json.dumps(good))
+    (directory / "writable.json").write_text(json.dumps(dict(good, id="writable")))
+    os.chmod(directory / "writable.json", 0o666)
+    (directory / "big.json").write_bytes(b" " * (cr.MAX_RECORD_BYTES + 1))
+    (directory / "garbage.json").write_text("{")
+    os.mkfifo(directory / "fifo.json")
+    os.symlink("alive.json", directory / "link.json")
+    (directory / "other.txt").write_text("not ours")
+    records = cr.read_all(str(directory))
+    assert records["alive.json"] == good
+    assert {n for n, r in records.items() if r is None} == {"writable.json", "big.json", "garbage.json"}
+    removed = cr.collect(str(directory), records)
+    assert sorted(removed) == ["big.json", "garbage.json", "writable.json"]
+    assert sorted(os.listdir(directory)) == ["alive.json", "fifo.json", "link.json", "other.txt"]
+
+
+def test_the_hook_collects_only_past_its_threshold(tmp_path, monkeypatch):
+    directory = str(tmp_path / "records")
+    dead = cr.build(_state(os.getpid()), {}, (), 0.1)
+    dead["pid_start"] -= 1
+    monkeypatch.setattr(cr, "COLLECT_ABOVE", 5)
+    for i in range(5):
+        assert cr.write(directory, dict(dead, id=f"dead{i}"))
+    assert len(os.listdir(directory)) == 5  # not past the threshold: nothing collected
+    assert cr.write(directory, dict(dead, id="dead5"))
+    assert os.listdir(directory) == []
+
+
+# --- what real starts leave ----------------------------------------------------------------------
+
+ANNOTATIONS = {"io.kubernetes.pod.name": "pod-x", "io.kubernetes.pod.namespace": "ns-x",
+               "io.kubernetes.container.name": "ctr-x"}  # fmt: skip
+
+
+def test_a_gpu_start_leaves_its_record(live_container):
+    state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "0,1:1"})
+    config = json.load(open(os.path.join(bundle, "config.json")))
+    config["annotations"] = ANNOTATIONS
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(config, f)
+    done = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+    assert done.returncode == 0, done.stderr
+    container_id = json.loads(state)["id"]
+    records = cr.read_all(f"{host['root']}/containers")
+    record = records[cr.file_name(container_id)]
+    gpus = host["gpus"]
+    assert record["devices"] == [
+        {"gpu_index": 0, "gpu_uuid": gpus[0]["uuid"], "mig_index": None, "mig_uuid": None},
+        {"gpu_index": 1, "gpu_uuid": gpus[1]["uuid"], "mig_index": 1, "mig_uuid": gpus[1]["mig"][1]["uuid"]},
+    ]
+    assert record["pid"] == pid and cr.is_live(record)
+    assert record["cgroup"] == "/" + os.path.relpath(cgroup, "/sys/fs/cgroup/devices")
+    assert record["kubernetes"] == {"pod": "pod-x", "namespace": "ns-x", "container": "ctr-x"}
+    assert 0 < record["duration_seconds"] < 60
+
+
+def test_a_failed_start_leaves_a_failure_record(live_container):
+    state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "7"})  # no GPU 7
+    done = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+    assert done.returncode == 5, done.stderr
+    record = cr.read_all(f"{host['root']}/containers")[cr.file_name(json.loads(state)["id"])]
+    assert record["pid"] == pid
+    assert (record["outcome"], record["reason"], record["devices"]) == ("failed", "request", [])
+
+
+def test_a_non_gpu_container_leaves_no_record(live_container):
+    state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "void"})
+    assert hookcheck.run_hook(f"{host['root']}/config.yaml", state).returncode == 0
+    assert not [r for r in cr.read_all(f"{host['root']}/containers").values() if r and r["pid"] == pid]
