@@ -200,9 +200,8 @@ def device_rules(cgroup: str) -> str:
 
 
 def host_files(root: str) -> dict:
-    return {
-        p: v for p, v in tree(root, contents=True).items() if p not in HOOK_OWN_FILES and not p.startswith("containers/")
-    }
+    own = HOOK_OWN_FILES
+    return {p: v for p, v in tree(root, contents=True).items() if p not in own and not p.startswith("containers/")}
 
 
 class Observation:

@@ -13,9 +13,11 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
 @click.option("--replace-nvidia-hook", is_flag=True,
               help="With --runtime docker: move NVIDIA's nvidia-container-runtime-hook aside (uninstall "
                    "restores it) instead of refusing.")  # fmt: skip
+@click.option("--node-services", is_flag=True,
+              help="Also install systemd units for the exporter and the NFD labels (docs/monitoring.md).")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
-def install(obj, runtimes, root, replace_nvidia_hook):
+def install(obj, runtimes, root, replace_nvidia_hook, node_services):
     """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
     nvidia-container-runtime-hook program), a default configuration, and the systemd units and
     udev rule that refresh the inventory cache when the driver changes.
@@ -28,7 +30,7 @@ def install(obj, runtimes, root, replace_nvidia_hook):
     prefix = install_module.hook_command()
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
-    lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook)
+    lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services)
     for line in lines:
         click.echo(line)
     if not lines:
@@ -42,7 +44,9 @@ def install(obj, runtimes, root, replace_nvidia_hook):
     if lines and os.path.abspath(root) == "/":
         click.echo("then: systemctl daemon-reload && systemctl start oci-gpu-hook-refresh.path "
                    "oci-gpu-hook-refresh.service && udevadm control --reload"
-                   + (" && systemctl restart crio" if "crio" in runtimes else ""))  # fmt: skip
+                   + (" && systemctl restart crio" if "crio" in runtimes else "")
+                   + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE}"
+                      if node_services else ""))  # fmt: skip
     return 0
 
 

@@ -17,7 +17,8 @@ from oci_gpu_hook.errors import HookError
 
 PREFIX = "nvidia.com/"
 # GFD's family names, by compute capability major (and minor where it splits a major).
-_FAMILIES = {3: "kepler", 5: "maxwell", 6: "pascal", 7: "volta", 8: "ampere", 9: "hopper", 10: "blackwell"}
+_FAMILIES = {3: "kepler", 5: "maxwell", 6: "pascal", 7: "volta", 8: "ampere", 9: "hopper", 10: "blackwell",
+             12: "blackwell"}  # fmt: skip
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _PROFILE = re.compile(r"^(\d+)g\.(\d+)gb$")
@@ -77,7 +78,9 @@ def _mig_profile_labels(migs) -> dict:
         if mig.profile:
             by_profile.setdefault(mig.profile, []).append(mig)
     for profile, devices in sorted(by_profile.items()):
-        key = f"mig-{profile}"
+        # Label names allow no "+": a media-extension profile (1g.10gb+me) is named 1g.10gb.me, as
+        # NVIDIA's device plugin names its resource.
+        key = f"mig-{profile.replace('+', '.')}"
         labels[f"{key}.count"] = len(devices)
         if devices[0].memory_total:
             labels[f"{key}.memory"] = devices[0].memory_total >> 20
@@ -110,7 +113,7 @@ def compute(inventory, mig_strategy: str = "none", replicas: int = 1) -> dict:
                 f"MIG devices; profiles: {found})"
             )
         (profile,) = profiles
-        labels.update(_gpu_labels(gpus, replicas, f"-MIG-{profile}", migs[0].memory_total))
+        labels.update(_gpu_labels(gpus, replicas, f"-MIG-{profile.replace('+', '.')}", migs[0].memory_total))
         labels["gpu.count"] = len(migs)
     elif mig_strategy == "mixed":
         full = [g for g in gpus if not g.mig]
@@ -158,7 +161,8 @@ def write(path: str, labels: dict) -> bool:
                 return False
     except OSError:
         pass
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
     write_atomically(path, text.encode(), 0o644)
     return True
 

@@ -107,7 +107,7 @@ class Doctor:
         checks = []
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
                      "inventory_cache", "hooks_d", "crio", "docker", "cgroups", "selinux", "selinux_policy",
-                     "refresh_units"):  # fmt: skip
+                     "refresh_units", "exporter", "labels"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
                 status, summary, fix = getattr(self, f"check_{name}")()
@@ -327,6 +327,57 @@ class Doctor:
             return WARN, f"{path} is not oci-gpu-hook's (NVIDIA's?): `docker run --gpus` runs that", replace
         return PASS, f"{path} runs oci-gpu-hook for `docker run --gpus` (restart dockerd after installing it)", None
 
+    def check_exporter(self):
+        """Runs: its /metrics answers at the configured address."""
+        import urllib.request
+
+        from oci_gpu_hook.node.exporter import parse_listen
+        from oci_gpu_hook.toolkit.install import EXPORTER_SERVICE
+
+        if not _node_unit_installed(self.root, EXPORTER_SERVICE):
+            return PASS, "the exporter is not installed (install --node-services): nothing to check", None
+        listen = self.settings.node.exporter_listen
+        host, port = parse_listen(listen)
+        host = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}/metrics"
+        fix = f"systemctl start {EXPORTER_SERVICE}; journalctl -u {EXPORTER_SERVICE} says why it stopped"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                text = response.read(1 << 22).decode(errors="replace")
+        except OSError as e:
+            return FAIL, f"the exporter does not answer at {url}: {getattr(e, 'reason', e)}", fix
+        if "oci_gpu_hook_gpu_facts_stale 1" in text.splitlines():
+            return WARN, f"the exporter answers at {url}, but NVML fails: its GPU facts are stale", fix
+        return PASS, f"the exporter answers at {url}", None
+
+    def check_labels(self):
+        """Runs: the feature file holds the labels of the host as it is now."""
+        from oci_gpu_hook.errors import HookError
+        from oci_gpu_hook.node import features
+        from oci_gpu_hook.start import inventory_cache
+        from oci_gpu_hook.toolkit.install import LABELS_SERVICE
+
+        if not _node_unit_installed(self.root, LABELS_SERVICE):
+            return PASS, "the NFD labels are not installed (install --node-services): nothing to check", None
+        if self.config_error:
+            raise NotChecked("not checked: the configuration is invalid")
+        path = self.settings.node.features_file
+        fix = f"systemctl start {LABELS_SERVICE}; journalctl -u {LABELS_SERVICE} says why it stopped"
+        try:
+            node = self.settings.node
+            wanted = features.render(features.compute(inventory_cache.load(self.settings), node.mig_strategy,
+                                                      node.replicas))  # fmt: skip
+        except HookError as e:
+            return FAIL, f"no labels can be made: {e.message}", fix
+        try:
+            with open(path) as f:
+                current = f.read()
+        except OSError as e:
+            return FAIL, f"{path}: {e.strerror}: NFD gets no GPU labels", fix
+        if current != wanted:
+            return WARN, f"{path} does not describe the host as it is now (is the labels service running?)", fix
+        return PASS, f"{path} holds the node's {len(wanted.splitlines())} GPU labels", None
+
     def check_cgroups(self):
         if self.config_error:
             raise NotChecked("not checked: the configuration is invalid")
@@ -415,6 +466,12 @@ DOCKER_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/s
 
 class ConfigFileError(Exception):
     """A runtime's TOML configuration file that exists but cannot be read as the runtime reads it."""
+
+
+def _node_unit_installed(root: str, unit: str) -> bool:
+    from oci_gpu_hook.toolkit.install import UNIT_DIR
+
+    return os.path.exists(_under(root, f"{UNIT_DIR}/{unit}"))
 
 
 def _load_toml(text: str) -> dict:

@@ -10,6 +10,7 @@ What install writes, under --root (default /):
 | /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
 | /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
+| /etc/systemd/system/oci-gpu-hook-{exporter,labels}.service (+ wants links) | the node services (--node-services) |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
 Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
@@ -40,6 +41,9 @@ UNIT_DIR = "/etc/systemd/system"
 SERVICE = "oci-gpu-hook-refresh.service"
 PATH_UNIT = "oci-gpu-hook-refresh.path"
 UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
+EXPORTER_SERVICE = "oci-gpu-hook-exporter.service"
+LABELS_SERVICE = "oci-gpu-hook-labels.service"
+LABELS_WATCH_SECONDS = 60
 # Docker's --gpus runs the program of this name, which dockerd looks up on its PATH when it starts
 # (NVIDIA's container toolkit installs it at this path).
 DOCKER_HOOK = "/usr/bin/nvidia-container-runtime-hook"
@@ -200,6 +204,26 @@ def udev_rule_text() -> str:
     )
 
 
+def node_service_text(argv_prefix, description: str, *args: str) -> str:
+    """A node service's unit: a long-running command, restarted when it fails, after the inventory
+    refresh (so that it starts with a fresh inventory)."""
+    command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + list(args))
+    return (
+        "# Written by `oci-gpu-hook install --node-services`.\n"
+        "[Unit]\n"
+        f"Description={description}\n"
+        f"After=network-online.target {SERVICE}\n"
+        "\n"
+        "[Service]\n"
+        f"ExecStart={command}\n"
+        "Restart=on-failure\n"
+        "RestartSec=5\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=multi-user.target\n"
+    )
+
+
 def _systemd_quote(arg: str) -> str:
     if arg and all(c.isalnum() or c in "/._-=:,+@" for c in arg):
         return arg
@@ -224,7 +248,7 @@ class Entry:
         return "sha256:" + hashlib.sha256(self.content.encode()).hexdigest()
 
 
-def planned(runtimes, argv_prefix) -> list:
+def planned(runtimes, argv_prefix, node_services: bool = False) -> list:
     entries = []
     if "podman" in runtimes or "crio" in runtimes:
         entries.append(Entry(HOOKS_D_FILE, hooks_d_text(argv_prefix)))
@@ -240,6 +264,14 @@ def planned(runtimes, argv_prefix) -> list:
         Entry(f"{UNIT_DIR}/paths.target.wants/{PATH_UNIT}", link=f"../{PATH_UNIT}"),
         Entry(UDEV_RULE, udev_rule_text()),
     ]
+    if node_services:
+        for unit, text in (
+            (EXPORTER_SERVICE, node_service_text(argv_prefix, "oci-gpu-hook GPU metrics for Prometheus", "exporter")),
+            (LABELS_SERVICE, node_service_text(argv_prefix, "oci-gpu-hook GPU labels for NFD", "labels", "--watch",
+                                               str(LABELS_WATCH_SECONDS))),
+        ):  # fmt: skip
+            entries.append(Entry(f"{UNIT_DIR}/{unit}", text))
+            entries.append(Entry(f"{UNIT_DIR}/multi-user.target.wants/{unit}", link=f"../{unit}"))
     return entries
 
 
@@ -295,7 +327,8 @@ def _makedirs(root: str, directory: str, created: list) -> None:
 # --- install / uninstall ------------------------------------------------------------------------
 
 
-def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False) -> list:
+def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False,
+            node_services: bool = False) -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing."""
@@ -306,7 +339,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     manifest = _read_manifest(root)
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
-    entries = planned(runtimes, argv_prefix)
+    entries = planned(runtimes, argv_prefix, node_services)
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
         path = _under(root, entry.path)

@@ -342,3 +342,50 @@ def test_docker_check(setup, state, status, words):
     (check,) = [c for c in run(config, root, mountinfo) if c.id == "docker"]
     assert (check.status, words in check.summary) == (status, True), check
     assert (check.fix is None) == (status == doctor.PASS)
+
+
+def _by_id(checks):
+    return {c.id: c for c in checks}
+
+
+def test_node_services_not_installed_are_not_checked(setup):
+    host, config, root, mountinfo = setup
+    checks = _by_id(run(config, root, mountinfo))
+    assert checks["exporter"].status == checks["labels"].status == doctor.PASS
+    assert "not installed" in checks["exporter"].summary and "not installed" in checks["labels"].summary
+
+
+def test_node_services_installed_but_not_running_fail(setup, tmp_path):
+    host, config, root, mountinfo = setup
+    install.install(root, ("podman",), ["/usr/bin/oci-gpu-hook"], node_services=True)
+    from servicecheck import free_port
+
+    port = free_port()  # nothing listens there
+    config = config.replace(node=config.node.replace(exporter_listen=f"127.0.0.1:{port}",
+                                                      features_file=str(tmp_path / "features.d/gpu")))  # fmt: skip
+    checks = _by_id(run(config, root, mountinfo))
+    assert checks["exporter"].status == doctor.FAIL and f"127.0.0.1:{port}" in checks["exporter"].summary
+    assert checks["labels"].status == doctor.FAIL and "No such file" in checks["labels"].summary
+    assert "oci-gpu-hook-labels.service" in checks["labels"].fix
+
+
+def test_node_services_running_pass(setup, tmp_path):
+    host, config, root, mountinfo = setup
+    install.install(root, ("podman",), ["/usr/bin/oci-gpu-hook"], node_services=True)
+    from servicecheck import Exporter
+
+    features_file = tmp_path / "features.d/gpu"
+    exporter = Exporter(os.path.join(host["root"], "config.yaml"), tmp_path)
+    try:
+        config = config.replace(node=config.node.replace(exporter_listen=f"127.0.0.1:{exporter.port}",
+                                                          features_file=str(features_file)))  # fmt: skip
+        from oci_gpu_hook.node import features
+
+        features.refresh(config, str(features_file))
+        checks = _by_id(run(config, root, mountinfo))
+        assert checks["exporter"].status == doctor.PASS, checks["exporter"].summary
+        assert checks["labels"].status == doctor.PASS, checks["labels"].summary
+        features_file.write_text(features_file.read_text().replace("gpu.count=", "gpu.count=9"))
+        assert _by_id(run(config, root, mountinfo))["labels"].status == doctor.WARN
+    finally:
+        exporter.stop()

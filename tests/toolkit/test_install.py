@@ -193,3 +193,24 @@ def test_replacing_nvidias_program_and_uninstall_restores_it(root):
     lines = install.uninstall(root)
     assert f"restored {root + install.DOCKER_HOOK}" in lines
     assert snapshot(root) == before  # NVIDIA's file back, byte for byte, with its mode and mtime
+
+
+def test_node_services_round_trip_and_units(root):
+    before = snapshot(root)
+    lines = install.install(root, ("podman",), PREFIX, node_services=True)
+    units = os.path.join(root, "etc/systemd/system")
+    exporter = open(os.path.join(units, "oci-gpu-hook-exporter.service")).read()
+    labels = open(os.path.join(units, "oci-gpu-hook-labels.service")).read()
+    assert "ExecStart=/usr/bin/oci-gpu-hook exporter\n" in exporter and "Restart=on-failure" in exporter
+    assert "ExecStart=/usr/bin/oci-gpu-hook labels --watch 60\n" in labels
+    for unit in ("oci-gpu-hook-exporter.service", "oci-gpu-hook-labels.service"):
+        assert os.readlink(os.path.join(units, "multi-user.target.wants", unit)) == f"../{unit}"
+        assert any(line.endswith(unit) for line in lines)
+    assert install.install(root, ("podman",), PREFIX, node_services=True) == []
+    assert install.uninstall(root)
+    assert snapshot(root) == before
+
+
+def test_node_services_are_not_installed_unless_asked(root):
+    install.install(root, ("podman",), PREFIX)
+    assert not os.path.exists(os.path.join(root, "etc/systemd/system/oci-gpu-hook-exporter.service"))

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from oci_gpu_hook.toolkit.simulate import control
+
 CSRC = Path(__file__).resolve().parents[3] / "oci_gpu_hook" / "toolkit" / "simulate" / "csrc"
 DRIVER = "550.54.15"
 CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror"]
@@ -579,3 +581,364 @@ def test_smi_version_query_and_usage(host):
     assert smi(host, "--query-gpu=bogus", "--format=csv").returncode == 2
     assert smi(host, "--frobnicate").returncode == 2
     assert smi(host, "-h").returncode == 0
+
+
+# ---- live values: the control file -----------------------------------------------------------------
+
+# For a body that changes the control file while it runs: control(text) replaces sys.argv[2]
+# atomically, as control.write() does (a new inode, so the library sees the change).
+CONTROL = """
+import os
+def control(text):
+    tmp = sys.argv[2] + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, sys.argv[2])
+"""
+
+
+def script(*parts: str) -> str:
+    """A pynvml() body from snippets, each dedented on its own."""
+    return "".join(textwrap.dedent(part) for part in parts)
+
+
+NO_PID = 4194303  # the highest pid Linux hands out (pid_max <= 4194304); the tests check it is unused
+
+
+@pytest.fixture
+def live(host):
+    """The control file's place (SIM_ROOT/nvml-control), cleared after the test."""
+    root = str(host["root"])
+    path = os.path.join(root, control.FILE)
+    assert not os.path.exists(path)  # the host fixture starts from nothing
+    yield path
+    control.clear(root)
+    assert not os.path.exists(path)
+
+
+@pytest.fixture
+def sleepers():
+    """Factory: a live process (sleep 60) to report on a device; killed after the test."""
+    started = []
+
+    def start():
+        proc = subprocess.Popen(["sleep", "60"])
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+READ_VALUES = """
+N.nvmlInit()
+g0 = N.nvmlDeviceGetHandleByIndex(0)
+g1 = N.nvmlDeviceGetHandleByIndex(1)
+m1 = N.nvmlDeviceGetMigDeviceHandleByIndex(g1, 1)
+
+def values():
+    util = N.nvmlDeviceGetUtilizationRates(g0)
+    mem = N.nvmlDeviceGetMemoryInfo(g0)
+    mem2 = N.nvmlDeviceGetMemoryInfo(g0, version=N.nvmlMemory_v2)
+    g1_mem = N.nvmlDeviceGetMemoryInfo(g1)
+    return {
+        "util": [util.gpu, util.memory],
+        "temperature": N.nvmlDeviceGetTemperature(g0, N.NVML_TEMPERATURE_GPU),
+        "power": N.nvmlDeviceGetPowerUsage(g0),
+        "sm_clock": N.nvmlDeviceGetClockInfo(g0, N.NVML_CLOCK_SM),
+        "mem_clock": N.nvmlDeviceGetClockInfo(g0, N.NVML_CLOCK_MEM),
+        "energy": N.nvmlDeviceGetTotalEnergyConsumption(g0),
+        "memory": [mem.total, mem.used, mem.free],
+        "memory_v2": [mem2.used, mem2.free],
+        "g1_temperature": N.nvmlDeviceGetTemperature(g1, N.NVML_TEMPERATURE_GPU),
+        "g1_memory": [g1_mem.used, g1_mem.free],
+        "g1_util": err(N.nvmlDeviceGetUtilizationRates, g1),
+        "mig_memory": N.nvmlDeviceGetMemoryInfo(m1).used,
+    }
+"""
+
+DEFAULT_VALUES = {
+    "util": [0, 0],
+    "temperature": 33,
+    "power": 58000,
+    "sm_clock": 1410,
+    "mem_clock": 1215,
+    "energy": 0,
+    "memory": [40 * GIB, 0, 40 * GIB],
+    "memory_v2": [0, 40 * GIB],
+    "g1_temperature": 33,
+    "g1_memory": [0, 40 * GIB],
+    "g1_util": 3,  # NOT_SUPPORTED with MIG on, whatever the control file says
+    "mig_memory": 0,
+}
+
+
+def test_live_values_read_back_and_followed_without_reinit(live, nv, host):
+    first = {
+        GPU0["uuid"]: {"util_gpu": 37, "util_memory": 12, "temperature": 71, "power": 123456, "sm_clock": 1305,
+                       "mem_clock": 1593, "energy": 5_000_000_000_123, "memory_used": 3 * GIB},
+        GPU1["uuid"]: {"temperature": 64, "util_gpu": 99, "memory_used": 7 * GIB},
+        MIGS[1][3]: {"memory_used": 1536 << 20},
+    }  # fmt: skip
+    second = {
+        GPU0["uuid"]: {"util_gpu": 100, "util_memory": 0, "temperature": 88, "power": 400000, "sm_clock": 210,
+                       "mem_clock": 405, "energy": 6_000_000_000_000, "memory_used": 40 * GIB},
+        GPU1["uuid"]: {"memory_used": 50 * GIB},  # more than the GPU has: capped at its total
+    }  # fmt: skip
+    control.write(str(host["root"]), devices=first)
+    r = pynvml(
+        host,
+        script(
+            CONTROL,
+            READ_VALUES,
+            """
+            r["first"] = values()
+            r["again"] = values()  # unchanged file: same answers
+            control(sys.argv[3])
+            r["second"] = values()
+            os.unlink(sys.argv[2])
+            r["cleared"] = values()
+            N.nvmlShutdown()
+            """,
+        ),
+        live,
+        control.render(devices=second),
+    )
+    assert r["first"] == {
+        "util": [37, 12],
+        "temperature": 71,
+        "power": 123456,
+        "sm_clock": 1305,
+        "mem_clock": 1593,
+        "energy": 5_000_000_000_123,
+        "memory": [40 * GIB, 3 * GIB, 37 * GIB],
+        "memory_v2": [3 * GIB, 37 * GIB],
+        "g1_temperature": 64,
+        "g1_memory": [7 * GIB, 33 * GIB],
+        "g1_util": 3,
+        "mig_memory": 1536 << 20,
+    }
+    assert r["again"] == r["first"]
+    assert r["second"] == {
+        **DEFAULT_VALUES,
+        "util": [100, 0],
+        "temperature": 88,
+        "power": 400000,
+        "sm_clock": 210,
+        "mem_clock": 405,
+        "energy": 6_000_000_000_000,
+        "memory": [40 * GIB, 40 * GIB, 0],
+        "memory_v2": [40 * GIB, 0],
+        "g1_memory": [40 * GIB, 0],
+    }
+    assert r["cleared"] == DEFAULT_VALUES
+
+
+PROCESSES = """
+from ctypes import Structure, byref, c_uint, c_ulonglong
+
+class V1(Structure):  # nvmlProcessInfo_v1_t
+    _fields_ = [("pid", c_uint), ("usedGpuMemory", c_ulonglong)]
+
+N.nvmlInit()
+g0 = N.nvmlDeviceGetHandleByIndex(0)
+g1 = N.nvmlDeviceGetHandleByIndex(1)
+migs = [N.nvmlDeviceGetMigDeviceHandleByIndex(g1, i) for i in range(3)]
+
+def procs(fn, h):
+    return sorted([p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in fn(h))
+
+def v1(h):
+    count = c_uint(0)
+    query = [lib.nvmlDeviceGetComputeRunningProcesses(h, byref(count), None), count.value]
+    array = (V1 * max(count.value, 1))()
+    ret = lib.nvmlDeviceGetComputeRunningProcesses(h, byref(count), array)
+    return query, ret, sorted([a.pid, a.usedGpuMemory] for a in array[: count.value])
+
+def snapshot():
+    return {
+        "g0": procs(N.nvmlDeviceGetComputeRunningProcesses, g0),
+        "g0_v2": procs(N.nvmlDeviceGetComputeRunningProcesses_v2, g0),
+        "g0_v1": v1(g0),
+        "g0_graphics": N.nvmlDeviceGetGraphicsRunningProcesses(g0) + N.nvmlDeviceGetMPSComputeRunningProcesses(g0),
+        "g0_used": N.nvmlDeviceGetMemoryInfo(g0).used,
+        "g1": procs(N.nvmlDeviceGetComputeRunningProcesses, g1),
+        "g1_used": N.nvmlDeviceGetMemoryInfo(g1).used,
+        "migs": [procs(N.nvmlDeviceGetComputeRunningProcesses, m) for m in migs],
+        "migs_used": [N.nvmlDeviceGetMemoryInfo(m).used for m in migs],
+    }
+
+r["live"] = snapshot()
+"""
+
+NOT_AVAILABLE = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process on a full GPU
+
+
+def test_processes_only_live_ones_with_their_mig_instance(live, nv, host, sleepers):
+    a, b = sleepers(), sleepers()
+    assert not os.path.exists(f"/proc/{NO_PID}")
+    gi, ci = MIGS[1][0], MIGS[1][1]
+    control.write(
+        str(host["root"]),
+        processes=[
+            (GPU0["uuid"], a.pid, GIB),
+            (GPU0["uuid"], NO_PID, 2 * GIB),  # not running: not reported, its memory not counted
+            (GPU0["uuid"], b.pid, 256 << 20),
+            (MIGS[1][3], a.pid, 512 << 20),  # on GPU1's 2g.10gb
+        ],
+    )
+    r = pynvml(host, PROCESSES + "N.nvmlShutdown()\n")["live"]
+    on_g0 = sorted([[a.pid, GIB, NOT_AVAILABLE, NOT_AVAILABLE], [b.pid, 256 << 20, NOT_AVAILABLE, NOT_AVAILABLE]])
+    assert r["g0"] == on_g0
+    assert r["g0_v2"] == on_g0
+    assert r["g0_v1"] == [[7, 2], 0, sorted([[a.pid, GIB], [b.pid, 256 << 20]])]  # 7: INSUFFICIENT_SIZE
+    assert r["g0_graphics"] == []
+    assert r["g0_used"] == GIB + (256 << 20)  # no memory_used set: what the live processes use
+    on_mig = [[a.pid, 512 << 20, gi, ci]]
+    assert r["migs"] == [[], on_mig, []]
+    assert r["g1"] == on_mig  # the GPU lists its MIG devices' processes, with their instance ids
+    assert r["migs_used"] == [0, 512 << 20, 0]
+    assert r["g1_used"] == 512 << 20
+
+    a.kill()
+    a.wait()
+    r = pynvml(host, PROCESSES + "N.nvmlShutdown()\n")["live"]
+    assert r["g0"] == [[b.pid, 256 << 20, NOT_AVAILABLE, NOT_AVAILABLE]]
+    assert r["g0_v1"] == [[7, 1], 0, [[b.pid, 256 << 20]]]
+    assert r["g1"] == r["migs"][1] == []
+    assert (r["g0_used"], r["g1_used"], r["migs_used"]) == (256 << 20, 0, [0, 0, 0])
+
+
+def test_process_size_query_protocol(live, nv, host, sleepers):
+    procs = [sleepers() for _ in range(3)]
+    control.write(str(host["root"]), processes=[(GPU0["uuid"], p.pid, (i + 1) << 20) for i, p in enumerate(procs)])
+    r = pynvml(
+        host,
+        """
+        from ctypes import byref, c_uint
+        N.nvmlInit()
+        g0 = N.nvmlDeviceGetHandleByIndex(0)
+        g1 = N.nvmlDeviceGetHandleByIndex(1)
+        Info = N.c_nvmlProcessInfo_v3_t
+        for fn in ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"):
+            f = getattr(lib, fn)
+            count = c_uint(0)
+            r[fn] = {"null": [f(g0, byref(count), None), count.value]}
+            small = (Info * 2)()
+            count = c_uint(2)
+            r[fn]["small"] = [f(g0, byref(count), small), count.value]
+            big = (Info * 8)()
+            count = c_uint(8)
+            r[fn]["big"] = [f(g0, byref(count), big), count.value, sorted(big[i].usedGpuMemory for i in range(3))]
+            count = c_uint(5)
+            r[fn]["none_running"] = [f(g1, byref(count), None), count.value]  # no processes: no buffer needed
+            r[fn]["null_count"] = f(g0, None, big)
+        N.nvmlShutdown()
+    """,
+    )
+    for fn in ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2"):
+        assert r[fn] == {
+            "null": [7, 3],  # NVML_ERROR_INSUFFICIENT_SIZE and the count needed
+            "small": [7, 3],
+            "big": [0, 3, [1 << 20, 2 << 20, 3 << 20]],
+            "none_running": [0, 0],
+            "null_count": 2,  # INVALID_ARGUMENT
+        }, fn
+
+
+def test_memory_used_setting_overrides_the_processes(live, nv, host, sleepers):
+    p = sleepers()
+    control.write(
+        str(host["root"]),
+        devices={GPU0["uuid"]: {"memory_used": 5 * GIB}},
+        processes=[(GPU0["uuid"], p.pid, GIB), (MIGS[0][3], p.pid, 2 * GIB)],
+    )
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        g1 = N.nvmlDeviceGetHandleByIndex(1)
+        r["used"] = [N.nvmlDeviceGetMemoryInfo(N.nvmlDeviceGetHandleByIndex(0)).used,
+                     N.nvmlDeviceGetMemoryInfo(g1).used,
+                     N.nvmlDeviceGetMemoryInfo(N.nvmlDeviceGetMigDeviceHandleByIndex(g1, 0)).used]
+        N.nvmlShutdown()
+    """,
+    )
+    assert r["used"] == [5 * GIB, 2 * GIB, 2 * GIB]
+
+
+@pytest.mark.parametrize("code, name", [(999, "NVMLError_Unknown"), (9, "NVMLError_DriverNotLoaded")])
+def test_fail_makes_init_and_device_calls_fail(live, nv, host, code, name):
+    control.write(str(host["root"]), fail=code)
+    r = pynvml(
+        host,
+        """
+        try:
+            N.nvmlInit()
+        except N.NVMLError as e:
+            r["init"] = [e.value, type(e).__name__, isinstance(e, N.NVMLError)]
+        r["retry"] = err(N.nvmlInit)
+    """,
+    )
+    assert r == {"init": [code, name, True], "retry": code}
+
+    control.clear(str(host["root"]))
+    r = pynvml(
+        host,
+        script(
+            CONTROL,
+            """
+            N.nvmlInit()
+            r["count"] = N.nvmlDeviceGetCount()
+            g0 = N.nvmlDeviceGetHandleByIndex(0)
+            mig = N.nvmlDeviceGetMigDeviceHandleByIndex(N.nvmlDeviceGetHandleByIndex(1), 0)
+            control(sys.argv[3])  # a fault that comes while the client runs
+            r["calls"] = [err(N.nvmlDeviceGetUUID, g0), err(N.nvmlDeviceGetMemoryInfo, g0),
+                          err(N.nvmlDeviceGetTemperature, g0, 0), err(N.nvmlDeviceGetComputeRunningProcesses, g0),
+                          err(N.nvmlDeviceGetUUID, mig)]
+            r["init"] = err(N.nvmlInit)
+            os.unlink(sys.argv[2])
+            r["after"] = [N.nvmlDeviceGetUUID(g0), N.nvmlDeviceGetUUID(mig)]
+            N.nvmlShutdown()
+            """,
+        ),
+        live,
+        control.render(fail=code),
+    )
+    assert r == {"count": 2, "calls": [code] * 5, "init": code, "after": [GPU0["uuid"], MIGS[0][3]]}
+
+
+def test_mig_handles_have_no_board_sensors(live, nv, host):
+    # Values set for the MIG device itself change nothing: its board's sensors are the GPU's.
+    control.write(str(host["root"]), devices={MIGS[0][3]: {"temperature": 50, "power": 1000, "sm_clock": 900,
+                                                           "mem_clock": 800, "energy": 7}})  # fmt: skip
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        g1 = N.nvmlDeviceGetHandleByIndex(1)
+        r["mig"] = []
+        for i in range(3):
+            m = N.nvmlDeviceGetMigDeviceHandleByIndex(g1, i)
+            r["mig"].append([err(N.nvmlDeviceGetTemperature, m, N.NVML_TEMPERATURE_GPU),
+                             err(N.nvmlDeviceGetPowerUsage, m),
+                             err(N.nvmlDeviceGetClockInfo, m, N.NVML_CLOCK_SM),
+                             err(N.nvmlDeviceGetClockInfo, m, N.NVML_CLOCK_MEM),
+                             err(N.nvmlDeviceGetTotalEnergyConsumption, m)])
+        try:
+            N.nvmlDeviceGetTemperature(N.nvmlDeviceGetMigDeviceHandleByIndex(g1, 0), N.NVML_TEMPERATURE_GPU)
+        except N.NVMLError_NotSupported as e:
+            r["raised"] = [type(e).__name__, e.value]
+        g0 = N.nvmlDeviceGetHandleByIndex(0)
+        r["gpu"] = [N.nvmlDeviceGetTemperature(g1, 0), err(N.nvmlDeviceGetTemperature, g0, 1),
+                    err(N.nvmlDeviceGetClockInfo, g0, 4)]
+        N.nvmlShutdown()
+    """,
+    )
+    assert r == {
+        "mig": [[3] * 5] * 3,  # NVML_ERROR_NOT_SUPPORTED
+        "raised": ["NVMLError_NotSupported", 3],
+        "gpu": [33, 2, 2],  # the GPU itself answers; an unknown sensor or clock is INVALID_ARGUMENT
+    }

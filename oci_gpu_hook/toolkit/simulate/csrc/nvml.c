@@ -182,7 +182,8 @@ static int mig_capable(const struct sim_gpu *gpu)
 
 /* Tests (and `oci-gpu-hook simulate set`) change what the GPUs report while
  * clients run, through SIM_ROOT/nvml-control, re-read whenever it changes:
- *     fail <nvmlReturn_t>            every call from nvmlInit on answers it
+ *     fail <nvmlReturn_t>            nvmlInit, the device count and handle
+ *                                    lookups and every device query answer it
  *     <uuid> <key> <number>          util_gpu util_memory memory_used (bytes)
  *                                    temperature (C) power (mW) sm_clock
  *                                    mem_clock (MHz) energy (mJ)
@@ -476,6 +477,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *deviceCount)
 {
     if (!initialized())
         return NVML_ERROR_UNINITIALIZED;
+    if (injected_fault() != NVML_SUCCESS)
+        return injected_fault();
     if (deviceCount == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     *deviceCount = g_n_visible;
@@ -491,6 +494,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice
 {
     if (!initialized())
         return NVML_ERROR_UNINITIALIZED;
+    if (injected_fault() != NVML_SUCCESS)
+        return injected_fault();
     if (device == NULL || index >= g_n_visible)
         return NVML_ERROR_INVALID_ARGUMENT;
     *device = g_visible[index];
@@ -506,6 +511,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *de
 {
     if (!initialized())
         return NVML_ERROR_UNINITIALIZED;
+    if (injected_fault() != NVML_SUCCESS)
+        return injected_fault();
     if (uuid == NULL || device == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     for (unsigned i = 0; i < g_n_visible; i++) {

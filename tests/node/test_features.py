@@ -1,0 +1,352 @@
+"""`oci-gpu-hook labels`: GPU feature discovery labels from the inventory, on simulated hosts.
+
+The expected values come from the simulator's own summary of the host (its ground truth), not
+from the code under test."""
+
+import os
+import stat
+from types import SimpleNamespace
+
+import pytest
+
+from oci_gpu_hook.node import features
+from oci_gpu_hook.start import inventory_cache
+from oci_gpu_hook.start import settings as settings_module
+
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def host(simulated_host, require):
+    require("root", "gcc", "pynvml")
+    return simulated_host(gpus=8, mig=[2])
+
+
+@pytest.fixture
+def host_settings(host):
+    return settings_module.load(f"{host['root']}/config.yaml")
+
+
+@pytest.fixture
+def inventory(host_settings):
+    return inventory_cache.load(host_settings)
+
+
+def expected_common(host, strategy: str) -> dict:
+    """The labels every strategy carries, from the host summary."""
+    driver = host["driver_version"].split(".")
+    cuda_major, cuda_minor = host["cuda_version"].split(".")
+    return {
+        "nvidia.com/cuda.driver.major": driver[0],
+        "nvidia.com/cuda.driver.minor": driver[1],
+        "nvidia.com/cuda.driver.rev": driver[2],
+        "nvidia.com/cuda.runtime.major": cuda_major,
+        "nvidia.com/cuda.runtime.minor": cuda_minor,
+        "nvidia.com/mig.capable": "true",
+        "nvidia.com/mig.strategy": strategy,
+    }
+
+
+def expected_gpu(host, gpus, replicas: int) -> dict:
+    model = gpus[0]["model"]
+    major, minor = model["compute_capability"]
+    return {
+        "nvidia.com/gpu.count": str(len(gpus)),
+        "nvidia.com/gpu.product": "-".join(model["name"].split()) + ("-SHARED" if replicas > 1 else ""),
+        "nvidia.com/gpu.memory": str(model["memory_total"] // MIB),
+        "nvidia.com/gpu.family": "ampere",
+        "nvidia.com/gpu.compute.major": str(major),
+        "nvidia.com/gpu.compute.minor": str(minor),
+        "nvidia.com/gpu.replicas": str(replicas),
+    }
+
+
+# ---- compute -------------------------------------------------------------------------------------
+
+
+def test_strategy_none_describes_every_full_gpu(host, inventory):
+    labels = features.compute(inventory, "none", 1)
+    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    assert labels == expected
+    # The literal values the issue names, so a wrong summary cannot make the test agree with itself.
+    assert labels["nvidia.com/gpu.count"] == "8"
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB"
+    assert labels["nvidia.com/gpu.memory"] == "40960"
+    assert (labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.compute.minor"]) == ("8", "0")
+    assert [labels[f"nvidia.com/cuda.driver.{k}"] for k in ("major", "minor", "rev")] == ["550", "54", "15"]
+    assert [labels[f"nvidia.com/cuda.runtime.{k}"] for k in ("major", "minor")] == ["12", "4"]
+    for key, value in labels.items():
+        features.check(key, value)
+
+
+def test_strategy_none_from_settings(host, host_settings, tmp_path):
+    """refresh() takes the strategy and replicas from the settings (defaults: none, 1)."""
+    assert (host_settings.node.mig_strategy, host_settings.node.replicas) == ("none", 1)
+    out = tmp_path / "features"
+    assert features.refresh(host_settings, str(out)) is True
+    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    assert out.read_text() == "".join(f"{k}={v}\n" for k, v in sorted(expected.items()))
+
+
+def test_strategy_mixed_with_replicas(host, host_settings, tmp_path):
+    s = host_settings.replace(node=host_settings.node.replace(mig_strategy="mixed", replicas=4))
+    labels = features.compute(inventory_cache.load(s), s.node.mig_strategy, s.node.replicas)
+    full = [g for g in host["gpus"] if not g["mig"]]
+    migs = [m for g in host["gpus"] for m in g["mig"]]
+    expected = {**expected_common(host, "mixed"), **expected_gpu(host, full, 4)}
+    profiles = sorted({m["profile"] for m in migs})
+    assert profiles == ["1g.5gb", "2g.10gb", "3g.20gb"]
+    for profile in profiles:
+        devices = [m for m in migs if m["profile"] == profile]
+        slices = int(profile.split("g.")[0])
+        expected[f"nvidia.com/mig-{profile}.count"] = str(len(devices))
+        expected[f"nvidia.com/mig-{profile}.memory"] = str(devices[0]["memory_total"] // MIB)
+        expected[f"nvidia.com/mig-{profile}.slices.gi"] = str(slices)
+        expected[f"nvidia.com/mig-{profile}.slices.ci"] = str(slices)
+    assert labels == expected
+    assert labels["nvidia.com/gpu.count"] == "7"
+    assert labels["nvidia.com/gpu.product"].endswith("-SHARED")
+    assert labels["nvidia.com/mig-3g.20gb.memory"] == "20480"
+    assert labels["nvidia.com/mig-1g.5gb.memory"] == "5120"
+    # refresh() honours the same settings
+    out = tmp_path / "features"
+    assert features.refresh(s, str(out)) is True
+    assert out.read_text() == features.render(expected)
+
+
+def test_strategy_single_needs_mig_on_every_gpu(host, inventory):
+    with pytest.raises(features.LabelError) as e:
+        features.compute(inventory, "single", 1)
+    assert "every GPU" in e.value.message
+    assert "found 3 MIG devices" in e.value.message
+
+
+def test_strategy_single_needs_one_profile(simulated_host):
+    one = simulated_host(gpus=1, mig=[0])
+    assert len(one["gpus"]) == 1 and len(one["gpus"][0]["mig"]) == 3  # MIG on every GPU, three profiles
+    s = settings_module.load(f"{one['root']}/config.yaml")
+    s = s.replace(node=s.node.replace(mig_strategy="single"))
+    inventory = inventory_cache.load(s)
+    assert all(g.mig for g in inventory.gpus)
+    with pytest.raises(features.LabelError) as e:
+        features.compute(inventory, s.node.mig_strategy, s.node.replicas)
+    assert "one profile" in e.value.message
+    assert "profiles: 1g.5gb, 2g.10gb, 3g.20gb" in e.value.message
+    with pytest.raises(features.LabelError):  # refresh() says the same, and writes nothing
+        features.refresh(s, f"{one['root']}/never-written")
+    assert not os.path.exists(f"{one['root']}/never-written")
+
+
+def _fake_inventory(profile="1g.5gb", gpus=2, driver="550.54", cuda=None):
+    def mig():
+        return SimpleNamespace(profile=profile, memory_total=5 << 30)
+
+    gpu = [
+        SimpleNamespace(
+            model="NVIDIA A100-SXM4-40GB",
+            memory_total=40 << 30,
+            compute_capability="8.0",
+            mig=tuple(mig() for _ in range(7)),
+        )  # fmt: skip
+        for _ in range(gpus)
+    ]
+    return SimpleNamespace(gpus=gpu, driver_version=driver, cuda_version=cuda)
+
+
+def test_strategy_single_with_one_profile_describes_the_mig_devices():
+    """No simulated layout has one profile throughout: a hand-made inventory covers that branch."""
+    labels = features.compute(_fake_inventory(), "single", 2)
+    assert labels == {
+        "nvidia.com/cuda.driver.major": "550",
+        "nvidia.com/cuda.driver.minor": "54",
+        "nvidia.com/cuda.driver.rev": "",  # no third component: an empty value, which is valid
+        "nvidia.com/mig.capable": "true",
+        "nvidia.com/mig.strategy": "single",
+        "nvidia.com/gpu.count": "14",
+        "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb-SHARED",
+        "nvidia.com/gpu.replicas": "2",
+        "nvidia.com/gpu.memory": "5120",
+        "nvidia.com/gpu.family": "ampere",
+        "nvidia.com/gpu.compute.major": "8",
+        "nvidia.com/gpu.compute.minor": "0",
+    }
+
+
+def test_a_media_extension_profile_makes_valid_labels():
+    """Label names take no "+": 1g.10gb+me is named 1g.10gb.me, as NVIDIA's device plugin does."""
+    mixed = features.compute(_fake_inventory(profile="1g.10gb+me"), "mixed")
+    assert mixed["nvidia.com/mig-1g.10gb.me.count"] == "14"
+    single = features.compute(_fake_inventory(profile="1g.10gb+me"), "single")
+    assert single["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-MIG-1g.10gb.me"
+
+
+# ---- check / family ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("nvidia.com/" + "a" * 64, "x"),  # name longer than 63
+        ("nvidia.com/gpu.product", "has space"),
+        ("Nvidia.com/gpu.count", "1"),  # prefix not a (lower-case) DNS subdomain
+        ("nvidia.com/", "1"),  # empty name
+        ("nvidia.com/gpu.count", "x" * 64),  # value longer than 63
+        ("nvidia.com/-gpu", "1"),  # name must start alphanumeric
+        ("nvidia.com/gpu.product", "A100-"),  # value must end alphanumeric
+        ("nvidia..com/gpu.count", "1"),  # empty DNS label in the prefix
+        ("a" * 254 + "/gpu.count", "1"),  # prefix longer than 253
+    ],
+)
+def test_check_rejects(key, value):
+    with pytest.raises(features.LabelError):
+        features.check(key, value)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("nvidia.com/cuda.driver.rev", ""),  # empty value
+        ("nvidia.com/" + "a" * 63, "b" * 63),  # at the limits
+        ("gpu.count", "8"),  # no prefix
+        ("nvidia.com/mig-1g.5gb.count", "A_b.c-9"),
+    ],
+)
+def test_check_accepts(key, value):
+    features.check(key, value)
+
+
+@pytest.mark.parametrize(
+    "capability, name",
+    [
+        ("3.7", "kepler"),
+        ("5.2", "maxwell"),
+        ("6.0", "pascal"),
+        ("7.0", "volta"),
+        ("7.5", "turing"),
+        ("8.0", "ampere"),
+        ("8.6", "ampere"),
+        ("8.9", "ada-lovelace"),
+        ("9.0", "hopper"),
+        ("10.0", "blackwell"),
+        ("12.0", "blackwell"),
+        (None, None),
+        ("", None),
+        ("x.y", None),
+    ],
+)
+def test_family(capability, name):
+    assert features.family(capability) == name
+
+
+# ---- write / refresh -----------------------------------------------------------------------------
+
+
+def test_write_is_atomic_and_only_when_changed(tmp_path):
+    path = tmp_path / "features.d" / "oci-gpu-hook"  # the directory is made
+    labels = {"nvidia.com/gpu.count": "2", "nvidia.com/cuda.driver.major": "550", "nvidia.com/a": ""}
+    assert features.write(str(path), labels) is True
+    assert path.read_text() == "nvidia.com/a=\nnvidia.com/cuda.driver.major=550\nnvidia.com/gpu.count=2\n"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    first = path.stat()
+    assert features.write(str(path), dict(reversed(list(labels.items())))) is False  # same text
+    assert path.stat().st_ino == first.st_ino and path.stat().st_mtime_ns == first.st_mtime_ns
+    assert features.write(str(path), {**labels, "nvidia.com/gpu.count": "3"}) is True
+    # replaced by rename: a new inode, nothing half-written left beside it
+    assert path.stat().st_ino != first.st_ino
+    assert path.read_text().splitlines()[-1] == "nvidia.com/gpu.count=3"
+    assert os.listdir(path.parent) == ["oci-gpu-hook"]
+
+
+def test_write_to_a_bare_relative_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert features.write("features", {"nvidia.com/gpu.count": "1"}) is True
+    assert (tmp_path / "features").read_text() == "nvidia.com/gpu.count=1\n"
+
+
+def test_refresh_reports_an_unwritable_output(host_settings, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(features.LabelError) as e:
+        features.refresh(host_settings, str(blocker / "features"))
+    assert e.value.message.startswith(f"{blocker}/features: ")
+
+
+def test_driver_change_refreshes_the_file(tmp_path, require):
+    require("root", "gcc", "pynvml")
+    from oci_gpu_hook.toolkit.simulate import remove_host, simulate
+
+    root = str(tmp_path / "h")
+    before = simulate(root, gpus=2, driver_version="550.54.15")
+    s = settings_module.load(f"{root}/config.yaml")
+    out = tmp_path / "features"
+    assert features.refresh(s, str(out)) is True
+    labels = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    assert labels["nvidia.com/cuda.driver.major"] == "550"
+    assert labels["nvidia.com/gpu.count"] == "2"
+    assert features.refresh(s, str(out)) is False  # nothing changed
+
+    remove_host(root)
+    after = simulate(root, gpus=2, driver_version="555.42.02")
+    assert after["root"] == before["root"]
+    # The same settings: only the inventory cache's fingerprint tells that the driver changed.
+    assert features.refresh(s, str(out)) is True
+    labels = dict(line.split("=", 1) for line in out.read_text().splitlines())
+    assert [labels[f"nvidia.com/cuda.driver.{k}"] for k in ("major", "minor", "rev")] == ["555", "42", "02"]
+    assert features.refresh(s, str(out)) is False
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+
+def test_cli_prints_the_labels(host, hook_cli):
+    p = hook_cli("--config", f"{host['root']}/config.yaml", "labels", "--output", "-")
+    assert p.returncode == 0, p.stderr
+    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    assert p.stdout == features.render(expected)
+
+
+def test_cli_writes_the_file_once(host, hook_cli, tmp_path):
+    out = tmp_path / "nfd" / "oci-gpu-hook"
+    args = ("--config", f"{host['root']}/config.yaml", "labels", "--output", str(out))
+    p = hook_cli(*args)
+    assert (p.returncode, p.stdout) == (0, f"{out}: written\n"), p.stderr
+    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    assert out.read_text() == features.render(expected)
+    p = hook_cli(*args)
+    assert (p.returncode, p.stdout) == (0, f"{out}: unchanged\n"), p.stderr
+
+
+def test_cli_with_settings_from_the_config_file(host, hook_cli, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(open(f"{host['root']}/config.yaml").read() + "node:\n  mig_strategy: mixed\n  replicas: 2\n")
+    p = hook_cli("--config", str(config), "labels", "--output", "-")
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert "nvidia.com/mig.strategy=mixed" in lines
+    assert "nvidia.com/gpu.count=7" in lines
+    assert "nvidia.com/gpu.replicas=2" in lines
+    assert "nvidia.com/gpu.product=NVIDIA-A100-SXM4-40GB-SHARED" in lines
+    assert "nvidia.com/mig-2g.10gb.count=1" in lines
+
+
+@pytest.mark.parametrize("node", ["  mig_strategy: bogus\n", "  replicas: 0\n"])
+def test_cli_bad_config_is_one_line(host, hook_cli, tmp_path, node):
+    config = tmp_path / "config.yaml"
+    config.write_text(open(f"{host['root']}/config.yaml").read() + "node:\n" + node)
+    p = hook_cli("--config", str(config), "labels", "--output", "-")
+    assert p.returncode != 0
+    assert p.stdout == ""
+    assert len(p.stderr.splitlines()) == 1, p.stderr
+    assert "Traceback" not in p.stderr
+    assert p.stderr.startswith(f"oci-gpu-hook: {config}: node.")
+
+
+def test_cli_single_strategy_error_is_one_line(host, hook_cli, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(open(f"{host['root']}/config.yaml").read() + "node:\n  mig_strategy: single\n")
+    out = tmp_path / "features"
+    p = hook_cli("--config", str(config), "labels", "--output", str(out))
+    assert p.returncode != 0
+    assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "mig_strategy single" in p.stderr
+    assert not out.exists()
