@@ -28,6 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
+import node  # noqa: E402
+
 from oci_gpu_hook.toolkit import containers  # noqa: E402
 from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 
@@ -187,6 +189,8 @@ def main():
                 if round_:
                     samples.setdefault(name, []).append(result)
         rss = {name: max(case(rss=True)[1] for _ in range(3)) for name, case in cases}
+        record = node.record_cost(os.path.join(work, "site"))
+        exporter = node.exporter_figures(launcher, host, args.runs)
         results = {name: summary(s, rss[name]) for name, s in samples.items()}
         floor, runc_ms = results["floor"]["median_ms"], results["runc"]["median_ms"]
         for r in results.values():
@@ -200,6 +204,9 @@ def main():
             "runc+hook:gpu1 <= 2.0x runc": results["runc+hook:gpu1"]["x_runc"] <= 2.0,
             "hook:gpu8 <= 1.25x hook:gpu1": gpu8 <= 1.25 * gpu1,
             "hook peak RSS <= 30 MiB": peak <= 30 << 10,
+            "container record <= 0.5 ms": record["total_ms"] <= 0.5,
+            "exporter scrape (8 GPUs, 50 records) <= 50 ms": exporter["scrape_median_ms"] <= 50,
+            "exporter RSS <= 60 MiB": exporter["rss_kib"] <= 60 << 10,
         }
         cpu = next(
             (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
@@ -212,7 +219,8 @@ def main():
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
         }
-        doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench"}
+        doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench",
+               "node": {"container_record": record, "exporter": exporter}}  # fmt: skip
         with open(args.output, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"{'case':24} {'median ms':>10} {'p95 ms':>8} {'x floor':>8} {'x runc':>7} {'peak RSS MiB':>12}")
@@ -221,6 +229,10 @@ def main():
                 f"{name:24} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['x_floor']:8.2f} {r['x_runc']:7.2f} "
                 f"{r['peak_rss_kib'] / 1024:12.1f}"
             )
+        print(f"container record: {record['total_ms']:.3f} ms (import {record['import_ms']:.3f}, build and write "
+              f"{record['write_ms']:.3f})")
+        print(f"exporter, 8 GPUs and 50 records: scrape median {exporter['scrape_median_ms']:.1f} ms, p95 "
+              f"{exporter['scrape_p95_ms']:.1f} ms, RSS {exporter['rss_kib'] / 1024:.1f} MiB")
         for target, met in targets.items():
             print(f"{'met ' if met else 'MISSED'} {target}")
         print(f"wrote {args.output}")

@@ -1,0 +1,127 @@
+"""The node services' figures for `make bench` (bench/run.py calls node_figures):
+- the container record: what writing it adds to a GPU container's start (the module's import,
+  given what a GPU start has imported already, plus building and writing one record);
+- the exporter: one scrape of /metrics with 8 GPUs and 50 container records (each container with
+  a GPU process NVML reports), timed over HTTP, and the exporter's resident memory after them.
+"""
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+PYTHON = os.path.realpath(sys.executable)
+
+RECORD_PROBE = r"""
+import os, sys, time, json
+sys.path.insert(0, sys.argv[1])
+from oci_gpu_hook.start import apply, inventory_cache, plan, request, report  # a GPU start has these
+t = time.perf_counter()
+from oci_gpu_hook.start import container_record
+imported = time.perf_counter() - t
+from oci_gpu_hook.start.state import ContainerState
+state = ContainerState("1.0.2", "bench", "creating", os.getpid(), "/b", {})
+directory = sys.argv[2]
+times = []
+for i in range(300):
+    t = time.perf_counter()
+    record = container_record.build(state.replace(id=f"bench-{i}"), {}, (), 0.1)
+    container_record.write(directory, record)
+    times.append(time.perf_counter() - t)
+print(json.dumps({"import_ms": imported * 1e3, "write_ms": sorted(times)[len(times) // 2] * 1e3}))
+"""
+
+
+def record_cost(site: str) -> dict:
+    """Written where the hook writes them by default: a directory in /run (tmpfs on a real host),
+    one new file per start, as container ids are new."""
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="oci-gpu-hook-bench-records-", dir="/run")
+    try:
+        out = subprocess.run([PYTHON, "-I", "-c", RECORD_PROBE, site, os.path.join(directory, "containers")],
+                             check=True, capture_output=True, text=True).stdout  # fmt: skip
+    finally:
+        shutil.rmtree(directory)
+    figures = json.loads(out)
+    figures["total_ms"] = figures["import_ms"] + figures["write_ms"]
+    return figures
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def exporter_figures(launcher: str, host: dict, runs: int) -> dict:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from oci_gpu_hook.start import container_record, pids
+    from oci_gpu_hook.toolkit.simulate import control
+
+    root = host["root"]
+    records = os.path.join(root, "containers")
+    os.makedirs(records, mode=0o700, exist_ok=True)
+    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(50)]
+    devices = [(g["uuid"], m["uuid"] if m else None) for g in host["gpus"] for m in (g["mig"] or [None])]
+    port = _free_port()
+    exporter = None
+    try:
+        processes = []
+        for i, proc in enumerate(sleepers):
+            gpu_uuid, mig_uuid = devices[i % len(devices)]
+            record = {"format": container_record.FORMAT, "id": f"bench-{i}", "outcome": "started", "reason": None,
+                      "devices": [{"gpu_index": 0, "gpu_uuid": gpu_uuid, "mig_index": None, "mig_uuid": mig_uuid}],
+                      "pid": proc.pid, "pid_start": pids.start_ticks(proc.pid), "cgroup": f"/bench/{i}",
+                      "kubernetes": {"pod": f"pod-{i}", "namespace": "bench", "container": "c"},
+                      "gpu_memory_limit": None, "time": time.time(), "duration_seconds": 0.05}  # fmt: skip
+            container_record.write(records, record)
+            processes.append((mig_uuid or gpu_uuid, proc.pid, (i + 1) << 20))
+        control.write(root, {g["uuid"]: {"util_gpu": 50, "temperature": 60} for g in host["gpus"]}, processes)
+        command = [launcher, "--config", os.path.join(root, "config.yaml"), "exporter", "--listen", f"127.0.0.1:{port}"]
+        exporter = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}/metrics"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url, timeout=10).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or exporter.poll() is not None:
+                    raise RuntimeError("the exporter did not start") from None
+                time.sleep(0.1)
+        times = []
+        for _ in range(max(runs, 30)):
+            t = time.perf_counter()
+            body = urllib.request.urlopen(url, timeout=10).read()
+            times.append(time.perf_counter() - t)
+        series = body.count(b'pod="pod-')
+        times.sort()
+        return {
+            "scrape_median_ms": statistics.median(times) * 1e3,
+            "scrape_p95_ms": times[int(round(0.95 * (len(times) - 1)))] * 1e3,
+            "rss_kib": _rss_kib(exporter.pid),
+            "series_with_pod": series,
+            "bytes": len(body),
+        }
+    finally:
+        if exporter:
+            exporter.terminate()
+            exporter.wait()
+        for proc in sleepers:
+            proc.kill()
+            proc.wait()
+        control.clear(root)
