@@ -32,6 +32,10 @@ def labels(obj, output, watch):
     from oci_gpu_hook.start import inventory_cache
 
     settings = obj.settings
+    if output == "-" and watch:
+        from oci_gpu_hook.errors import UsageError
+
+        raise UsageError("--watch writes a file: it cannot be used with --output -")
     if output == "-":
         inventory = inventory_cache.load(settings)
         click.echo(features.render(features.compute(inventory, settings.node.mig_strategy, settings.node.replicas)),
@@ -45,3 +49,26 @@ def labels(obj, output, watch):
     changed = features.refresh(settings, output)
     click.echo(f"{output}: {'written' if changed else 'unchanged'}")
     return 0
+
+
+@click.command()
+@click.option("--interval", metavar="SECONDS", type=click.FloatRange(min=0.1, max=3600),
+              help="Seconds between scans (default: node.watchdog_interval, 1).")  # fmt: skip
+@click.option("--policy", type=click.Choice(["kill", "warn"]),
+              help="Over the limit: kill the container's GPU processes, or only warn "
+                   "(default: node.watchdog_policy).")  # fmt: skip
+@click.option("--grace", metavar="SECONDS", type=click.FloatRange(min=0, max=3600),
+              help="How long a container may stay over its limit before the kill "
+                   "(default: node.watchdog_grace).")  # fmt: skip
+@click.option("--dry-run", is_flag=True, help="Say what would be killed; kill nothing.")
+@click.option("--once", is_flag=True, help="Scan once and exit.")
+@click.pass_obj
+def watchdog(obj, interval, policy, grace, dry_run, once):
+    """Enforce GPU memory limits on shared GPUs: kill (or report) the GPU processes of a container
+    that uses more than its limit (docs/watchdog.md). Runs until stopped."""
+    from oci_gpu_hook.node import watchdog as watchdog_module
+
+    node = obj.settings.node
+    interval = interval if interval is not None else node.watchdog_interval
+    grace = grace if grace is not None else node.watchdog_grace
+    return watchdog_module.run(obj.settings, interval, policy or node.watchdog_policy, grace, dry_run, once)

@@ -7,8 +7,21 @@ cgroup, nor to a record without a cgroup: a host process is nobody's container.
 
 from __future__ import annotations
 
+import os
+
 from oci_gpu_hook.start import container_record
 from oci_gpu_hook.start.linux import cgroups
+
+# The initial PID namespace's inode number is fixed by the kernel (PROC_PID_INIT_INO).
+_INIT_PID_NAMESPACE = 0xEFFFFFFC
+
+
+def sees_host_processes(proc: str = "/proc") -> bool:
+    """This process is in the host's PID namespace, where the records' pids mean what they say."""
+    try:
+        return os.stat(f"{proc}/self/ns/pid").st_ino == _INIT_PID_NAMESPACE
+    except OSError:
+        return False
 
 
 def live_starts(records: dict, proc: str = "/proc") -> list:

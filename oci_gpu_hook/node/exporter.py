@@ -16,7 +16,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from oci_gpu_hook.errors import HookError, NvmlError, UsageError
-from oci_gpu_hook.node import attribution, metrics
+from oci_gpu_hook.node import attribution, metrics, watchdog
 from oci_gpu_hook.start import container_record
 
 DEFAULT_LISTEN = ":9400"  # NVIDIA's DCGM exporter's port
@@ -28,7 +28,7 @@ def log(message: str) -> None:
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """HOST:PORT, :PORT or [IPv6]:PORT -> (host, port); an empty host means every address."""
+    """HOST:PORT, :PORT or [IPv6]:PORT -> (host, port); an empty host means every IPv4 address."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise UsageError(f"--listen {value!r}: expected HOST:PORT or :PORT (port 1-65535)")
@@ -45,12 +45,19 @@ class Exporter:
         self.samples = ()
         self.stale = False
         self.garbage_seen = set()
-        self.extra = []  # further families (the watchdog's counters, when it runs in this process)
+        self.warned_namespace = False
         self.lock = threading.Lock()
 
     def scrape(self) -> str:
         with self.lock:
             records = container_record.read_all(self.records_directory)
+            if not attribution.sees_host_processes(self.proc):
+                # In a PID namespace of its own (a pod without hostPID) every container's pid looks
+                # gone: nothing is attributed, and above all nothing is collected.
+                if not self.warned_namespace:
+                    log("not in the host's PID namespace: containers cannot be seen (run with hostPID)")
+                self.warned_namespace = True
+                records = {}
             for name in sorted(n for n, r in records.items() if r is None and n not in self.garbage_seen):
                 log(f"{self.records_directory}/{name}: not a container record; removed")
             self.garbage_seen = {n for n, r in records.items() if r is None}
@@ -64,11 +71,18 @@ class Exporter:
                 self.stale = False
             except NvmlError as e:
                 if not self.stale:
-                    log(f"{e.message}; serving the last GPU facts read, marked stale")
+                    kept = "the last GPU facts read" if self.samples else "no GPU facts"
+                    log(f"{e.message}; serving {kept}, marked stale")
                 self.stale = True
             memory = attribution.memory_by_container(self.samples, live, self.proc)
+            actions = metrics.Family(
+                "oci_gpu_hook_watchdog_actions_total", "counter",
+                "What the GPU memory watchdog did (kill, warn, would-kill), since it started.",
+            )  # fmt: skip
+            for action, count in sorted(watchdog.read_counters(self.records_directory).items()):
+                actions.add({"action": action}, count)
             return metrics.render(self.samples, attribution.holders(live), memory, self.counters, self.stale,
-                                  len(live), self.hostname, self.extra)  # fmt: skip
+                                  len(live), self.hostname, [actions])  # fmt: skip
 
 
 def _handler(exporter: Exporter):
@@ -122,9 +136,12 @@ def serve(exporter: Exporter, listen: str, ready=None) -> None:
 def run(settings, listen: str) -> int:
     from oci_gpu_hook.node.nvml_reader import HostReader
 
-    started = time.monotonic()
     exporter = Exporter(HostReader(settings), settings.records_path)
-    exporter.scrape()  # NVML started, and a failure logged, before the first scrape
-    log(f"ready in {time.monotonic() - started:.2f} s")
-    serve(exporter, listen)
+
+    def ready(server):
+        started = time.monotonic()
+        exporter.scrape()  # NVML started, and a failure logged, before Prometheus's first scrape
+        log(f"ready in {time.monotonic() - started:.2f} s")
+
+    serve(exporter, listen, ready)
     return 0

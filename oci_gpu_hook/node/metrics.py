@@ -22,7 +22,7 @@ DEVICE_METRICS = {
     "sm_clock": ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz)."),
     "mem_clock": ("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (in MHz)."),
     "energy": ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "counter",
-               "Total energy consumption since boot (in mJ)."),
+               "Total energy consumption since the driver was loaded (in mJ)."),
 }  # fmt: skip
 DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

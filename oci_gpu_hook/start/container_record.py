@@ -143,6 +143,12 @@ def parse(data: bytes) -> dict | None:
     for device in record["devices"]:
         if not isinstance(device, dict) or not isinstance(device.get("gpu_uuid"), str):
             return None
+    limits = record.get("gpu_memory_limit")
+    if limits is not None and not (
+        isinstance(limits, dict)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in limits.values())
+    ):
+        return None
     return record
 
 

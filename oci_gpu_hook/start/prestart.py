@@ -52,7 +52,7 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
 
 
 def _configure(container, spec, settings, started: float | None) -> int:
-    from oci_gpu_hook.start import apply, inventory_cache, request
+    from oci_gpu_hook.start import apply, inventory_cache, memory_limit, request
     from oci_gpu_hook.start.budget import Budget
     from oci_gpu_hook.start.linux import arch
     from oci_gpu_hook.start.plan import build_plan
@@ -65,8 +65,11 @@ def _configure(container, spec, settings, started: float | None) -> int:
     arch.current()  # an unknown machine says so first, not through whatever fails next
     inventory = inventory_cache.load(settings, budget)
     plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))
+    # Checked before anything changes: a bad limit fails the start with nothing to undo.
+    limits = memory_limit.resolve(spec.env, spec.annotations, settings.shared_gpu_memory_limit,
+                                  settings.node.replicas, plan.devices)  # fmt: skip
     result = apply.apply(plan, container, spec, settings, budget)
-    _keep_record(settings, container, spec, plan.devices, started)
+    _keep_record(settings, container, spec, plan.devices, started, limits=limits)
     report.record(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],
@@ -75,14 +78,14 @@ def _configure(container, spec, settings, started: float | None) -> int:
     return 0
 
 
-def _keep_record(settings, container, spec, devices, started: float | None, failure_code=None) -> None:
+def _keep_record(settings, container, spec, devices, started: float | None, failure_code=None, limits=None) -> None:
     """The container record (container_record.py); like the log, it never fails a start."""
     from oci_gpu_hook.start import container_record
     from oci_gpu_hook.start.budget import process_age
 
     duration = process_age() if started is None else time.monotonic() - started
     try:
-        record = container_record.build(container, spec.annotations, devices, duration, failure_code)
+        record = container_record.build(container, spec.annotations, devices, duration, failure_code, limits)
         container_record.write(settings.records_path, record)
     except OSError as e:
         report.record(settings, container.id, "warning", f"the container record was not written: {e}")

@@ -38,17 +38,24 @@ class LoggingSettings(Record):
 class NodeSettings(Record):
     """The node services' keys (node/): nothing on the start path reads them."""
 
-    __slots__ = ("exporter_listen", "features_file", "mig_strategy", "replicas")
+    __slots__ = ("exporter_listen", "features_file", "mig_strategy", "replicas", "watchdog_policy",
+                 "watchdog_interval", "watchdog_grace")  # fmt: skip
     _defaults = {
         "exporter_listen": ":9400",
         "features_file": "/etc/kubernetes/node-feature-discovery/features.d/oci-gpu-hook",
         "mig_strategy": "none",
         "replicas": 1,
+        "watchdog_policy": "kill",
+        "watchdog_interval": 1.0,
+        "watchdog_grace": 0.0,
     }
     exporter_listen: str
     features_file: str
     mig_strategy: str
     replicas: int
+    watchdog_policy: str
+    watchdog_interval: float
+    watchdog_grace: float
 
 
 class Settings(Record):
@@ -65,6 +72,7 @@ class Settings(Record):
         "mps_pipe_directories",
         "inventory_cache",
         "records_directory",
+        "shared_gpu_memory_limit",
         "cgroups",
         "deadline_seconds",
         "logging",
@@ -86,6 +94,7 @@ class Settings(Record):
         "mps_pipe_directories": (driver.MPS_PIPE_DIRECTORY,),
         "inventory_cache": f"{RUN_DIR}/inventory.json",
         "records_directory": None,  # RUN_DIR/containers (records_path)
+        "shared_gpu_memory_limit": None,
         "cgroups": "auto",
         "deadline_seconds": 8.0,
         "logging": LoggingSettings(),
@@ -104,6 +113,7 @@ class Settings(Record):
     mps_pipe_directories: tuple[str, ...]
     inventory_cache: str
     records_directory: str | None
+    shared_gpu_memory_limit: str | None  # memory_limit.py: a size, a percentage or per-replica
     cgroups: str
     deadline_seconds: float
     logging: LoggingSettings

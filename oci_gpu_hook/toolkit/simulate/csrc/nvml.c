@@ -180,7 +180,7 @@ static int mig_capable(const struct sim_gpu *gpu)
 
 /* ---- live values: the control file -------------------------------------- */
 
-/* Tests (and `oci-gpu-hook simulate set`) change what the GPUs report while
+/* Tests (toolkit/simulate/control.py) change what the GPUs report while
  * clients run, through SIM_ROOT/nvml-control, re-read whenever it changes:
  *     fail <nvmlReturn_t>            nvmlInit, the device count and handle
  *                                    lookups and every device query answer it

@@ -1,0 +1,88 @@
+"""A container's GPU memory limit: what it declares (environment or pod annotation), capped on
+shared GPUs by the configuration, resolved to bytes per device at start. The hook checks it before
+changing anything (a bad value fails the start with one line) and keeps it in the container's
+record; the watchdog (node/watchdog.py) enforces it. Pure; standard library only.
+
+Forms: a size in MiB or GiB ("512MiB", "4GiB", "1.5GiB"; Mi and Gi too) or a share of each
+device's memory ("25%"). Where several apply (the variable, the annotation, the configured cap for
+shared GPUs), the smallest wins: a container may lower its limit, never raise it past what the
+pod or the node says.
+"""
+
+from __future__ import annotations
+
+from oci_gpu_hook.errors import RequestError, printable
+
+ENV = "OCI_GPU_HOOK_GPU_MEMORY_LIMIT"
+ANNOTATION = "oci-gpu-hook.io/gpu-memory-limit"
+PER_REPLICA = "per-replica"  # the configured cap: each device's memory divided by node.replicas
+_UNITS = {"mib": 1 << 20, "mi": 1 << 20, "gib": 1 << 30, "gi": 1 << 30}
+ACCEPTED = "a size in MiB or GiB (512MiB, 4GiB) or a percentage of the device's memory (25%)"
+
+
+def parse(text: str, where: str) -> tuple:
+    """('bytes', n) or ('share', fraction) from a limit's text; RequestError naming where it came
+    from for anything else, zero and negative values included."""
+    value = text.strip()
+    shown = printable(value[:40])
+    number, unit = value, ""
+    if value.endswith("%"):
+        number, unit = value[:-1].strip(), "%"
+    else:
+        for suffix in sorted(_UNITS, key=len, reverse=True):
+            if value.lower().endswith(suffix):
+                number, unit = value[: -len(suffix)].strip(), suffix
+                break
+    try:
+        plain = number.isascii() and number.replace(".", "", 1).lstrip("-").isdigit()
+        amount = float(number) if unit and plain else None
+    except ValueError:
+        amount = None
+    if amount is None:
+        raise RequestError(f"{where}={shown!r}: not a GPU memory limit; expected {ACCEPTED}")
+    if amount <= 0:
+        raise RequestError(f"{where}={shown!r}: a GPU memory limit must be above zero")
+    if unit == "%":
+        if amount > 100:
+            raise RequestError(f"{where}={shown!r}: a share of the device's memory cannot exceed 100%")
+        return ("share", amount / 100)
+    return ("bytes", int(amount * _UNITS[unit]))
+
+
+def _device_memory(device) -> tuple:
+    """(uuid, total bytes or None) of a plan.SelectedDevice."""
+    if device.mig is not None:
+        return device.mig.uuid or f"{device.gpu.uuid}/gi{device.mig.gi}", device.mig.memory_total
+    return device.gpu.uuid, device.gpu.memory_total
+
+
+def resolve(env: dict, annotations: dict, cap: str | None, replicas: int, devices) -> dict | None:
+    """{device uuid: limit in bytes} for the container's devices, or None when no limit applies.
+    cap: the configured limit for shared GPUs (a size, a percentage or per-replica), applied when
+    the node shares its GPUs (replicas > 1)."""
+    declared = []
+    if env.get(ENV, "").strip():
+        declared.append(parse(env[ENV], ENV))
+    if annotations.get(ANNOTATION, "").strip():
+        declared.append(parse(annotations[ANNOTATION], f"annotation {ANNOTATION}"))
+    if cap and replicas > 1:
+        declared.append(("share", 1 / replicas) if cap == PER_REPLICA else parse(cap, "shared_gpu_memory_limit"))
+    if not declared or not devices:
+        return None
+    limits = {}
+    for device in devices:
+        uuid, total = _device_memory(device)
+        candidates = []
+        for kind, amount in declared:
+            if kind == "share":
+                if total is None:
+                    raise RequestError(f"a GPU memory limit in percent needs the memory of {uuid}, which NVML did "
+                                       "not report; give a size in MiB or GiB")  # fmt: skip
+                candidates.append(int(total * amount))
+            else:
+                if total is not None and amount > total:
+                    raise RequestError(f"GPU memory limit {amount >> 20} MiB is larger than {uuid}'s "
+                                       f"{total >> 20} MiB")  # fmt: skip
+                candidates.append(amount)
+        limits[uuid] = min(candidates)
+    return limits

@@ -1,0 +1,86 @@
+"""GPU memory limits: the accepted forms, the smallest-wins rule, the shared-GPU cap, and every
+bad value refused with one line naming where it came from."""
+
+import pytest
+
+from oci_gpu_hook.errors import RequestError
+from oci_gpu_hook.start import memory_limit as ml
+from oci_gpu_hook.start.inventory import GpuInfo, MigDevice
+from oci_gpu_hook.start.plan import SelectedDevice
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("512MiB", ("bytes", 512 * MIB)), ("4GiB", ("bytes", 4 * GIB)), ("1.5GiB", ("bytes", 3 * GIB // 2)),
+     ("4gib", ("bytes", 4 * GIB)), (" 4 Gi ", ("bytes", 4 * GIB)), ("100Mi", ("bytes", 100 * MIB)),
+     ("25%", ("share", 0.25)), ("100%", ("share", 1.0)), ("0.5%", ("share", 0.005))],
+)  # fmt: skip
+def test_accepted_forms(text, expected):
+    assert ml.parse(text, "X") == expected
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [("0MiB", "above zero"), ("-1GiB", "above zero"), ("0%", "above zero"), ("-5%", "above zero"),
+     ("101%", "exceed 100%"), ("12", "expected a size"), ("4GB", "expected a size"), ("abc", "expected a size"),
+     ("1e3MiB", "expected a size"), ("GiB", "expected a size"), ("１２MiB", "expected a size"),
+     ("4 GiB 4", "expected a size"), ("nan%", "expected a size"), ("\\x1b[31m5GiB", "expected a size")],
+)  # fmt: skip
+def test_refused_forms_say_where_and_why(text, words):
+    with pytest.raises(RequestError) as e:
+        ml.parse(text, ml.ENV)
+    assert words in e.value.message and e.value.message.startswith(ml.ENV + "=") and "\n" not in e.value.message
+
+
+def _gpu(uuid="GPU-1", memory=40 * GIB, mig=()):
+    node = None
+    return GpuInfo(index=0, minor=0, uuid=uuid, bus_id="0000:07:00.0", model="m", node=node, memory_total=memory,
+                   mig=mig)  # fmt: skip
+
+
+def _mig(memory=5 * GIB):
+    return MigDevice(index=0, gi=13, ci=0, uuid="MIG-1", gi_cap=None, ci_cap=None, gi_access="", ci_access="",
+                     profile="1g.5gb", memory_total=memory)  # fmt: skip
+
+
+def test_no_limit_without_a_declaration_or_a_shared_gpu():
+    devices = (SelectedDevice(_gpu()),)
+    assert ml.resolve({}, {}, None, 1, devices) is None
+    assert ml.resolve({}, {}, "8GiB", 1, devices) is None  # the cap applies to shared GPUs only
+
+
+def test_per_device_bytes_and_the_smallest_wins():
+    devices = (SelectedDevice(_gpu("GPU-1")), SelectedDevice(_gpu("GPU-2"), _mig()))
+    assert ml.resolve({ml.ENV: "25%"}, {}, None, 1, devices) == {"GPU-1": 10 * GIB, "MIG-1": 5 * GIB // 4}
+    both = ml.resolve({ml.ENV: "4GiB"}, {ml.ANNOTATION: "2GiB"}, None, 1, devices[:1])
+    assert both == {"GPU-1": 2 * GIB}  # the pod's annotation is lower: it wins
+    assert ml.resolve({ml.ENV: "1GiB"}, {ml.ANNOTATION: "2GiB"}, None, 1, devices[:1]) == {"GPU-1": GIB}
+
+
+def test_the_shared_gpu_cap_cannot_be_raised_by_the_container():
+    devices = (SelectedDevice(_gpu()),)
+    assert ml.resolve({}, {}, ml.PER_REPLICA, 4, devices) == {"GPU-1": 10 * GIB}
+    assert ml.resolve({ml.ENV: "30GiB"}, {}, ml.PER_REPLICA, 4, devices) == {"GPU-1": 10 * GIB}
+    assert ml.resolve({ml.ENV: "1GiB"}, {}, ml.PER_REPLICA, 4, devices) == {"GPU-1": GIB}
+    assert ml.resolve({}, {}, "6GiB", 2, devices) == {"GPU-1": 6 * GIB}
+
+
+def test_a_limit_larger_than_the_device_is_refused():
+    with pytest.raises(RequestError) as e:
+        ml.resolve({ml.ENV: "6GiB"}, {}, None, 1, (SelectedDevice(_gpu(), _mig()),))
+    assert e.value.message == "GPU memory limit 6144 MiB is larger than MIG-1's 5120 MiB"
+
+
+def test_a_percentage_needs_the_devices_memory():
+    with pytest.raises(RequestError) as e:
+        ml.resolve({ml.ENV: "50%"}, {}, None, 1, (SelectedDevice(_gpu(memory=None)),))
+    assert "NVML did not report" in e.value.message
+    assert ml.resolve({ml.ENV: "1GiB"}, {}, None, 1, (SelectedDevice(_gpu(memory=None)),)) == {"GPU-1": GIB}
+
+
+def test_a_bad_annotation_names_the_annotation():
+    with pytest.raises(RequestError) as e:
+        ml.resolve({}, {ml.ANNOTATION: "lots"}, None, 1, (SelectedDevice(_gpu()),))
+    assert e.value.message.startswith(f"annotation {ml.ANNOTATION}='lots'")
