@@ -14,7 +14,8 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
               help="With --runtime docker: move NVIDIA's nvidia-container-runtime-hook aside (uninstall "
                    "restores it) instead of refusing.")  # fmt: skip
 @click.option("--node-services", is_flag=True,
-              help="Also install systemd units for the exporter and the NFD labels (docs/monitoring.md).")  # fmt: skip
+              help="Also install systemd units for the exporter, the NFD labels and the watchdog "
+                   "(docs/monitoring.md, docs/watchdog.md).")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
 def install(obj, runtimes, root, replace_nvidia_hook, node_services):
@@ -45,8 +46,8 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services):
         click.echo("then: systemctl daemon-reload && systemctl start oci-gpu-hook-refresh.path "
                    "oci-gpu-hook-refresh.service && udevadm control --reload"
                    + (" && systemctl restart crio" if "crio" in runtimes else "")
-                   + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE}"
-                      if node_services else ""))  # fmt: skip
+                   + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE} "
+                      f"{install_module.WATCHDOG_SERVICE}" if node_services else ""))  # fmt: skip
     return 0
 
 

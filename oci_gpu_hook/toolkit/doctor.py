@@ -107,7 +107,7 @@ class Doctor:
         checks = []
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
                      "inventory_cache", "hooks_d", "crio", "docker", "cgroups", "selinux", "selinux_policy",
-                     "refresh_units", "exporter", "labels"):  # fmt: skip
+                     "refresh_units", "exporter", "labels", "watchdog"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
                 status, summary, fix = getattr(self, f"check_{name}")()
@@ -378,6 +378,21 @@ class Doctor:
             return WARN, f"{path} does not describe the host as it is now (is the labels service running?)", fix
         return PASS, f"{path} holds the node's {len(wanted.splitlines())} GPU labels", None
 
+    def check_watchdog(self):
+        """Runs: a process of this program's watchdog command is there."""
+        from oci_gpu_hook.toolkit.install import WATCHDOG_SERVICE
+
+        if not _node_unit_installed(self.root, WATCHDOG_SERVICE):
+            return PASS, "the watchdog is not installed (install --node-services): nothing to check", None
+        running = watchdog_processes()
+        if not running:
+            return (
+                FAIL,
+                "the watchdog is not running: GPU memory limits are not enforced",
+                (f"systemctl start {WATCHDOG_SERVICE}; journalctl -u {WATCHDOG_SERVICE} says why it stopped"),
+            )
+        return PASS, f"the watchdog runs (pid {', '.join(map(str, running))})", None
+
     def check_cgroups(self):
         if self.config_error:
             raise NotChecked("not checked: the configuration is invalid")
@@ -466,6 +481,23 @@ DOCKER_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/s
 
 class ConfigFileError(Exception):
     """A runtime's TOML configuration file that exists but cannot be read as the runtime reads it."""
+
+
+def watchdog_processes(proc: str = "/proc") -> list:
+    """Pids whose command line runs this program's watchdog command."""
+    found = []
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/cmdline", "rb") as f:
+                argv = f.read(8192).split(b"\0")
+        except OSError:
+            continue
+        program = any(a.endswith(b"oci-gpu-hook") or a == b"oci_gpu_hook" for a in argv)
+        if program and b"watchdog" in argv:
+            found.append(int(name))
+    return sorted(found)
 
 
 def _node_unit_installed(root: str, unit: str) -> bool:

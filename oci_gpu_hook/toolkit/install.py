@@ -10,7 +10,7 @@ What install writes, under --root (default /):
 | /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
 | /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
-| /etc/systemd/system/oci-gpu-hook-{exporter,labels}.service (+ wants links) | the node services (--node-services) |
+| /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
 Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
@@ -43,6 +43,7 @@ PATH_UNIT = "oci-gpu-hook-refresh.path"
 UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
 EXPORTER_SERVICE = "oci-gpu-hook-exporter.service"
 LABELS_SERVICE = "oci-gpu-hook-labels.service"
+WATCHDOG_SERVICE = "oci-gpu-hook-watchdog.service"
 LABELS_WATCH_SECONDS = 60
 # Docker's --gpus runs the program of this name, which dockerd looks up on its PATH when it starts
 # (NVIDIA's container toolkit installs it at this path).
@@ -269,6 +270,8 @@ def planned(runtimes, argv_prefix, node_services: bool = False) -> list:
             (EXPORTER_SERVICE, node_service_text(argv_prefix, "oci-gpu-hook GPU metrics for Prometheus", "exporter")),
             (LABELS_SERVICE, node_service_text(argv_prefix, "oci-gpu-hook GPU labels for NFD", "labels", "--watch",
                                                str(LABELS_WATCH_SECONDS))),
+            (WATCHDOG_SERVICE, node_service_text(argv_prefix, "oci-gpu-hook GPU memory limits on shared GPUs",
+                                                 "watchdog")),
         ):  # fmt: skip
             entries.append(Entry(f"{UNIT_DIR}/{unit}", text))
             entries.append(Entry(f"{UNIT_DIR}/multi-user.target.wants/{unit}", link=f"../{unit}"))

@@ -248,6 +248,8 @@ def test_spec_carries_nvidias_cdi_development_links(host):
     spec = cdi.build_spec(inventory_cache.load(config), config, capabilities=cdi.parse_capabilities("all"))
     (hook,) = spec["containerEdits"]["hooks"]
     links = {hook["args"][i + 1] for i, arg in enumerate(hook["args"]) if arg == "--link"}
-    assert {"/usr/lib64/libnvidia-ml.so=libnvidia-ml.so.1",
-            "/usr/lib64/gbm/nvidia-drm_gbm.so=../libnvidia-allocator.so.1",
-            "/usr/lib64/libnvidia-opticalflow.so=libnvidia-opticalflow.so.1"} <= links
+    assert {
+        "/usr/lib64/libnvidia-ml.so=libnvidia-ml.so.1",
+        "/usr/lib64/gbm/nvidia-drm_gbm.so=../libnvidia-allocator.so.1",
+        "/usr/lib64/libnvidia-opticalflow.so=libnvidia-opticalflow.so.1",
+    } <= links

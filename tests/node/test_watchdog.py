@@ -1,0 +1,182 @@
+"""The GPU memory watchdog against real runc containers on a simulated host: three containers
+share GPU 0 with limits, a fourth shares it with none, and a host process uses it too. Only the
+container over its limit loses its GPU processes; warn and dry-run kill nothing; a record whose
+pid was reused gets no process killed; a bad limit stops the start with nothing left behind."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import hookcheck
+import pytest
+
+from oci_gpu_hook.node import watchdog as watchdog_module
+from oci_gpu_hook.start import container_record, pids
+from oci_gpu_hook.start.memory_limit import ENV
+from oci_gpu_hook.toolkit import containers
+from oci_gpu_hook.toolkit.simulate import control
+
+GIB, MIB = 1 << 30, 1 << 20
+
+
+@pytest.fixture
+def host(simulated_host, require):
+    require("root", "gcc", "runc", "busybox", "pynvml")
+    host = simulated_host(gpus=2)
+    yield host
+    control.clear(host["root"])
+
+
+@pytest.fixture
+def shared_gpu(host, tmp_path):
+    """Four running containers on GPU 0 (limits 1 GiB, 2 GiB, 25%, none) and a host process;
+    yields {name: init pid} with "host" for the host process."""
+    names = []
+    running = {}
+    host_process = subprocess.Popen(["sleep", "600"])
+    try:
+        for name, limit in (("small", "1GiB"), ("over", "2GiB"), ("share", "25%"), ("free", None)):
+            env = {"NVIDIA_VISIBLE_DEVICES": "0", **({ENV: limit} if limit else {})}
+            container_id = f"ocigpu-wd-{os.getpid()}-{name}"
+            bundle = containers.make_bundle(str(tmp_path / name), args=["busybox", "sleep", "600"], env=env,
+                                            config_file=f"{host['root']}/config.yaml")  # fmt: skip
+            names.append(container_id)
+            running[name] = containers.runc_detached(bundle, container_id)
+        running["host"] = host_process.pid
+        yield running
+    finally:
+        for container_id in names:
+            containers.runc_delete(container_id)
+        host_process.kill()
+        host_process.wait()
+
+
+def use(host, running, over_by=1):
+    """Each process's GPU 0 memory: `over` uses 2 GiB + over_by MiB against its 2 GiB limit; the
+    rest stay under theirs, or have none (the free container and the host use far more)."""
+    gpu0 = host["gpus"][0]["uuid"]
+    sizes = {"small": 512 * MIB, "over": 2 * GIB + over_by * MIB, "share": 9 * GIB, "free": 30 * GIB,
+             "host": 35 * GIB}  # fmt: skip
+    control.write(host["root"], processes=[(gpu0, running[name], size) for name, size in sizes.items()])
+
+
+def watchdog(host, *args, timeout=60):
+    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
+                           "watchdog", *args], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def alive(pid) -> bool:
+    return pids.start_ticks(pid) is not None  # a zombie is not alive
+
+
+def test_limits_are_recorded_per_device(host, shared_gpu):
+    records = {r["pid"]: r for r in container_record.read_all(f"{host['root']}/containers").values() if r}
+    gpu0 = host["gpus"][0]
+    memory = gpu0["model"]["memory_total"]
+    assert records[shared_gpu["small"]]["gpu_memory_limit"] == {gpu0["uuid"]: GIB}
+    assert records[shared_gpu["share"]]["gpu_memory_limit"] == {gpu0["uuid"]: memory // 4}
+    assert records[shared_gpu["free"]]["gpu_memory_limit"] is None
+
+
+def test_one_scan_kills_exactly_the_container_over_its_limit(host, shared_gpu):
+    use(host, shared_gpu)
+    done = watchdog(host, "--once")
+    assert done.returncode == 0, done.stderr
+    (entry,) = [json.loads(line) for line in done.stdout.splitlines()]
+    assert (entry["action"], entry["pids"], entry["used_bytes"], entry["limit_bytes"]) == (
+        "kill",
+        [shared_gpu["over"]],
+        2 * GIB + MIB,
+        2 * GIB,
+    )
+    assert entry["device"] == host["gpus"][0]["uuid"]
+    assert watchdog_module.read_counters(f"{host['root']}/containers") == {"kill": 1}  # what the exporter serves
+    deadline = time.monotonic() + 10
+    while alive(shared_gpu["over"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(shared_gpu["over"])
+    assert all(alive(shared_gpu[name]) for name in ("small", "share", "free", "host"))
+
+
+def test_the_daemon_kills_within_two_intervals(host, shared_gpu, tmp_path):
+    interval = 1.0
+    with open(tmp_path / "watchdog.log", "w+") as log:
+        daemon = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config",
+                                   f"{host['root']}/config.yaml", "watchdog", "--interval", str(interval)],
+                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            use(host, shared_gpu, over_by=0)  # at the limit, not over it: nothing happens
+            time.sleep(2 * interval)
+            assert alive(shared_gpu["over"])
+            use(host, shared_gpu, over_by=1)
+            went_over = time.monotonic()
+            while alive(shared_gpu["over"]) and time.monotonic() - went_over < 2 * interval + 0.5:
+                time.sleep(0.02)
+            assert not alive(shared_gpu["over"])
+            assert all(alive(shared_gpu[name]) for name in ("small", "share", "free", "host"))
+        finally:
+            daemon.terminate()
+            daemon.wait()
+        log.seek(0)
+        kills = [json.loads(line) for line in log if line.startswith("{")]
+    assert [(k["action"], k["pids"]) for k in kills] == [("kill", [shared_gpu["over"]])]
+
+
+@pytest.mark.parametrize("args, action", [(["--policy", "warn"], "warn"), (["--dry-run"], "would-kill")])
+def test_warn_and_dry_run_kill_nothing(host, shared_gpu, args, action):
+    use(host, shared_gpu)
+    done = watchdog(host, "--once", *args)
+    assert done.returncode == 0, done.stderr
+    (entry,) = [json.loads(line) for line in done.stdout.splitlines()]
+    assert entry["action"] == action and entry["container_id"].endswith("-over")
+    time.sleep(0.2)
+    assert all(alive(pid) for pid in shared_gpu.values())
+
+
+def test_a_reused_pid_is_not_killed(host, shared_gpu):
+    """The record of `over` is made to name another start time (its pid reused): the process on
+    that pid is not the recorded container, so nothing is attributed, and nothing killed."""
+    directory = f"{host['root']}/containers"
+    (name,) = [n for n, r in container_record.read_all(directory).items() if r and r["pid"] == shared_gpu["over"]]
+    record = json.load(open(os.path.join(directory, name)))
+    record["pid_start"] -= 1
+    container_record.write(directory, record)
+    use(host, shared_gpu)
+    done = watchdog(host, "--once")
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+    assert all(alive(pid) for pid in shared_gpu.values())
+
+
+def test_failing_nvml_kills_nothing_and_keeps_running(host, shared_gpu):
+    use(host, shared_gpu)
+    text = open(os.path.join(host["root"], control.FILE)).read()
+    with open(os.path.join(host["root"], control.FILE), "w") as f:
+        f.write("fail 999\n" + text)
+    done = watchdog(host, "--once")
+    assert done.returncode == 0 and done.stdout == ""
+    assert "no action until NVML answers" in done.stderr and "Traceback" not in done.stderr
+    assert all(alive(pid) for pid in shared_gpu.values())
+
+
+@pytest.mark.parametrize(
+    "limit, words",
+    [("lots", "not a GPU memory limit"), ("0MiB", "above zero"), ("-1GiB", "above zero"),
+     ("100GiB", "is larger than")],
+)  # fmt: skip
+def test_a_bad_limit_stops_the_start_and_leaves_nothing(host, tmp_path, limit, words):
+    container_id = f"ocigpu-wd-{os.getpid()}-bad"
+    bundle = containers.make_bundle(str(tmp_path / "bad"), args=["true"],
+                                    env={"NVIDIA_VISIBLE_DEVICES": "0", ENV: limit},
+                                    config_file=f"{host['root']}/config.yaml")  # fmt: skip
+    rootfs_before = hookcheck.tree(os.path.join(bundle, "rootfs"))
+    done = containers.runc_run(bundle, container_id)
+    assert done.returncode != 0
+    (line,) = [line for line in done.stderr.splitlines() if "oci-gpu-hook:" in line]
+    assert words in line and (ENV in line or words == "is larger than"), line
+    assert "Traceback" not in done.stderr
+    assert not os.path.exists(f"/sys/fs/cgroup/devices/{container_id}")
+    listed = subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout.split()
+    assert container_id not in listed
+    assert hookcheck.tree(os.path.join(bundle, "rootfs")) == rootfs_before
