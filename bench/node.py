@@ -125,3 +125,63 @@ def exporter_figures(launcher: str, host: dict, runs: int) -> dict:
             proc.kill()
             proc.wait()
         control.clear(root)
+
+
+WATCHDOG_PROBE = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from oci_gpu_hook.node.nvml_reader import HostReader
+from oci_gpu_hook.node.watchdog import Watchdog
+from oci_gpu_hook.start import settings as settings_module
+settings = settings_module.load(sys.argv[2])
+watchdog = Watchdog(HostReader(settings), settings.records_path, "kill")
+watchdog.scan()  # NVML started
+cpu = []
+for _ in range(int(sys.argv[3])):
+    t = time.process_time()
+    acted = watchdog.scan()
+    cpu.append(time.process_time() - t)
+    assert not acted, acted
+rss = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+print(json.dumps({"scan_cpu_ms": sorted(cpu)[len(cpu) // 2] * 1e3, "rss_kib": rss}))
+"""
+
+
+def watchdog_figures(site: str, host: dict, runs: int) -> dict:
+    """One watchdog scan with 8 GPUs and 100 GPU processes, 50 containers with limits (none over),
+    in CPU time (the daemon's own, NVML included), and the daemon's resident memory after it."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from oci_gpu_hook.start import container_record, pids
+    from oci_gpu_hook.toolkit.simulate import control
+
+    root = host["root"]
+    records = os.path.join(root, "containers")
+    os.makedirs(records, mode=0o700, exist_ok=True)
+    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(100)]
+    devices = [(g["uuid"], m["uuid"] if m else None) for g in host["gpus"] for m in (g["mig"] or [None])]
+    try:
+        processes = []
+        for i, proc in enumerate(sleepers):
+            gpu_uuid, mig_uuid = devices[i % len(devices)]
+            device = mig_uuid or gpu_uuid
+            if i < 50:  # a container each, with a limit its process stays under
+                record = {"format": container_record.FORMAT, "id": f"bench-wd-{i}", "outcome": "started",
+                          "reason": None, "pid": proc.pid, "pid_start": pids.start_ticks(proc.pid),
+                          "devices": [{"gpu_index": 0, "gpu_uuid": gpu_uuid, "mig_index": None, "mig_uuid": mig_uuid}],
+                          "cgroup": None, "kubernetes": None, "gpu_memory_limit": {device: 4 << 30},
+                          "time": time.time(), "duration_seconds": 0.05}  # fmt: skip
+                container_record.write(records, record)
+            processes.append((device, proc.pid, (i + 1) << 20))
+        control.write(root, processes=processes)
+        config = os.path.join(root, "config.yaml")
+        out = subprocess.run([PYTHON, "-I", "-c", WATCHDOG_PROBE, site, config, str(max(runs, 30))], check=True,
+                             capture_output=True, text=True).stdout  # fmt: skip
+        return json.loads(out)
+    finally:
+        for proc in sleepers:
+            proc.kill()
+            proc.wait()
+        control.clear(root)
+        for name in os.listdir(records):
+            if name.startswith("bench-wd-"):
+                os.unlink(os.path.join(records, name))

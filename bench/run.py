@@ -191,6 +191,7 @@ def main():
         rss = {name: max(case(rss=True)[1] for _ in range(3)) for name, case in cases}
         record = node.record_cost(os.path.join(work, "site"))
         exporter = node.exporter_figures(launcher, host, args.runs)
+        watchdog = node.watchdog_figures(os.path.join(work, "site"), host, args.runs)
         results = {name: summary(s, rss[name]) for name, s in samples.items()}
         floor, runc_ms = results["floor"]["median_ms"], results["runc"]["median_ms"]
         for r in results.values():
@@ -207,6 +208,8 @@ def main():
             "container record <= 0.5 ms": record["total_ms"] <= 0.5,
             "exporter scrape (8 GPUs, 50 records) <= 50 ms": exporter["scrape_median_ms"] <= 50,
             "exporter RSS <= 60 MiB": exporter["rss_kib"] <= 60 << 10,
+            "watchdog scan (8 GPUs, 100 processes) <= 20 ms CPU": watchdog["scan_cpu_ms"] <= 20,
+            "watchdog RSS <= 60 MiB": watchdog["rss_kib"] <= 60 << 10,
         }
         cpu = next(
             (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
@@ -220,7 +223,7 @@ def main():
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
         }
         doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench",
-               "node": {"container_record": record, "exporter": exporter}}  # fmt: skip
+               "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog}}  # fmt: skip
         with open(args.output, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"{'case':24} {'median ms':>10} {'p95 ms':>8} {'x floor':>8} {'x runc':>7} {'peak RSS MiB':>12}")
@@ -233,6 +236,8 @@ def main():
               f"{record['write_ms']:.3f})")
         print(f"exporter, 8 GPUs and 50 records: scrape median {exporter['scrape_median_ms']:.1f} ms, p95 "
               f"{exporter['scrape_p95_ms']:.1f} ms, RSS {exporter['rss_kib'] / 1024:.1f} MiB")
+        print(f"watchdog, 8 GPUs and 100 processes: scan {watchdog['scan_cpu_ms']:.1f} ms CPU, RSS "
+              f"{watchdog['rss_kib'] / 1024:.1f} MiB")
         for target, met in targets.items():
             print(f"{'met ' if met else 'MISSED'} {target}")
         print(f"wrote {args.output}")
