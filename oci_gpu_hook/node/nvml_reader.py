@@ -165,7 +165,11 @@ class NvmlReader:
     def _processes(self, nvml, handle) -> tuple:
         found = self._call(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or ()
         graphics = self._call(nvml.nvmlDeviceGetGraphicsRunningProcesses, handle) or ()
-        return tuple((p.pid, p.usedGpuMemory or 0) for p in (*found, *graphics))
+        # A process in both lists (compute and graphics) is one process: counted once, at its most.
+        used = {}
+        for p in (*found, *graphics):
+            used[p.pid] = max(used.get(p.pid, 0), p.usedGpuMemory or 0)
+        return tuple(used.items())
 
 
 def _text(value) -> str:

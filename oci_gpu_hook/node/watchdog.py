@@ -102,9 +102,10 @@ def kill_verified(pid: int, ticks: int, container_cgroup: str, proc: str = "/pro
 
 
 class Watchdog:
-    def __init__(self, reader, records_directory: str, policy: str = "kill", grace: float = 0.0,
-                 dry_run: bool = False, proc: str = "/proc", clock=time.monotonic):  # fmt: skip
+    def __init__(self, reader, records_directory: str, policy: str = "kill", grace: float = 0.0, dry_run: bool = False,
+                 proc: str = "/proc", clock=time.monotonic, keep_counters: bool = True):  # fmt: skip
         self.reader, self.records_directory = reader, records_directory
+        self.keep_counters = keep_counters  # the service's: a one-off run must not replace its counts
         self.policy, self.grace, self.dry_run = policy, grace, dry_run
         self.proc, self.clock = proc, clock
         self.first_over = {}  # Over.key -> when the use was first seen over the limit
@@ -144,7 +145,8 @@ class Watchdog:
                 continue
             killed = [pid for pid, ticks in over.processes
                       if kill_verified(pid, ticks, over.record["cgroup"], self.proc)]  # fmt: skip
-            entries.append(self._act("kill", over, killed))
+            if killed:  # a line and a count for each kill, none for a scan that found them gone
+                entries.append(self._act("kill", over, killed))
         for key in set(self.first_over) - over_now:  # back under the limit, or gone
             del self.first_over[key]
             self.reported.discard(key)
@@ -158,7 +160,8 @@ class Watchdog:
                  "limit_bytes": over.limit, "pids": pids_}  # fmt: skip
         log(entry)
         self.counters[action] = self.counters.get(action, 0) + 1
-        self._write_counters()
+        if self.keep_counters:
+            self._write_counters()
         return entry
 
     def _write_counters(self) -> None:
@@ -178,6 +181,8 @@ def read_counters(records_directory: str) -> dict:
     try:
         doc = json.loads(files.read_bounded(counters_path(records_directory), 1 << 16, nofollow=True, regular=True))
         actions = doc["actions"]
+        if pids.start_ticks(doc["pid"]) is None:
+            return {}  # that watchdog has stopped: its counts ended with it
         if isinstance(actions, dict) and all(isinstance(v, int) for v in actions.values()):
             return {str(k): v for k, v in actions.items()}
     except (OSError, ValueError, KeyError, TypeError):
@@ -186,9 +191,16 @@ def read_counters(records_directory: str) -> dict:
 
 
 def run(settings, interval: float, policy: str, grace: float, dry_run: bool, once: bool = False) -> int:
+    from oci_gpu_hook.errors import PrerequisiteError
     from oci_gpu_hook.node.nvml_reader import HostReader
 
-    watchdog = Watchdog(HostReader(settings), settings.records_path, policy, grace, dry_run)
+    if os.geteuid() != 0:
+        raise PrerequisiteError("the watchdog needs root: it reads every process's cgroup and kills")
+    if not attribution.sees_host_processes():
+        say("not in the host's PID namespace: no container can be seen, so nothing will be enforced "
+            "(run it on the host, or with hostPID)")  # fmt: skip
+    watchdog = Watchdog(HostReader(settings), settings.records_path, policy, grace, dry_run,
+                        keep_counters=not once)  # fmt: skip
     say(f"watching {settings.records_path} every {interval:g} s: policy {policy}"
         + (f", grace {grace:g} s" if grace else "") + (", dry run" if dry_run else ""))  # fmt: skip
     while True:

@@ -17,6 +17,7 @@ ENV = "OCI_GPU_HOOK_GPU_MEMORY_LIMIT"
 ANNOTATION = "oci-gpu-hook.io/gpu-memory-limit"
 PER_REPLICA = "per-replica"  # the configured cap: each device's memory divided by node.replicas
 _UNITS = {"mib": 1 << 20, "mi": 1 << 20, "gib": 1 << 30, "gi": 1 << 30}
+MIN_BYTES = 1 << 20
 ACCEPTED = "a size in MiB or GiB (512MiB, 4GiB) or a percentage of the device's memory (25%)"
 
 
@@ -59,30 +60,36 @@ def _device_memory(device) -> tuple:
 def resolve(env: dict, annotations: dict, cap: str | None, replicas: int, devices) -> dict | None:
     """{device uuid: limit in bytes} for the container's devices, or None when no limit applies.
     cap: the configured limit for shared GPUs (a size, a percentage or per-replica), applied when
-    the node shares its GPUs (replicas > 1)."""
-    declared = []
+    the node shares its GPUs (replicas > 1). A declared size larger than a device is refused; a
+    configured cap larger than a device is that device's memory (the node's setting, not the
+    container's mistake)."""
+    declared = []  # (kind, amount, where, from the container)
     if env.get(ENV, "").strip():
-        declared.append(parse(env[ENV], ENV))
+        declared.append((*parse(env[ENV], ENV), ENV, True))
     if annotations.get(ANNOTATION, "").strip():
-        declared.append(parse(annotations[ANNOTATION], f"annotation {ANNOTATION}"))
+        declared.append((*parse(annotations[ANNOTATION], f"annotation {ANNOTATION}"), f"annotation {ANNOTATION}", True))
     if cap and replicas > 1:
-        declared.append(("share", 1 / replicas) if cap == PER_REPLICA else parse(cap, "shared_gpu_memory_limit"))
+        kind, amount = ("share", 1 / replicas) if cap == PER_REPLICA else parse(cap, "shared_gpu_memory_limit")
+        declared.append((kind, amount, "shared_gpu_memory_limit", False))
     if not declared or not devices:
         return None
     limits = {}
     for device in devices:
         uuid, total = _device_memory(device)
         candidates = []
-        for kind, amount in declared:
+        for kind, amount, where, declared_by_container in declared:
             if kind == "share":
                 if total is None:
-                    raise RequestError(f"a GPU memory limit in percent needs the memory of {uuid}, which NVML did "
-                                       "not report; give a size in MiB or GiB")  # fmt: skip
-                candidates.append(int(total * amount))
-            else:
-                if total is not None and amount > total:
-                    raise RequestError(f"GPU memory limit {amount >> 20} MiB is larger than {uuid}'s "
+                    raise RequestError(f"{where}: a GPU memory limit in percent needs the memory of {uuid}, which "
+                                       "NVML did not report; give a size in MiB or GiB")  # fmt: skip
+                amount = int(total * amount)
+            elif total is not None and amount > total:
+                if declared_by_container:
+                    raise RequestError(f"{where}: GPU memory limit {amount >> 20} MiB is larger than {uuid}'s "
                                        f"{total >> 20} MiB")  # fmt: skip
-                candidates.append(amount)
+                amount = total
+            if amount < MIN_BYTES:
+                raise RequestError(f"{where}: GPU memory limit on {uuid} comes to {amount} bytes; the least is 1 MiB")
+            candidates.append(amount)
         limits[uuid] = min(candidates)
     return limits

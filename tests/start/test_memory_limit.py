@@ -70,7 +70,19 @@ def test_the_shared_gpu_cap_cannot_be_raised_by_the_container():
 def test_a_limit_larger_than_the_device_is_refused():
     with pytest.raises(RequestError) as e:
         ml.resolve({ml.ENV: "6GiB"}, {}, None, 1, (SelectedDevice(_gpu(), _mig()),))
-    assert e.value.message == "GPU memory limit 6144 MiB is larger than MIG-1's 5120 MiB"
+    assert e.value.message == f"{ml.ENV}: GPU memory limit 6144 MiB is larger than MIG-1's 5120 MiB"
+
+
+def test_a_configured_cap_larger_than_a_device_is_the_devices_memory():
+    devices = (SelectedDevice(_gpu()), SelectedDevice(_gpu("GPU-2"), _mig()))
+    assert ml.resolve({}, {}, "8GiB", 2, devices) == {"GPU-1": 8 * GIB, "MIG-1": 5 * GIB}
+    assert ml.resolve({ml.ENV: "4GiB"}, {}, "48GiB", 2, devices[:1]) == {"GPU-1": 4 * GIB}
+
+
+def test_a_limit_below_one_mib_is_refused():
+    with pytest.raises(RequestError) as e:
+        ml.resolve({ml.ENV: "0.0000001MiB"}, {}, None, 1, (SelectedDevice(_gpu()),))
+    assert "the least is 1 MiB" in e.value.message
 
 
 def test_a_percentage_needs_the_devices_memory():
