@@ -67,16 +67,23 @@ def _rss_kib(pid: int) -> int:
     return 0
 
 
-def exporter_figures(launcher: str, host: dict, runs: int) -> dict:
+def _processes_on(host: dict, count: int):
+    """(host root, its records directory, count sleeping processes to stand for GPU processes,
+    the host's devices as (GPU UUID, MIG UUID or None)); the caller kills the processes."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from oci_gpu_hook.start import container_record, pids
-    from oci_gpu_hook.toolkit.simulate import control
-
     root = host["root"]
     records = os.path.join(root, "containers")
     os.makedirs(records, mode=0o700, exist_ok=True)
-    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(50)]
+    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(count)]
     devices = [(g["uuid"], m["uuid"] if m else None) for g in host["gpus"] for m in (g["mig"] or [None])]
+    return root, records, sleepers, devices
+
+
+def exporter_figures(launcher: str, host: dict, runs: int) -> dict:
+    from oci_gpu_hook.start import container_record, pids
+    from oci_gpu_hook.toolkit.simulate import control
+
+    root, records, sleepers, devices = _processes_on(host, 50)
     port = _free_port()
     exporter = None
     try:
@@ -150,15 +157,10 @@ print(json.dumps({"scan_cpu_ms": sorted(cpu)[len(cpu) // 2] * 1e3, "rss_kib": rs
 def watchdog_figures(site: str, host: dict, runs: int) -> dict:
     """One watchdog scan with 8 GPUs and 100 GPU processes, 50 containers with limits (none over),
     in CPU time (the daemon's own, NVML included), and the daemon's resident memory after it."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from oci_gpu_hook.start import container_record, pids
     from oci_gpu_hook.toolkit.simulate import control
 
-    root = host["root"]
-    records = os.path.join(root, "containers")
-    os.makedirs(records, mode=0o700, exist_ok=True)
-    sleepers = [subprocess.Popen(["sleep", "600"]) for _ in range(100)]
-    devices = [(g["uuid"], m["uuid"] if m else None) for g in host["gpus"] for m in (g["mig"] or [None])]
+    root, records, sleepers, devices = _processes_on(host, 100)
     try:
         processes = []
         for i, proc in enumerate(sleepers):

@@ -165,6 +165,7 @@ def test_the_hook_collects_only_past_its_threshold(tmp_path, monkeypatch):
     dead = cr.build(_state(os.getpid()), {}, (), 0.1)
     dead["pid_start"] -= 1
     monkeypatch.setattr(cr, "COLLECT_ABOVE", 5)
+    monkeypatch.setattr(cr, "CHECK_ONE_IN", 1)  # every start looks
     for i in range(5):
         assert cr.write(directory, dict(dead, id=f"dead{i}"))
     assert len(os.listdir(directory)) == 5  # not past the threshold: nothing collected
