@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 
-from oci_gpu_hook.start import container_record
 from oci_gpu_hook.start.linux import cgroups
 
 # The initial PID namespace's inode number is fixed by the kernel (PROC_PID_INIT_INO).
@@ -24,12 +23,10 @@ def sees_host_processes(proc: str = "/proc") -> bool:
         return False
 
 
-def live_starts(records: dict, proc: str = "/proc") -> list:
-    """The records of running containers that the hook configured (not failed starts)."""
-    return [
-        r for r in records.values()
-        if r is not None and r["outcome"] == "started" and container_record.is_live(r, proc)
-    ]  # fmt: skip
+def started(running: dict) -> list:
+    """Of the records of running containers (container_record.live), those the hook configured
+    (not failed starts)."""
+    return [r for r in running.values() if r["outcome"] == "started"]
 
 
 def device_uuids(record: dict) -> set:
@@ -48,9 +45,8 @@ def holders(live: list) -> dict:
 
 def process_cgroup(pid: int, proc: str = "/proc") -> str | None:
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            return cgroups.identity(f.read(65536))
-    except OSError:
+        return cgroups.identity(cgroups.read_cgroup_file(pid, proc))
+    except cgroups.CgroupError:
         return None
 
 

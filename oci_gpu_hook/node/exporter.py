@@ -62,8 +62,9 @@ class Exporter:
                 log(f"{self.records_directory}/{name}: not a container record; removed")
             self.garbage_seen = {n for n, r in records.items() if r is None}
             self.counters.observe(records)
-            live = attribution.live_starts(records, self.proc)
-            container_record.collect(self.records_directory, records, self.proc)
+            running = container_record.live(records, self.proc)
+            container_record.remove(self.records_directory, [n for n in records if n not in running])
+            live = attribution.started(running)
             try:
                 self.samples = self.reader.read()
                 if self.stale:

@@ -10,6 +10,7 @@ nvidia.com/mig-<profile>.* labels per MIG profile.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -150,8 +151,6 @@ def render(labels: dict) -> str:
 
 def write(path: str, labels: dict) -> bool:
     """Write the feature file atomically when its text changes; True when it was written."""
-    import os
-
     from oci_gpu_hook.start.files import write_atomically
 
     text = render(labels)

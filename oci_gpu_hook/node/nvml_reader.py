@@ -51,21 +51,12 @@ FIELDS = {
 }
 
 
-def library_path(inventory) -> str | None:
-    """The host's libnvidia-ml.so.1, from the inventory's driver files (the same file the hook's
-    inventory asked)."""
-    from oci_gpu_hook.start.inventory import host_path
-
-    for f in inventory.files:
-        if f.kind == "library" and f.soname == "libnvidia-ml.so.1":
-            return host_path(inventory.driver_root, f.path)
-    return None
-
-
 class NvmlReader:
     def __init__(self, inventory):
         self.inventory = inventory
-        self.path = library_path(inventory)
+        from oci_gpu_hook.start.nvml import library
+
+        self.path = library(inventory.files, inventory.driver_root)
         self._nvml = None
         self._started = False
 
@@ -150,16 +141,18 @@ class NvmlReader:
         if utilization is not None:
             values["util_gpu"], values["util_memory"] = utilization.gpu, utilization.memory
         if board:  # a MIG device has no sensors of its own
-            for name, fn, args, scale in (
-                ("temperature", nvml.nvmlDeviceGetTemperature, (nvml.NVML_TEMPERATURE_GPU,), 1),
-                ("power", nvml.nvmlDeviceGetPowerUsage, (), 1000),  # NVML: milliwatts
-                ("sm_clock", nvml.nvmlDeviceGetClockInfo, (nvml.NVML_CLOCK_SM,), 1),
-                ("mem_clock", nvml.nvmlDeviceGetClockInfo, (nvml.NVML_CLOCK_MEM,), 1),
-                ("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, (), 1),
+            for name, fn, args in (
+                ("temperature", nvml.nvmlDeviceGetTemperature, (nvml.NVML_TEMPERATURE_GPU,)),
+                ("power", nvml.nvmlDeviceGetPowerUsage, ()),
+                ("sm_clock", nvml.nvmlDeviceGetClockInfo, (nvml.NVML_CLOCK_SM,)),
+                ("mem_clock", nvml.nvmlDeviceGetClockInfo, (nvml.NVML_CLOCK_MEM,)),
+                ("energy", nvml.nvmlDeviceGetTotalEnergyConsumption, ()),
             ):
                 value = call(fn, handle, *args)
                 if value is not None:
-                    values[name] = value / scale if scale != 1 else value
+                    values[name] = value
+            if "power" in values:
+                values["power"] /= 1000  # NVML says milliwatts; DCGM, watts
         return values
 
     def _processes(self, nvml, handle) -> tuple:

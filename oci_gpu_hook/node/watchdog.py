@@ -116,7 +116,7 @@ class Watchdog:
     def scan(self) -> list:
         """One pass; returns the log entries of what it did."""
         records = container_record.read_all(self.records_directory)
-        live = attribution.live_starts(records, self.proc)
+        live = attribution.started(container_record.live(records, self.proc))
         try:
             samples = self.reader.read()
             if self.nvml_failing:

@@ -74,9 +74,8 @@ def build(container, annotations: dict, devices, duration: float, failure_code: 
     cgroup = None
     if container.pid:
         try:
-            with open(f"/proc/{container.pid}/cgroup") as f:
-                cgroup = cgroups.identity(f.read(65536))
-        except OSError:
+            cgroup = cgroups.identity(cgroups.read_cgroup_file(container.pid))
+        except cgroups.CgroupError:
             pass
     return {
         "format": FORMAT,
@@ -182,15 +181,25 @@ def read_all(directory: str) -> dict:
     return records
 
 
+def live(records: dict, proc: str = "/proc") -> dict:
+    """{file name: record} of the records (read_all) whose container is still running."""
+    return {name: r for name, r in records.items() if r is not None and is_live(r, proc)}
+
+
+def remove(directory: str, names) -> list:
+    """Unlink the named record files; returns the names removed."""
+    removed = []
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def collect(directory: str, records: dict | None = None, proc: str = "/proc") -> list:
     """Remove the records of containers that are gone, and garbage; returns the names removed."""
     records = read_all(directory) if records is None else records
-    removed = []
-    for name, record in records.items():
-        if record is None or not is_live(record, proc):
-            try:
-                os.unlink(os.path.join(directory, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
+    running = live(records, proc)
+    return remove(directory, [name for name in records if name not in running])

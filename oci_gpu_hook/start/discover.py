@@ -244,9 +244,8 @@ def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | No
     if use_nvml:
         from oci_gpu_hook.start import nvml
 
-        nvml_lib = next((f for f in libraries if f.soname == "libnvidia-ml.so.1" and f.kind == "library"), None)
-        if nvml_lib is not None:
-            library = host_path(settings.driver_root, nvml_lib.path)
+        library = nvml.library(libraries, settings.driver_root)
+        if library is not None:
             facts = nvml.query(library, nvml.DEFAULT_TIMEOUT if nvml_timeout is None else nvml_timeout)
     nvml_gpus = facts["gpus"] if facts else {}
     caps_major = majors.get("nvidia-caps")

@@ -34,11 +34,9 @@ def parse(text: str, where: str) -> tuple:
             if value.lower().endswith(suffix):
                 number, unit = value[: -len(suffix)].strip(), suffix
                 break
-    try:
-        plain = number.isascii() and number.replace(".", "", 1).lstrip("-").isdigit()
-        amount = float(number) if unit and plain else None
-    except ValueError:
-        amount = None
+    # Plain decimal digits only (float() would also take "1e3", "inf" and other scripts' digits).
+    plain = number.isascii() and number.replace(".", "", 1).lstrip("-").isdigit()
+    amount = float(number) if unit and plain else None
     if amount is None:
         raise RequestError(f"{where}={shown!r}: not a GPU memory limit; expected {ACCEPTED}")
     if amount <= 0:

@@ -48,6 +48,17 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def library(files, driver_root: str) -> str | None:
+    """The host path of the driver's libnvidia-ml.so.1 among its files (inventory.DriverFile):
+    the library NVML is loaded from, by discovery and by the node services alike."""
+    from oci_gpu_hook.start.inventory import host_path
+
+    for f in files:
+        if f.kind == "library" and f.soname == "libnvidia-ml.so.1":
+            return host_path(driver_root, f.path)
+    return None
+
+
 def bind(library_path: str):
     """pynvml, bound to the NVML library at library_path (once per process: see above). Loading
     it by full path first makes pynvml's dlopen("libnvidia-ml.so.1") find this library (glibc

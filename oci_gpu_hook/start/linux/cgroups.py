@@ -20,12 +20,12 @@ class CgroupError(HookError):
     exit_code = Exit.CGROUP
 
 
-def read_cgroup_file(pid: int) -> str:
+def read_cgroup_file(pid: int, proc: str = "/proc") -> str:
     try:
-        with open(f"/proc/{pid}/cgroup") as f:
+        with open(f"{proc}/{pid}/cgroup") as f:
             return f.read()
     except OSError as e:
-        raise CgroupError(f"/proc/{pid}/cgroup: {e.strerror} (has the container process exited?)") from None
+        raise CgroupError(f"{proc}/{pid}/cgroup: {e.strerror} (has the container process exited?)") from None
 
 
 def detect_version(cgroup_text: str) -> str:

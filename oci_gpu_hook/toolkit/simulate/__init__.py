@@ -4,32 +4,15 @@ official bindings like a machine with NVIDIA GPUs. model.py decides it, build.py
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
 from oci_gpu_hook.toolkit.simulate.build import build_host, remove_host, used_char_majors
 from oci_gpu_hook.toolkit.simulate.model import describe_host
 
 
-def simulate(
-    target: str,
-    gpus: int = 2,
-    driver_version: str = "550.54.15",
-    cuda_version: str = "12.4",
-    mig: Sequence[int] = (),
-    model: str = "a100",
-    scramble_minors: bool = False,
-) -> dict:
-    host = describe_host(
-        os.path.abspath(target),
-        gpus=gpus,
-        driver_version=driver_version,
-        cuda_version=cuda_version,
-        mig=mig,
-        model=model,
-        scramble_minors=scramble_minors,
-        used_majors=used_char_majors(),
-    )
-    return build_host(host)
+def simulate(target: str, **options) -> dict:
+    """Build a simulated host at target; options (gpus, driver_version, cuda_version, mig, model,
+    scramble_minors) and their defaults are describe_host's. Returns the host's summary."""
+    return build_host(describe_host(os.path.abspath(target), used_majors=used_char_majors(), **options))
 
 
 __all__ = ["simulate", "remove_host", "describe_host"]
