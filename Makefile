@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOOK := $(VENV)/bin/oci-gpu-hook
 DEMO_DIR ?= /tmp/oci-gpu-hook-demo
 
-.PHONY: setup demo test lint unit clean rpm bench
+.PHONY: setup demo test lint unit clean rpm bench stubs
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ lint: setup
 
 test: setup lint
 	$(VENV)/bin/pytest -q tests
+
+# The kubelet device plugin API's Python modules, from oci_gpu_hook/node/kubelet_api/deviceplugin.proto.
+stubs:
+	./scripts/generate-kubelet-stubs.sh
 
 bench: setup
 	$(PY) bench/run.py --runs 30

@@ -43,7 +43,7 @@ def _register():
 
     commands = (demo.demo, info.info, inventory.inventory, plan.plan, runtime.prestart, runtime.create_runtime,
                 simulate.simulate, cdi.cdi, cdi.ldcache_refresh, doctor.doctor, install.install, install.uninstall,
-                validate.validate, node.exporter, node.labels, node.watchdog)  # fmt: skip
+                validate.validate, node.exporter, node.labels, node.watchdog, node.device_plugin)  # fmt: skip
     for command in commands:
         cli.add_command(command)
 

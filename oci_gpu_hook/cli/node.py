@@ -1,5 +1,6 @@
-"""The node services' commands: `exporter` (Prometheus metrics) and `labels` (NFD features).
-See docs/monitoring.md."""
+"""The node services' commands: `exporter` (Prometheus metrics), `labels` (NFD features),
+`watchdog` (GPU memory limits) and `device-plugin` (Kubernetes). See docs/monitoring.md,
+docs/watchdog.md and docs/kubernetes.md."""
 
 import click
 
@@ -72,3 +73,38 @@ def watchdog(obj, interval, policy, grace, dry_run, once):
     interval = interval if interval is not None else node.watchdog_interval
     grace = grace if grace is not None else node.watchdog_grace
     return watchdog_module.run(obj.settings, interval, policy or node.watchdog_policy, grace, dry_run, once)
+
+
+@click.command("device-plugin")
+@click.option("--config-file", metavar="FILE",
+              help="The plugin's configuration (NVIDIA's version: v1 format; default: "
+                   "node.device_plugin_config, else node.mig_strategy and node.replicas).")  # fmt: skip
+@click.option("--socket-dir", metavar="DIR",
+              help="The kubelet's device-plugins directory (default: node.kubelet_socket_dir).")
+@click.option("--interval", metavar="SECONDS", type=click.FloatRange(min=0.2, max=3600), default=5.0,
+              show_default=True, help="Seconds between health checks and kubelet-restart checks.")  # fmt: skip
+@click.option("--check", is_flag=True, help="Check the configuration against this node, print what would be "
+                                            "offered, and exit.")  # fmt: skip
+@click.pass_obj
+def device_plugin(obj, config_file, socket_dir, interval, check):
+    """Offer the node's GPUs to the kubelet as nvidia.com/gpu (and nvidia.com/gpu.shared,
+    nvidia.com/mig-<profile>), through the device plugin API. Runs until stopped."""
+    from oci_gpu_hook.node import plugin_config, plugin_devices
+
+    settings = obj.settings
+    node = settings.node
+    config = plugin_config.load(config_file or node.device_plugin_config, node)
+    if check:
+        from oci_gpu_hook.start import inventory_cache
+
+        where = config_file or node.device_plugin_config or "node settings"
+        for resource in plugin_devices.resources(inventory_cache.load(settings), config, where):
+            limit = f", memory limit {resource.memory_limit} each" if resource.memory_limit else ""
+            count = len(resource.devices)
+            click.echo(f"{resource.name}: {count} device{'' if count == 1 else 's'}{limit}")
+            for device in resource.devices:
+                click.echo(f"  {device.id}")
+        return 0
+    from oci_gpu_hook.node import device_plugin as device_plugin_module
+
+    return device_plugin_module.run(settings, config, socket_dir or node.kubelet_socket_dir, interval)

@@ -4,17 +4,22 @@ changing anything (a bad value fails the start with one line) and keeps it in th
 record; the watchdog (node/watchdog.py) enforces it. Pure; standard library only.
 
 Forms: a size in MiB or GiB ("512MiB", "4GiB", "1.5GiB"; Mi and Gi too) or a share of each
-device's memory ("25%"). Where several apply (the variable, the annotation, the configured cap for
-shared GPUs), the smallest wins: a container may lower its limit, never raise it past what the
-pod or the node says.
+device's memory ("25%"). Where several apply (the variable, the annotation, a mount the device
+plugin adds at MOUNT_DIR/<limit>, the configured cap for shared GPUs), the smallest wins: a
+container may lower its limit, never raise it past what the pod, the device plugin or the node
+says. The mount is the device plugin's channel because a pod can override a variable the plugin
+sets (the pod's own env comes later) but cannot remove a mount.
 """
 
 from __future__ import annotations
+
+import os
 
 from oci_gpu_hook.errors import RequestError, printable
 
 ENV = "OCI_GPU_HOOK_GPU_MEMORY_LIMIT"
 ANNOTATION = "oci-gpu-hook.io/gpu-memory-limit"
+MOUNT_DIR = "/var/run/oci-gpu-hook/gpu-memory-limit"  # the device plugin's: /dev/null at MOUNT_DIR/<limit>
 PER_REPLICA = "per-replica"  # the configured cap: each device's memory divided by node.replicas
 _UNITS = {"mib": 1 << 20, "mi": 1 << 20, "gib": 1 << 30, "gi": 1 << 30}
 MIN_BYTES = 1 << 20
@@ -55,7 +60,17 @@ def _device_memory(device) -> tuple:
     return device.gpu.uuid, device.gpu.memory_total
 
 
-def resolve(env: dict, annotations: dict, cap: str | None, replicas: int, devices) -> dict | None:
+def mounted_limits(mounts) -> list:
+    """(limit text, where) for each mount at MOUNT_DIR/<limit>, normalised as the runtime would."""
+    found = []
+    for mount in mounts:
+        parent, name = os.path.split("/" + os.path.normpath(mount.destination).lstrip("/"))
+        if parent == MOUNT_DIR and name not in ("", ".", ".."):
+            found.append((name, f"mount {MOUNT_DIR}/{printable(name[:40])}"))
+    return found
+
+
+def resolve(env: dict, annotations: dict, cap: str | None, replicas: int, devices, mounts=()) -> dict | None:
     """{device uuid: limit in bytes} for the container's devices, or None when no limit applies.
     cap: the configured limit for shared GPUs (a size, a percentage or per-replica), applied when
     the node shares its GPUs (replicas > 1). A declared size larger than a device is refused; a
@@ -66,6 +81,8 @@ def resolve(env: dict, annotations: dict, cap: str | None, replicas: int, device
         declared.append((*parse(env[ENV], ENV), ENV, True))
     if annotations.get(ANNOTATION, "").strip():
         declared.append((*parse(annotations[ANNOTATION], f"annotation {ANNOTATION}"), f"annotation {ANNOTATION}", True))
+    for text, where in mounted_limits(mounts):
+        declared.append((*parse(text, where), where, True))
     if cap and replicas > 1:
         kind, amount = ("share", 1 / replicas) if cap == PER_REPLICA else parse(cap, "shared_gpu_memory_limit")
         declared.append((kind, amount, "shared_gpu_memory_limit", False))

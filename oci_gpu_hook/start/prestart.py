@@ -67,7 +67,7 @@ def _configure(container, spec, settings, started: float | None) -> int:
     plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))
     # Checked before anything changes: a bad limit fails the start with nothing to undo.
     limits = memory_limit.resolve(spec.env, spec.annotations, settings.shared_gpu_memory_limit,
-                                  settings.node.replicas, plan.devices)  # fmt: skip
+                                  settings.node.replicas, plan.devices, spec.mounts)  # fmt: skip
     result = apply.apply(plan, container, spec, settings, budget)
     _keep_record(settings, container, spec, plan.devices, started, limits=limits)
     report.record(

@@ -39,7 +39,7 @@ class NodeSettings(Record):
     """The node services' keys (node/): nothing on the start path reads them."""
 
     __slots__ = ("exporter_listen", "features_file", "mig_strategy", "replicas", "watchdog_policy",
-                 "watchdog_interval", "watchdog_grace")  # fmt: skip
+                 "watchdog_interval", "watchdog_grace", "device_plugin_config", "kubelet_socket_dir")  # fmt: skip
     _defaults = {
         "exporter_listen": ":9400",
         "features_file": "/etc/kubernetes/node-feature-discovery/features.d/oci-gpu-hook",
@@ -48,6 +48,8 @@ class NodeSettings(Record):
         "watchdog_policy": "kill",
         "watchdog_interval": 1.0,
         "watchdog_grace": 0.0,
+        "device_plugin_config": None,
+        "kubelet_socket_dir": "/var/lib/kubelet/device-plugins",
     }
     exporter_listen: str
     features_file: str
@@ -56,6 +58,8 @@ class NodeSettings(Record):
     watchdog_policy: str
     watchdog_interval: float
     watchdog_grace: float
+    device_plugin_config: str | None  # plugin_config.py's file; None: mig_strategy and replicas above
+    kubelet_socket_dir: str
 
 
 class Settings(Record):

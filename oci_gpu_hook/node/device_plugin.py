@@ -1,0 +1,352 @@
+"""`oci-gpu-hook device-plugin`: the kubelet device plugin API (v1beta1, gRPC) for the resources
+plugin_devices.py computes, with the answers plugin_allocation.py gives.
+
+One gRPC server per resource, each on its own socket in the kubelet's device-plugins directory,
+each registered with the kubelet under its resource name (the API allows one resource per
+registration). A supervisor loop, every interval:
+- notices a kubelet restart (the kubelet wipes the directory, our sockets with it, and makes a
+  new kubelet.sock), then serves again and registers again;
+- checks each device's health: its device nodes (present, character devices, the right numbers)
+  and NVML (a device NVML does not list, or NVML failing, is Unhealthy); a change is sent to the
+  kubelet through ListAndWatch at once;
+- notices a driver change (the inventory fingerprint the hook's cache uses) and re-reads the
+  inventory; resources that appear or go away are registered or stopped.
+The configuration is checked before anything is served: a mistake stops the start with one line.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+from oci_gpu_hook.errors import HookError, NvmlError, PrerequisiteError
+from oci_gpu_hook.node import plugin_allocation, plugin_devices
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+SOCKET_PREFIX = "oci-gpu-hook-"
+HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+
+
+def _count(devices) -> str:
+    return f"{len(devices)} device" + ("" if len(devices) == 1 else "s")
+
+
+def say(message: str) -> None:
+    sys.stderr.write(f"oci-gpu-hook device-plugin: {message}\n")
+    sys.stderr.flush()
+
+
+def socket_name(resource_name: str) -> str:
+    """oci-gpu-hook-nvidia.com_mig-1g.5gb.sock: one per resource, ours by the prefix."""
+    return SOCKET_PREFIX + resource_name.replace("/", "_") + ".sock"
+
+
+def _api():
+    """The generated API modules and grpc: imported here, where the plugin starts, so that the
+    rest of the toolkit (and the hook) never load them."""
+    try:
+        import grpc
+
+        from oci_gpu_hook.node.kubelet_api import deviceplugin_pb2, deviceplugin_pb2_grpc
+    except ImportError as e:
+        raise PrerequisiteError(f"the device plugin needs grpcio and protobuf ({e}); install "
+                                "oci-gpu-hook[kubernetes]") from None  # fmt: skip
+    return grpc, deviceplugin_pb2, deviceplugin_pb2_grpc
+
+
+def device_health(inventory, reader) -> dict:
+    """{unit uuid: None when healthy, else why not} for every GPU and MIG device."""
+    from oci_gpu_hook.start.discover import check_node
+
+    def node_problem(node):
+        checked = check_node(inventory.dev_root, node.path, node.major, node.minor)
+        return f"{node.path}: {checked.problem}" if checked.problem else None
+
+    try:
+        listed = {sample.device.uuid for sample in reader.read()}
+        nvml_problem = None
+    except NvmlError as e:
+        listed, nvml_problem = set(), e.message
+    health = {}
+    for gpu in inventory.gpus:
+        gpu_problem = node_problem(gpu.node) or nvml_problem
+        if gpu_problem is None and gpu.uuid not in listed:
+            gpu_problem = "NVML does not list it"
+        health[gpu.uuid] = gpu_problem
+        for mig in gpu.mig:
+            uuid = mig.uuid or f"{gpu.uuid}/gi{mig.gi}"
+            problem = gpu_problem or node_problem(mig.gi_cap) or node_problem(mig.ci_cap)
+            if problem is None and mig.uuid and mig.uuid not in listed:
+                problem = "NVML does not list it"
+            health[uuid] = problem
+    return health
+
+
+class ResourceServer:
+    """One resource's gRPC server on its socket, and the device list ListAndWatch streams."""
+
+    def __init__(self, plugin, resource):
+        self.plugin, self.resource = plugin, resource
+        self.path = os.path.join(plugin.socket_dir, socket_name(resource.name))
+        self.changed = threading.Condition()
+        self.generation = 0
+        self.server = None
+        self.identity = None  # (st_dev, st_ino) of our socket: gone or replaced means re-serve
+
+    def devices(self, pb2) -> list:
+        health = self.plugin.health
+        return [pb2.Device(ID=d.id, health=HEALTHY if health.get(d.unit.uuid) is None else UNHEALTHY)
+                for d in self.resource.devices]  # fmt: skip
+
+    def update(self, resource=None) -> None:
+        """Tell the kubelet (through every open ListAndWatch) that the list or its health changed."""
+        with self.changed:
+            if resource is not None:
+                self.resource = resource
+            self.generation += 1
+            self.changed.notify_all()
+
+    def serve(self) -> None:
+        grpc, _, pb2_grpc = _api()
+        from concurrent import futures
+
+        try:
+            os.unlink(self.path)  # ours from an earlier run (the name is ours alone)
+        except FileNotFoundError:
+            pass
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="device-plugin"))
+        pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), self.server)
+        if self.server.add_insecure_port("unix://" + self.path) == 0:
+            raise PrerequisiteError(f"{self.path}: cannot serve the device plugin socket there")
+        self.server.start()
+        st = os.stat(self.path)
+        self.identity = (st.st_dev, st.st_ino)
+
+    def still_served(self) -> bool:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity
+
+    def register(self, kubelet_socket: str) -> None:
+        grpc, pb2, pb2_grpc = _api()
+        request = pb2.RegisterRequest(
+            version=API_VERSION, endpoint=os.path.basename(self.path), resource_name=self.resource.name,
+            options=pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
+        )  # fmt: skip
+        with grpc.insecure_channel("unix://" + kubelet_socket) as channel:
+            pb2_grpc.RegistrationStub(channel).Register(request, timeout=10)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.update()  # wake ListAndWatch streams so that they end
+            self.server.stop(grace=1).wait(5)
+            self.server = None
+        if self.identity is not None and self.still_served():
+            os.unlink(self.path)
+        self.identity = None
+
+
+class _Servicer:
+    """The DevicePlugin service's calls for one ResourceServer."""
+
+    def __init__(self, owner: ResourceServer):
+        self.owner = owner
+
+    def GetDevicePluginOptions(self, request, context):
+        _, pb2, _ = _api()
+        return pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request, context):
+        _, pb2, _ = _api()
+        owner = self.owner
+        while context.is_active() and owner.server is not None:
+            with owner.changed:
+                seen = owner.generation
+                devices = owner.devices(pb2)
+            yield pb2.ListAndWatchResponse(devices=devices)
+            with owner.changed:
+                # Woken by a change; the timeout only notices a kubelet that went away.
+                while owner.generation == seen and context.is_active() and owner.server is not None:
+                    owner.changed.wait(1.0)
+
+    def GetPreferredAllocation(self, request, context):
+        _, pb2, _ = _api()
+        resource = self.owner.resource
+        answers = [pb2.ContainerPreferredAllocationResponse(deviceIDs=plugin_allocation.preferred(
+            resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+            for r in request.container_requests]  # fmt: skip
+        return pb2.PreferredAllocationResponse(container_responses=answers)
+
+    def Allocate(self, request, context):
+        grpc, pb2, _ = _api()
+        plugin, resource = self.owner.plugin, self.owner.resource
+        answers = []
+        for container in request.container_requests:
+            ids = list(container.devices_ids)
+            try:
+                allocation = plugin_allocation.allocate(resource, ids, plugin.config, plugin.inventory,
+                                                        plugin.settings.cdi_kind)  # fmt: skip
+            except plugin_allocation.AllocationError as e:
+                say(f"Allocate refused: {e}")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            say(f"Allocate {resource.name}: {', '.join(ids)}")
+            answers.append(pb2.ContainerAllocateResponse(
+                envs=allocation.envs, annotations=allocation.annotations,
+                mounts=[pb2.Mount(container_path=c, host_path=h, read_only=r) for c, h, r in allocation.mounts],
+                devices=[pb2.DeviceSpec(container_path=c, host_path=h, permissions=p)
+                         for c, h, p in allocation.devices],
+                cdi_devices=[pb2.CDIDevice(name=n) for n in allocation.cdi_devices],
+            ))  # fmt: skip
+        return pb2.AllocateResponse(container_responses=answers)
+
+    def PreStartContainer(self, request, context):
+        _, pb2, _ = _api()
+        return pb2.PreStartContainerResponse()
+
+
+class DevicePlugin:
+    def __init__(self, settings, config, socket_dir: str):
+        self.settings, self.config, self.socket_dir = settings, config, socket_dir
+        self.kubelet_socket = os.path.join(socket_dir, KUBELET_SOCKET)
+        self.reader = None
+        self.inventory = None
+        self.fingerprint = None
+        self.health: dict = {}
+        self.servers: dict = {}  # resource name -> ResourceServer
+        self.registered_with = None  # (st_dev, st_ino) of the kubelet.sock we registered with
+        self._last_problem = None
+
+    def load(self) -> None:
+        """The inventory and the resources it gives; ConfigError when the configuration does not fit."""
+        from oci_gpu_hook.node.nvml_reader import NvmlReader
+        from oci_gpu_hook.start import inventory_cache
+
+        self.fingerprint = inventory_cache.fingerprint(self.settings)
+        self.inventory = inventory_cache.load(self.settings)
+        self.resources = plugin_devices.resources(self.inventory, self.config)
+        if self.reader is not None:
+            self.reader.close()
+        self.reader = NvmlReader(self.inventory)  # bound to the library this inventory found
+
+    def _kubelet_identity(self):
+        try:
+            st = os.stat(self.kubelet_socket)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def _problem(self, message: str | None) -> None:
+        """Say a problem once, until it clears."""
+        if message and message != self._last_problem:
+            say(message)
+        self._last_problem = message
+
+    def check_health(self) -> None:
+        health = device_health(self.inventory, self.reader)
+        if health == self.health:
+            return
+        # One line per cause (a failing NVML makes every device Unhealthy at once), and the
+        # devices that became healthy again; devices healthy from the start are not listed.
+        causes: dict = {}
+        for uuid, problem in sorted(health.items()):
+            if problem is not None and self.health.get(uuid) != problem:
+                causes.setdefault(problem, []).append(uuid)
+        for problem, uuids in causes.items():
+            say(f"Unhealthy: {', '.join(uuids)}: {problem}")
+        recovered = [u for u, p in sorted(health.items()) if p is None and self.health.get(u) is not None]
+        if recovered:
+            say(f"Healthy again: {', '.join(recovered)}")
+        self.health = health
+        for server in self.servers.values():
+            server.update()
+
+    def sync_servers(self) -> None:
+        """Servers for exactly the current resources; new device lists reach the kubelet."""
+        wanted = {r.name: r for r in self.resources}
+        for name in [n for n in self.servers if n not in wanted]:
+            say(f"{name}: no longer offered")
+            self.servers.pop(name).stop()
+        for name, resource in wanted.items():
+            server = self.servers.get(name)
+            if server is None:
+                self.servers[name] = ResourceServer(self, resource)
+            elif server.resource != resource:
+                server.update(resource)
+
+    def ensure_registered(self) -> None:
+        """Serve and register every resource that is not (a kubelet restart wiped its socket, or
+        a new kubelet.sock appeared)."""
+        kubelet = self._kubelet_identity()
+        if kubelet is None:
+            self._problem(f"waiting for the kubelet: {self.kubelet_socket} is not there")
+            return
+        fresh_kubelet = kubelet != self.registered_with
+        for name, server in self.servers.items():
+            if server.server is not None and server.still_served() and not fresh_kubelet:
+                continue
+            server.stop()
+            server.serve()
+            try:
+                server.register(self.kubelet_socket)
+            except Exception as e:  # grpc.RpcError: the kubelet refused or went away; try again next round
+                server.stop()
+                details = e.details() if hasattr(e, "details") else str(e)
+                self._problem(f"registering {name} with the kubelet failed: {details}")
+                return
+            say(f"{name}: registered with the kubelet ({_count(server.resource.devices)}, socket {server.path})")
+        self.registered_with = kubelet
+        self._problem(None)
+
+    def round(self) -> None:
+        from oci_gpu_hook.start import inventory_cache
+
+        if inventory_cache.fingerprint(self.settings) != self.fingerprint:
+            say("the driver or the GPUs changed: reading the inventory again")
+            self.load()
+            self.sync_servers()
+        self.check_health()
+        self.ensure_registered()
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+def run(settings, config, socket_dir: str, interval: float, rounds: int | None = None) -> int:
+    """Serve until SIGTERM or SIGINT. The configuration and the inventory are checked first."""
+    _api()  # a missing grpcio says so before anything else
+    if not os.path.isdir(socket_dir):
+        raise PrerequisiteError(f"{socket_dir}: no such directory: is the kubelet installed here? "
+                                "(--socket-dir sets it)")  # fmt: skip
+    plugin = DevicePlugin(settings, config, socket_dir)
+    plugin.load()
+    plugin.sync_servers()
+    stopping = threading.Event()
+
+    def stop(signum, frame):
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    say(f"offering {', '.join(f'{r.name} ({_count(r.devices)})' for r in plugin.resources)}")
+    try:
+        while not stopping.is_set():
+            try:
+                plugin.round()
+            except HookError as e:
+                plugin._problem(e.message)
+            if rounds is not None:
+                rounds -= 1
+                if rounds <= 0:
+                    break
+            stopping.wait(interval)
+    finally:
+        plugin.stop()
+        say("stopped")
+    return 0
+

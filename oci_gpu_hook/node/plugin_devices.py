@@ -1,0 +1,123 @@
+"""What the device plugin advertises: from the inventory and the plugin's configuration, the
+Kubernetes resources (nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-<profile>) and the
+device ids the kubelet sees for each, one per GPU or MIG device, or one per replica when the
+resource is time-sliced. Pure: the same inventory and configuration give the same answer, which is
+how a re-read after a driver change is compared with what was advertised.
+
+MIG strategies, as NVIDIA's plugin has them: `none` offers every GPU whole; `single` offers the
+MIG devices as nvidia.com/gpu (every GPU must have MIG on with one profile; with MIG on nowhere it
+offers the GPUs); `mixed` offers the GPUs without MIG as nvidia.com/gpu and each MIG profile as
+nvidia.com/mig-<profile>.
+"""
+
+from __future__ import annotations
+
+from oci_gpu_hook.errors import ConfigError
+from oci_gpu_hook.node import plugin_config
+from oci_gpu_hook.node.plugin_config import GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX
+from oci_gpu_hook.record import Record
+
+REPLICA_SEPARATOR = "::"
+
+
+class Unit(Record):
+    """One GPU or MIG device: what a container gets for one of its ids."""
+
+    __slots__ = ("uuid", "index", "gpu", "mig")
+    uuid: str  # GPU-... or MIG-... (for a MIG device without NVML: <gpu uuid>/gi<n>)
+    index: str  # NVIDIA_VISIBLE_DEVICES form: "2", or "0:1" for a MIG device
+    gpu: object  # inventory.GpuInfo (the parent, for a MIG device)
+    mig: object  # inventory.MigDevice or None
+
+    @property
+    def memory_total(self):
+        return self.mig.memory_total if self.mig is not None else self.gpu.memory_total
+
+
+class Advertised(Record):
+    """One device id the kubelet sees."""
+
+    __slots__ = ("id", "unit", "replica")
+    id: str
+    unit: Unit
+    replica: int | None  # 0.. for a time-sliced resource
+
+
+class Resource(Record):
+    __slots__ = ("name", "devices", "replicas", "memory_limit", "fail_requests_greater_than_one")
+    name: str
+    devices: tuple  # Advertised
+    replicas: int
+    memory_limit: str | None  # memory_limit.py text passed to each container, or None
+    fail_requests_greater_than_one: bool
+
+    def find(self, device_id: str) -> Advertised | None:
+        return next((d for d in self.devices if d.id == device_id), None)
+
+
+def _gpu_unit(gpu) -> Unit:
+    return Unit(gpu.uuid, str(gpu.index), gpu, None)
+
+
+def _mig_unit(gpu, mig) -> Unit:
+    return Unit(mig.uuid or f"{gpu.uuid}/gi{mig.gi}", f"{gpu.index}:{mig.index}", gpu, mig)
+
+
+def _groups(inventory, strategy: str, where: str) -> dict:
+    """{base resource name: [Unit]} under the MIG strategy."""
+    gpus = list(inventory.gpus)
+    if strategy == "none":
+        return {GPU_RESOURCE: [_gpu_unit(g) for g in gpus]}
+    if strategy == "single":
+        migs = [(g, m) for g in gpus for m in g.mig]
+        if not migs:
+            return {GPU_RESOURCE: [_gpu_unit(g) for g in gpus]}
+        profiles = {m.profile for _, m in migs}
+        if any(not g.mig for g in gpus) or len(profiles) != 1 or None in profiles:
+            found = ", ".join(sorted(p or "unknown" for p in profiles))
+            raise ConfigError(f"{where}: flags.migStrategy single needs MIG on every GPU with one profile; "
+                              f"this node has {sum(1 for g in gpus if not g.mig)} GPUs without MIG and "
+                              f"MIG profiles {found}; use mixed")  # fmt: skip
+        return {GPU_RESOURCE: [_mig_unit(g, m) for g, m in migs]}
+    groups = {GPU_RESOURCE: [_gpu_unit(g) for g in gpus if not g.mig]}
+    for gpu in gpus:
+        for mig in gpu.mig:
+            if mig.profile is None:
+                raise ConfigError(f"{where}: flags.migStrategy mixed needs each MIG device's profile, and NVML "
+                                  f"did not report the profile of MIG device {gpu.index}:{mig.index}")  # fmt: skip
+            groups.setdefault(MIG_RESOURCE_PREFIX + mig.profile, []).append(_mig_unit(gpu, mig))
+    return groups
+
+
+def _id(unit: Unit, id_strategy: str, replica: int | None) -> str:
+    base = unit.uuid if id_strategy == "uuid" else unit.index
+    return base if replica is None else f"{base}{REPLICA_SEPARATOR}{replica}"
+
+
+def resources(inventory, config, where: str = "device plugin configuration") -> tuple:
+    """The Resources to register, by name; ConfigError when the configuration does not fit this
+    node (a MIG strategy its GPUs cannot follow, a shared MIG profile it does not have)."""
+    groups = _groups(inventory, config.mig_strategy, where)
+    for i, shared in enumerate(config.time_slicing):
+        if shared.name.startswith(MIG_RESOURCE_PREFIX) and shared.name not in groups:
+            have = ", ".join(sorted(n[len(MIG_RESOURCE_PREFIX) :] for n in groups if n != GPU_RESOURCE)) or "none"
+            raise ConfigError(f"{where}: sharing.timeSlicing.resources[{i}].name: unknown MIG profile: no MIG "
+                              f"device on this node has profile {shared.name[len(MIG_RESOURCE_PREFIX):]} "
+                              f"(profiles here: {have})")  # fmt: skip
+    out = []
+    for name in sorted(groups):
+        units = groups[name]
+        if not units and name != GPU_RESOURCE:
+            continue
+        shared = config.sharing(name)
+        if shared is None or shared.replicas == 1:
+            devices = tuple(Advertised(_id(u, config.id_strategy, None), u, None) for u in units)
+            out.append(Resource(name, devices, 1, shared.memory_limit if shared else None, False))
+            continue
+        devices = tuple(Advertised(_id(u, config.id_strategy, r), u, r) for u in units for r in range(shared.replicas))
+        limit = shared.memory_limit
+        if limit == plugin_config.PER_REPLICA:
+            limit = f"{100 / shared.replicas:.4f}".rstrip("0").rstrip(".") + "%"
+        out.append(Resource(name + (SHARED_SUFFIX if config.rename_by_default else ""), devices, shared.replicas,
+                            limit, config.fail_requests_greater_than_one))  # fmt: skip
+    return tuple(r for r in out if r.devices or r.name.startswith(GPU_RESOURCE))
