@@ -16,9 +16,11 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
 @click.option("--node-services", is_flag=True,
               help="Also install systemd units for the exporter, the NFD labels and the watchdog "
                    "(docs/monitoring.md, docs/watchdog.md).")  # fmt: skip
+@click.option("--device-plugin", is_flag=True,
+              help="Also install a systemd unit for the Kubernetes device plugin (docs/kubernetes.md).")
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
-def install(obj, runtimes, root, replace_nvidia_hook, node_services):
+def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin):
     """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
     nvidia-container-runtime-hook program), a default configuration, and the systemd units and
     udev rule that refresh the inventory cache when the driver changes.
@@ -31,7 +33,7 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services):
     prefix = install_module.hook_command()
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
-    lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services)
+    lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services, device_plugin)
     for line in lines:
         click.echo(line)
     if not lines:
@@ -47,7 +49,9 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services):
                    "oci-gpu-hook-refresh.service && udevadm control --reload"
                    + (" && systemctl restart crio" if "crio" in runtimes else "")
                    + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE} "
-                      f"{install_module.WATCHDOG_SERVICE}" if node_services else ""))  # fmt: skip
+                      f"{install_module.WATCHDOG_SERVICE}" if node_services else "")
+                   + (f" && systemctl start {install_module.DEVICE_PLUGIN_SERVICE}" if device_plugin
+                      else ""))  # fmt: skip
     return 0
 
 

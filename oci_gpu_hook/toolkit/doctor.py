@@ -107,7 +107,7 @@ class Doctor:
         checks = []
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
                      "inventory_cache", "hooks_d", "crio", "docker", "cgroups", "selinux", "selinux_policy",
-                     "refresh_units", "exporter", "labels", "watchdog"):  # fmt: skip
+                     "refresh_units", "exporter", "labels", "watchdog", "device_plugin"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
                 status, summary, fix = getattr(self, f"check_{name}")()
@@ -384,7 +384,7 @@ class Doctor:
 
         if not _node_unit_installed(self.root, WATCHDOG_SERVICE):
             return PASS, "the watchdog is not installed (install --node-services): nothing to check", None
-        running = watchdog_processes()
+        running = service_processes("watchdog")
         if not running:
             return (
                 FAIL,
@@ -392,6 +392,42 @@ class Doctor:
                 (f"systemctl start {WATCHDOG_SERVICE}; journalctl -u {WATCHDOG_SERVICE} says why it stopped"),
             )
         return PASS, f"the watchdog runs (pid {', '.join(map(str, running))})", None
+
+    def check_device_plugin(self):
+        """Runs, with a configuration that fits this node and the hook's settings, and serves a
+        socket in the kubelet's directory for each resource it offers."""
+        from oci_gpu_hook.errors import HookError
+        from oci_gpu_hook.node import device_plugin, plugin_config, plugin_devices
+        from oci_gpu_hook.start import inventory_cache
+        from oci_gpu_hook.toolkit.install import DEVICE_PLUGIN_SERVICE
+
+        if not _node_unit_installed(self.root, DEVICE_PLUGIN_SERVICE):
+            return PASS, "the device plugin is not installed (install --device-plugin): nothing to check", None
+        if self.config_error:
+            raise NotChecked("not checked: the configuration is invalid")
+        node = self.settings.node
+        fix = f"systemctl start {DEVICE_PLUGIN_SERVICE}; journalctl -u {DEVICE_PLUGIN_SERVICE} says why it stopped"
+        try:
+            config = plugin_config.load(node.device_plugin_config, node)
+            resources = plugin_devices.resources(inventory_cache.load(self.settings), config,
+                                                 node.device_plugin_config or "node settings")  # fmt: skip
+        except HookError as e:
+            return FAIL, f"the device plugin cannot start: {e.message}", "fix node.device_plugin_config"
+        needs = {"volume-mounts": "accept_volume_mounts", "cdi-annotations": "accept_cdi_annotations"}
+        off = [f"{needs[s]} (for {s})" for s in config.list_strategies
+               if s in needs and not getattr(self.settings, needs[s])]  # fmt: skip
+        if off:
+            return (FAIL, f"the device plugin answers Allocate with {', '.join(config.list_strategies)}, but the "
+                          f"hook's {', '.join(off)} is false: its containers would get no GPU",
+                    "set it to true in the hook's configuration")  # fmt: skip
+        if not service_processes("device-plugin"):
+            return FAIL, "the device plugin is not running: the kubelet offers no GPUs", fix
+        missing = [r.name for r in resources
+                   if not os.path.exists(os.path.join(node.kubelet_socket_dir, device_plugin.socket_name(r.name)))]
+        if missing:
+            return WARN, f"the device plugin runs but serves no socket for {', '.join(missing)} (is the kubelet up?)", \
+                fix
+        return PASS, f"the device plugin offers {', '.join(r.name for r in resources)} to the kubelet", None
 
     def check_cgroups(self):
         if self.config_error:
@@ -483,8 +519,8 @@ class ConfigFileError(Exception):
     """A runtime's TOML configuration file that exists but cannot be read as the runtime reads it."""
 
 
-def watchdog_processes(proc: str = "/proc") -> list:
-    """Pids whose command line runs this program's watchdog command."""
+def service_processes(command: str, proc: str = "/proc") -> list:
+    """Pids whose command line runs this program's command (watchdog, device-plugin)."""
     found = []
     for name in os.listdir(proc):
         if not name.isdigit():
@@ -495,7 +531,7 @@ def watchdog_processes(proc: str = "/proc") -> list:
         except OSError:
             continue
         program = any(a.endswith(b"oci-gpu-hook") or a == b"oci_gpu_hook" for a in argv)
-        if program and b"watchdog" in argv:
+        if program and command.encode() in argv:
             found.append(int(name))
     return sorted(found)
 

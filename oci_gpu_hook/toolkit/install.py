@@ -11,6 +11,7 @@ What install writes, under --root (default /):
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
 | /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
 | /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
+| /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
 Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
@@ -44,6 +45,7 @@ UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
 EXPORTER_SERVICE = "oci-gpu-hook-exporter.service"
 LABELS_SERVICE = "oci-gpu-hook-labels.service"
 WATCHDOG_SERVICE = "oci-gpu-hook-watchdog.service"
+DEVICE_PLUGIN_SERVICE = "oci-gpu-hook-device-plugin.service"
 LABELS_WATCH_SECONDS = 60
 # Docker's --gpus runs the program of this name, which dockerd looks up on its PATH when it starts
 # (NVIDIA's container toolkit installs it at this path).
@@ -205,15 +207,16 @@ def udev_rule_text() -> str:
     )
 
 
-def node_service_text(argv_prefix, description: str, *args: str) -> str:
+def node_service_text(argv_prefix, description: str, *args: str, flag: str = "--node-services",
+                      after: str = "") -> str:  # fmt: skip
     """A node service's unit: a long-running command, restarted when it fails, after the inventory
     refresh (so that it starts with a fresh inventory)."""
     command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + list(args))
     return (
-        "# Written by `oci-gpu-hook install --node-services`.\n"
+        f"# Written by `oci-gpu-hook install {flag}`.\n"
         "[Unit]\n"
         f"Description={description}\n"
-        f"After=network-online.target {SERVICE}\n"
+        f"After=network-online.target {SERVICE}{' ' + after if after else ''}\n"
         "\n"
         "[Service]\n"
         f"ExecStart={command}\n"
@@ -249,7 +252,7 @@ class Entry:
         return "sha256:" + hashlib.sha256(self.content.encode()).hexdigest()
 
 
-def planned(runtimes, argv_prefix, node_services: bool = False) -> list:
+def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False) -> list:
     entries = []
     if "podman" in runtimes or "crio" in runtimes:
         entries.append(Entry(HOOKS_D_FILE, hooks_d_text(argv_prefix)))
@@ -275,6 +278,14 @@ def planned(runtimes, argv_prefix, node_services: bool = False) -> list:
         ):  # fmt: skip
             entries.append(Entry(f"{UNIT_DIR}/{unit}", text))
             entries.append(Entry(f"{UNIT_DIR}/multi-user.target.wants/{unit}", link=f"../{unit}"))
+    if device_plugin:
+        # After the kubelet: the plugin registers through its socket (and registers again by
+        # itself when the kubelet restarts).
+        text = node_service_text(argv_prefix, "oci-gpu-hook Kubernetes device plugin", "device-plugin",
+                                 flag="--device-plugin", after="kubelet.service")  # fmt: skip
+        entries.append(Entry(f"{UNIT_DIR}/{DEVICE_PLUGIN_SERVICE}", text))
+        entries.append(Entry(f"{UNIT_DIR}/multi-user.target.wants/{DEVICE_PLUGIN_SERVICE}",
+                             link=f"../{DEVICE_PLUGIN_SERVICE}"))  # fmt: skip
     return entries
 
 
@@ -331,7 +342,7 @@ def _makedirs(root: str, directory: str, created: list) -> None:
 
 
 def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False,
-            node_services: bool = False) -> list:  # fmt: skip
+            node_services: bool = False, device_plugin: bool = False) -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing."""
@@ -342,7 +353,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     manifest = _read_manifest(root)
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
-    entries = planned(runtimes, argv_prefix, node_services)
+    entries = planned(runtimes, argv_prefix, node_services, device_plugin)
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
         path = _under(root, entry.path)

@@ -12,6 +12,8 @@ NVIDIA_VISIBLE_DEVICES must not widen what was allocated.
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 from hookcheck import config_with
@@ -135,3 +137,116 @@ def test_strict_settings_volume_mounts_beat_a_forged_variable(tmp_path, host):
     json.dump(config, open(path, "w"))
     listed, nodes = got(host, run(bundle, "f"))
     assert listed == ids and nodes == [0]
+
+
+# --- oci-gpu-hook's own device plugin: each Allocate answer, as a runtime turns it into a container
+
+
+def our_answer(host, settings_text, strategy, id_strategy, picks, sharing=None):
+    """(ContainerAllocation, picked plugin_devices.Units) from oci-gpu-hook's plugin (mixed MIG strategy) for
+    the devices at positions picks of the resource (nvidia.com/gpu, or the shared one)."""
+    from oci_gpu_hook.node import plugin_allocation, plugin_config, plugin_devices
+    from oci_gpu_hook.start import inventory_cache
+    from oci_gpu_hook.start import settings as settings_module
+
+    doc = {"flags": {"migStrategy": "mixed", "plugin": {"deviceListStrategy": strategy,
+                                                        "deviceIDStrategy": id_strategy}}}  # fmt: skip
+    if sharing:
+        doc["sharing"] = {"timeSlicing": {"resources": [sharing]}}
+    config = plugin_config.parse(doc, "test")
+    settings = settings_module.parse(settings_text, "test")
+    resource = next(r for r in plugin_devices.resources(inventory_cache.load(settings), config)
+                    if r.name == "nvidia.com/gpu")  # fmt: skip
+    ids = [resource.devices[i].id for i in picks]
+    answer = plugin_allocation.allocate(resource, ids, config, inventory_cache.load(settings), settings.cdi_kind)
+    return answer, [resource.devices[i].unit for i in picks]
+
+
+def bundle_of(host, tmp_path, name, answer, settings_extra, env=None, args=("sh", "-c", SHOW)):
+    """The bundle a CRI runtime makes of an Allocate answer: its env after the image's, its mounts
+    and annotations, its device specs."""
+    env = dict(env or {})
+    bundle = containers.make_bundle(str(tmp_path / name), args=list(args), env={**env, **answer.envs},
+                                    config_file=config_with(host, tmp_path, settings_extra))  # fmt: skip
+    path = os.path.join(bundle, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config["mounts"] += [{"destination": c, "type": "bind", "source": h, "options": ["rbind", "ro" if r else "rw"]}
+                         for c, h, r in answer.mounts]  # fmt: skip
+    config["annotations"] = dict(answer.annotations)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    return bundle
+
+
+OUR_SHAPES = [("envvar", "uuid", ""), ("envvar", "index", ""), ("volume-mounts", "uuid", STRICT),
+              ("volume-mounts", "index", STRICT), ("cdi-annotations", "uuid", ANNOTATIONS)]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy, id_strategy, settings", OUR_SHAPES,
+                         ids=[f"{s}-{i}" for s, i, _ in OUR_SHAPES])  # fmt: skip
+def test_our_plugins_answer_gives_exactly_the_allocated_gpus(tmp_path, host, strategy, id_strategy, settings):
+    text = open(config_with(host, tmp_path, settings)).read()
+    answer, units = our_answer(host, text, strategy, id_strategy, [0, 2])
+    uuids = [u.uuid for u in units]
+    # The image says all (as CUDA images do): the answer must win, whatever its shape.
+    bundle = bundle_of(host, tmp_path, "ours", answer, settings, {"NVIDIA_VISIBLE_DEVICES": "all"})
+    listed, _ = got(host, run(bundle, "ours"))
+    assert listed == uuids and len(set(uuids)) == 2
+
+
+def test_our_plugins_memory_limit_reaches_the_record_and_a_pods_own_value_cannot_raise_it(tmp_path, host):
+    from oci_gpu_hook.start import container_record
+
+    records = tmp_path / "records"
+    settings = f"records_directory: {records}\n"
+    text = open(config_with(host, tmp_path, settings)).read()
+    shared = {"name": "nvidia.com/gpu", "replicas": 4, "memoryLimit": "per-replica"}
+    answer, (unit,) = our_answer(host, text, "envvar", "uuid", [1], sharing=shared)
+    assert answer.envs["OCI_GPU_HOOK_GPU_MEMORY_LIMIT"] == "25%"
+    # The pod's own variable comes after the plugin's and replaces it; the mount stays.
+    bundle = bundle_of(host, tmp_path, "limit", answer, settings, args=("busybox", "sleep", "600"))
+    path = os.path.join(bundle, "config.json")
+    config = json.load(open(path))
+    config["process"]["env"].append("OCI_GPU_HOOK_GPU_MEMORY_LIMIT=100%")
+    json.dump(config, open(path, "w"))
+    container_id = f"ocigpu-{os.getpid()}-dp-limit"
+    pid = containers.runc_detached(bundle, container_id)
+    try:
+        (record,) = [r for r in container_record.read_all(str(records)).values() if r and r["id"] == container_id]
+        assert record["pid"] == pid
+        assert record["gpu_memory_limit"] == {unit.uuid: unit.memory_total // 4}
+    finally:
+        containers.runc_delete(container_id)
+
+
+def test_our_plugins_cdi_names_give_exactly_the_allocated_gpus_through_podman(tmp_path, host, require):
+    """cdi-cri: the runtime (podman here; containerd 1.7+ and CRI-O with the kubelet) resolves the
+    names in the answer against the spec `cdi generate` wrote; the hook only refreshes ld.so.cache."""
+    require("podman")
+    answer, units = our_answer(host, open(f"{host['root']}/config.yaml").read(), "cdi-cri", "uuid", [0, 2])
+    assert answer.envs == {"NVIDIA_VISIBLE_DEVICES": "void"} and not answer.mounts
+    # podman 4.3 reads specs from /etc/cdi and /var/run/cdi only: a file of the test's own there.
+    created_dir = not os.path.isdir("/etc/cdi")
+    spec = f"/etc/cdi/oci-gpu-hook-dp-test-{os.getpid()}.yaml"
+    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
+                          "cdi", "generate", "--output", spec], capture_output=True, text=True)  # fmt: skip
+    image = None
+    try:
+        assert out.returncode == 0, out.stderr
+        image = containers.podman_image(containers.make_rootfs(str(tmp_path / "rootfs")),
+                                        f"localhost/ocigpu-dp-cdi-{os.getpid()}:latest")  # fmt: skip
+        argv = ["podman", "run", "--rm", *containers.PODMAN_OPTIONS]
+        for name in answer.cdi_devices:
+            argv += ["--device", name]
+        out = subprocess.run(argv + ["-e", "NVIDIA_VISIBLE_DEVICES=void", image, "nvidia-smi", "-L"],
+                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [u.uuid for u in units]
+    finally:
+        if image:
+            subprocess.run(["podman", "rmi", "-f", image], capture_output=True)
+        if os.path.exists(spec):
+            os.unlink(spec)
+        if created_dir and os.path.isdir("/etc/cdi"):
+            os.rmdir("/etc/cdi")
