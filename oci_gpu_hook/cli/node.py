@@ -94,10 +94,10 @@ def device_plugin(obj, config_file, socket_dir, interval, check):
     settings = obj.settings
     node = settings.node
     config = plugin_config.load(config_file or node.device_plugin_config, node)
+    where = config_file or node.device_plugin_config or "node settings (node.mig_strategy, node.replicas)"
     if check:
         from oci_gpu_hook.start import inventory_cache
 
-        where = config_file or node.device_plugin_config or "node settings"
         for resource in plugin_devices.resources(inventory_cache.load(settings), config, where):
             limit = f", memory limit {resource.memory_limit} each" if resource.memory_limit else ""
             count = len(resource.devices)
@@ -107,4 +107,4 @@ def device_plugin(obj, config_file, socket_dir, interval, check):
         return 0
     from oci_gpu_hook.node import device_plugin as device_plugin_module
 
-    return device_plugin_module.run(settings, config, socket_dir or node.kubelet_socket_dir, interval)
+    return device_plugin_module.run(settings, config, socket_dir or node.kubelet_socket_dir, interval, where)

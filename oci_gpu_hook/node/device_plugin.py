@@ -98,7 +98,7 @@ class ResourceServer:
 
     def devices(self, pb2) -> list:
         health = self.plugin.health
-        return [pb2.Device(ID=d.id, health=HEALTHY if health.get(d.unit.uuid) is None else UNHEALTHY)
+        return [pb2.Device(ID=d.id, health=HEALTHY if health.get(d.unit.uuid, UNHEALTHY) is None else UNHEALTHY)
                 for d in self.resource.devices]  # fmt: skip
 
     def update(self, resource=None) -> None:
@@ -210,8 +210,8 @@ class _Servicer:
 
 
 class DevicePlugin:
-    def __init__(self, settings, config, socket_dir: str):
-        self.settings, self.config, self.socket_dir = settings, config, socket_dir
+    def __init__(self, settings, config, socket_dir: str, where: str = "device plugin configuration"):
+        self.settings, self.config, self.socket_dir, self.where = settings, config, socket_dir, where
         self.kubelet_socket = os.path.join(socket_dir, KUBELET_SOCKET)
         self.reader = None
         self.inventory = None
@@ -226,12 +226,15 @@ class DevicePlugin:
         from oci_gpu_hook.node.nvml_reader import NvmlReader
         from oci_gpu_hook.start import inventory_cache
 
-        self.fingerprint = inventory_cache.fingerprint(self.settings)
-        self.inventory = inventory_cache.load(self.settings)
-        self.resources = plugin_devices.resources(self.inventory, self.config)
+        # Everything is computed before anything is replaced: a read that fails leaves the
+        # previous inventory in service, and the next round tries again.
+        fingerprint = inventory_cache.fingerprint(self.settings)
+        inventory = inventory_cache.load(self.settings)
+        resources = plugin_devices.resources(inventory, self.config, self.where)
         if self.reader is not None:
             self.reader.close()
-        self.reader = NvmlReader(self.inventory)  # bound to the library this inventory found
+        self.reader = NvmlReader(inventory)  # bound to the library this inventory found
+        self.fingerprint, self.inventory, self.resources = fingerprint, inventory, resources
 
     def _kubelet_identity(self):
         try:
@@ -317,13 +320,14 @@ class DevicePlugin:
             server.stop()
 
 
-def run(settings, config, socket_dir: str, interval: float, rounds: int | None = None) -> int:
-    """Serve until SIGTERM or SIGINT. The configuration and the inventory are checked first."""
+def run(settings, config, socket_dir: str, interval: float, where: str, rounds: int | None = None) -> int:
+    """Serve until SIGTERM or SIGINT. The configuration and the inventory are checked first.
+    where: what the configuration came from, for messages."""
     _api()  # a missing grpcio says so before anything else
     if not os.path.isdir(socket_dir):
         raise PrerequisiteError(f"{socket_dir}: no such directory: is the kubelet installed here? "
                                 "(--socket-dir sets it)")  # fmt: skip
-    plugin = DevicePlugin(settings, config, socket_dir)
+    plugin = DevicePlugin(settings, config, socket_dir, where)
     plugin.load()
     plugin.sync_servers()
     stopping = threading.Event()

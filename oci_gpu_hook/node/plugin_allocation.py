@@ -21,10 +21,9 @@ lower its share but not raise it; the watchdog enforces what the hook recorded.
 
 from __future__ import annotations
 
-import os
-
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import memory_limit
+from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
@@ -89,7 +88,7 @@ def _device_specs(inventory, units) -> tuple:
     for node in nodes:
         if node.path not in seen and node.problem is None:
             seen.add(node.path)
-            host = os.path.join(inventory.dev_root, os.path.relpath(node.path, "/dev"))
+            host = host_path(inventory.dev_root, node.path)
             specs.append((node.path, host, "rw"))
     return tuple(specs)
 

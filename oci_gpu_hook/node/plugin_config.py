@@ -54,12 +54,16 @@ class PluginConfig(Record):
 
 # Known keys at each level; the value says what a key NVIDIA's plugin has and we refuse means.
 _TOP = {"version": None, "flags": None, "sharing": None}
-_FLAGS = {"migStrategy": None, "failOnInitError": None, "plugin": None, "nvidiaDriverRoot": None,
+# failOnInitError is taken and has no effect: this plugin always stops on a configuration error.
+_FLAGS = {"migStrategy": None, "failOnInitError": None, "plugin": None,
+          "nvidiaDriverRoot": "the driver's root is driver_root in oci-gpu-hook's own configuration",
           "gdsEnabled": "GPUDirect Storage is not set up by oci-gpu-hook",
           "mofedEnabled": "MOFED devices are not set up by oci-gpu-hook",
-          "gfd": None}  # fmt: skip
+          "gfd": "labels come from `oci-gpu-hook labels` (node.* settings)"}  # fmt: skip
 _PLUGIN = {"passDeviceSpecs": None, "deviceListStrategy": None, "deviceIDStrategy": None,
-           "containerDriverRoot": None, "cdiAnnotationPrefix": None, "nvidiaCTKPath": None}  # fmt: skip
+           "containerDriverRoot": "the hook mounts the driver from driver_root; there is no container driver root",
+           "cdiAnnotationPrefix": "the CDI annotations are named cdi.k8s.io/oci-gpu-hook_<resource>",
+           "nvidiaCTKPath": "oci-gpu-hook's CDI hooks run oci-gpu-hook itself"}  # fmt: skip
 _SHARING = {"timeSlicing": None, "mps": "MPS sharing is not offered by oci-gpu-hook; use timeSlicing"}
 _TIME_SLICING = {"renameByDefault": None, "failRequestsGreaterThanOne": None, "resources": None}
 _RESOURCE = {"name": None, "replicas": None, "memoryLimit": None,
@@ -76,7 +80,7 @@ def _mapping(value, where: str, key: str, known: dict) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        _fail(where, key, f"expected a mapping, found {type(value).__name__}")
+        _fail(where, key or "the document", f"expected a mapping, found {type(value).__name__}")
     for name in value:
         if name not in known:
             _fail(where, f"{key}.{printable(str(name))}" if key else printable(str(name)),

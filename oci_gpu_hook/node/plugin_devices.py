@@ -110,14 +110,31 @@ def resources(inventory, config, where: str = "device plugin configuration") -> 
         if not units and name != GPU_RESOURCE:
             continue
         shared = config.sharing(name)
+        limit = _limit(shared, units, where, config.time_slicing.index(shared) if shared else 0)
         if shared is None or shared.replicas == 1:
             devices = tuple(Advertised(_id(u, config.id_strategy, None), u, None) for u in units)
-            out.append(Resource(name, devices, 1, shared.memory_limit if shared else None, False))
+            out.append(Resource(name, devices, 1, limit, False))
             continue
         devices = tuple(Advertised(_id(u, config.id_strategy, r), u, r) for u in units for r in range(shared.replicas))
-        limit = shared.memory_limit
-        if limit == plugin_config.PER_REPLICA:
-            limit = f"{100 / shared.replicas:.4f}".rstrip("0").rstrip(".") + "%"
         out.append(Resource(name + (SHARED_SUFFIX if config.rename_by_default else ""), devices, shared.replicas,
                             limit, config.fail_requests_greater_than_one))  # fmt: skip
-    return tuple(r for r in out if r.devices or r.name.startswith(GPU_RESOURCE))
+    return tuple(out)
+
+
+def _limit(shared, units, where: str, position: int) -> str | None:
+    """The memory limit text each container of the resource gets: per-replica as a percentage of
+    its device (the hook applies it to whichever device it gets); a size larger than one of the
+    resource's devices is refused here, as the hook would refuse every container given it."""
+    if shared is None or shared.memory_limit is None:
+        return None
+    if shared.memory_limit == plugin_config.PER_REPLICA:
+        return f"{100 / shared.replicas:.4f}".rstrip("0").rstrip(".") + "%"
+    from oci_gpu_hook.start import memory_limit
+
+    kind, amount = memory_limit.parse(shared.memory_limit, "memoryLimit")
+    for unit in units:
+        if kind == "bytes" and unit.memory_total is not None and amount > unit.memory_total:
+            raise ConfigError(f"{where}: sharing.timeSlicing.resources[{position}].memoryLimit: "
+                              f"{shared.memory_limit} is more than {unit.uuid}'s "
+                              f"{unit.memory_total >> 20} MiB")  # fmt: skip
+    return shared.memory_limit

@@ -413,13 +413,17 @@ class Doctor:
                                                  node.device_plugin_config or "node settings")  # fmt: skip
         except HookError as e:
             return FAIL, f"the device plugin cannot start: {e.message}", "fix node.device_plugin_config"
-        needs = {"volume-mounts": "accept_volume_mounts", "cdi-annotations": "accept_cdi_annotations"}
-        off = [f"{needs[s]} (for {s})" for s in config.list_strategies
-               if s in needs and not getattr(self.settings, needs[s])]  # fmt: skip
+        # What the hook needs to read each answer (pods are unprivileged). CDI answers are the
+        # runtime's to apply (CRI-O, containerd 1.7+), so they need no hook setting.
+        off = []
+        if "volume-mounts" in config.list_strategies and not self.settings.accept_volume_mounts:
+            off.append("accept_volume_mounts is false (volume-mounts)")
+        if config.list_strategies == ("envvar",) and not self.settings.accept_envvar_when_unprivileged:
+            off.append("accept_envvar_when_unprivileged is false (envvar)")
         if off:
             return (FAIL, f"the device plugin answers Allocate with {', '.join(config.list_strategies)}, but the "
-                          f"hook's {', '.join(off)} is false: its containers would get no GPU",
-                    "set it to true in the hook's configuration")  # fmt: skip
+                          f"hook's {'; '.join(off)}: pods would not get their GPUs",
+                    "change flags.plugin.deviceListStrategy or the hook's setting")  # fmt: skip
         if not service_processes("device-plugin"):
             return FAIL, "the device plugin is not running: the kubelet offers no GPUs", fix
         missing = [r.name for r in resources
