@@ -4,8 +4,9 @@
 # RHEL 9 equivalent: dnf install python3 gcc glibc-devel glibc-devel.i686 runc podman busybox libcap-devel
 # (docker.io: Docker's --gpus end-to-end test; its postinst starts no daemon where systemd is not PID 1)
 # (prometheus: the exporter end-to-end test starts its own server; the package's service is not used)
+# (containerd: the Kubernetes end-to-end test runs its own, with a kubelet built from ../shared/tools/kubelet)
 set -eu
-packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io prometheus"
+packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus"
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing="$missing $p"

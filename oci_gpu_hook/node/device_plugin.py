@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from oci_gpu_hook.errors import HookError, NvmlError, PrerequisiteError
 from oci_gpu_hook.node import plugin_allocation, plugin_devices
@@ -28,6 +29,16 @@ API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 SOCKET_PREFIX = "oci-gpu-hook-"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+
+
+def _identity(path: str):
+    """Which file is at path now (None: none). The change time too: a socket made again at once
+    may get the inode number the old one had."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
 
 
 def _count(devices) -> str:
@@ -85,6 +96,57 @@ def device_health(inventory, reader) -> dict:
     return health
 
 
+class DirectoryWatch:
+    """inotify on the kubelet's directory: a restarted kubelet wipes our sockets and makes a new
+    kubelet.sock, and it re-admits running pods within a fraction of a second, against the devices
+    registered by then. Waking on those events, rather than on the next interval, registers the
+    plugin again before that. Without inotify (or on error) wait() just sleeps: the interval
+    still catches every change."""
+
+    _EVENTS = 0x100 | 0x200 | 0x80 | 0x40  # IN_CREATE | IN_DELETE | IN_MOVED_TO | IN_MOVED_FROM
+
+    def __init__(self, directory: str):
+        self.fd = -1
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+            if fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(directory), self._EVENTS) >= 0:
+                self.fd = fd
+            elif fd >= 0:
+                os.close(fd)
+        except (OSError, AttributeError):
+            pass
+
+    def wait(self, timeout: float, stopping) -> None:
+        """Until an event in the directory, stopping is set, or timeout."""
+        if self.fd < 0:
+            stopping.wait(timeout)
+            return
+        import select
+
+        deadline = time.monotonic() + timeout
+        # Short slices so that a stop request is seen promptly even without an event.
+        while not stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            ready, _, _ = select.select([self.fd], [], [], min(left, 0.25))
+            if ready:
+                try:
+                    while os.read(self.fd, 65536):
+                        pass
+                except BlockingIOError:
+                    pass
+                return
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ResourceServer:
     """One resource's gRPC server on its socket, and the device list ListAndWatch streams."""
 
@@ -94,7 +156,7 @@ class ResourceServer:
         self.changed = threading.Condition()
         self.generation = 0
         self.server = None
-        self.identity = None  # (st_dev, st_ino) of our socket: gone or replaced means re-serve
+        self.identity = None  # _identity() of our socket: gone or replaced means serve again
 
     def devices(self, pb2) -> list:
         health = self.plugin.health
@@ -122,15 +184,10 @@ class ResourceServer:
         if self.server.add_insecure_port("unix://" + self.path) == 0:
             raise PrerequisiteError(f"{self.path}: cannot serve the device plugin socket there")
         self.server.start()
-        st = os.stat(self.path)
-        self.identity = (st.st_dev, st.st_ino)
+        self.identity = _identity(self.path)
 
     def still_served(self) -> bool:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return False
-        return (st.st_dev, st.st_ino) == self.identity
+        return self.identity is not None and _identity(self.path) == self.identity
 
     def register(self, kubelet_socket: str) -> None:
         grpc, pb2, pb2_grpc = _api()
@@ -143,9 +200,12 @@ class ResourceServer:
 
     def stop(self) -> None:
         if self.server is not None:
+            server, self.server = self.server, None
             self.update()  # wake ListAndWatch streams so that they end
-            self.server.stop(grace=1).wait(5)
-            self.server = None
+            # At once (a kubelet restart: the new server must be up within milliseconds), and
+            # waited for: gRPC unlinks the socket path as the listener closes, which must not
+            # happen to the next server's socket at that path.
+            server.stop(grace=None).wait(5)
         if self.identity is not None and self.still_served():
             os.unlink(self.path)
         self.identity = None
@@ -218,7 +278,7 @@ class DevicePlugin:
         self.fingerprint = None
         self.health: dict = {}
         self.servers: dict = {}  # resource name -> ResourceServer
-        self.registered_with = None  # (st_dev, st_ino) of the kubelet.sock we registered with
+        self.registered_with = None  # _identity() of the kubelet.sock we registered with
         self._last_problem = None
 
     def load(self) -> None:
@@ -237,11 +297,7 @@ class DevicePlugin:
         self.fingerprint, self.inventory, self.resources = fingerprint, inventory, resources
 
     def _kubelet_identity(self):
-        try:
-            st = os.stat(self.kubelet_socket)
-        except OSError:
-            return None
-        return (st.st_dev, st.st_ino)
+        return _identity(self.kubelet_socket)
 
     def _problem(self, message: str | None) -> None:
         """Say a problem once, until it clears."""
@@ -293,10 +349,12 @@ class DevicePlugin:
             if server.server is not None and server.still_served() and not fresh_kubelet:
                 continue
             server.stop()
-            server.serve()
             try:
+                server.serve()
                 server.register(self.kubelet_socket)
-            except Exception as e:  # grpc.RpcError: the kubelet refused or went away; try again next round
+            except Exception as e:  # noqa: BLE001
+                # The kubelet refused, went away, or is wiping its directory as it starts (our new
+                # socket with it): serve and register again on the next round, or the next event.
                 server.stop()
                 details = e.details() if hasattr(e, "details") else str(e)
                 self._problem(f"registering {name} with the kubelet failed: {details}")
@@ -308,10 +366,18 @@ class DevicePlugin:
     def round(self) -> None:
         from oci_gpu_hook.start import inventory_cache
 
+        if self.health:
+            # Registration first: after a kubelet restart every millisecond counts (DirectoryWatch).
+            self.ensure_registered()
         if inventory_cache.fingerprint(self.settings) != self.fingerprint:
             say("the driver or the GPUs changed: reading the inventory again")
-            self.load()
-            self.sync_servers()
+            try:
+                self.load()
+                self.sync_servers()
+            except HookError as e:
+                # The previous inventory stays in service, its health checked below (a GPU
+                # whose node went is Unhealthy); the next round reads again.
+                self._problem(f"the inventory cannot be read again: {e.message}")
         self.check_health()
         self.ensure_registered()
 
@@ -337,6 +403,7 @@ def run(settings, config, socket_dir: str, interval: float, where: str, rounds: 
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    watch = DirectoryWatch(socket_dir)
     say(f"offering {', '.join(f'{r.name} ({_count(r.devices)})' for r in plugin.resources)}")
     try:
         while not stopping.is_set():
@@ -348,8 +415,9 @@ def run(settings, config, socket_dir: str, interval: float, where: str, rounds: 
                 rounds -= 1
                 if rounds <= 0:
                     break
-            stopping.wait(interval)
+            watch.wait(interval, stopping)
     finally:
+        watch.close()
         plugin.stop()
         say("stopped")
     return 0

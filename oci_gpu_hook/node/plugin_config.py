@@ -22,8 +22,14 @@ ID_STRATEGIES = ("uuid", "index")
 GPU_RESOURCE = "nvidia.com/gpu"
 MIG_RESOURCE_PREFIX = "nvidia.com/mig-"
 SHARED_SUFFIX = ".shared"
-# A MIG profile as NVML names it: <compute slices>g.<memory>gb, then attributes (+me, +gfx, ...).
-MIG_PROFILE = re.compile(r"^[1-9][0-9]?g\.[1-9][0-9]{0,3}gb(\+[a-z][a-z0-9.]*)*$")
+# A MIG profile in a resource name: <compute slices>g.<memory>gb, then attributes, which NVML
+# writes with + (1g.10gb+me) and resource names with . (Kubernetes allows no +).
+MIG_PROFILE = re.compile(r"^[1-9][0-9]?g\.[1-9][0-9]{0,3}gb(\.[a-z][a-z0-9]*)*$")
+
+
+def mig_resource(profile: str) -> str:
+    """nvidia.com/mig-1g.10gb.me for NVML's profile 1g.10gb+me."""
+    return MIG_RESOURCE_PREFIX + profile.replace("+", ".")
 PER_REPLICA = "per-replica"
 MAX_REPLICAS = 1024
 
@@ -115,7 +121,7 @@ def check_resource_name(name: str, where: str, key: str) -> None:
         if MIG_PROFILE.match(profile):
             return
         _fail(where, key, f"{printable(name[:80])!r}: unknown MIG profile {printable(profile[:40])!r}; "
-                          "a MIG profile reads like 1g.5gb, 3g.20gb or 1g.10gb+me")  # fmt: skip
+                          "a MIG profile reads like 1g.5gb, 3g.20gb or 1g.10gb.me")  # fmt: skip
     _fail(where, key, f"{printable(name[:80])!r} is not a resource this plugin offers; use {GPU_RESOURCE} "
                       f"or {MIG_RESOURCE_PREFIX}<profile>")  # fmt: skip
 
@@ -166,7 +172,8 @@ def parse(doc, where: str) -> PluginConfig:
         _choice(value, where, "flags.plugin.deviceListStrategy", LIST_STRATEGIES, "")
     time_slicing = _mapping(_mapping(top.get("sharing"), where, "sharing", _SHARING).get("timeSlicing"), where,
                             "sharing.timeSlicing", _TIME_SLICING)  # fmt: skip
-    entries = time_slicing.get("resources") or []
+    entries = time_slicing.get("resources")
+    entries = [] if entries is None else entries
     if not isinstance(entries, list):
         _fail(where, "sharing.timeSlicing.resources", "expected a list of {name, replicas}")
     seen: set = set()

@@ -85,7 +85,7 @@ def _groups(inventory, strategy: str, where: str) -> dict:
             if mig.profile is None:
                 raise ConfigError(f"{where}: flags.migStrategy mixed needs each MIG device's profile, and NVML "
                                   f"did not report the profile of MIG device {gpu.index}:{mig.index}")  # fmt: skip
-            groups.setdefault(MIG_RESOURCE_PREFIX + mig.profile, []).append(_mig_unit(gpu, mig))
+            groups.setdefault(plugin_config.mig_resource(mig.profile), []).append(_mig_unit(gpu, mig))
     return groups
 
 

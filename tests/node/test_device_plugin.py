@@ -1,0 +1,585 @@
+"""`oci-gpu-hook device-plugin` for real: the program in a subprocess, serving the kubelet's
+v1beta1 API on unix sockets, and a fake kubelet in the test (a Registration server on
+kubelet.sock, and DevicePlugin clients on the plugin's sockets). No kubelet, no cluster.
+
+The host is a simulated 4-GPU H100 host with MIG on GPU 3, used by this module alone: tests here
+take device nodes away and make NVML fail, and put them back. Waiting is by deadline, on what the
+plugin says (Register calls, ListAndWatch messages), never a fixed sleep."""
+
+import os
+import queue
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent import futures
+from types import SimpleNamespace
+
+import pytest
+
+from oci_gpu_hook.errors import Exit
+
+DEADLINE = 30  # seconds: how long a change may take to show (the plugin checks every 0.3 s)
+INTERVAL = "0.3"
+PROFILES = ["1g.5gb", "2g.10gb", "3g.20gb"]
+MIXED_SHARED = """\
+version: v1
+flags:
+  migStrategy: mixed
+sharing:
+  timeSlicing:
+    failRequestsGreaterThanOne: true
+    resources:
+    - name: nvidia.com/gpu
+      replicas: 2
+      memoryLimit: per-replica
+"""
+RESOURCES = ["nvidia.com/gpu"] + [f"nvidia.com/mig-{p}" for p in PROFILES]
+
+
+@pytest.fixture(scope="module")
+def api(require):
+    require("grpc", "google.protobuf")
+    import grpc
+
+    from oci_gpu_hook.node.kubelet_api import deviceplugin_pb2, deviceplugin_pb2_grpc
+
+    return SimpleNamespace(grpc=grpc, pb2=deviceplugin_pb2, pb2_grpc=deviceplugin_pb2_grpc)
+
+
+@pytest.fixture(scope="module")
+def host(simulated_host, require):
+    require("root", "gcc", "pynvml")
+    return simulated_host(gpus=4, mig=[3], model="h100")  # this module's own: it is changed and restored here
+
+
+@pytest.fixture
+def host_config(host):
+    return f"{host['root']}/config.yaml"
+
+
+@pytest.fixture
+def socket_dir():
+    """The kubelet's device-plugins directory: short, under /tmp (a unix socket path has 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="dp-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def plugin_file(tmp_path):
+    def write(text=MIXED_SHARED):
+        path = tmp_path / f"plugin-{len(list(tmp_path.glob('plugin-*')))}.yaml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+def expected_ids(host) -> dict:
+    """{resource: [ids]} for MIXED_SHARED, from the simulator's summary."""
+    full = [g for g in host["gpus"] if not g["mig"]]
+    found = {"nvidia.com/gpu": [f"{g['uuid']}::{r}" for g in full for r in range(2)]}
+    for profile in PROFILES:
+        migs = [m for g in host["gpus"] for m in g["mig"] if m["profile"] == profile]
+        found[f"nvidia.com/mig-{profile}"] = [m["uuid"] for m in migs]
+    return found
+
+
+def socket_name(resource: str) -> str:
+    return "oci-gpu-hook-" + resource.replace("/", "_") + ".sock"
+
+
+# ---- the fake kubelet, the plugin, a ListAndWatch stream ------------------------------------------
+
+
+class FakeKubelet:
+    """The kubelet's side of registration: a Registration server on kubelet.sock that records
+    every RegisterRequest."""
+
+    def __init__(self, api, socket_dir: str):
+        self.api, self.path = api, os.path.join(socket_dir, "kubelet.sock")
+        self.requests: list = []
+        self.changed = threading.Condition()
+        kubelet = self
+
+        class Registration(api.pb2_grpc.RegistrationServicer):
+            def Register(self, request, context):
+                with kubelet.changed:
+                    kubelet.requests.append(request)
+                    kubelet.changed.notify_all()
+                return api.pb2.Empty()
+
+        self.server = api.grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        api.pb2_grpc.add_RegistrationServicer_to_server(Registration(), self.server)
+        assert self.server.add_insecure_port("unix://" + self.path) != 0
+        self.server.start()
+
+    def wait_for(self, count: int, plugin) -> list:
+        """The first count RegisterRequests, once there are that many."""
+        deadline = time.monotonic() + DEADLINE
+        with self.changed:
+            while len(self.requests) < count:
+                left = deadline - time.monotonic()
+                if left <= 0 or plugin.proc.poll() is not None:
+                    pytest.fail(f"{len(self.requests)} of {count} registrations; the plugin said:\n{plugin.output()}")
+                self.changed.wait(min(left, 0.5))
+            return list(self.requests[:count])
+
+    def stop(self):
+        self.server.stop(None).wait(10)
+
+
+class Plugin:
+    def __init__(self, host_config: str, socket_dir: str, config_file: str, log_dir):
+        self.socket_dir = socket_dir
+        self.log = open(log_dir / f"device-plugin-{time.monotonic_ns()}.log", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", host_config, "device-plugin", "--socket-dir",
+             socket_dir, "--config-file", config_file, "--interval", INTERVAL],
+            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def socket(self, resource: str) -> str:
+        return os.path.join(self.socket_dir, socket_name(resource))
+
+    def stub(self, api, resource: str):
+        channel = api.grpc.insecure_channel("unix://" + self.socket(resource))
+        return channel, api.pb2_grpc.DevicePluginStub(channel)
+
+    def call(self, api, resource: str, method: str, request):
+        channel, stub = self.stub(api, resource)
+        with channel:
+            return getattr(stub, method)(request, timeout=DEADLINE)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=DEADLINE)
+        finally:
+            self.log.close()
+
+
+class Watch:
+    """One ListAndWatch stream, read in a thread: the latest {id: health} it sent."""
+
+    def __init__(self, api, plugin: Plugin, resource: str):
+        self.plugin, self.resource = plugin, resource
+        self.channel, stub = plugin.stub(api, resource)
+        self.call = stub.ListAndWatch(api.pb2.Empty())
+        self.messages: queue.Queue = queue.Queue()
+        self.latest = None
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        try:
+            for response in self.call:
+                self.messages.put({d.ID: d.health for d in response.devices})
+        except Exception as e:  # the stream ended: cancelled by close(), or the plugin stopped serving it
+            self.messages.put(e)
+
+    def until(self, predicate, what: str, timeout: float = DEADLINE) -> dict:
+        deadline = time.monotonic() + timeout
+        while self.latest is None or not predicate(self.latest):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"{self.resource}: no ListAndWatch message where {what}; the last was {self.latest}; "
+                            f"the plugin said:\n{self.plugin.output()}")  # fmt: skip
+            try:
+                message = self.messages.get(timeout=left)
+            except queue.Empty:
+                continue
+            if isinstance(message, Exception):
+                pytest.fail(f"{self.resource}: the stream ended ({message}) before {what}:\n{self.plugin.output()}")
+            self.latest = message
+        return self.latest
+
+    def close(self):
+        self.call.cancel()
+        self.channel.close()
+        self.thread.join(DEADLINE)
+
+
+@pytest.fixture
+def kubelet(api, socket_dir):
+    made = [FakeKubelet(api, socket_dir)]
+    yield made[0]
+    for k in made:
+        k.stop()
+
+
+@pytest.fixture
+def start(host_config, socket_dir, plugin_file, tmp_path):
+    """start(config text) -> Plugin, stopped (and its output shown on failure) at the end."""
+    started = []
+
+    def make(text=MIXED_SHARED):
+        plugin = Plugin(host_config, socket_dir, plugin_file(text), tmp_path)
+        started.append(plugin)
+        return plugin
+
+    yield make
+    for plugin in started:
+        plugin.stop()
+
+
+@pytest.fixture
+def watches():
+    opened = []
+
+    def make(api, plugin, resource):
+        opened.append(Watch(api, plugin, resource))
+        return opened[-1]
+
+    yield make
+    for watch in opened:
+        watch.close()
+
+
+def all_health(health: str):
+    return lambda devices: bool(devices) and set(devices.values()) == {health}
+
+
+# ---- registration and the calls ---------------------------------------------------------------------
+
+
+def test_registers_each_resource_and_serves_it(api, host, kubelet, start, watches, socket_dir):
+    plugin = start()
+    requests = kubelet.wait_for(4, plugin)
+    assert sorted(r.resource_name for r in requests) == RESOURCES
+    for request in requests:
+        assert request.version == "v1beta1"
+        assert request.endpoint == socket_name(request.resource_name)  # relative to the directory
+        assert request.options.get_preferred_allocation_available and not request.options.pre_start_required
+        assert stat.S_ISSOCK(os.stat(os.path.join(socket_dir, request.endpoint)).st_mode)
+    expected = expected_ids(host)
+    for resource in RESOURCES:
+        options = plugin.call(api, resource, "GetDevicePluginOptions", api.pb2.Empty())
+        assert options.get_preferred_allocation_available is True and options.pre_start_required is False
+        devices = watches(api, plugin, resource).until(lambda d: True, "any list")
+        assert list(devices) == expected[resource], resource
+        assert set(devices.values()) == {"Healthy"}
+    assert plugin.proc.poll() is None
+    assert kubelet.requests == requests  # registered once: nothing changed
+
+
+def test_allocate_and_preferred_allocation(api, host, kubelet, start):
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    ids = expected_ids(host)["nvidia.com/gpu"]
+    request = api.pb2.PreferredAllocationRequest(container_requests=[
+        api.pb2.ContainerPreferredAllocationRequest(available_deviceIDs=ids, must_include_deviceIDs=[ids[3]],
+                                                    allocation_size=2)])  # fmt: skip
+    (answer,) = plugin.call(api, "nvidia.com/gpu", "GetPreferredAllocation", request).container_responses
+    assert answer.deviceIDs[0] == ids[3] and len(answer.deviceIDs) == 2
+    assert answer.deviceIDs[1].split("::")[0] != ids[3].split("::")[0]  # another GPU
+    request = api.pb2.AllocateRequest(container_requests=[api.pb2.ContainerAllocateRequest(devices_ids=[ids[2]])])
+    (got,) = plugin.call(api, "nvidia.com/gpu", "Allocate", request).container_responses
+    gpu1 = host["gpus"][1]["uuid"]
+    assert dict(got.envs) == {"NVIDIA_VISIBLE_DEVICES": gpu1, "OCI_GPU_HOOK_GPU_MEMORY_LIMIT": "50%"}
+    assert [(m.container_path, m.host_path, m.read_only) for m in got.mounts] == [
+        ("/var/run/oci-gpu-hook/gpu-memory-limit/50%", "/dev/null", True)]  # fmt: skip
+    assert (list(got.devices), dict(got.annotations), list(got.cdi_devices)) == ([], {}, [])
+    mig = expected_ids(host)["nvidia.com/mig-2g.10gb"]
+    request = api.pb2.AllocateRequest(container_requests=[api.pb2.ContainerAllocateRequest(devices_ids=mig)])
+    (got,) = plugin.call(api, "nvidia.com/mig-2g.10gb", "Allocate", request).container_responses
+    assert dict(got.envs) == {"NVIDIA_VISIBLE_DEVICES": mig[0]} and list(got.mounts) == []
+    prestart = api.pb2.PreStartContainerRequest(devices_ids=ids)
+    assert plugin.call(api, "nvidia.com/gpu", "PreStartContainer", prestart) == api.pb2.PreStartContainerResponse()
+
+
+def test_allocate_refusals_are_invalid_argument_and_the_plugin_serves_on(api, host, kubelet, start):
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    ids = expected_ids(host)["nvidia.com/gpu"]
+
+    def allocate(resource, *containers):
+        return plugin.call(api, resource, "Allocate", api.pb2.AllocateRequest(container_requests=[
+            api.pb2.ContainerAllocateRequest(devices_ids=c) for c in containers]))  # fmt: skip
+
+    with pytest.raises(api.grpc.RpcError) as e:
+        allocate("nvidia.com/gpu", ["GPU-nope::0"])
+    assert e.value.code() == api.grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "nvidia.com/gpu: unknown device id 'GPU-nope::0'"
+    with pytest.raises(api.grpc.RpcError) as e:  # the second container's ids are wrong: the whole call fails
+        allocate("nvidia.com/mig-1g.5gb", expected_ids(host)["nvidia.com/mig-1g.5gb"], [ids[0]])
+    assert e.value.code() == api.grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == f"nvidia.com/mig-1g.5gb: unknown device id {ids[0]!r}"
+    with pytest.raises(api.grpc.RpcError) as e:
+        allocate("nvidia.com/gpu", [ids[0], ids[2]])
+    assert e.value.code() == api.grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == ("nvidia.com/gpu: a container may ask for 1 time-sliced GPU, not 2 "
+                                 "(sharing.timeSlicing.failRequestsGreaterThanOne is set)")  # fmt: skip
+    # still serving, and answering
+    (first, second) = allocate("nvidia.com/gpu", [ids[0]], [ids[5]]).container_responses
+    assert first.envs["NVIDIA_VISIBLE_DEVICES"] == host["gpus"][0]["uuid"]
+    assert second.envs["NVIDIA_VISIBLE_DEVICES"] == host["gpus"][2]["uuid"]
+    assert plugin.proc.poll() is None
+    assert "Allocate refused: nvidia.com/gpu: unknown device id 'GPU-nope::0'" in plugin.output()
+
+
+# ---- health ---------------------------------------------------------------------------------------
+
+
+def test_an_nvml_failure_makes_every_device_unhealthy_until_it_clears(api, host, kubelet, start, watches):
+    from oci_gpu_hook.toolkit.simulate import control
+
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    streams = [watches(api, plugin, r) for r in RESOURCES]
+    for stream in streams:
+        stream.until(all_health("Healthy"), "every device is Healthy")
+    try:
+        control.write(host["root"], fail=999)
+        for stream in streams:
+            stream.until(all_health("Unhealthy"), "every device is Unhealthy")
+    finally:
+        control.clear(host["root"])
+    for stream in streams:
+        stream.until(all_health("Healthy"), "every device is Healthy again")
+    assert "Unhealthy: " in plugin.output() and "Healthy again: " in plugin.output()
+
+
+class NodeAside:
+    """A device node of the simulated host moved aside (as if the driver lost it), and back."""
+
+    def __init__(self, host, name: str):
+        self.path = os.path.join(host["root"], "dev", name)
+        self.aside = os.path.join(host["root"], ".aside-" + name.replace("/", "-"))
+
+    def __enter__(self):
+        os.rename(self.path, self.aside)
+        return self
+
+    def restore(self):
+        if os.path.lexists(self.aside):
+            os.rename(self.aside, self.path)
+
+    def __exit__(self, *exc):
+        self.restore()
+
+
+def test_a_missing_gpu_node_marks_that_gpu_unhealthy(api, host, kubelet, start, watches):
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    gpu = host["gpus"][1]
+    streams = {r: watches(api, plugin, r) for r in RESOURCES}
+    for stream in streams.values():
+        stream.until(all_health("Healthy"), "every device is Healthy")
+    ours = {f"{gpu['uuid']}::0", f"{gpu['uuid']}::1"}
+
+    def only_ours(devices):
+        return all((health == "Unhealthy") == (i in ours) for i, health in devices.items())
+
+    with NodeAside(host, f"nvidia{gpu['minor']}") as node:
+        devices = streams["nvidia.com/gpu"].until(only_ours, f"only GPU {gpu['index']}'s replicas are Unhealthy")
+        assert sorted(devices) == sorted(expected_ids(host)["nvidia.com/gpu"])
+        for resource in RESOURCES[1:]:
+            assert set(streams[resource].latest.values()) == {"Healthy"}, resource
+        node.restore()
+        streams["nvidia.com/gpu"].until(all_health("Healthy"), "every device is Healthy again")
+    assert f"/dev/nvidia{gpu['minor']}: missing" in plugin.output()
+
+
+def test_a_missing_mig_gpu_node_marks_its_mig_devices_unhealthy(api, host, kubelet, start, watches):
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    (gpu,) = [g for g in host["gpus"] if g["mig"]]
+    streams = {r: watches(api, plugin, r) for r in RESOURCES}
+    for stream in streams.values():
+        stream.until(all_health("Healthy"), "every device is Healthy")
+    with NodeAside(host, f"nvidia{gpu['minor']}") as node:
+        for resource in RESOURCES[1:]:
+            # 10 s: over 30 rounds
+            streams[resource].until(all_health("Unhealthy"), f"GPU {gpu['index']}'s MIG device is Unhealthy", 10)
+        assert set(streams["nvidia.com/gpu"].latest.values()) == {"Healthy"}
+        node.restore()
+        for resource in RESOURCES[1:]:
+            streams[resource].until(all_health("Healthy"), "the MIG device is Healthy again")
+
+
+def test_a_mig_device_that_goes_away_is_no_longer_offered_and_comes_back(api, host, kubelet, start, watches):
+    """Without its compute instance's capability node NVML no longer lists the MIG device: the
+    inventory is read again, its resource stops (socket removed, stream ended) and is registered
+    again once the node is back."""
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    (gpu,) = [g for g in host["gpus"] if g["mig"]]
+    (mig,) = [m for m in gpu["mig"] if m["profile"] == "2g.10gb"]
+    streams = {r: watches(api, plugin, r) for r in RESOURCES}
+    for stream in streams.values():
+        stream.until(all_health("Healthy"), "every device is Healthy")
+    gone = plugin.socket("nvidia.com/mig-2g.10gb")
+    with NodeAside(host, f"nvidia-caps/nvidia-cap{mig['ci_cap_minor']}") as node:
+        deadline = time.monotonic() + DEADLINE
+        while os.path.exists(gone):
+            assert time.monotonic() < deadline and plugin.proc.poll() is None, plugin.output()
+            time.sleep(0.05)
+        assert "nvidia.com/mig-2g.10gb: no longer offered" in plugin.output()
+        for resource in ("nvidia.com/gpu", "nvidia.com/mig-1g.5gb", "nvidia.com/mig-3g.20gb"):
+            assert set(streams[resource].latest.values()) == {"Healthy"}, resource
+            assert os.path.exists(plugin.socket(resource))
+        node.restore()
+        (again,) = kubelet.wait_for(5, plugin)[4:]
+    assert again.resource_name == "nvidia.com/mig-2g.10gb" and again.endpoint == os.path.basename(gone)
+    devices = watches(api, plugin, "nvidia.com/mig-2g.10gb").until(all_health("Healthy"), "it is offered again")
+    assert list(devices) == [mig["uuid"]]
+
+
+# ---- kubelet restarts ---------------------------------------------------------------------------------
+
+
+def test_deleted_sockets_are_served_and_registered_again(api, host, kubelet, start, watches, socket_dir):
+    """What a kubelet restart does to the directory: our sockets are gone."""
+    plugin = start()
+    first = kubelet.wait_for(4, plugin)
+    for resource in RESOURCES:
+        os.unlink(plugin.socket(resource))
+    again = kubelet.wait_for(8, plugin)[4:]
+    assert sorted(r.resource_name for r in again) == RESOURCES
+    assert [(r.version, r.endpoint) for r in sorted(again, key=lambda r: r.resource_name)] == [
+        (r.version, r.endpoint) for r in sorted(first, key=lambda r: r.resource_name)]  # fmt: skip
+    for resource in RESOURCES:
+        assert stat.S_ISSOCK(os.stat(plugin.socket(resource)).st_mode)
+        devices = watches(api, plugin, resource).until(lambda d: True, "any list")
+        assert list(devices) == expected_ids(host)[resource]
+    assert sorted(os.listdir(socket_dir)) == sorted(["kubelet.sock", *map(socket_name, RESOURCES)])
+
+
+def test_a_new_kubelet_socket_is_registered_with_again(api, host, kubelet, start, socket_dir, watches):
+    """A kubelet that restarted without (yet) wiping the directory: a new kubelet.sock."""
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    # The old kubelet's socket moves aside but stays bound, so the new one cannot reuse its inode.
+    os.rename(kubelet.path, os.path.join(socket_dir, "kubelet-old.sock"))
+    new = FakeKubelet(api, socket_dir)
+    try:
+        requests = new.wait_for(4, plugin)
+        assert sorted(r.resource_name for r in requests) == RESOURCES
+        assert all(r.version == "v1beta1" for r in requests)
+        devices = watches(api, plugin, "nvidia.com/gpu").until(lambda d: True, "any list")
+        assert list(devices) == expected_ids(host)["nvidia.com/gpu"]
+    finally:
+        new.stop()
+    assert len(kubelet.requests) == 4  # the old kubelet heard nothing more
+
+
+def test_waits_for_the_kubelet_to_appear(api, host, start, socket_dir):
+    plugin = start()
+    deadline = time.monotonic() + DEADLINE
+    while "waiting for the kubelet" not in plugin.output():
+        assert plugin.proc.poll() is None and time.monotonic() < deadline, plugin.output()
+        time.sleep(0.1)
+    kubelet = FakeKubelet(api, socket_dir)
+    try:
+        assert sorted(r.resource_name for r in kubelet.wait_for(4, plugin)) == RESOURCES
+        assert plugin.output().count("waiting for the kubelet") == 1  # said once, not every round
+    finally:
+        kubelet.stop()
+
+
+# ---- stopping -------------------------------------------------------------------------------------
+
+
+def test_sigterm_exits_zero_and_removes_its_sockets(api, host, kubelet, start, watches, socket_dir):
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    watches(api, plugin, "nvidia.com/gpu").until(lambda d: True, "any list")  # an open stream does not hold it up
+    plugin.proc.send_signal(signal.SIGTERM)
+    assert plugin.proc.wait(timeout=DEADLINE) == 0, plugin.output()
+    assert os.listdir(socket_dir) == ["kubelet.sock"]
+    assert plugin.output().splitlines()[-1] == "oci-gpu-hook device-plugin: stopped"
+
+
+# ---- bad input at start: one line, and the exit status --------------------------------------------
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", *args], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout)  # fmt: skip
+
+
+UNKNOWN_PROFILE = MIXED_SHARED + "    - name: nvidia.com/mig-7g.80gb\n      replicas: 2\n"
+
+
+@pytest.mark.parametrize(
+    "text, words",
+    [("version: v1\nflags: [unclosed\n", ": not valid YAML or JSON (line "),
+     (MIXED_SHARED.replace("replicas: 2", "replicas: 0"),
+      ": sharing.timeSlicing.resources[0].replicas: 0: expected a whole number from 1 to 1024"),
+     ("version: v1\nsharing:\n  mps:\n    resources: []\n", ": sharing.mps: MPS sharing is not offered"),
+     (UNKNOWN_PROFILE, ": sharing.timeSlicing.resources[1].name: unknown MIG profile: no MIG device on this node has "
+                       "profile 7g.80gb (profiles here: 1g.5gb, 2g.10gb, 3g.20gb)"),
+     (MIXED_SHARED.replace("per-replica", "96GiB"), ": sharing.timeSlicing.resources[0].memoryLimit: 96GiB is more "
+                                                     "than GPU-")],
+    ids=["yaml", "replicas", "mps", "unknown-profile", "limit-too-large"],
+)  # fmt: skip
+@pytest.mark.parametrize("form", ["check", "serve"])
+def test_bad_configuration_is_one_line_and_exit_3(host_config, plugin_file, socket_dir, text, words, form):
+    path = plugin_file(text)
+    args = ["--config", host_config, "device-plugin", "--config-file", path, "--socket-dir", socket_dir]
+    p = run_cli(*args, "--check") if form == "check" else run_cli(*args, "--interval", INTERVAL)
+    assert p.returncode == Exit.CONFIG, p.stderr
+    assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith("oci-gpu-hook: ") and words in p.stderr, p.stderr
+    assert p.stdout == ""
+    assert p.stderr.startswith(f"oci-gpu-hook: {path}: "), p.stderr
+    assert os.listdir(socket_dir) == []  # nothing served
+
+
+def test_a_missing_socket_dir_is_one_line(host_config, plugin_file, tmp_path):
+    missing = tmp_path / "no" / "device-plugins"
+    p = run_cli("--config", host_config, "device-plugin", "--config-file", plugin_file(), "--socket-dir", str(missing))
+    assert p.returncode == Exit.PREREQUISITE, p.stderr
+    assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.startswith(f"oci-gpu-hook: {missing}: no such directory"), p.stderr
+    assert not missing.exists()
+
+
+# ---- --check -------------------------------------------------------------------------------------
+
+
+def test_check_prints_what_the_mixed_strategy_offers(host, host_config, plugin_file, socket_dir):
+    expected = "nvidia.com/gpu: 3 devices\n" + "".join(f"  {g['uuid']}\n" for g in host["gpus"][:3])
+    for profile in PROFILES:
+        (mig,) = [m for g in host["gpus"] for m in g["mig"] if m["profile"] == profile]
+        expected += f"nvidia.com/mig-{profile}: 1 device\n  {mig['uuid']}\n"
+    p = run_cli("--config", host_config, "device-plugin", "--check", "--config-file",
+                plugin_file("version: v1\nflags:\n  migStrategy: mixed\n"))  # fmt: skip
+    assert (p.returncode, p.stderr, p.stdout) == (0, "", expected)
+    shared = run_cli("--config", host_config, "device-plugin", "--check", "--config-file", plugin_file())
+    assert shared.returncode == 0, shared.stderr
+    lines = shared.stdout.splitlines()
+    assert lines[0] == "nvidia.com/gpu: 6 devices, memory limit 50% each"
+    assert lines[1:7] == [f"  {i}" for i in expected_ids(host)["nvidia.com/gpu"]]
+    assert lines[7:] == expected.splitlines()[4:]
+    assert os.listdir(socket_dir) == []
+
+
+def test_check_without_a_file_follows_the_node_settings(host, host_config, tmp_path):
+    p = run_cli("--config", host_config, "device-plugin", "--check")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "nvidia.com/gpu: 4 devices\n" + "".join(f"  {g['uuid']}\n" for g in host["gpus"])
+    config = tmp_path / "config.yaml"
+    config.write_text(open(host_config).read() + "node:\n  mig_strategy: mixed\n  replicas: 2\n")
+    p = run_cli("--config", str(config), "device-plugin", "--check")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[0] == "nvidia.com/gpu: 6 devices"
+    assert "nvidia.com/mig-1g.5gb: 1 device" in p.stdout.splitlines()
+    single = tmp_path / "single.yaml"
+    single.write_text(open(host_config).read() + "node:\n  mig_strategy: single\n")
+    p = run_cli("--config", str(single), "device-plugin", "--check")
+    assert p.returncode == Exit.CONFIG and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith("oci-gpu-hook: node settings (node.mig_strategy, node.replicas): flags.migStrategy "
+                               "single needs MIG on every GPU"), p.stderr  # fmt: skip
