@@ -12,24 +12,12 @@ import pytest
 from oci_gpu_hook.node import plugin_devices
 from oci_gpu_hook.node.plugin_allocation import AllocationError, allocate, preferred
 from oci_gpu_hook.node.plugin_config import PluginConfig, TimeSlicedResource
-from oci_gpu_hook.start import inventory_cache, memory_limit
-from oci_gpu_hook.start import settings as settings_module
+from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.plan import SelectedDevice
 from oci_gpu_hook.start.spec import Mount, volume_mount_device
 
 VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 KIND = "example.com/gpu"  # settings.cdi_kind, not the default, to see that it is the one used
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "gcc", "pynvml")
-    return simulated_host(gpus=4, mig=[3])
-
-
-@pytest.fixture(scope="module")
-def inventory(host):
-    return inventory_cache.load(settings_module.load(f"{host['root']}/config.yaml"))
 
 
 def make_config(*shared, **options) -> PluginConfig:

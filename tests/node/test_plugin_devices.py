@@ -11,25 +11,13 @@ import pytest
 from oci_gpu_hook.errors import ConfigError
 from oci_gpu_hook.node import plugin_config, plugin_devices
 from oci_gpu_hook.node.plugin_config import PluginConfig, TimeSlicedResource
-from oci_gpu_hook.start import inventory_cache, memory_limit
-from oci_gpu_hook.start import settings as settings_module
+from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.inventory import DeviceNode, GpuInfo, Inventory, MigDevice
 
 GIB = 1 << 30
 PROFILES = ["1g.5gb", "2g.10gb", "3g.20gb"]  # the simulator's MIG layout, in name order
 # Kubernetes' extended resource names: a DNS subdomain prefix, then a qualified name.
 QUALIFIED_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "gcc", "pynvml")
-    return simulated_host(gpus=4, mig=[3])
-
-
-@pytest.fixture(scope="module")
-def inventory(host):
-    return inventory_cache.load(settings_module.load(f"{host['root']}/config.yaml"))
 
 
 def config(strategy="mixed", *shared, **options) -> PluginConfig:
