@@ -10,13 +10,19 @@ construction, immutability, ==, hash, repr and to_json() for the cost of a class
 class Record:
     __slots__ = ()
     _defaults: dict = {}
+    _fields: tuple = ()
 
-    @classmethod
-    def fields(cls) -> tuple:
+    def __init_subclass__(cls, **kwargs):
+        # Once per class, not on every construction, ==, hash and repr: a GPU start builds hundreds.
+        super().__init_subclass__(**kwargs)
         names = []
         for klass in reversed(cls.__mro__):
             names.extend(klass.__dict__.get("__slots__", ()))
-        return tuple(names)
+        cls._fields = tuple(names)
+
+    @classmethod
+    def fields(cls) -> tuple:
+        return cls._fields
 
     def __init__(self, *args, **kwargs):
         fields = self.fields()

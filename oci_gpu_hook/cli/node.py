@@ -27,8 +27,6 @@ def exporter(obj, listen):
 @click.pass_obj
 def labels(obj, output, watch):
     """Write the node's GPU labels (GPU feature discovery names) for NFD's local source."""
-    import sys
-
     from oci_gpu_hook.node import features
     from oci_gpu_hook.start import inventory_cache
 
@@ -44,8 +42,9 @@ def labels(obj, output, watch):
         return 0
     output = output or settings.node.features_file
     if watch:
-        features.watch(settings, output, watch, lambda m: print(f"oci-gpu-hook labels: {m}", file=sys.stderr,
-                                                                   flush=True))  # fmt: skip
+        from oci_gpu_hook.node import say
+
+        features.watch(settings, output, watch, lambda m: say("labels", m))
         return 0
     changed = features.refresh(settings, output)
     click.echo(f"{output}: {'written' if changed else 'unchanged'}")

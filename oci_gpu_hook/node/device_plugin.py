@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 
 from oci_gpu_hook.errors import HookError, NvmlError, PrerequisiteError
 from oci_gpu_hook.node import plugin_allocation, plugin_devices
+from oci_gpu_hook.node import say as node_say
 
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
@@ -46,8 +46,7 @@ def _count(devices) -> str:
 
 
 def say(message: str) -> None:
-    sys.stderr.write(f"oci-gpu-hook device-plugin: {message}\n")
-    sys.stderr.flush()
+    node_say("device-plugin", message)
 
 
 def socket_name(resource_name: str) -> str:
@@ -68,9 +67,15 @@ def _api():
     return grpc, deviceplugin_pb2, deviceplugin_pb2_grpc
 
 
+def _options(pb2):
+    """What the plugin tells the kubelet it offers: preferred allocations, no PreStartContainer."""
+    return pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
 def device_health(inventory, reader) -> dict:
     """{unit uuid: None when healthy, else why not} for every GPU and MIG device."""
     from oci_gpu_hook.start.discover import check_node
+    from oci_gpu_hook.start.inventory import device_key
 
     def node_problem(node):
         checked = check_node(inventory.dev_root, node.path, node.major, node.minor)
@@ -88,7 +93,7 @@ def device_health(inventory, reader) -> dict:
             gpu_problem = "NVML does not list it"
         health[gpu.uuid] = gpu_problem
         for mig in gpu.mig:
-            uuid = mig.uuid or f"{gpu.uuid}/gi{mig.gi}"
+            uuid = device_key(gpu, mig)
             problem = gpu_problem or node_problem(mig.gi_cap) or node_problem(mig.ci_cap)
             if problem is None and mig.uuid and mig.uuid not in listed:
                 problem = "NVML does not list it"
@@ -193,7 +198,7 @@ class ResourceServer:
         grpc, pb2, pb2_grpc = _api()
         request = pb2.RegisterRequest(
             version=API_VERSION, endpoint=os.path.basename(self.path), resource_name=self.resource.name,
-            options=pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True),
+            options=_options(pb2),
         )  # fmt: skip
         with grpc.insecure_channel("unix://" + kubelet_socket) as channel:
             pb2_grpc.RegistrationStub(channel).Register(request, timeout=10)
@@ -219,7 +224,7 @@ class _Servicer:
 
     def GetDevicePluginOptions(self, request, context):
         _, pb2, _ = _api()
-        return pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+        return _options(pb2)
 
     def ListAndWatch(self, request, context):
         _, pb2, _ = _api()
@@ -386,7 +391,7 @@ class DevicePlugin:
             server.stop()
 
 
-def run(settings, config, socket_dir: str, interval: float, where: str, rounds: int | None = None) -> int:
+def run(settings, config, socket_dir: str, interval: float, where: str) -> int:
     """Serve until SIGTERM or SIGINT. The configuration and the inventory are checked first.
     where: what the configuration came from, for messages."""
     _api()  # a missing grpcio says so before anything else
@@ -411,10 +416,6 @@ def run(settings, config, socket_dir: str, interval: float, where: str, rounds: 
                 plugin.round()
             except HookError as e:
                 plugin._problem(e.message)
-            if rounds is not None:
-                rounds -= 1
-                if rounds <= 0:
-                    break
             watch.wait(interval, stopping)
     finally:
         watch.close()

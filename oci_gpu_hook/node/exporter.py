@@ -10,21 +10,17 @@ read, oci_gpu_hook_gpu_facts_stale says so, and one line is logged when that sta
 from __future__ import annotations
 
 import socket
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from oci_gpu_hook.errors import HookError, NvmlError, UsageError
-from oci_gpu_hook.node import attribution, metrics, watchdog
+from oci_gpu_hook.node import attribution, metrics, say, watchdog
 from oci_gpu_hook.start import container_record
-
-DEFAULT_LISTEN = ":9400"  # NVIDIA's DCGM exporter's port
 
 
 def log(message: str) -> None:
-    sys.stderr.write(f"oci-gpu-hook exporter: {message}\n")
-    sys.stderr.flush()
+    say("exporter", message)
 
 
 def parse_listen(value: str) -> tuple[str, int]:

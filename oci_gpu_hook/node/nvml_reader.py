@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from oci_gpu_hook.errors import NvmlError
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.nvml import text
 
 MIB = 1 << 20
 
@@ -106,10 +107,10 @@ class NvmlReader:
         call = self._call
         for index in range(call(nvml.nvmlDeviceGetCount)):
             handle = call(nvml.nvmlDeviceGetHandleByIndex, index)
-            uuid = _text(call(nvml.nvmlDeviceGetUUID, handle))
+            uuid = text(call(nvml.nvmlDeviceGetUUID, handle))
             known = by_uuid.get(uuid)
             gpu = Device(
-                uuid, index, uuid, known.minor if known else index, _text(call(nvml.nvmlDeviceGetName, handle))
+                uuid, index, uuid, known.minor if known else index, text(call(nvml.nvmlDeviceGetName, handle))
             )
             yield Sample(gpu, self._values(nvml, handle, board=True), self._processes(nvml, handle))
             mode = call(nvml.nvmlDeviceGetMigMode, handle)
@@ -122,9 +123,9 @@ class NvmlReader:
                     continue
                 except nvml.NVMLError as e:
                     raise NvmlError(f"NVML: MIG device {index}:{mig_index}: {e}") from None
-                name = _text(call(nvml.nvmlDeviceGetName, mig))
+                name = text(call(nvml.nvmlDeviceGetName, mig))
                 device = gpu.replace(
-                    uuid=_text(call(nvml.nvmlDeviceGetUUID, mig)),
+                    uuid=text(call(nvml.nvmlDeviceGetUUID, mig)),
                     gi=call(nvml.nvmlDeviceGetGpuInstanceId, mig),
                     ci=call(nvml.nvmlDeviceGetComputeInstanceId, mig),
                     profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else None,
@@ -163,10 +164,6 @@ class NvmlReader:
         for p in (*found, *graphics):
             used[p.pid] = max(used.get(p.pid, 0), p.usedGpuMemory or 0)
         return tuple(used.items())
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 class HostReader:

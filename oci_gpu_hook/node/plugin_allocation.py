@@ -24,10 +24,9 @@ from __future__ import annotations
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.inventory import host_path
+from oci_gpu_hook.start.request import CDI_ANNOTATION_PREFIX, VISIBLE_DEVICES
 from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR
 
-VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
-CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 CDI_ANNOTATION_NAME = "oci-gpu-hook_"
 
 

@@ -14,6 +14,7 @@ import re
 
 from oci_gpu_hook.errors import ConfigError, RequestError, printable
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start import memory_limit
 
 MIG_STRATEGIES = ("none", "single", "mixed")
 # How Allocate tells the runtime which GPUs to give (docs/kubernetes.md, "Allocate answers").
@@ -30,7 +31,7 @@ MIG_PROFILE = re.compile(r"^[1-9][0-9]?g\.[1-9][0-9]{0,3}gb(\.[a-z][a-z0-9]*)*$"
 def mig_resource(profile: str) -> str:
     """nvidia.com/mig-1g.10gb.me for NVML's profile 1g.10gb+me."""
     return MIG_RESOURCE_PREFIX + profile.replace("+", ".")
-PER_REPLICA = "per-replica"
+PER_REPLICA = memory_limit.PER_REPLICA  # the same word as the hook's shared_gpu_memory_limit
 MAX_REPLICAS = 1024
 
 
@@ -145,8 +146,6 @@ def _resource(entry, where: str, key: str, seen: set) -> TimeSlicedResource:
             _fail(where, f"{key}.memoryLimit", f"expected {PER_REPLICA}, a size (4GiB) or a percentage (25%)")
         limit = limit.strip()
         if limit != PER_REPLICA:
-            from oci_gpu_hook.start import memory_limit
-
             try:
                 memory_limit.parse(limit, f"{key}.memoryLimit")
             except RequestError as e:

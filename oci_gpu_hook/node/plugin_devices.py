@@ -16,6 +16,7 @@ from oci_gpu_hook.errors import ConfigError
 from oci_gpu_hook.node import plugin_config
 from oci_gpu_hook.node.plugin_config import GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.inventory import device_key
 
 REPLICA_SEPARATOR = "::"
 
@@ -60,7 +61,7 @@ def _gpu_unit(gpu) -> Unit:
 
 
 def _mig_unit(gpu, mig) -> Unit:
-    return Unit(mig.uuid or f"{gpu.uuid}/gi{mig.gi}", f"{gpu.index}:{mig.index}", gpu, mig)
+    return Unit(device_key(gpu, mig), f"{gpu.index}:{mig.index}", gpu, mig)
 
 
 def _groups(inventory, strategy: str, where: str) -> dict:

@@ -24,10 +24,10 @@ import time
 
 from oci_gpu_hook.errors import NvmlError
 from oci_gpu_hook.node import attribution
+from oci_gpu_hook.node import say as node_say
 from oci_gpu_hook.start import container_record, pids
 from oci_gpu_hook.start.linux import cgroups
 
-POLICIES = ("kill", "warn")
 COUNTERS_FILE = "watchdog.json"  # beside the records directory; the exporter serves it
 
 
@@ -41,8 +41,7 @@ def log(entry: dict) -> None:
 
 
 def say(message: str) -> None:
-    sys.stderr.write(f"oci-gpu-hook watchdog: {message}\n")
-    sys.stderr.flush()
+    node_say("watchdog", message)
 
 
 class Over:

@@ -61,11 +61,7 @@ def kubernetes_names(annotations: dict) -> dict | None:
 
 def describe_devices(devices) -> list:
     """The selected devices (plan.SelectedDevice) as the records keep them."""
-    return [
-        {"gpu_index": d.gpu.index, "gpu_uuid": d.gpu.uuid,
-         "mig_index": d.mig.index if d.mig else None, "mig_uuid": d.mig.uuid if d.mig else None}
-        for d in devices
-    ]  # fmt: skip
+    return [d.summary() for d in devices]
 
 
 def build(container, annotations: dict, devices, duration: float, failure_code: int | None = None,

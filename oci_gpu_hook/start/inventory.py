@@ -125,6 +125,14 @@ class Inventory(Record):
         return tuple(f for f in self.files if f.capability in capabilities and (kinds is None or f.kind in kinds))
 
 
+def device_key(gpu: GpuInfo, mig: MigDevice | None = None) -> str:
+    """The key a GPU or MIG device goes by in memory limits and health: its UUID, or for a MIG
+    device NVML did not name, <gpu uuid>/gi<n>."""
+    if mig is None:
+        return gpu.uuid
+    return mig.uuid or f"{gpu.uuid}/gi{mig.gi}"
+
+
 def normalize_bus_id(value: str) -> str | None:
     """A PCI bus id in the form the inventory keeps (procfs's: 0000:07:00.0, lower case, 4-digit
     domain) from any accepted spelling ([domain:]bus:device.function, any domain width); None if

@@ -111,13 +111,12 @@ def load(settings: Settings, budget=None) -> Inventory:
     """The inventory for the hook: from the cache when fresh, else discovered and cached. With a
     budget (the hook's), NVML gets only what the budget leaves after APPLY_RESERVE, and a hung
     NVML fails the start with one line in time, before anything in the container changed."""
-    from oci_gpu_hook.errors import InventoryError, NvmlError
-    from oci_gpu_hook.start.discover import discover
-
     current = fingerprint(settings)
     cached = read(settings, current)
     if cached is not None:
         return cached
+    from oci_gpu_hook.errors import InventoryError, NvmlError
+    from oci_gpu_hook.start.discover import discover  # the parsers load only when discovering
     nvml_timeout = None
     if budget is not None:
         nvml_timeout = budget.remaining() - min(APPLY_RESERVE, budget.seconds / 4)

@@ -13,8 +13,6 @@ sets (the pod's own env comes later) but cannot remove a mount.
 
 from __future__ import annotations
 
-import os
-
 from oci_gpu_hook.errors import RequestError, printable
 
 ENV = "OCI_GPU_HOOK_GPU_MEMORY_LIMIT"
@@ -55,18 +53,21 @@ def parse(text: str, where: str) -> tuple:
 
 def _device_memory(device) -> tuple:
     """(uuid, total bytes or None) of a plan.SelectedDevice."""
-    if device.mig is not None:
-        return device.mig.uuid or f"{device.gpu.uuid}/gi{device.mig.gi}", device.mig.memory_total
-    return device.gpu.uuid, device.gpu.memory_total
+    from oci_gpu_hook.start.inventory import device_key
+
+    total = device.mig.memory_total if device.mig is not None else device.gpu.memory_total
+    return device_key(device.gpu, device.mig), total
 
 
 def mounted_limits(mounts) -> list:
     """(limit text, where) for each mount at MOUNT_DIR/<limit>, normalised as the runtime would."""
+    from oci_gpu_hook.start.spec import name_under
+
     found = []
     for mount in mounts:
-        parent, name = os.path.split("/" + os.path.normpath(mount.destination).lstrip("/"))
-        if parent == MOUNT_DIR and name not in ("", ".", ".."):
-            found.append((name, f"mount {MOUNT_DIR}/{printable(name[:40])}"))
+        name = name_under(mount.destination, MOUNT_DIR)
+        if name is not None:
+            found.append((name, f"mount {MOUNT_DIR}/{name[:40]}"))  # HookError makes it printable
     return found
 
 

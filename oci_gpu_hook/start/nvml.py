@@ -44,7 +44,8 @@ def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     return json.loads(result.stdout)
 
 
-def _text(value) -> str:
+def text(value) -> str:
+    """NVML's strings: bytes from older bindings, str from newer."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -77,7 +78,7 @@ def _collect(library_path: str) -> dict:
     try:
         cuda = pynvml.nvmlSystemGetCudaDriverVersion()
         facts = {
-            "driver_version": _text(pynvml.nvmlSystemGetDriverVersion()),
+            "driver_version": text(pynvml.nvmlSystemGetDriverVersion()),
             "cuda_version": f"{cuda // 1000}.{cuda % 1000 // 10}",
             "gpus": {},
         }
@@ -106,13 +107,13 @@ def _collect(library_path: str) -> dict:
                             "index": len(gpu["mig"]),
                             "gi": pynvml.nvmlDeviceGetGpuInstanceId(mig),
                             "ci": pynvml.nvmlDeviceGetComputeInstanceId(mig),
-                            "uuid": _text(pynvml.nvmlDeviceGetUUID(mig)),
+                            "uuid": text(pynvml.nvmlDeviceGetUUID(mig)),
                             # Named "<GPU name> MIG <profile>", by the real library and ours.
-                            "profile": _text(pynvml.nvmlDeviceGetName(mig)).rpartition(" MIG ")[2] or None,
+                            "profile": text(pynvml.nvmlDeviceGetName(mig)).rpartition(" MIG ")[2] or None,
                             "memory_total": pynvml.nvmlDeviceGetMemoryInfo(mig).total,
                         }
                     )
-            facts["gpus"][_text(pynvml.nvmlDeviceGetUUID(handle))] = gpu
+            facts["gpus"][text(pynvml.nvmlDeviceGetUUID(handle))] = gpu
         return facts
     finally:
         pynvml.nvmlShutdown()

@@ -233,6 +233,12 @@ class SelectedDevice(Record):
             return f"GPU {self.gpu.index} ({self.gpu.uuid}, {self.gpu.bus_id}, /dev/nvidia{self.gpu.minor})"
         return f"MIG {self.gpu.index}:{self.mig.index} ({self.mig.uuid or f'gi{self.mig.gi}/ci{self.mig.ci}'})"
 
+    def summary(self) -> dict:
+        """The device as the plan's JSON and the container records keep it."""
+        mig = self.mig
+        return {"gpu_index": self.gpu.index, "gpu_uuid": self.gpu.uuid,
+                "mig_index": mig.index if mig else None, "mig_uuid": mig.uuid if mig else None}  # fmt: skip
+
 
 class Plan(Record):
     __slots__ = ("request", "devices", "operations")
@@ -250,15 +256,7 @@ class Plan(Record):
     def to_json(self) -> dict:
         return {
             "gpu_container": True,
-            "devices": [
-                {
-                    "gpu_index": d.gpu.index,
-                    "gpu_uuid": d.gpu.uuid,
-                    "mig_index": d.mig.index if d.mig else None,
-                    "mig_uuid": d.mig.uuid if d.mig else None,
-                }
-                for d in self.devices
-            ],
+            "devices": [d.summary() for d in self.devices],
             "capabilities": sorted(self.request.capabilities),
             "device_source": self.request.source,
             "notes": list(self.request.notes),

@@ -11,7 +11,6 @@ import sys
 import time
 
 from oci_gpu_hook.errors import HookError
-from oci_gpu_hook.start import report
 from oci_gpu_hook.start import spec as spec_module
 from oci_gpu_hook.start import state as state_module
 
@@ -38,6 +37,7 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
     spec = spec_module.load(container.bundle)
     if not may_ask_for_gpus(spec):
         return 0
+    from oci_gpu_hook.start import report
     from oci_gpu_hook.start import settings as settings_module
 
     settings = None
@@ -52,7 +52,7 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
 
 
 def _configure(container, spec, settings, started: float | None) -> int:
-    from oci_gpu_hook.start import apply, inventory_cache, memory_limit, request
+    from oci_gpu_hook.start import apply, inventory_cache, memory_limit, report, request
     from oci_gpu_hook.start.budget import Budget
     from oci_gpu_hook.start.linux import arch
     from oci_gpu_hook.start.plan import build_plan
@@ -88,6 +88,8 @@ def _keep_record(settings, container, spec, devices, started: float | None, fail
         record = container_record.build(container, spec.annotations, devices, duration, failure_code, limits)
         container_record.write(settings.records_path, record)
     except OSError as e:
+        from oci_gpu_hook.start import report
+
         report.record(settings, container.id, "warning", f"the container record was not written: {e}")
 
 

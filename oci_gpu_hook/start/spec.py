@@ -23,13 +23,18 @@ class Mount(Record):
 VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
 
 
+def name_under(destination: str, directory: str) -> str | None:
+    """The name a mount destination gives directly under directory, or None. Normalised first, so
+    that /var/run/./dir/0 and //var/run/dir/0/ count: the one rule for every such channel."""
+    parent, name = os.path.split("/" + os.path.normpath(destination).lstrip("/"))
+    return name if parent == directory and name not in ("", ".", "..") else None
+
+
 def volume_mount_device(destination: str) -> str | None:
     """The device id a mount destination names in NVIDIA's volume-mount device list (/dev/null
-    mounted at /var/run/nvidia-container-devices/<id>), or None. Normalised first, so that
-    /var/run/./nvidia-container-devices/0 and //var/run/nvidia-container-devices/0/ count: the
-    one rule for the hook's fast path and for the request."""
-    parent, name = os.path.split("/" + os.path.normpath(destination).lstrip("/"))
-    return name if parent == VOLUME_MOUNT_DIR and name not in ("", ".", "..") else None
+    mounted at /var/run/nvidia-container-devices/<id>), or None: the one rule for the hook's fast
+    path and for the request."""
+    return name_under(destination, VOLUME_MOUNT_DIR)
 
 
 class Spec(Record):

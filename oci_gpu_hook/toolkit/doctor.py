@@ -15,6 +15,7 @@ import os
 
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import files
+from oci_gpu_hook.start.inventory import host_path
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
@@ -41,10 +42,6 @@ def worst(checks) -> str:
     return max((c.status for c in checks), key=ORDER.get, default=PASS)
 
 
-def _under(root: str, path: str) -> str:
-    return os.path.join(root, path.lstrip("/"))
-
-
 class NotChecked(Exception):
     """A check that depends on something already reported broken."""
 
@@ -56,7 +53,7 @@ class Doctor:
         self.root = os.path.abspath(root)
         self.config_error = config_error
         self.mountinfo = mountinfo
-        self.selinuxfs = _under(self.root, "/sys/fs/selinux")
+        self.selinuxfs = host_path(self.root, "/sys/fs/selinux")
         self._driver_version = None
         self._majors = None
 
@@ -93,7 +90,7 @@ class Doctor:
 
         if self.config_error:
             raise NotChecked("not checked: the configuration is invalid")
-        path = _under(self.settings.driver_root, "/etc/ld.so.cache")
+        path = host_path(self.settings.driver_root, "/etc/ld.so.cache")
         if not os.path.exists(path):
             return path, None
         try:
@@ -178,7 +175,7 @@ class Doctor:
 
     def check_persistence(self):
         self.driver_version()
-        if os.path.exists(_under(self.settings.driver_root, PERSISTENCED_SOCKET)):
+        if os.path.exists(host_path(self.settings.driver_root, PERSISTENCED_SOCKET)):
             return PASS, "nvidia-persistenced is running (persistence mode)", None
         return (WARN, "nvidia-persistenced is not running: every GPU container start re-initialises the GPUs "
                 "(seconds each)", "systemctl enable --now nvidia-persistenced")  # fmt: skip
@@ -207,7 +204,7 @@ class Doctor:
             prefix = entry.name.split(".so", 1)[0] + ".so"
             if prefix not in prefixes or entry.word_size != 64 or entry.name in found:
                 continue
-            real = os.path.basename(os.path.realpath(_under(self.settings.driver_root, entry.path)))
+            real = os.path.basename(os.path.realpath(host_path(self.settings.driver_root, entry.path)))
             found[entry.name] = real[len(prefix) + 1 :] if real.startswith(prefix + ".") else "unknown"
         wrong = sorted(f"{name} is {v}" for name, v in found.items() if v != version)
         if wrong:
@@ -246,12 +243,12 @@ class Doctor:
         """(path of the file podman would use, the directories it reads). ConfigFileError when
         containers.conf cannot be read as podman reads it."""
         dirs = list(HOOKS_DIRS)
-        conf = _under(self.root, "/etc/containers/containers.conf")
+        conf = host_path(self.root, "/etc/containers/containers.conf")
         configured = _toml_list(conf, ("engine", "hooks_dir"))
         if configured is not None:
             dirs = configured
         for directory in reversed(dirs):
-            path = _under(self.root, f"{directory}/{HOOK_FILE_NAME}")
+            path = host_path(self.root, f"{directory}/{HOOK_FILE_NAME}")
             if os.path.lexists(path):
                 return path, directory, dirs
         return None, None, dirs
@@ -280,15 +277,15 @@ class Doctor:
         if error is not None:
             return FAIL, f"{path}: not a valid hooks.d file: {error.message}", fix
         hook = doc["hook"]["path"]
-        if not (os.access(_under(self.root, hook), os.X_OK) or (self.root != "/" and os.access(hook, os.X_OK))):
+        if not (os.access(host_path(self.root, hook), os.X_OK) or (self.root != "/" and os.access(hook, os.X_OK))):
             return FAIL, f"{path}: the hook {hook} is not an executable (runtimes ignore the file)", fix
         if "prestart" not in doc["hook"].get("args", []) or "prestart" not in doc["stages"]:
             return FAIL, f"{path}: does not run `oci-gpu-hook prestart` at prestart", fix
         return PASS, f"{path} runs {hook} at prestart", None
 
     def check_crio(self):
-        crio_dir = _under(self.root, "/etc/crio")
-        if not (os.path.isdir(crio_dir) or os.path.exists(_under(self.root, "/usr/bin/crio"))):
+        crio_dir = host_path(self.root, "/etc/crio")
+        if not (os.path.isdir(crio_dir) or os.path.exists(host_path(self.root, "/usr/bin/crio"))):
             return PASS, "CRI-O is not installed: nothing to check", None
         dirs = list(CRIO_DEFAULT_HOOKS_DIRS)
         for conf in [f"{crio_dir}/crio.conf"] + sorted(glob.glob(f"{crio_dir}/crio.conf.d/*.conf")):
@@ -299,7 +296,7 @@ class Doctor:
                         "correct the file, then systemctl restart crio")  # fmt: skip
             if configured is not None:
                 dirs = configured
-        present = [d for d in dirs if os.path.lexists(_under(self.root, f"{d}/{HOOK_FILE_NAME}"))]
+        present = [d for d in dirs if os.path.lexists(host_path(self.root, f"{d}/{HOOK_FILE_NAME}"))]
         if not present:
             return (FAIL, f"CRI-O's hooks_dir ({', '.join(dirs)}) holds no {HOOK_FILE_NAME}",
                     "oci-gpu-hook install --runtime crio, then systemctl restart crio")  # fmt: skip
@@ -308,18 +305,18 @@ class Doctor:
     def check_docker(self):
         from oci_gpu_hook.toolkit.install import DOCKER_HOOK, DOCKER_HOOK_MARKER
 
-        if not any(os.path.exists(_under(self.root, f"{d}/dockerd")) for d in DOCKER_PATH):
+        if not any(os.path.exists(host_path(self.root, f"{d}/dockerd")) for d in DOCKER_PATH):
             return PASS, "Docker is not installed: nothing to check", None
         fix = "oci-gpu-hook install --runtime docker, then systemctl restart docker"
         candidates = (f"{d}/{os.path.basename(DOCKER_HOOK)}" for d in DOCKER_PATH)
         # The first on the PATH is the one dockerd runs.
-        path = next((p for p in candidates if os.path.lexists(_under(self.root, p))), None)
+        path = next((p for p in candidates if os.path.lexists(host_path(self.root, p))), None)
         if path is None:
             return WARN, "no nvidia-container-runtime-hook on dockerd's PATH: `docker run --gpus` fails", fix
-        if not os.access(_under(self.root, path), os.X_OK):
+        if not os.access(host_path(self.root, path), os.X_OK):
             return FAIL, f"{path} is not executable: `docker run --gpus` fails", fix
         try:
-            head = files.read_bounded(_under(self.root, path), 4096)
+            head = files.read_bounded(host_path(self.root, path), 4096)
         except OSError as e:
             return FAIL, f"{path}: unreadable ({e.strerror})", fix
         if DOCKER_HOOK_MARKER.encode() not in head:
@@ -490,7 +487,7 @@ class Doctor:
         mode = self.selinux_mode()
         if mode == "disabled":
             return PASS, "SELinux is disabled: no policy needed", None
-        module = glob.glob(_under(self.root, "/var/lib/selinux/*/active/modules/*/oci_gpu_hook"))
+        module = glob.glob(host_path(self.root, "/var/lib/selinux/*/active/modules/*/oci_gpu_hook"))
         on = []
         for name in SELINUX_BOOLEANS:
             try:
@@ -509,7 +506,7 @@ class Doctor:
                 "setsebool -P container_use_xserver_devices on")  # fmt: skip
 
     def check_refresh_units(self):
-        if os.path.exists(_under(self.root, REFRESH_SERVICE)):
+        if os.path.exists(host_path(self.root, REFRESH_SERVICE)):
             return PASS, "the inventory refresh units are installed", None
         return (WARN, "no oci-gpu-hook-refresh.service: the first GPU container after a driver change rebuilds "
                 "the cache", "oci-gpu-hook install")  # fmt: skip
@@ -543,7 +540,7 @@ def service_processes(command: str, proc: str = "/proc") -> list:
 def _node_unit_installed(root: str, unit: str) -> bool:
     from oci_gpu_hook.toolkit.install import UNIT_DIR
 
-    return os.path.exists(_under(root, f"{UNIT_DIR}/{unit}"))
+    return os.path.exists(host_path(root, f"{UNIT_DIR}/{unit}"))
 
 
 def _load_toml(text: str) -> dict:

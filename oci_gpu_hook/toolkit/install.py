@@ -31,6 +31,7 @@ import sys
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start import files, settings
+from oci_gpu_hook.start.inventory import host_path
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
 HOOKS_D_DIR = "/etc/containers/oci/hooks.d"
@@ -77,10 +78,6 @@ def interpreter_command() -> list:
     """This interpreter running this package, isolated (-I): what tests and the demo put in
     their bundles, so that the code under test runs rather than an installed copy."""
     return [sys.executable, "-I", "-m", "oci_gpu_hook"]
-
-
-def _under(root: str, path: str) -> str:
-    return os.path.join(root, path.lstrip("/"))
 
 
 # --- contents -----------------------------------------------------------------------------------
@@ -293,7 +290,7 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
 
 
 def _read_manifest(root: str) -> dict:
-    path = _under(root, MANIFEST)
+    path = host_path(root, MANIFEST)
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -328,12 +325,12 @@ def _makedirs(root: str, directory: str, created: list) -> None:
     """Create directory (a path inside root) and its missing parents, recording each one."""
     missing = []
     current = directory
-    while not os.path.isdir(_under(root, current)):
+    while not os.path.isdir(host_path(root, current)):
         missing.append(current)
         current = os.path.dirname(current)
     for path in reversed(missing):
-        os.mkdir(_under(root, path), 0o755)
-        os.chmod(_under(root, path), 0o755)
+        os.mkdir(host_path(root, path), 0o755)
+        os.chmod(host_path(root, path), 0o755)
         if path not in created:
             created.append(path)
 
@@ -356,7 +353,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     entries = planned(runtimes, argv_prefix, node_services, device_plugin)
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
-        path = _under(root, entry.path)
+        path = host_path(root, entry.path)
         now = _current(path)
         if now is None or entry.only_if_absent or now == entry.checksum:
             continue
@@ -367,23 +364,23 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
                 raise InstallError(f"{path}: another {os.path.basename(path)} (NVIDIA's?) is installed; "
                                    "install --runtime docker --replace-nvidia-hook puts oci-gpu-hook's in its place "
                                    "(uninstall puts this one back)")  # fmt: skip
-            if os.path.lexists(_under(root, entry.set_aside)):
-                raise InstallError(f"{_under(root, entry.set_aside)}: exists; move it away first")
+            if os.path.lexists(host_path(root, entry.set_aside)):
+                raise InstallError(f"{host_path(root, entry.set_aside)}: exists; move it away first")
             continue
         raise InstallError(f"{path}: exists and was not written by oci-gpu-hook install; "
                            "move it away (or merge it by hand) and run install again")  # fmt: skip
     lines = []
     try:
         for entry in entries:
-            path = _under(root, entry.path)
+            path = host_path(root, entry.path)
             now = _current(path)
             if now == entry.checksum:
                 continue
             if now is not None and entry.set_aside is not None and entry.path not in written:
                 # Another program's file (checked above: replacing it was asked for): aside.
-                os.rename(path, _under(root, entry.set_aside))  # the same directory: atomic
+                os.rename(path, host_path(root, entry.set_aside))  # the same directory: atomic
                 manifest.setdefault("saved", {})[entry.path] = entry.set_aside
-                lines.append(f"moved {path} to {_under(root, entry.set_aside)}")
+                lines.append(f"moved {path} to {host_path(root, entry.set_aside)}")
                 now = None
             if now is not None:
                 if entry.only_if_absent:
@@ -403,19 +400,19 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     finally:
         if json.dumps(manifest, sort_keys=True) != before:
             _makedirs(root, os.path.dirname(MANIFEST), directories)
-            _write_text(_under(root, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            _write_text(host_path(root, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return lines
 
 
 def uninstall(root: str) -> list:
     root = os.path.abspath(root)
-    manifest_path = _under(root, MANIFEST)
+    manifest_path = host_path(root, MANIFEST)
     if not os.path.exists(manifest_path):
         return []
     manifest = _read_manifest(root)
     lines = []
     for relative, checksum in sorted(manifest["files"].items(), key=lambda kv: kv[0], reverse=True):
-        path = _under(root, relative)
+        path = host_path(root, relative)
         now = _current(path)
         if now is None:
             continue
@@ -425,7 +422,7 @@ def uninstall(root: str) -> list:
         os.unlink(path)
         lines.append(f"removed {path}")
     for relative, saved in sorted(manifest.get("saved", {}).items()):
-        path, saved_path = _under(root, relative), _under(root, saved)
+        path, saved_path = host_path(root, relative), host_path(root, saved)
         if not os.path.lexists(saved_path):
             continue
         if os.path.lexists(path):
@@ -436,9 +433,9 @@ def uninstall(root: str) -> list:
     os.unlink(manifest_path)
     for relative in sorted(manifest["directories"], key=lambda p: p.count("/"), reverse=True):
         try:
-            os.rmdir(_under(root, relative))
+            os.rmdir(host_path(root, relative))
         except FileNotFoundError:
             pass
         except OSError:
-            lines.append(f"kept {_under(root, relative)}: not empty")
+            lines.append(f"kept {host_path(root, relative)}: not empty")
     return lines

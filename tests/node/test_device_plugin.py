@@ -179,6 +179,7 @@ class Watch:
         self.call = stub.ListAndWatch(api.pb2.Empty())
         self.messages: queue.Queue = queue.Queue()
         self.latest = None
+        self.received = 0  # lists taken from the stream so far
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
@@ -189,9 +190,10 @@ class Watch:
         except Exception as e:  # the stream ended: cancelled by close(), or the plugin stopped serving it
             self.messages.put(e)
 
-    def until(self, predicate, what: str, timeout: float = DEADLINE) -> dict:
+    def _read_while(self, waiting, what: str, timeout: float) -> dict:
+        """Take lists from the stream while waiting() holds; fail at the deadline or if it ends."""
         deadline = time.monotonic() + timeout
-        while self.latest is None or not predicate(self.latest):
+        while waiting():
             left = deadline - time.monotonic()
             if left <= 0:
                 pytest.fail(f"{self.resource}: no ListAndWatch message where {what}; the last was {self.latest}; "
@@ -202,8 +204,17 @@ class Watch:
                 continue
             if isinstance(message, Exception):
                 pytest.fail(f"{self.resource}: the stream ended ({message}) before {what}:\n{self.plugin.output()}")
-            self.latest = message
+            self.latest, self.received = message, self.received + 1
         return self.latest
+
+    def until(self, predicate, what: str, timeout: float = DEADLINE) -> dict:
+        return self._read_while(lambda: self.latest is None or not predicate(self.latest), what, timeout)
+
+    def after(self, seen: int, timeout: float = DEADLINE) -> dict:
+        """The newest list, once more than `seen` lists have come (every health change is sent to
+        every stream, so a change elsewhere brings each stream a new list)."""
+        return self._read_while(lambda: self.received <= seen or not self.messages.empty(), "a new list came",
+                                timeout)  # fmt: skip
 
     def close(self):
         self.call.cancel()
@@ -378,6 +389,7 @@ def test_a_missing_gpu_node_marks_that_gpu_unhealthy(api, host, kubelet, start, 
     for stream in streams.values():
         stream.until(all_health("Healthy"), "every device is Healthy")
     ours = {f"{gpu['uuid']}::0", f"{gpu['uuid']}::1"}
+    seen = {r: s.received for r, s in streams.items()}
 
     def only_ours(devices):
         return all((health == "Unhealthy") == (i in ours) for i, health in devices.items())
@@ -385,8 +397,8 @@ def test_a_missing_gpu_node_marks_that_gpu_unhealthy(api, host, kubelet, start, 
     with NodeAside(host, f"nvidia{gpu['minor']}") as node:
         devices = streams["nvidia.com/gpu"].until(only_ours, f"only GPU {gpu['index']}'s replicas are Unhealthy")
         assert sorted(devices) == sorted(expected_ids(host)["nvidia.com/gpu"])
-        for resource in RESOURCES[1:]:
-            assert set(streams[resource].latest.values()) == {"Healthy"}, resource
+        for resource in RESOURCES[1:]:  # told of the change too, and still Healthy
+            assert set(streams[resource].after(seen[resource]).values()) == {"Healthy"}, resource
         node.restore()
         streams["nvidia.com/gpu"].until(all_health("Healthy"), "every device is Healthy again")
     assert f"/dev/nvidia{gpu['minor']}: missing" in plugin.output()
@@ -399,11 +411,12 @@ def test_a_missing_mig_gpu_node_marks_its_mig_devices_unhealthy(api, host, kubel
     streams = {r: watches(api, plugin, r) for r in RESOURCES}
     for stream in streams.values():
         stream.until(all_health("Healthy"), "every device is Healthy")
+    seen = streams["nvidia.com/gpu"].received
     with NodeAside(host, f"nvidia{gpu['minor']}") as node:
         for resource in RESOURCES[1:]:
             # 10 s: over 30 rounds
             streams[resource].until(all_health("Unhealthy"), f"GPU {gpu['index']}'s MIG device is Unhealthy", 10)
-        assert set(streams["nvidia.com/gpu"].latest.values()) == {"Healthy"}
+        assert set(streams["nvidia.com/gpu"].after(seen).values()) == {"Healthy"}
         node.restore()
         for resource in RESOURCES[1:]:
             streams[resource].until(all_health("Healthy"), "the MIG device is Healthy again")
@@ -421,6 +434,7 @@ def test_a_mig_device_that_goes_away_is_no_longer_offered_and_comes_back(api, ho
     for stream in streams.values():
         stream.until(all_health("Healthy"), "every device is Healthy")
     gone = plugin.socket("nvidia.com/mig-2g.10gb")
+    seen = {r: s.received for r, s in streams.items()}
     with NodeAside(host, f"nvidia-caps/nvidia-cap{mig['ci_cap_minor']}") as node:
         deadline = time.monotonic() + DEADLINE
         while os.path.exists(gone):
@@ -428,7 +442,7 @@ def test_a_mig_device_that_goes_away_is_no_longer_offered_and_comes_back(api, ho
             time.sleep(0.05)
         assert "nvidia.com/mig-2g.10gb: no longer offered" in plugin.output()
         for resource in ("nvidia.com/gpu", "nvidia.com/mig-1g.5gb", "nvidia.com/mig-3g.20gb"):
-            assert set(streams[resource].latest.values()) == {"Healthy"}, resource
+            assert set(streams[resource].after(seen[resource]).values()) == {"Healthy"}, resource
             assert os.path.exists(plugin.socket(resource))
         node.restore()
         (again,) = kubelet.wait_for(5, plugin)[4:]

@@ -164,16 +164,6 @@ class Rootfs:
             for d in stack:
                 os.close(d)
 
-    def exists_as(self, path: str, kind) -> bool:
-        try:
-            fd = self.open(path)
-        except OSError:
-            return False
-        try:
-            return kind(os.fstat(fd).st_mode)
-        finally:
-            os.close(fd)
-
     # --- creating -----------------------------------------------------------------------------
 
     def ensure_dir(self, path: str, undo: UndoLog) -> int:
