@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 
 import node  # noqa: E402
 
-from oci_gpu_hook.toolkit import containers  # noqa: E402
+from oci_gpu_hook.toolkit import containers, launcher  # noqa: E402
 from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 
 PYTHON = os.path.realpath(sys.executable)  # the interpreter itself, not a venv's wrapper
@@ -46,14 +46,11 @@ def install(work: str) -> str:
         stderr=subprocess.DEVNULL,
     )
     subprocess.run([PYTHON, "-m", "compileall", "-q", site], check=True)
-    launcher = os.path.join(work, "oci-gpu-hook")
-    with open(launcher, "w") as f:
-        f.write(
-            f"#!{PYTHON} -I\nimport sys\nsys.path.insert(0, {site!r})\n"
-            "from oci_gpu_hook.hook import main\nsys.exit(main())\n"
-        )
-    os.chmod(launcher, 0o755)
-    return launcher
+    program = os.path.join(work, "oci-gpu-hook")
+    with open(program, "w") as f:
+        f.write(launcher.text(PYTHON, site))  # what the RPM's /usr/bin/oci-gpu-hook is
+    os.chmod(program, 0o755)
+    return program
 
 
 def timed(argv, stdin=None, measure_rss=False):

@@ -3,6 +3,11 @@
 Standard library only at import time. Commands a runtime calls take the fast path here; any
 other command loads the click CLI (cli/) on demand. Whatever happens, the user sees one line on
 stderr and an exit status, never a traceback (OCI_GPU_HOOK_DEBUG=1 shows one for bug reports).
+
+The launchers (toolkit/launcher.py) start Python with -S: the runtime's commands need only the
+standard library and this package, and the site module (with whatever .pth files the host's
+packages installed) would cost every container start milliseconds. The CLI's commands need the
+installed dependencies, so they run site first.
 """
 
 import os
@@ -46,14 +51,41 @@ def run(argv, as_program: bool = False) -> int:
         from oci_gpu_hook.start import ldcache_refresh
 
         return ldcache_refresh.run(rest[1:])
+    if sys.flags.no_site:  # a launcher's -S: the dependencies' directories are site's to add
+        import site
+
+        site.main()
     from oci_gpu_hook.cli import main as cli_main
 
     return cli_main(argv)
 
 
-def main(argv=None) -> int:
+def _on_start_path(argv) -> bool:
+    """A command a runtime runs for each container (the hook, and the CDI spec's ld cache hook)."""
+    rest = _split_config(argv)[1]
+    return bool(rest) and rest[0] in RUNTIME_COMMANDS + ("ldcache-refresh",)
+
+
+def main(argv=None, options=()) -> int:
+    """argv None: this process runs the program (sys.argv); options: arguments a launcher puts
+    before the user's (its --config).
+
+    A runtime's command started as a program ends with os._exit once its output is flushed:
+    everything it opened is closed by then, and the interpreter's own teardown of the modules it
+    loaded would add milliseconds to every container start."""
     as_program = argv is None
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(options) + list(sys.argv[1:] if argv is None else argv)
+    code = _main(argv, as_program)
+    if as_program and _on_start_path(argv):
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    return code
+
+
+def _main(argv, as_program: bool) -> int:
     try:
         return run(argv, as_program)
     except HookError as e:

@@ -13,6 +13,7 @@ import errno
 import marshal
 import os
 import stat
+import time
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start.linux import _linux, cgroups, labels, ldconfig
@@ -86,11 +87,17 @@ class Applier:
         self._cgroup_mode: str | None = None
         self._v2_done = False
         self._v1_list: str | None = None  # devices.list as it was before the first rule
+        self._ldcache = None  # ldconfig.Refresh under way while the plan's later operations run
+        self.timings: dict[str, float] = {}  # milliseconds, for the log record (docs/performance.md)
         fault, _, how = os.environ.get(FAULT_ENV, "").partition(":")
         self.fault_at = int(fault) if fault.isdigit() else None
         self.fault_kill = how == "kill"  # N:kill: SIGKILL the child there, as a runtime's timeout would
 
     def run(self) -> None:
+        if any(isinstance(op, DeviceRule) for op in self.plan.operations):
+            # Found before the first mount: the container's mountinfo, which says where its
+            # cgroup is, grows with every mount the hook makes.
+            self._cgroup()
         for number, op in enumerate(self.plan.operations, 1):
             if self.fault_at == number:
                 if self.fault_kill:
@@ -104,6 +111,12 @@ class Applier:
                 getattr(self, "do_" + type(op).__name__)(op)
             except OSError as e:
                 raise ApplyError(f"{op.describe()}: {e.strerror or e}") from None
+        if self._ldcache is not None:
+            waited = time.perf_counter()
+            self.skipped.extend(self._ldcache.finish())
+            done = time.perf_counter()
+            self.timings["ldconfig_wait"] = (done - waited) * 1e3  # what the overlap did not hide
+            self.timings["ldconfig"] = (done - self._ldcache.started) * 1e3
 
     # --- mounts -------------------------------------------------------------------------------
 
@@ -297,9 +310,13 @@ class Applier:
             self._v2_done = True
 
     def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
+        """Starts ldconfig; the operations after this one run while it works (the plan puts
+        them after: nothing ldconfig reads), and run() installs its cache at the end."""
         remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)
-        for note in ldconfig.refresh(self.rootfs, op.directories, self.undo, timeout=remaining, sources=self.sources):
-            self.skipped.append(note)
+        started = time.perf_counter()
+        self._ldcache = ldconfig.Refresh(self.rootfs, op.directories, self.undo, timeout=remaining,
+                                         sources=self.sources)  # fmt: skip
+        self._ldcache.started = started
 
 
 def check_handlers(operations=None) -> None:
@@ -389,6 +406,7 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
     signal.setitimer(signal.ITIMER_REAL, seconds)
     applier = None
     keep_journal = False  # kept when something could not be undone: the next start finishes it
+    started = time.perf_counter()
     try:
         own_namespace = os.stat("/proc/self/ns/mnt").st_ino
         bundle_rootfs = _identity(spec.rootfs)
@@ -401,10 +419,14 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
         _check_is_the_container(state.pid, own_namespace, bundle_rootfs, rootfs)
         applier = Applier(plan, state, spec, settings, rootfs)
         applier.undo.journal = Journal.start(journal_directory(settings.inventory_cache), rootfs)
+        ready = time.perf_counter()
         applier.run()
         signal.setitimer(signal.ITIMER_REAL, 0)
         applier.undo.commit()
-        return {"ok": True, "skipped": applier.skipped}
+        timings = applier.timings
+        timings["setup"] = (ready - started) * 1e3  # join the namespace, the checks, the journal
+        timings["operations"] = (time.perf_counter() - ready) * 1e3 - timings.get("ldconfig_wait", 0.0)
+        return {"ok": True, "skipped": applier.skipped, "timings": timings}
     except BaseException as e:
         signal.setitimer(signal.ITIMER_REAL, 0)  # the rollback itself must not be interrupted
         failures = applier.undo.rollback() if applier else []
@@ -424,10 +446,12 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
             applier.undo.close()
 
 
-def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, budget=None) -> dict:
+def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, budget=None, meanwhile=None) -> dict:
     """Apply in a child; returns its report, or raises ApplyError (after the child's rollback).
     The child gets what is left of the hook's budget (budget.Budget; all of deadline_seconds
-    without one), and the parent waits that long plus a grace for the child's rollback."""
+    without one), and the parent waits that long plus a grace for the child's rollback.
+    meanwhile: called in the parent while the child works (work that needs no result of it,
+    done on another CPU); what it raises is the caller's, after the child is waited for."""
     if state.pid is None:
         raise ApplyError("the OCI state has no pid: the runtime must run the hook at prestart or createRuntime")
     seconds = settings.deadline_seconds if budget is None else budget.remaining()
@@ -448,7 +472,15 @@ def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, bud
     deadline = seconds + _GRACE_SECONDS
     signal.signal(signal.SIGALRM, _on_deadline)
     signal.setitimer(signal.ITIMER_REAL, deadline)
+    failed_meanwhile = None
     try:
+        if meanwhile is not None:
+            try:
+                meanwhile()
+            except DeadlineExceeded:
+                raise  # the parent's own deadline: the child is killed below
+            except Exception as e:  # noqa: BLE001 - the child is waited for first, whatever happened
+                failed_meanwhile = e
         chunks = []
         while True:
             chunk = os.read(read_fd, 1 << 16)
@@ -475,4 +507,6 @@ def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, bud
         error.exit_code = report["exit_code"]
         error.undo_failures = report["undo_failures"]
         raise error
+    if failed_meanwhile is not None:
+        raise failed_meanwhile
     return report

@@ -454,6 +454,11 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout,
     builder = _Builder(inventory)
     control = inventory.control_devices
 
+    # The libraries first, and the ld cache refresh right after them: ldconfig reads nothing the
+    # later operations make, so apply.py mounts those while it works.
+    library_dirs = _libraries(builder, request, layout, for_cdi)
+    if library_dirs:
+        builder.add(RefreshLdcache(library_dirs))
     builder.device(control["nvidiactl"], "nvidiactl")
     if "compute" in caps:
         for name in ("nvidia-uvm", "nvidia-uvm-tools"):
@@ -477,7 +482,6 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout,
                 raise InventoryError(f"MIG {name}: /proc/devices lists no nvidia-caps driver")
             builder.device(inventory.mig_caps[name], f"MIG {name} capability")
 
-    library_dirs = _libraries(builder, request, layout, for_cdi)
     for f in inventory.files_for(caps, ("binary",)):
         builder.file(f, f"/usr/bin/{os.path.basename(f.path)}")
     for f in inventory.files:
@@ -493,6 +497,4 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout,
     if "graphics" in caps:
         _app_profile(builder, devices)
     _proc_driver(builder, devices, request)
-    if library_dirs:
-        builder.add(RefreshLdcache(library_dirs))
     return Plan(request=request, devices=devices, operations=tuple(builder.operations))

@@ -42,8 +42,9 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
 
     settings = None
     try:
+        clock = time.perf_counter()
         settings = settings_module.load(config)
-        return _configure(container, spec, settings, started)
+        return _configure(container, spec, settings, started, {"settings": (time.perf_counter() - clock) * 1e3})
     except HookError as e:
         report.record(settings, container.id, "error", e.message, bundle=container.bundle)
         if settings is not None:  # a GPU start that failed (a bad request included): counted
@@ -51,12 +52,17 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
         raise
 
 
-def _configure(container, spec, settings, started: float | None) -> int:
+def _configure(container, spec, settings, started: float | None, timings: dict) -> int:
+    """timings: milliseconds spent so far by step, for the log record (docs/performance.md
+    explains them); each step adds its own."""
+    clock = time.perf_counter()
     from oci_gpu_hook.start import apply, inventory_cache, memory_limit, report, request
     from oci_gpu_hook.start.budget import Budget
     from oci_gpu_hook.start.linux import arch
     from oci_gpu_hook.start.plan import build_plan
 
+    timings["imports"] = _since(clock)
+    clock = time.perf_counter()
     gpu_request = request.parse_request(spec, settings)
     if gpu_request is None:
         return 0
@@ -68,24 +74,49 @@ def _configure(container, spec, settings, started: float | None) -> int:
     # Checked before anything changes: a bad limit fails the start with nothing to undo.
     limits = memory_limit.resolve(spec.env, spec.annotations, settings.shared_gpu_memory_limit,
                                   settings.node.replicas, plan.devices, spec.mounts)  # fmt: skip
-    result = apply.apply(plan, container, spec, settings, budget)
-    _keep_record(settings, container, spec, plan.devices, started, limits=limits)
+    timings["plan"] = _since(clock)
+    clock = time.perf_counter()
+    prepared = []
+
+    def prepare_record():  # while the child mounts: the record's reads of /proc, on another CPU
+        from oci_gpu_hook.start import container_record
+
+        try:
+            prepared.append(container_record.build(container, spec.annotations, plan.devices, 0.0, None, limits))
+        except OSError:
+            pass  # built again afterwards, where a failure is said
+
+    result = apply.apply(plan, container, spec, settings, budget, meanwhile=prepare_record)
+    timings["apply"] = _since(clock)
+    timings.update(("apply_" + k, v) for k, v in result.get("timings", {}).items())
+    clock = time.perf_counter()
+    _keep_record(settings, container, spec, plan.devices, started, limits=limits, record=(prepared or [None])[0])
+    timings["record"] = _since(clock)
     report.record(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],
-        notes=list(gpu_request.notes),
+        notes=list(gpu_request.notes), timings_ms={k: round(v, 2) for k, v in timings.items()},
     )  # fmt: skip
     return 0
 
 
-def _keep_record(settings, container, spec, devices, started: float | None, failure_code=None, limits=None) -> None:
-    """The container record (container_record.py); like the log, it never fails a start."""
+def _since(clock: float) -> float:
+    return (time.perf_counter() - clock) * 1e3
+
+
+def _keep_record(settings, container, spec, devices, started: float | None, failure_code=None, limits=None,
+                 record=None) -> None:  # fmt: skip
+    """The container record (container_record.py); like the log, it never fails a start.
+    record: one built already (while the child worked), its duration still to fill in."""
     from oci_gpu_hook.start import container_record
     from oci_gpu_hook.start.budget import process_age
 
     duration = process_age() if started is None else time.monotonic() - started
     try:
-        record = container_record.build(container, spec.annotations, devices, duration, failure_code, limits)
+        if record is None:
+            record = container_record.build(container, spec.annotations, devices, duration, failure_code, limits)
+        else:
+            record["duration_seconds"] = round(duration, 6)
         container_record.write(settings.records_path, record)
     except OSError as e:
         from oci_gpu_hook.start import report

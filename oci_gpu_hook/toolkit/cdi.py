@@ -206,7 +206,7 @@ def build_spec(inventory, settings, kind: str = DEFAULT_KIND, capabilities=DEFAU
     if not inventory.gpus:
         raise CdiError("the host has no GPUs: there is nothing to put in a CDI spec")
     layout = LibraryLayout.for_rootfs(False)
-    hook_prefix = install.hook_command()  # ldcache-refresh reads no configuration
+    hook_prefix = install.installed_command()  # ldcache-refresh reads no configuration
     common = build_plan(_request((), capabilities, settings), inventory, layout, for_cdi=True)
     shared_targets = {op.target for op in common.operations if isinstance(op, MountDevice)}
     edits = translate(common, hook_prefix)

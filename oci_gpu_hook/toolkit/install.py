@@ -9,6 +9,7 @@ What install writes, under --root (default /):
 | /etc/oci-gpu-hook/config.yaml | the default configuration, only when there is none |
 | /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
+| /usr/local/libexec/oci-gpu-hook/oci-gpu-hook | the launcher runtimes run (not when the RPM's is there) |
 | /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
 | /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
 | /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
@@ -32,6 +33,7 @@ import sys
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start import files, settings
 from oci_gpu_hook.start.inventory import host_path
+from oci_gpu_hook.toolkit import launcher
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
 HOOKS_D_DIR = "/etc/containers/oci/hooks.d"
@@ -64,14 +66,19 @@ class InstallError(HookError):
 
 
 def hook_command() -> list:
-    """argv prefix that runs this program from a runtime: the installed executable when there
-    is one, else the running console script, else this interpreter with the package."""
-    if os.access(INSTALLED_PATH, os.X_OK):
+    """argv prefix that runs this program from a runtime: the RPM's /usr/bin/oci-gpu-hook when it
+    is a launcher, else the launcher install writes for this interpreter and package (any other
+    way, a pip console script included, would start every container slower: launcher.py)."""
+    if launcher.is_launcher(INSTALLED_PATH) and os.access(INSTALLED_PATH, os.X_OK):
         return [INSTALLED_PATH]
-    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    if os.path.basename(script) == "oci-gpu-hook" and os.access(script, os.X_OK):
-        return [script]
-    return interpreter_command()
+    return [launcher.LAUNCHER]
+
+
+def installed_command() -> list:
+    """What a CDI spec's hook runs: the launcher when one is in place, else this interpreter with
+    the package (a spec generated before install, or by tests)."""
+    prefix = hook_command()
+    return prefix if os.access(prefix[0], os.X_OK) else interpreter_command()
 
 
 def interpreter_command() -> list:
@@ -128,19 +135,26 @@ def crio_dropin_text() -> str:
     )
 
 
+def _options(argv_prefix) -> list:
+    """The options in an argv prefix (its --config), after the program: a launcher's path, or
+    the interpreter command tests use."""
+    program = interpreter_command()
+    return list(argv_prefix[len(program):] if argv_prefix[: len(program)] == program else argv_prefix[1:])
+
+
 def docker_hook_text(argv_prefix) -> str:
     """The program dockerd runs as `nvidia-container-runtime-hook prestart` for `docker run --gpus`:
-    a host shell that hands its arguments (prestart) and stdin (the OCI state) to the hook."""
-    import shlex
-
-    command = " ".join(shlex.quote(a) for a in argv_prefix)
-    return (
-        "#!/bin/sh\n"
+    a launcher of this install (no shell in front of it), with argv_prefix's options."""
+    note = (
         f"{DOCKER_HOOK_MARKER}: dockerd runs the program of this name\n"
         "# (found on its PATH when it starts) for `docker run --gpus`; it gives the container its GPUs\n"
         "# with oci-gpu-hook. Removed by `oci-gpu-hook uninstall`.\n"
-        f'exec {command} "$@"\n'
     )
+    return launcher.for_this_install(_options(argv_prefix), note)
+
+
+def launcher_text() -> str:
+    return launcher.for_this_install(note="# Written by `oci-gpu-hook install`. Removed by `oci-gpu-hook uninstall`.\n")
 
 
 def config_text() -> str:
@@ -251,6 +265,8 @@ class Entry:
 
 def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False) -> list:
     entries = []
+    if argv_prefix[0] == launcher.LAUNCHER:
+        entries.append(Entry(launcher.LAUNCHER, launcher_text(), mode=0o755))
     if "podman" in runtimes or "crio" in runtimes:
         entries.append(Entry(HOOKS_D_FILE, hooks_d_text(argv_prefix)))
     if "crio" in runtimes:
@@ -351,6 +367,8 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
     entries = planned(runtimes, argv_prefix, node_services, device_plugin)
+    if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
+        launcher.check_trusted()  # what runs as root at every start must be root's alone
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
         path = host_path(root, entry.path)

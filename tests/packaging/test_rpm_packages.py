@@ -108,7 +108,11 @@ def test_packaged_console_script_runs(rpms, pk, tmp_path):
     root = pk.extract_rpm(rpms["main"], str(tmp_path / "main"))
     script = os.path.join(root, "usr/bin/oci-gpu-hook")
     with open(script) as f:
-        assert f.readline().startswith("#!/usr/bin/python3")
+        assert f.readline() == "#!/usr/bin/python3 -IS\n"  # the launcher (toolkit/launcher.py)
+    from oci_gpu_hook.toolkit import launcher
+
+    with open(script) as f:
+        assert f.read() == launcher.text("/usr/bin/python3", SITELIB)
     env = dict(os.environ, PYTHONPATH=os.path.join(root, SITELIB[1:]))
     proc = subprocess.run([sys.executable, script, "--version"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "0.1.0" in proc.stdout, proc

@@ -273,11 +273,16 @@ def proc_mask(*inside):
 
 CONTROL = dev("/dev/nvidiactl", 195, 255)
 UVM = dev("/dev/nvidia-uvm", UVM_MAJOR, 0) + dev("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)
-UTILITY_COMPUTE_FILES = [
+LDCACHE_LIB64 = "ldcache refresh /etc/ld.so.cache for /usr/lib64"
+# The libraries and the ld cache refresh come first: apply.py mounts the rest while ldconfig works.
+UTILITY_COMPUTE_LIBRARIES = [
     *library("/usr/lib64", "libcuda.so", "libcuda.so.1"),
     "symlink /usr/lib64/libcuda.so -> libcuda.so.1",
     *library("/usr/lib64", "libnvidia-ml.so", "libnvidia-ml.so.1"),
     *library("/usr/lib64", "libnvidia-ptxjitcompiler.so", "libnvidia-ptxjitcompiler.so.1"),
+    LDCACHE_LIB64,
+]
+UTILITY_COMPUTE_FILES = [
     bind("/usr/bin/nvidia-smi"),
     bind("/usr/bin/nvidia-persistenced"),
     bind("/usr/bin/nvidia-cuda-mps-control"),
@@ -285,7 +290,6 @@ UTILITY_COMPUTE_FILES = [
     bind("/var/run/nvidia-persistenced/socket", "ro,nosuid,nodev,noexec", note=" (if present)"),
     bind("/tmp/nvidia-mps", "nosuid,nodev,noexec", note=" (if present)"),
 ]
-LDCACHE_LIB64 = "ldcache refresh /etc/ld.so.cache for /usr/lib64"
 
 
 # --- the literal host itself ----------------------------------------------------------------------
@@ -319,12 +323,12 @@ def test_the_guard_catches_file_system_access():
 def test_one_gpu_default_capabilities_exact_plan():
     plan = plan_for("0")
     assert lines(plan) == [
+        *UTILITY_COMPUTE_LIBRARIES,
         *CONTROL,
         *UVM,
         *dev("/dev/nvidia1", 195, 1),  # GPU 0's minor, not its index
         *UTILITY_COMPUTE_FILES,
         *proc_mask("/proc/driver/nvidia/gpus/0000:07:00.0"),
-        LDCACHE_LIB64,
     ]
     assert plan.request.capabilities == {"utility", "compute"}
     assert selected(plan) == [(0, None)]
@@ -334,6 +338,7 @@ def test_mig_device_exact_plan():
     plan = plan_for("1:0")
     base = "/proc/driver/nvidia/capabilities/gpu2/mig/gi1"
     assert lines(plan) == [
+        *UTILITY_COMPUTE_LIBRARIES,
         *CONTROL,
         *UVM,
         *dev("/dev/nvidia2", 195, 2),
@@ -341,7 +346,6 @@ def test_mig_device_exact_plan():
         *dev("/dev/nvidia-caps/nvidia-cap283", CAPS_MAJOR, 283),
         *UTILITY_COMPUTE_FILES,
         *proc_mask("/proc/driver/nvidia/gpus/0000:3b:00.0", f"{base}/access", f"{base}/ci0/access"),
-        LDCACHE_LIB64,
     ]
     assert plan.to_json()["devices"] == [
         {"gpu_index": 1, "gpu_uuid": gpu_uuid(1), "mig_index": 0, "mig_uuid": mig_uuid(2, 0)}
@@ -350,7 +354,7 @@ def test_mig_device_exact_plan():
 
 def test_none_exact_plan_has_libraries_and_no_gpu():
     plan = plan_for("none")
-    assert lines(plan) == [*CONTROL, *UVM, *UTILITY_COMPUTE_FILES, *proc_mask(), LDCACHE_LIB64]
+    assert lines(plan) == [*UTILITY_COMPUTE_LIBRARIES, *CONTROL, *UVM, *UTILITY_COMPUTE_FILES, *proc_mask()]
     assert plan.devices == ()
 
 
@@ -358,11 +362,12 @@ def test_graphics_only_exact_plan_debian():
     plan = plan_for("2", "graphics", layout=DEBIAN)
     multiarch = "/usr/lib/x86_64-linux-gnu"
     assert lines(plan) == [
-        *CONTROL,
-        *dev("/dev/nvidia0", 195, 0),
         *library(multiarch, "libGLX_nvidia.so", "libGLX_nvidia.so.0"),
         f"symlink {multiarch}/libGLX_indirect.so.0 -> libGLX_nvidia.so.{VERSION}",
         *library(multiarch, "libnvidia-glcore.so"),  # its SONAME is its name: no link
+        f"ldcache refresh /etc/ld.so.cache for {multiarch}",
+        *CONTROL,
+        *dev("/dev/nvidia0", 195, 0),
         bind(f"/lib/firmware/nvidia/{VERSION}/gsp_ga10x.bin"),  # firmware, whatever the capabilities
         bind("/usr/share/glvnd/egl_vendor.d/10_nvidia.json"),
         bind("/etc/vulkan/icd.d/nvidia_icd.json"),
@@ -373,13 +378,12 @@ def test_graphics_only_exact_plan_debian():
         '"rules": [{"pattern": [], "profile": "_container_"}]}',
         "remount /etc/nvidia/nvidia-application-profiles-rc.d [ro,nosuid,nodev,noexec]",
         *proc_mask("/proc/driver/nvidia/gpus/0000:af:00.0"),
-        f"ldcache refresh /etc/ld.so.cache for {multiarch}",
     ]
 
 
 def test_operations_serialise_with_their_type():
     plan = plan_for("0")
-    first = plan.to_json()["operations"][0]
+    (first,) = [op for op in plan.to_json()["operations"] if op["op"] == "MountDevice"][:1]
     assert first == {
         "op": "MountDevice",
         "source": f"{DEV_ROOT}/dev/nvidiactl",
@@ -664,6 +668,12 @@ def test_each_target_once_and_a_rule_per_device_node(value, caps, layout):
     for i, op in enumerate(ops):
         if type(op) is MountDevice:  # each rule right after its node
             assert ops[i + 1] == DeviceRule(op.major, op.minor)
+    # ldconfig works while the rest is mounted (apply.py): every library and library link is made
+    # before the refresh, and nothing after it is in a directory it indexes.
+    (refresh,) = [i for i, op in enumerate(ops) if type(op) is RefreshLdcache]
+    indexed = set(ops[refresh].directories)
+    assert all(os.path.dirname(op.target) not in indexed for op in ops[refresh + 1 :] if hasattr(op, "target"))
+    assert {os.path.dirname(op.target) for op in ops[:refresh]} == indexed
 
 
 def test_two_mig_devices_of_one_gpu_share_its_node():

@@ -2,12 +2,14 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import jsonschema
 import pytest
 
 from oci_gpu_hook.errors import HookError
-from oci_gpu_hook.toolkit import install
+from oci_gpu_hook.toolkit import install, launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PREFIX = ["/usr/bin/oci-gpu-hook"]
@@ -148,8 +150,10 @@ def test_docker_round_trip_and_the_program(root):
     assert f"wrote {program}" in lines
     assert os.stat(program).st_mode & 0o777 == 0o755
     text = open(program).read()
-    assert text.startswith("#!/bin/sh\n") and install.DOCKER_HOOK_MARKER in text
-    assert text.rstrip().endswith('exec /usr/bin/oci-gpu-hook --config /etc/gpu/config.yaml "$@"')
+    # A launcher of this install itself, no shell in front of it (toolkit/launcher.py).
+    assert text.startswith(f"#!{sys.executable} -IS\n") and install.DOCKER_HOOK_MARKER in text
+    assert launcher.is_launcher(program)
+    assert text.rstrip().endswith("sys.exit(main(options=['--config', '/etc/gpu/config.yaml']))")
     assert install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"]) == []
     install.uninstall(root)
     assert snapshot(root) == before
@@ -157,13 +161,10 @@ def test_docker_round_trip_and_the_program(root):
 
 def test_the_docker_program_hands_over_its_arguments(root):
     """What dockerd runs (`nvidia-container-runtime-hook prestart`) reaches the hook's own command
-    line: shown here with --version, which needs no container."""
-    import subprocess
-    import sys
-
+    line: shown here with --version, which needs no container, run from an empty environment."""
     install.install(root, ("docker",), [sys.executable, "-I", "-m", "oci_gpu_hook"])
-    out = subprocess.run([root + install.DOCKER_HOOK, "--version"], capture_output=True, text=True,
-                         env={"PYTHONPATH": REPO}, cwd=REPO)  # fmt: skip
+    out = subprocess.run([root + install.DOCKER_HOOK, "--version"], capture_output=True, text=True, env={},
+                         cwd="/")  # fmt: skip
     assert out.returncode == 0 and "oci-gpu-hook" in out.stdout, out.stderr
 
 

@@ -237,62 +237,128 @@ def flatten_conf(rootfs) -> tuple[str, list[str]]:
 
 def build_cache(rootfs_fd: int, conf: str, directories, timeout: float = 20.0, sources=None) -> bytes:
     """Run the host's ldconfig in the sandbox over the rootfs open at rootfs_fd; returns the new
-    ld.so.cache. fork and execve by hand rather than subprocess: the hook already runs in a
-    single-threaded child, and subprocess (with locale and re) would cost ~5 ms of imports."""
-    exe = _open_ldconfig(sources)
-    out = None
-    try:
+    ld.so.cache."""
+    return Sandbox(rootfs_fd, conf, directories, timeout, sources).result()
+
+
+class Sandbox:
+    """The host's ldconfig running in the sandbox over the rootfs open at rootfs_fd, started at
+    construction: the caller may do other work (mount what ldconfig does not read) and collect
+    the cache with result(), or stop it with cancel() (idempotent; after result() too).
+
+    fork and execve by hand rather than subprocess: the hook already runs in a single-threaded
+    child, and subprocess (with locale and re) would cost ~5 ms of imports."""
+
+    def __init__(self, rootfs_fd: int, conf: str, directories, timeout: float = 20.0, sources=None):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.pid = None
+        self.out = None
+        self.exe = _open_ldconfig(sources)
         try:
-            out = _linux.fsmount_new(
-                "tmpfs",
-                {"mode": "0700", "uid": str(SANDBOX_ID), "gid": str(SANDBOX_ID), "size": str(MAX_CACHE_BYTES * 2),
-                 "nr_inodes": "16"},
-                _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC,
-            )  # fmt: skip
-        except OSError as e:
-            needs = " (it needs Linux 5.12 or newer)" if e.errno == errno.ENOSYS else ""
-            raise LdconfigError(f"cannot make the ldconfig sandbox{needs}: {e.strerror}") from None
-        conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=out)
-        with os.fdopen(conf_fd, "w") as f:
-            f.write(conf)
-        argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
-        _run_sandboxed(exe, argv, rootfs_fd, out, timeout)
-        return _read_cache(out)
-    finally:
-        os.close(exe)
-        if out is not None:
-            os.close(out)
+            try:
+                self.out = _linux.fsmount_new(
+                    "tmpfs",
+                    {"mode": "0700", "uid": str(SANDBOX_ID), "gid": str(SANDBOX_ID), "size": str(MAX_CACHE_BYTES * 2),
+                     "nr_inodes": "16"},
+                    _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC,
+                )  # fmt: skip
+            except OSError as e:
+                needs = " (it needs Linux 5.12 or newer)" if e.errno == errno.ENOSYS else ""
+                raise LdconfigError(f"cannot make the ldconfig sandbox{needs}: {e.strerror}") from None
+            conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self.out)
+            with os.fdopen(conf_fd, "w") as f:
+                f.write(conf)
+            argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
+            self.pid, self.errors = _start_sandboxed(self.exe, argv, rootfs_fd, self.out)
+        except BaseException:
+            self._release()
+            raise
+
+    def result(self) -> bytes:
+        """Wait for ldconfig (killing it past the timeout) and return the cache it wrote."""
+        try:
+            code, errors = self._wait()
+            if code != 0:
+                lines = errors.decode("utf-8", "replace").strip().splitlines()
+                raise LdconfigError(f"ldconfig failed: {lines[-1] if lines else f'exit status {code}'}")
+            return _read_cache(self.out)
+        finally:
+            self.cancel()
+
+    def _wait(self):
+        """(exit status, stderr) of ldconfig; LdconfigError past the deadline (result() then
+        kills it). poll() on its stderr wakes us the moment it exits (the pipe closes), with no
+        sleeping loop."""
+        import select
+
+        chunks = []
+        poller = select.poll()
+        poller.register(self.errors, select.POLLIN | select.POLLHUP)
+        while True:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise LdconfigError(f"ldconfig did not finish within {self.timeout:.0f} s")
+            if not poller.poll(left * 1000):
+                continue
+            chunk = os.read(self.errors, 1 << 16)
+            if not chunk:  # the child's end closed: it has exited (or exec failed and it is exiting)
+                break
+            chunks.append(chunk)
+        # Reaped and forgotten as one step: a deadline's signal between the two would have
+        # cancel() kill a pid that may belong to someone else by then.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        try:
+            _, status = os.waitpid(self.pid, 0)
+            self.pid = None
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
+        return os.waitstatus_to_exitcode(status), b"".join(chunks)[-4096:]
+
+    def cancel(self) -> None:
+        if self.pid is not None:
+            pid, self.pid = self.pid, None
+            os.kill(pid, signal.SIGKILL)  # pid 1 of its namespace: whatever it started dies with it
+            os.waitpid(pid, 0)
+        self._release()
+
+    def _release(self) -> None:
+        for name in ("exe", "out", "errors"):
+            fd = getattr(self, name, None)
+            if fd is not None:
+                setattr(self, name, None)
+                os.close(fd)
 
 
-def _run_sandboxed(exe: int, argv, rootfs_fd: int, out: int, timeout: float) -> None:
+def _start_sandboxed(exe: int, argv, rootfs_fd: int, out: int):
+    """(pid, read end of its stderr) of the sandboxed ldconfig, started."""
     read_fd, write_fd = os.pipe()
     # The child is pid 1 of a new PID namespace: it can neither see nor signal anything else, and
     # whatever it leaves running dies with it. Only the child goes there: our own PID namespace
     # for later children is restored right after the fork.
-    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        _linux.unshare(_linux.CLONE_NEWPID)
+        own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    _sandbox_child(exe, argv, rootfs_fd, out, write_fd)
-                except BaseException as e:
-                    os.write(write_fd, f"cannot start ldconfig: {e}\n".encode())
-                finally:
-                    os._exit(127)
+            _linux.unshare(_linux.CLONE_NEWPID)
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        _sandbox_child(exe, argv, rootfs_fd, out, write_fd)
+                    except BaseException as e:
+                        os.write(write_fd, f"cannot start ldconfig: {e}\n".encode())
+                    finally:
+                        os._exit(127)
+            finally:
+                _linux.setns(own_pid_ns, _linux.CLONE_NEWPID)
         finally:
-            _linux.setns(own_pid_ns, _linux.CLONE_NEWPID)
-    finally:
-        os.close(own_pid_ns)
-    os.close(write_fd)
-    try:
-        code, errors = _wait(pid, read_fd, timeout)
-    finally:
+            os.close(own_pid_ns)
+    except BaseException:
         os.close(read_fd)
-    if code != 0:
-        lines = errors.decode("utf-8", "replace").strip().splitlines()
-        raise LdconfigError(f"ldconfig failed: {lines[-1] if lines else f'exit status {code}'}")
+        raise
+    finally:
+        os.close(write_fd)
+    return pid, read_fd
 
 
 def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int) -> None:
@@ -342,50 +408,37 @@ def _read_cache(out: int) -> bytes:
     return data
 
 
-def _wait(pid: int, read_fd: int, timeout: float):
-    """(exit status, stderr) of the child, killing it past the timeout. poll() on its stderr wakes
-    us the moment it exits (the pipe closes), with no sleeping loop."""
-    import select
-
-    deadline = time.monotonic() + timeout
-    chunks = []
-    poller = select.poll()
-    poller.register(read_fd, select.POLLIN | select.POLLHUP)
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise LdconfigError(f"ldconfig did not finish within {timeout:.0f} s")
-            if not poller.poll(left * 1000):
-                continue
-            chunk = os.read(read_fd, 1 << 16)
-            if not chunk:  # the child's end closed: it has exited (or exec failed and it is exiting)
-                break
-            chunks.append(chunk)
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status), b"".join(chunks)[-4096:]
-    except BaseException:
-        os.kill(pid, signal.SIGKILL)  # on our timeout, or the hook's deadline firing meanwhile
-        os.waitpid(pid, 0)
-        raise
-
-
 # --- the whole step --------------------------------------------------------------------------
+
+
+class Refresh:
+    """The whole step, started (ldconfig at work in its sandbox) and finished apart, so that the
+    hook can mount what ldconfig does not index meanwhile. The undo log stops a started ldconfig
+    whatever happens (undo.on_close)."""
+
+    def __init__(self, rootfs, directories, undo, timeout: float = 20.0, sources=None):
+        self.rootfs, self.undo = rootfs, undo
+        conf, self.notes = flatten_conf(rootfs)
+        try:
+            self.etc = undo.keep_fd(rootfs.ensure_dir("/etc", undo))
+        except OSError as e:
+            raise LdconfigError(f"/etc in the container: {e.strerror or e}") from None
+        self.sandbox = Sandbox(rootfs.fd, conf, directories, timeout, sources)
+        undo.on_close.append(self.sandbox.cancel)
+
+    def finish(self) -> list[str]:
+        """Install the new cache (recorded in the undo log); returns the notes (image
+        configuration files that were ignored)."""
+        data = self.sandbox.result()
+        try:
+            self.rootfs.replace_file("/etc", self.etc, "ld.so.cache", data, 0o644, self.undo)
+        except OSError as e:
+            raise LdconfigError(f"cannot install /etc/ld.so.cache in the container: {e.strerror or e}") from None
+        return self.notes
 
 
 def refresh(rootfs, directories, undo, timeout: float = 20.0, sources=None) -> list[str]:
     """Rebuild /etc/ld.so.cache of the rootfs (a rootfs.Rootfs) for directories; the change is
     recorded in undo. Returns notes (image configuration files that were ignored). sources: a
     HostSources to open the host's ldconfig with (the hook's, which has walked /usr already)."""
-    conf, notes = flatten_conf(rootfs)
-    try:
-        etc = undo.keep_fd(rootfs.ensure_dir("/etc", undo))
-    except OSError as e:
-        raise LdconfigError(f"/etc in the container: {e.strerror or e}") from None
-    data = build_cache(rootfs.fd, conf, directories, timeout, sources)
-    try:
-        rootfs.replace_file("/etc", etc, "ld.so.cache", data, 0o644, undo)
-    except OSError as e:
-        raise LdconfigError(f"cannot install /etc/ld.so.cache in the container: {e.strerror or e}") from None
-    return notes
-
+    return Refresh(rootfs, directories, undo, timeout, sources).finish()

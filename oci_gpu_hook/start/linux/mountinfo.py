@@ -18,6 +18,8 @@ class Mount:
 
 def unescape(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as \\ooo (octal)."""
+    if "\\" not in field:
+        return field  # nearly every field: no copy, character by character
     out, i = [], 0
     while i < len(field):
         if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
