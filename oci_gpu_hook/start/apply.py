@@ -1,20 +1,41 @@
-"""Carry out a plan inside the container, all or nothing: the parent's side of two processes.
+"""Carry out a plan inside the container, all or nothing.
 
-start() forks a single-threaded child (applier.py) as soon as the container is known to want
-GPUs: while this process finds the inventory and builds the plan, the child loads what mounting
-needs, joins the container's mount namespace and checks it (on another CPU when there is one).
-send() hands it the plan, or abort() tells it there is none; result() waits for its verdict.
-The child rolls every change back itself before it reports a failure; the parent only waits
-and relays, and kills it if it outlives the deadline.
+A forked, single-threaded child joins the container's mount namespace (through a pidfd, so a
+recycled pid cannot redirect it), performs the operations in plan order, and records an undo
+action for each change. Any error, or the deadline passing, rolls every change back in reverse
+order before the child reports. The parent only waits and relays the child's verdict.
 """
 
 from __future__ import annotations
 
 import _signal as signal  # the C core of signal: the same calls, without its enum wrappers (~5 ms)
+import errno
 import marshal
 import os
+import stat
+import time
 
 from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.start.linux import _linux, cgroups, labels, ldconfig
+from oci_gpu_hook.start.linux.journal import Journal, journal_directory
+from oci_gpu_hook.start.linux.rootfs import Rootfs, UndoLog
+from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
+from oci_gpu_hook.start.plan import (
+    BindMount,
+    CopyFile,
+    DeviceRule,
+    MountDevice,
+    MountTmpfs,
+    Operation,
+    Plan,
+    RefreshLdcache,
+    Remount,
+    Symlink,
+    WriteFile,
+)
+from oci_gpu_hook.start.settings import Settings
+from oci_gpu_hook.start.spec import Spec
+from oci_gpu_hook.start.state import ContainerState
 
 FAULT_ENV = "OCI_GPU_HOOK_FAULT_AT"  # tests: fail the Nth operation (set only in the hook's own env)
 _GRACE_SECONDS = 5.0
@@ -28,121 +49,464 @@ class DeadlineExceeded(ApplyError):
     pass
 
 
-def on_deadline(signum, frame):
+def _fd_path(fd: int) -> str:
+    return f"/proc/self/fd/{fd}"
+
+
+class _no_deadline_between:
+    """Holds the deadline's SIGALRM back while a change is made and its undo recorded: raised
+    between the two, the change would stay with nothing to undo it. A signal that came meanwhile
+    is delivered on leaving, and the rollback then includes the change."""
+
+    _ALARM = {signal.SIGALRM}
+
+    def __enter__(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, self._ALARM)
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self._ALARM)
+        return False
+
+
+class Applier:
+    """The child's side: executes operations against the rootfs, keeps the undo log."""
+
+    def __init__(self, plan: Plan, state: ContainerState, spec: Spec, settings: Settings, rootfs: Rootfs):
+        self.plan = plan
+        self.state = state
+        self.spec = spec
+        self.settings = settings
+        self.rootfs = rootfs
+        self.undo = UndoLog()
+        self.sources = HostSources()
+        self.undo.on_close.append(self.sources.close)
+        self._mounts: dict[str, int] = {}  # target -> descriptor of the hook's mount there
+        self.skipped: list[str] = []
+        self._skipped_trees: list[str] = []
+        self._cgroup_dir: str | None = None
+        self._cgroup_mode: str | None = None
+        self._v2_done = False
+        self._v1_list: str | None = None  # devices.list as it was before the first rule
+        self._ldcache = None  # ldconfig.Refresh under way while the plan's later operations run
+        self.timings: dict[str, float] = {}  # milliseconds, for the log record (docs/performance.md)
+        fault, _, how = os.environ.get(FAULT_ENV, "").partition(":")
+        self.fault_at = int(fault) if fault.isdigit() else None
+        self.fault_kill = how == "kill"  # N:kill: SIGKILL the child there, as a runtime's timeout would
+
+    def run(self) -> None:
+        if any(isinstance(op, DeviceRule) for op in self.plan.operations):
+            # Found before the first mount: the container's mountinfo, which says where its
+            # cgroup is, grows with every mount the hook makes.
+            self._cgroup()
+        for number, op in enumerate(self.plan.operations, 1):
+            if self.fault_at == number:
+                if self.fault_kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise ApplyError(f"operation {number} ({op.describe()}): injected fault")
+            target = getattr(op, "target", None)
+            if target and any(target == t or target.startswith(t + "/") for t in self._skipped_trees):
+                self.skipped.append(op.describe())
+                continue
+            try:
+                getattr(self, "do_" + type(op).__name__)(op)
+            except OSError as e:
+                raise ApplyError(f"{op.describe()}: {e.strerror or e}") from None
+        if self._ldcache is not None:
+            waited = time.perf_counter()
+            self.skipped.extend(self._ldcache.finish())
+            done = time.perf_counter()
+            self.timings["ldconfig_wait"] = (done - waited) * 1e3  # what the overlap did not hide
+            self.timings["ldconfig"] = (done - self._ldcache.started) * 1e3
+
+    # --- mounts -------------------------------------------------------------------------------
+
+    def _mount_on(self, target: str, target_fd: int, mount) -> int:
+        """Run mount() onto target_fd; returns a descriptor of the new mount, whose unmount is in
+        the undo log before anything else can fail.
+
+        The new mount is found as its name in the parent directory's descriptor, taken before
+        mounting, never by walking the path again: a rootfs that changes meanwhile (a directory
+        swapped for a symlink) could make a second walk fail, and the mount would stay behind."""
+        parent, name = os.path.split(target.rstrip("/"))
+        parent_fd = self.undo.keep_fd(self.rootfs.open(parent or "/"))
+        entry, got = os.stat(name, dir_fd=parent_fd, follow_symlinks=False), os.fstat(target_fd)
+        if (entry.st_dev, entry.st_ino) != (got.st_dev, got.st_ino):
+            raise ApplyError(f"{target}: the rootfs changed while the hook was mounting (a race?)")
+        where = f"{_fd_path(parent_fd)}/{name}"  # the topmost mount on that entry: ours
+        flags = _linux.MNT_DETACH | _linux.UMOUNT_NOFOLLOW
+        with _no_deadline_between():
+            mount()
+            self.undo.add(f"unmount {target}", lambda: _linux.umount2(where, flags))
+        mounted = self.undo.keep_fd(os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd))
+        self._mounts[target] = mounted
+        return mounted
+
+    def _bind(self, source_fd: int, target_fd: int, op) -> None:
+        """Bind the host file open at source_fd (checked by HostSources) onto target_fd."""
+        mounted = self._mount_on(
+            op.target, target_fd, lambda: _linux.mount(_fd_path(source_fd), _fd_path(target_fd), None, _linux.MS_BIND)
+        )
+        src, got = os.fstat(source_fd), os.fstat(mounted)
+        if (src.st_dev, src.st_ino) != (got.st_dev, got.st_ino):
+            raise ApplyError(f"{op.target}: the mounted file is not {op.source} (the rootfs changed during the mount)")
+        flags = _linux.MS_REMOUNT | _linux.MS_BIND | _linux.mount_flags(op.flags)
+        _linux.mount(None, _fd_path(mounted), None, flags)
+        _linux.mount(None, _fd_path(mounted), None, _linux.MS_PRIVATE)
+
+    def _bind_new(self, source_fd: int, op, directory: bool, device=None) -> None:
+        """Bind source onto op.target, a target made (if missing) with the source's mode."""
+        mode = stat.S_IMODE(os.fstat(source_fd).st_mode)
+        fd = self.rootfs.ensure_target(op.target, directory, mode, self.undo, device=device)
+        try:
+            self._bind(source_fd, fd, op)
+        finally:
+            os.close(fd)
+
+    def _source(self, op, kind: str):
+        """The checked host source of op, or None when an optional one is absent or untrusted
+        (skipped, and said in the log record); a required one that fails stops the start."""
+        try:
+            return self.sources.open(op.source, kind)
+        except FileNotFoundError:
+            if getattr(op, "optional", False):
+                self.skipped.append(op.describe())
+                return None
+            raise ApplyError(f"{op.source}: missing on the host (run `oci-gpu-hook inventory refresh`)") from None
+        except UntrustedSource as e:
+            if getattr(op, "optional", False):
+                self.skipped.append(f"{op.describe()}: not used: {e.why}")
+                return None
+            raise ApplyError(f"{e}: refusing to mount it into containers") from None
+
+    def do_MountDevice(self, op: MountDevice) -> None:
+        fd = self._source(op, "char")
+        try:
+            st = os.fstat(fd)
+            if (os.major(st.st_rdev), os.minor(st.st_rdev)) != (op.major, op.minor):
+                raise ApplyError(f"{op.source}: not char device {op.major}:{op.minor} (the host's device node changed)")
+            self._bind_new(fd, op, False, device=(op.major, op.minor))
+        finally:
+            os.close(fd)
+
+    def do_BindMount(self, op: BindMount) -> None:
+        fd = self._source(op, op.kind)
+        if fd is not None:
+            try:
+                self._bind_new(fd, op, op.kind == "dir")
+            finally:
+                os.close(fd)
+
+    def do_MountTmpfs(self, op: MountTmpfs) -> None:
+        try:
+            fd = self.rootfs.open(op.target)
+        except FileNotFoundError:
+            if op.optional:  # the plan's decision (see MountTmpfs): skip it and what goes inside
+                self._skipped_trees.append(op.target)
+                self.skipped.append(op.describe())
+                return
+            fd = self.rootfs.ensure_dir(op.target, self.undo)
+        labeler = self.rootfs.labeler
+        options = f"mode={op.mode:04o}" + (labeler.tmpfs_option() if labeler else "")
+        try:
+            flags = _linux.mount_flags(op.flags)
+            self._mount_on(op.target, fd, lambda: _linux.mount("tmpfs", _fd_path(fd), "tmpfs", flags, options))
+        finally:
+            os.close(fd)
+
+    def do_CopyFile(self, op: CopyFile) -> None:
+        source = self._source(op, "file")
+        try:
+            reader = os.open(_fd_path(source), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        finally:
+            os.close(source)
+        with open(reader, "rb") as f:
+            lines = f.read(1 << 20).decode("utf-8", "replace").splitlines(keepends=True)
+        for prefix, replacement in op.rewrite:
+            lines = [replacement + "\n" if line.startswith(prefix) else line for line in lines]
+        self._write_new(op.target, "".join(lines).encode(), 0o444)
+
+    def do_WriteFile(self, op: WriteFile) -> None:
+        self._write_new(op.target, op.content.encode(), op.mode)
+
+    def _write_new(self, target: str, data: bytes, mode: int) -> None:
+        """A new file at target (O_EXCL: nothing the image put there is written through)."""
+        parent, name = os.path.split(target)
+        parent_fd = self.undo.keep_fd(self.rootfs.ensure_dir(parent, self.undo))
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd)
+        self.undo.add(f"remove file {target}", lambda: os.unlink(name, dir_fd=parent_fd))
+        self.rootfs.created(parent_fd, name)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    def do_Remount(self, op: Remount) -> None:
+        # The hook's own mount at the target, through its descriptor, and always with MS_BIND: a
+        # remount without it would reconfigure the whole filesystem, for the host too.
+        fd = self._mounts.get(op.target)
+        if fd is None:
+            raise ApplyError(f"{op.target}: the hook mounted nothing there to remount")
+        remount = _linux.MS_REMOUNT | _linux.MS_BIND
+        _linux.mount(None, _fd_path(fd), None, remount | _linux.mount_flags(op.flags))
+        # Writable again on rollback, so that what was made inside it can be removed in order.
+        writable = _linux.mount_flags(f for f in op.flags if f != "ro")
+        path = _fd_path(fd)
+        self.undo.add(f"remount {op.target} writable", lambda: _linux.mount(None, path, None, remount | writable))
+
+    def do_Symlink(self, op: Symlink) -> None:
+        if self.rootfs.ensure_symlink(op.target, op.value, self.undo) == "kept":
+            self.skipped.append(op.describe() + " (the image's own file kept)")
+
+    # --- cgroups and ld cache -----------------------------------------------------------------
+
+    def _cgroup(self):
+        """(mode, directory): mode v1, v2 or off, as the settings and the container's cgroup say."""
+        if self._cgroup_mode is None:
+            wanted = self.settings.cgroups
+            if wanted == "off":
+                self._cgroup_mode = "off"
+                return self._cgroup_mode, None
+            text = cgroups.read_cgroup_file(self.state.pid)
+            found = cgroups.detect_version(text)
+            # auto follows the devices controller (v1 where it is mounted, as runc does on hybrid
+            # hosts); an explicit v1 or v2 is taken as said, if the container has such a cgroup.
+            mode = found if wanted == "auto" else wanted
+            if mode == "none":
+                raise ApplyError("the container is in no device cgroup; set 'cgroups: off' to skip device rules")
+            with open("/proc/self/mountinfo") as f:
+                mountinfo = f.read()
+            if mode == "v1":
+                directory = cgroups.v1_devices_path(text, mountinfo)
+            else:
+                directory = cgroups.v2_path(text, mountinfo)
+            if directory is None:
+                raise ApplyError(
+                    f"the {mode} device cgroup of pid {self.state.pid} is not mounted where the hook can see it"
+                )
+            self._cgroup_mode, self._cgroup_dir = mode, directory
+        return self._cgroup_mode, self._cgroup_dir
+
+    def do_DeviceRule(self, op: DeviceRule) -> None:
+        mode, directory = self._cgroup()
+        if mode == "off":
+            self.skipped.append(op.describe())
+        elif mode == "v1":
+            if self._v1_list is None:
+                self._v1_list = cgroups.read_v1(directory, "devices.list")
+            if cgroups.v1_granted(self._v1_list, op.major, op.minor, op.access):
+                return  # already allowed (the root cgroup, a privileged container): nothing to change
+            rule = cgroups.v1_rule(op.major, op.minor, op.access)
+            with _no_deadline_between():
+                cgroups.write_v1(directory, "devices.allow", rule)
+                self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
+        elif not self._v2_done:
+            # One eBPF program replacement for all the plan's devices: each load is verified by
+            # the kernel, so one per device would cost a GPU container milliseconds per GPU.
+            from oci_gpu_hook.start.linux import bpf
+
+            rules = [(r.major, r.minor, r.access) for r in self.plan.operations if isinstance(r, DeviceRule)]
+            with _no_deadline_between():
+                change = bpf.allow_devices(directory, rules)
+                self.undo.add(f"restore the device programs of {directory}", change.undo)
+            self.undo.on_close.append(change.close)
+            self._v2_done = True
+
+    def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
+        """Starts ldconfig; the operations after this one run while it works (the plan puts
+        them after: nothing ldconfig reads), and run() installs its cache at the end."""
+        remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)
+        started = time.perf_counter()
+        self._ldcache = ldconfig.Refresh(self.rootfs, op.directories, self.undo, timeout=remaining,
+                                         sources=self.sources)  # fmt: skip
+        self._ldcache.started = started
+
+
+def check_handlers(operations=None) -> None:
+    """Every operation type the plan can produce has its do_<Type> here (checked at import, so a
+    new operation without a handler fails every test, not a container start)."""
+    missing = [t.__name__ for t in operations or Operation.__subclasses__() if not hasattr(Applier, f"do_{t.__name__}")]
+    if missing:
+        raise ImportError(f"apply has no handler for {', '.join(missing)}")
+
+
+check_handlers()
+
+
+# --- the two processes --------------------------------------------------------------------------
+
+
+def _join_mount_namespace(pid: int) -> None:
+    try:
+        pidfd = _linux.pidfd_open(pid)
+    except OSError as e:
+        if e.errno == errno.ESRCH:
+            raise ApplyError(f"the container process {pid} does not exist (any more)") from None
+        pidfd = None  # kernels before 5.3: fall back to the procfs handle
+    if pidfd is not None:
+        try:
+            _linux.setns(pidfd, _linux.CLONE_NEWNS)
+            return
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: setns(pidfd) needs 5.8
+                raise ApplyError(f"cannot join the mount namespace of pid {pid}: {e.strerror}") from None
+        finally:
+            os.close(pidfd)
+    try:
+        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise ApplyError(f"cannot open the mount namespace of pid {pid}: {e.strerror}") from None
+    try:
+        _linux.setns(fd, _linux.CLONE_NEWNS)
+    finally:
+        os.close(fd)
+
+
+def _identity(path: str):
+    """(device, inode) of path in the hook's own namespace; None if it cannot be seen (then the
+    rootfs, looked up in the container's namespace, says why, after the pid was checked)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _mount_id(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    raise ApplyError("the kernel does not say which mount a file is on (no mnt_id in fdinfo)")
+
+
+def _check_is_the_container(pid: int, own_namespace: int, bundle_rootfs, rootfs: Rootfs) -> None:
+    """state.pid must be the container being created, not a host process (a runtime bug, or a
+    pid reused): mounting into the hook's own namespace would change the host's mount table. So
+    the pid's mount namespace is another one, and in it the bundle's rootfs is a mount point (the
+    runtime bind-mounts it onto itself before pivot_root) of the same directory the bundle names.
+    Nothing has been changed yet when this fails."""
+    what = f"pid {pid} is not the container of this bundle"
+    if os.stat("/proc/self/ns/mnt").st_ino == own_namespace:
+        raise ApplyError(f"{what}: it shares the hook's own mount namespace; nothing was changed")
+    st = os.fstat(rootfs.fd)
+    if (st.st_dev, st.st_ino) != bundle_rootfs:
+        raise ApplyError(f"{what}: its {rootfs.path} is another directory; nothing was changed")
+    parent = os.open("..", os.O_PATH | os.O_CLOEXEC, dir_fd=rootfs.fd)
+    try:
+        if _mount_id(rootfs.fd) == _mount_id(parent):
+            raise ApplyError(f"{what}: {rootfs.path} is not a mount point in its namespace; nothing was changed")
+    finally:
+        os.close(parent)
+
+
+def _on_deadline(signum, frame):
     raise DeadlineExceeded("the hook's deadline passed; every change was rolled back")
 
 
-class Child:
-    """The applier child, started; exactly one of send() and abort() follows, then result()
-    (abort waits by itself)."""
-
-    def __init__(self, state, spec, settings, budget=None):
-        if state.pid is None:
-            raise ApplyError("the OCI state has no pid: the runtime must run the hook at prestart or createRuntime")
-        self.seconds = settings.deadline_seconds if budget is None else budget.remaining()
-        if self.seconds <= 0:
-            raise DeadlineExceeded("the hook's deadline passed before the container was changed; nothing was done")
-        plan_read, self.plan_fd = os.pipe()
-        self.report_fd, report_write = os.pipe()
+def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, seconds: float) -> dict:
+    signal.signal(signal.SIGALRM, _on_deadline)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    applier = None
+    keep_journal = False  # kept when something could not be undone: the next start finishes it
+    started = time.perf_counter()
+    try:
+        own_namespace = os.stat("/proc/self/ns/mnt").st_ino
+        bundle_rootfs = _identity(spec.rootfs)
+        _join_mount_namespace(state.pid)
+        os.chdir("/")
         try:
-            self.pid = os.fork()
+            rootfs = Rootfs(spec.rootfs, labels.labeler_for(spec.mount_label))
         except OSError as e:
-            for fd in (plan_read, self.plan_fd, self.report_fd, report_write):
-                os.close(fd)
-            raise ApplyError(f"cannot start the hook's child: {e.strerror}") from None
-        if self.pid == 0:  # the child: never returns into the caller's code
-            code = 1
+            raise ApplyError(f"{spec.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
+        _check_is_the_container(state.pid, own_namespace, bundle_rootfs, rootfs)
+        applier = Applier(plan, state, spec, settings, rootfs)
+        applier.undo.journal = Journal.start(journal_directory(settings.inventory_cache), rootfs)
+        ready = time.perf_counter()
+        applier.run()
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        applier.undo.commit()
+        timings = applier.timings
+        timings["setup"] = (ready - started) * 1e3  # join the namespace, the checks, the journal
+        timings["operations"] = (time.perf_counter() - ready) * 1e3 - timings.get("ldconfig_wait", 0.0)
+        return {"ok": True, "skipped": applier.skipped, "timings": timings}
+    except BaseException as e:
+        signal.setitimer(signal.ITIMER_REAL, 0)  # the rollback itself must not be interrupted
+        failures = applier.undo.rollback() if applier else []
+        keep_journal = bool(failures)
+        if isinstance(e, HookError):
+            return {"ok": False, "error": e.message, "exit_code": e.exit_code, "undo_failures": failures}
+        return {
+            "ok": False,
+            "error": f"internal error: {type(e).__name__}: {e}",
+            "exit_code": Exit.INTERNAL,
+            "undo_failures": failures,
+        }
+    finally:
+        if applier:
+            if applier.undo.journal:
+                applier.undo.journal.close(keep=keep_journal)
+            applier.undo.close()
+
+
+def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, budget=None, meanwhile=None) -> dict:
+    """Apply in a child; returns its report, or raises ApplyError (after the child's rollback).
+    The child gets what is left of the hook's budget (budget.Budget; all of deadline_seconds
+    without one), and the parent waits that long plus a grace for the child's rollback.
+    meanwhile: called in the parent while the child works (work that needs no result of it,
+    done on another CPU); what it raises is the caller's, after the child is waited for."""
+    if state.pid is None:
+        raise ApplyError("the OCI state has no pid: the runtime must run the hook at prestart or createRuntime")
+    seconds = settings.deadline_seconds if budget is None else budget.remaining()
+    if seconds <= 0:
+        raise DeadlineExceeded("the hook's deadline passed before the container was changed; nothing was done")
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        os.close(read_fd)
+        code = 0
+        try:
+            report = _child(plan, state, spec, settings, seconds)
+            code = 0 if report["ok"] else 1
+            os.write(write_fd, marshal.dumps(report))  # plain data, between two copies of this program
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    deadline = seconds + _GRACE_SECONDS
+    signal.signal(signal.SIGALRM, _on_deadline)
+    signal.setitimer(signal.ITIMER_REAL, deadline)
+    failed_meanwhile = None
+    try:
+        if meanwhile is not None:
             try:
-                os.close(self.plan_fd)
-                os.close(self.report_fd)
-                from oci_gpu_hook.start import applier
-
-                report = applier.run(plan_read, state, spec, settings, self.seconds)
-                code = 0 if report["ok"] else 1
-                os.write(report_write, marshal.dumps(report))  # plain data, between two copies of this program
-            finally:
-                os._exit(code)
-        os.close(plan_read)
-        os.close(report_write)
-
-    def send(self, plan) -> None:
-        """The plan's operations, as (type name, field values): marshal carries plain data only."""
-        data = memoryview(marshal.dumps([(type(op).__name__, op._values()) for op in plan.operations]))
-        try:
-            while data:
-                data = data[os.write(self.plan_fd, data) :]
-        except BrokenPipeError:
-            pass  # the child stopped already (its deadline, a failed check): result() says why
-        finally:
-            os.close(self.plan_fd)
-            self.plan_fd = None
-
-    def abort(self) -> None:
-        """No plan after all: the child undoes nothing (it changed nothing) and exits."""
-        if self.plan_fd is not None:
-            os.close(self.plan_fd)
-            self.plan_fd = None
-        try:
-            self._read_report(None)
-        except ApplyError:
-            pass
-
-    def result(self, meanwhile=None) -> dict:
-        """The child's report once it has finished, or ApplyError (after its rollback).
-        meanwhile: called while the child works (work that needs no result of it, done on
-        another CPU); what it raises is the caller's, after the child is waited for."""
-        report, failed_meanwhile = self._read_report(meanwhile)
-        if not report["ok"]:
-            failures = report["undo_failures"]
-            error = ApplyError(report["error"] + (f" (rollback incomplete: {'; '.join(failures)})" if failures else ""))
-            error.exit_code = report["exit_code"]
-            error.undo_failures = report["undo_failures"]
-            raise error
-        if failed_meanwhile is not None:
-            raise failed_meanwhile
-        return report
-
-    def _read_report(self, meanwhile):
-        # The child has the deadline; the parent waits that long plus a grace for its rollback.
-        signal.signal(signal.SIGALRM, on_deadline)
-        signal.setitimer(signal.ITIMER_REAL, self.seconds + _GRACE_SECONDS)
-        failed_meanwhile = None
-        try:
-            if meanwhile is not None:
-                try:
-                    meanwhile()
-                except DeadlineExceeded:
-                    raise  # the parent's own deadline: the child is killed below
-                except Exception as e:  # noqa: BLE001 - the child is waited for first, whatever happened
-                    failed_meanwhile = e
-            chunks = []
-            while True:
-                chunk = os.read(self.report_fd, 1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-            os.waitpid(self.pid, 0)
-        except DeadlineExceeded:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-            raise ApplyError("the hook's child did not finish in time and was killed; its changes may remain") from None
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            os.close(self.report_fd)
-        try:
-            return marshal.loads(b"".join(chunks)), failed_meanwhile
-        except (EOFError, ValueError, TypeError):
-            raise ApplyError("the hook's child died without a report") from None
-
-
-def start(state, spec, settings, budget=None) -> Child:
-    """Fork the applier child for this container (it gets what is left of the hook's budget:
-    budget.Budget; all of deadline_seconds without one)."""
-    return Child(state, spec, settings, budget)
-
-
-def apply(plan, state, spec, settings, budget=None, meanwhile=None) -> dict:
-    """Apply a plan made already: start, send, result."""
-    child = start(state, spec, settings, budget)
-    child.send(plan)
-    return child.result(meanwhile)
+                meanwhile()
+            except DeadlineExceeded:
+                raise  # the parent's own deadline: the child is killed below
+            except Exception as e:  # noqa: BLE001 - the child is waited for first, whatever happened
+                failed_meanwhile = e
+        chunks = []
+        while True:
+            chunk = os.read(read_fd, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        os.waitpid(pid, 0)
+    except DeadlineExceeded:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise ApplyError("the hook's child did not finish in time and was killed; its changes may remain") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        os.close(read_fd)
+    try:
+        report = marshal.loads(b"".join(chunks))
+    except (EOFError, ValueError, TypeError):
+        raise ApplyError("the hook's child died without a report") from None
+    if not report["ok"]:
+        error = ApplyError(
+            report["error"]
+            + ("" if not report["undo_failures"] else f" (rollback incomplete: {'; '.join(report['undo_failures'])})")
+        )
+        error.exit_code = report["exit_code"]
+        error.undo_failures = report["undo_failures"]
+        raise error
+    if failed_meanwhile is not None:
+        raise failed_meanwhile
+    return report

@@ -56,9 +56,10 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     """timings: milliseconds spent so far by step, for the log record (docs/performance.md
     explains them); each step adds its own."""
     clock = time.perf_counter()
-    from oci_gpu_hook.start import apply, request
+    from oci_gpu_hook.start import apply, inventory_cache, memory_limit, report, request
     from oci_gpu_hook.start.budget import Budget
     from oci_gpu_hook.start.linux import arch
+    from oci_gpu_hook.start.plan import build_plan
 
     timings["imports"] = _since(clock)
     clock = time.perf_counter()
@@ -68,21 +69,11 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     # Counted from the process start all the same; built only once the container asks for GPUs.
     budget = Budget(settings.deadline_seconds, age=None if started is None else time.monotonic() - started)
     arch.current()  # an unknown machine says so first, not through whatever fails next
-    # The child starts now: it loads what mounting needs, joins the container and checks it while
-    # this process reads the inventory and builds the plan (on another CPU where there is one).
-    child = apply.start(container, spec, settings, budget)
-    try:
-        from oci_gpu_hook.start import inventory_cache, memory_limit, report
-        from oci_gpu_hook.start.plan import build_plan
-
-        inventory = inventory_cache.load(settings, budget)
-        plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))
-        # Checked before anything changes: a bad limit fails the start with nothing to undo.
-        limits = memory_limit.resolve(spec.env, spec.annotations, settings.shared_gpu_memory_limit,
-                                      settings.node.replicas, plan.devices, spec.mounts)  # fmt: skip
-    except BaseException:
-        child.abort()
-        raise
+    inventory = inventory_cache.load(settings, budget)
+    plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))
+    # Checked before anything changes: a bad limit fails the start with nothing to undo.
+    limits = memory_limit.resolve(spec.env, spec.annotations, settings.shared_gpu_memory_limit,
+                                  settings.node.replicas, plan.devices, spec.mounts)  # fmt: skip
     timings["plan"] = _since(clock)
     clock = time.perf_counter()
     prepared = []
@@ -95,8 +86,7 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
         except OSError:
             pass  # built again afterwards, where a failure is said
 
-    child.send(plan)
-    result = child.result(meanwhile=prepare_record)
+    result = apply.apply(plan, container, spec, settings, budget, meanwhile=prepare_record)
     timings["apply"] = _since(clock)
     timings.update(("apply_" + k, v) for k, v in result.get("timings", {}).items())
     clock = time.perf_counter()

@@ -2,16 +2,16 @@
 
 import pytest
 
-from oci_gpu_hook.start import applier, plan
+from oci_gpu_hook.start import apply, plan
 
 
 def test_every_operation_has_a_handler_in_apply():
     """apply checks at import that each Operation type has a do_<Type>; a new type without one
     is refused."""
-    applier.check_handlers()  # the real ones
+    apply.check_handlers()  # the real ones
 
     class Teleport(plan.Operation):
         __slots__ = ()
 
     with pytest.raises(ImportError, match="no handler for Teleport"):
-        applier.check_handlers([Teleport])
+        apply.check_handlers([Teleport])
