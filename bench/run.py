@@ -7,9 +7,16 @@ state hits every case alike:
   (utility+compute), 8 GPUs with all capabilities, and a MIG device, on a simulated 8-GPU host;
 - the hook alone for the same cases: the non-GPU case from its state, the GPU cases against a
   fresh live container each time (a process in its own mount namespace and devices cgroup;
-  setting it up is not timed).
+  setting it up is not timed);
+- the 1-GPU case with the hook installed the other ways (bench/install_ways.py): a venv and
+  `pip install --user`, each wired by its own `oci-gpu-hook install`, as podman's hooks.d file and
+  Docker's nvidia-container-runtime-hook run it, and the venv's console script for comparison.
 The hook runs from a regular install (not the developer's editable one, whose import hook costs
-every Python start ~15 ms), launched like an installed /usr/bin/oci-gpu-hook: `python3 -I`.
+every Python start ~15 ms), launched like an installed /usr/bin/oci-gpu-hook: `python3 -IS`.
+Then, each in rounds of its own after a warm-up round:
+- `docker run` with and without `--gpus 1` with Debian's dockerd (bench/docker.py; --docker-runs);
+- 50 GPU containers started at once under runc: each start's time and the whole's
+  (bench/concurrent_starts.py; --concurrent-rounds).
 Writes bench/results.json and prints a table; docs/performance.md explains the results.
 """
 
@@ -27,7 +34,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(1, os.path.join(REPO, "tests"))  # tests/dockercheck.py runs dockerd
 
+import breakdown  # noqa: E402
+import concurrent_starts  # noqa: E402
+import docker  # noqa: E402
+import install_ways  # noqa: E402
 import node  # noqa: E402
 
 from oci_gpu_hook.toolkit import containers, launcher  # noqa: E402
@@ -88,7 +100,8 @@ def timed(argv, stdin=None, measure_rss=False):
 class LiveContainer:
     """A process in its own mount namespace and a fresh deny-all devices cgroup: what the hook sees."""
 
-    def __init__(self, bundle: str, n: int):
+    def __init__(self, bundle: str, n: int, case: str = ""):
+        """case: in the container's id, so that the hook's log records can be told apart by case."""
         self.cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-bench-{os.getpid()}-{n}")
         os.mkdir(self.cgroup)
         self.proc = containers.hold_namespace(os.path.join(bundle, "rootfs"), 60)
@@ -97,7 +110,8 @@ class LiveContainer:
         with open(os.path.join(self.cgroup, "devices.deny"), "w") as f:
             f.write("a")
         self.state = json.dumps(
-            {"ociVersion": "1.0.2", "id": f"bench{n}", "status": "creating", "pid": self.proc.pid, "bundle": bundle}
+            {"ociVersion": "1.0.2", "id": f"bench-{case}-{n}", "status": "creating", "pid": self.proc.pid,
+             "bundle": bundle}  # fmt: skip
         ).encode()
 
     def close(self):
@@ -111,15 +125,19 @@ class LiveContainer:
                 time.sleep(0.02)
 
 
-def summary(samples, rss):
+def summary(samples, rss=None):
+    """Median and p95 of timed's results, with the peak RSS when one was measured."""
     times = sorted(s[0] for s in samples)
     p95 = times[min(len(times) - 1, int(round(0.95 * (len(times) - 1))))]
-    return {"median_ms": statistics.median(times) * 1e3, "p95_ms": p95 * 1e3, "runs": len(times), "peak_rss_kib": rss}
+    figures = {"median_ms": statistics.median(times) * 1e3, "p95_ms": p95 * 1e3, "runs": len(times)}
+    return figures if rss is None else {**figures, "peak_rss_kib": rss}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--docker-runs", type=int, default=10)  # a docker run takes ~0.5 s
+    parser.add_argument("--concurrent-rounds", type=int, default=3)
     parser.add_argument("--output", default=os.path.join(HERE, "results.json"))
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -137,14 +155,19 @@ def main():
             "gpu8": {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"},
             "mig": {"NVIDIA_VISIBLE_DEVICES": "1:0"},
         }
-        bundles = {}
-        for name, env in envs.items():
-            bundles[name] = containers.make_bundle(os.path.join(work, name), args=["true"], env=env, config_file=config)
-            with open(os.path.join(bundles[name], "config.json")) as f:
+
+        def gpu_bundle(name, env):
+            """A bundle running `true` whose prestart hook is the launcher."""
+            bundle = containers.make_bundle(os.path.join(work, name), args=["true"], env=env, config_file=config)
+            with open(os.path.join(bundle, "config.json")) as f:
                 doc = json.load(f)
-            doc["hooks"]["prestart"][0].update(path=launcher, args=[launcher, "--config", config, "prestart"])
-            with open(os.path.join(bundles[name], "config.json"), "w") as f:
+            doc["hooks"]["prestart"][0].update(path=launcher, args=list(hook))
+            with open(os.path.join(bundle, "config.json"), "w") as f:
                 json.dump(doc, f)
+            return bundle
+
+        bundles = {name: gpu_bundle(name, env) for name, env in envs.items()}
+        ways = install_ways.hooks(work, config)
         plain = containers.make_bundle(os.path.join(work, "plain"), args=["true"], env={}, config_file=None,
                                        with_hook=False)
         runc = shutil.which("runc")
@@ -156,7 +179,7 @@ def main():
             cid = f"ocigpu-bench-{os.getpid()}-{counter[0]}"
             return timed([runc, "run", "--bundle", bundle, cid], measure_rss=rss)
 
-        def hook_case(name, rss=False):
+        def hook_case(name, rss=False, argv=hook, case=None):
             if name == "nongpu":
                 state = {
                     "ociVersion": "1.0.2",
@@ -165,21 +188,25 @@ def main():
                     "pid": os.getpid(),
                     "bundle": bundles[name],
                 }
-                return timed(hook, json.dumps(state).encode(), measure_rss=rss)
+                return timed(argv, json.dumps(state).encode(), measure_rss=rss)
             counter[0] += 1
-            live = LiveContainer(bundles[name], counter[0])
+            live = LiveContainer(bundles[name], counter[0], (case or name).replace(" ", "-"))
             try:
-                return timed(hook, live.state, measure_rss=rss)
+                return timed(argv, live.state, measure_rss=rss)
             finally:
                 live.close()
 
         cases = [
             ("floor", lambda rss=False: timed([PYTHON, "-I", "-c", "pass"], measure_rss=rss)),
+            # The launcher's own interpreter start, without site: the first part of the breakdown.
+            ("floor -IS", lambda rss=False: timed([PYTHON, "-IS", "-c", "pass"], measure_rss=rss)),
             ("runc", lambda rss=False: runc_case(plain, rss)),
         ]
         for name in envs:
             cases.append((f"runc+hook:{name}", lambda rss=False, n=name: runc_case(bundles[n], rss)))
             cases.append((f"hook:{name}", lambda rss=False, n=name: hook_case(n, rss)))
+        for name, argv in ways.items():
+            cases.append((name, lambda rss=False, a=argv, c=name: hook_case("gpu1", rss, a, c)))
         for round_ in range(args.runs + 1):  # round 0 warms up caches and is not kept
             for name, case in cases:
                 result = case()
@@ -189,13 +216,31 @@ def main():
         record = node.record_cost(os.path.join(work, "site"))
         exporter = node.exporter_figures(launcher, host, args.runs)
         watchdog = node.watchdog_figures(os.path.join(work, "site"), host, args.runs)
+        # Docker's program as an RPM install's own `oci-gpu-hook install --runtime docker` writes it: run
+        # by the launcher, since install writes the program for the interpreter and package it runs
+        # from (install.install called here would write one for this checkout, whose dependencies
+        # are outside it).
+        rpm_docker = install_ways.wire([launcher, "--config", config], os.path.join(work, "root-rpm"))["docker"]
+        docker_runs = docker.samples(os.path.join(work, "docker"), rpm_docker[0], args.docker_runs, timed)
+        dockers = {name: summary(s) for name, s in docker_runs.items()}
+        dockers["x_plain"] = dockers["docker run --gpus 1"]["median_ms"] / dockers["docker run"]["median_ms"]
+        load = [gpu_bundle(f"load{i}", {"NVIDIA_VISIBLE_DEVICES": str(i % 8)})
+                for i in range(concurrent_starts.CONTAINERS)]  # fmt: skip
+        walls, starts = concurrent_starts.rounds(load, args.concurrent_rounds, timed)
+        load_figures = {"containers": len(load), "rounds": len(walls), "wall_median_s": statistics.median(walls),
+                        "walls_s": walls, "start": summary(starts)}  # fmt: skip
         results = {name: summary(s, rss[name]) for name, s in samples.items()}
         floor, runc_ms = results["floor"]["median_ms"], results["runc"]["median_ms"]
         for r in results.values():
             r["x_floor"] = r["median_ms"] / floor
             r["x_runc"] = r["median_ms"] / runc_ms
         gpu1, gpu8 = results["hook:gpu1"]["median_ms"], results["hook:gpu8"]["median_ms"]
+        for name in ways:
+            results[name]["x_rpm"] = results[name]["median_ms"] / gpu1
         peak = max(r["peak_rss_kib"] for n, r in results.items() if n.startswith("hook:"))
+        imports = breakdown.import_ms(PYTHON, os.path.join(work, "site"), args.runs)
+        logged = breakdown.logged(os.path.join(host["root"], "hook.log"), "bench-gpu1-")
+        parts = breakdown.breakdown(gpu1, results["floor -IS"]["median_ms"], imports, logged)
         targets = {
             "hook:nongpu <= 1.3x floor": results["hook:nongpu"]["x_floor"] <= 1.3,
             "hook:gpu1 <= 2.0x floor": results["hook:gpu1"]["x_floor"] <= 2.0,
@@ -208,6 +253,11 @@ def main():
             "watchdog scan (8 GPUs, 100 processes) <= 20 ms CPU": watchdog["scan_cpu_ms"] <= 20,
             "watchdog RSS <= 60 MiB": watchdog["rss_kib"] <= 60 << 10,
         }
+        for name in ways:
+            if name.startswith("install:"):
+                targets[f"{name} <= 1.05x RPM launcher"] = results[name]["x_rpm"] <= 1.05
+        targets["docker run --gpus 1 <= 1.10x docker run"] = dockers["x_plain"] <= 1.10
+        targets[f"{len(load)} concurrent GPU starts <= 4.3 s wall"] = load_figures["wall_median_s"] <= 4.3
         cpu = next(
             (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
         )
@@ -220,7 +270,9 @@ def main():
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
         }
         doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench",
-               "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog}}  # fmt: skip
+               "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog},
+               "docker": {"runs": args.docker_runs, **dockers}, "concurrent": load_figures,
+               "breakdown_gpu1_ms": [{"part": p, "ms": ms, "what": what} for p, ms, what in parts]}  # fmt: skip
         with open(args.output, "w") as f:
             json.dump(doc, f, indent=2)
         print(f"{'case':24} {'median ms':>10} {'p95 ms':>8} {'x floor':>8} {'x runc':>7} {'peak RSS MiB':>12}")
@@ -235,6 +287,17 @@ def main():
               f"{exporter['scrape_p95_ms']:.1f} ms, RSS {exporter['rss_kib'] / 1024:.1f} MiB")
         print(f"watchdog, 8 GPUs and 100 processes: scan {watchdog['scan_cpu_ms']:.1f} ms CPU, RSS "
               f"{watchdog['rss_kib'] / 1024:.1f} MiB")
+        print("where the time of hook:gpu1 goes (ms):")
+        for part, ms, what in parts:
+            print(f"  {part:52} {ms:7.2f}  {what}")
+        for name in ways:
+            print(f"{name}: x{results[name]['x_rpm']:.3f} the RPM's launcher (hook:gpu1)")
+        without, with_gpus = dockers["docker run"], dockers["docker run --gpus 1"]
+        print(f"docker run: median {without['median_ms']:.1f} ms, p95 {without['p95_ms']:.1f} ms; with --gpus 1: "
+              f"median {with_gpus['median_ms']:.1f} ms, p95 {with_gpus['p95_ms']:.1f} ms (x{dockers['x_plain']:.3f})")
+        print(f"{len(load)} concurrent GPU starts under runc: wall median {load_figures['wall_median_s']:.2f} s "
+              f"(rounds: {', '.join(f'{w:.2f}' for w in walls)}); one start: median "
+              f"{load_figures['start']['median_ms']:.0f} ms, p95 {load_figures['start']['p95_ms']:.0f} ms")
         for target, met in targets.items():
             print(f"{'met ' if met else 'MISSED'} {target}")
         print(f"wrote {args.output}")

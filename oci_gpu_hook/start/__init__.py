@@ -11,3 +11,15 @@ confined ldconfig and the undo journal.
 
 Nothing here imports from toolkit/, node/ or cli/ (tests/test_layout.py enforces it).
 """
+
+
+def with_site_packages() -> None:
+    """Make the installed dependencies importable. The launcher (toolkit/launcher.py) starts
+    Python without site (-S), which a start needs only rarely: YAML and jsonschema once after the
+    configuration changed (settings.py), and the CLI's commands always (hook.py)."""
+    import sys
+
+    if sys.flags.no_site and "site" not in sys.modules:
+        import site
+
+        site.main()

@@ -260,6 +260,9 @@ def parse(text: str, path: str) -> Settings:
 
 def parse_mapping(text: str, path: str) -> dict:
     """The validated mapping of a configuration file's text."""
+    from oci_gpu_hook.start import with_site_packages
+
+    with_site_packages()
     import yaml
 
     try:
@@ -285,6 +288,9 @@ def _schema() -> dict:
 
 
 def validate(data: object, path: str) -> None:
+    from oci_gpu_hook.start import with_site_packages
+
+    with_site_packages()
     import jsonschema
 
     schema = _schema()

@@ -113,3 +113,18 @@ def test_install_writes_the_launcher_when_no_rpm_put_one_in_place(tmp_path, monk
     # An RPM's launcher in place: it is the one runtimes run, and install writes none.
     write(install.INSTALLED_PATH, launcher.text("/usr/bin/python3", "/usr/lib/python3.9/site-packages"))
     assert install.hook_command() == [install.INSTALLED_PATH]
+
+
+def test_a_gpu_start_through_the_launcher_compiles_a_new_configuration(tmp_path, live_container):
+    """The first start after the configuration changed needs YAML and jsonschema, which live
+    with the installed dependencies that -S leaves out: the start path adds them then."""
+    state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "0"})
+    config = str(tmp_path / "fresh.yaml")
+    with open(f"{host['root']}/config.yaml") as f, open(config, "w") as out:
+        out.write(f.read() + "# changed: never compiled\n")
+    program = write(tmp_path / "oci-gpu-hook", launcher.for_this_install())
+    start = subprocess.run([program, "--config", config, "prestart"], input=state, capture_output=True, text=True,
+                           env={}, cwd="/")  # fmt: skip
+    assert (start.returncode, start.stderr) == (0, ""), start.stderr
+    with open(f"/proc/{pid}/mountinfo") as f:
+        assert "/dev/nvidia" in f.read()
