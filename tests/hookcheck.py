@@ -96,6 +96,20 @@ def one_clear_line(stderr) -> str:
 # --- observations -------------------------------------------------------------------------------
 
 
+def command_lines() -> dict:
+    """{pid: argv as bytes} of every process now (one that exits meanwhile is left out)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found[int(entry)] = f.read().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
 def mountinfo(pid="self") -> list[tuple[str, str, str]]:
     """(mount point, root within its filesystem, filesystem type) of every mount pid sees."""
     with open(f"/proc/{pid}/mountinfo") as f:

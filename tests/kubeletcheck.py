@@ -34,6 +34,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
 
+import hookcheck
 import pytest
 
 from oci_gpu_hook.toolkit import containers, install
@@ -198,18 +199,8 @@ def _kubepods_cgroups() -> list[str]:
 
 def processes_using(address: str) -> list[int]:
     """Pids of containerd, its shims and the kubelet that name this socket on their command line."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if any(address in arg for arg in argv):
-            found.append(int(entry))
-    return found
+    named = address.encode()
+    return [pid for pid, argv in hookcheck.command_lines().items() if any(named in arg for arg in argv)]
 
 
 def _stop(proc: subprocess.Popen | None, timeout: float = 15) -> None:

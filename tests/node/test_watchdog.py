@@ -53,13 +53,14 @@ def shared_gpu(host, tmp_path):
         host_process.wait()
 
 
-def use(host, running, over_by=1):
+def use(host, running, over_by=1, fail=None):
     """Each process's GPU 0 memory: `over` uses 2 GiB + over_by MiB against its 2 GiB limit; the
-    rest stay under theirs, or have none (the free container and the host use far more)."""
+    rest stay under theirs, or have none (the free container and the host use far more). fail:
+    an nvmlReturn_t every NVML call answers with instead."""
     gpu0 = host["gpus"][0]["uuid"]
     sizes = {"small": 512 * MIB, "over": 2 * GIB + over_by * MIB, "share": 9 * GIB, "free": 30 * GIB,
              "host": 35 * GIB}  # fmt: skip
-    control.write(host["root"], processes=[(gpu0, running[name], size) for name, size in sizes.items()])
+    control.write(host["root"], processes=[(gpu0, running[name], size) for name, size in sizes.items()], fail=fail)
 
 
 def watchdog(host, *args, timeout=60):
@@ -69,6 +70,14 @@ def watchdog(host, *args, timeout=60):
 
 def alive(pid) -> bool:
     return pids.start_ticks(pid) is not None  # a zombie is not alive
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    """Wait for condition() to hold; a generous timeout, so that only its never coming fails."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.02)
 
 
 def test_limits_are_recorded_per_device(host, shared_gpu):
@@ -99,31 +108,43 @@ def test_one_scan_kills_exactly_the_container_over_its_limit(host, shared_gpu):
     assert all(alive(shared_gpu[name]) for name in ("small", "share", "free", "host"))
 
 
-def test_the_daemon_kills_within_two_intervals(host, shared_gpu, tmp_path):
-    interval = 1.0
-    with open(tmp_path / "watchdog.log", "w+") as log:
+def test_the_daemon_scans_again_and_kills_once_the_use_goes_over(host, shared_gpu, tmp_path):
+    """The daemon keeps scanning: a use at the limit is left alone, and the same container going
+    over later is killed by a later scan, once. A failing NVML makes its scans visible (one line
+    when NVML fails, one when it answers again), so each step below waits for a scan that saw it.
+    How soon the kill comes is the bench's to measure, not a test's to assert."""
+    log_path = tmp_path / "watchdog.log"
+
+    def lines():
+        return log_path.read_text().splitlines()
+
+    use(host, shared_gpu, over_by=0, fail=999)  # NVML_ERROR_UNKNOWN until the daemon has scanned once
+    with open(log_path, "w+") as log:
         daemon = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config",
-                                   f"{host['root']}/config.yaml", "watchdog", "--interval", str(interval)],
+                                   f"{host['root']}/config.yaml", "watchdog", "--interval", "0.5"],
                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         try:
+            wait_until(lambda: any("no action until NVML answers" in line for line in lines()), "a failed scan")
             use(host, shared_gpu, over_by=0)  # at the limit, not over it: nothing happens
-            time.sleep(2 * interval)
+            wait_until(lambda: any("NVML answers again" in line for line in lines()), "a scan at the limit")
             assert alive(shared_gpu["over"])
             use(host, shared_gpu, over_by=1)
-            went_over = time.monotonic()
-            while alive(shared_gpu["over"]) and time.monotonic() - went_over < 2 * interval + 0.5:
-                time.sleep(0.02)
-            assert not alive(shared_gpu["over"])
+            wait_until(lambda: not alive(shared_gpu["over"]), "the kill of the container over its limit")
             assert all(alive(shared_gpu[name]) for name in ("small", "share", "free", "host"))
-            time.sleep(0.2)  # the counters are written just after the kill
-            # What the exporter serves while the daemon runs, and no more once it stops.
-            assert watchdog_module.read_counters(f"{host['root']}/containers") == {"kill": 1}
+            # What the exporter serves while the daemon runs (written just after the kill), and no
+            # more once it stops.
+            wait_until(lambda: watchdog_module.read_counters(f"{host['root']}/containers") == {"kill": 1},
+                       "the kill counted")  # fmt: skip
         finally:
             daemon.terminate()
             daemon.wait()
-        log.seek(0)
-        kills = [json.loads(line) for line in log if line.startswith("{")]
-    assert [(k["action"], k["pids"]) for k in kills] == [("kill", [shared_gpu["over"]])]
+    text = lines()
+    kills = [(i, json.loads(line)) for i, line in enumerate(text) if line.startswith("{")]
+    # One kill, on a sample over the limit (not the one at it), after the scan that saw the limit.
+    assert [(k["action"], k["pids"], k["used_bytes"]) for _, k in kills] == [("kill", [shared_gpu["over"]],
+                                                                              2 * GIB + MIB)]  # fmt: skip
+    again = next(i for i, line in enumerate(text) if "NVML answers again" in line)
+    assert kills[0][0] > again, text
     assert watchdog_module.read_counters(f"{host['root']}/containers") == {}
 
 

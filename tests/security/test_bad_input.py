@@ -1,7 +1,9 @@
 """Bad input: the OCI state on stdin, the bundle's config.json and the image's env, malformed in
 every way a runtime, a bug or an attacker could make them. Each case runs the real entry point in
-a subprocess under a 1 GiB address-space limit and must end within seconds, under a bounded peak
-RSS, with a non-zero exit status and one clear line (no traceback, no 'internal error').
+a subprocess under a 1 GiB address-space limit and a 30 s CPU limit, and must end by itself (a run
+still going after 60 s is a hang: it is killed and fails the test), under a bounded peak RSS, with
+an error exit status of its own (not a signal) and one clear line (no traceback, no 'internal
+error'). How long a refusal takes is not asserted: that is the bench's to measure.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import hookcheck
 import pytest
 
-MAX_SECONDS = 10.0
+HANG_SECONDS = 60  # generous: only a run that would never end reaches it
 MAX_RSS_MB = 200
 STATE_ERROR, REQUEST_ERROR, APPLY_ERROR, CONFIG_ERROR = 8, 5, 11, 3
 HUGE = 100 << 20
@@ -31,31 +33,38 @@ def _limits():
 
 
 def run_bounded(config: str, stdin_path: str, tmp_path):
-    """(exit status, stderr, wall seconds, peak RSS in MB) of one hook run, stdin from a file."""
+    """(exit status, stderr, whether it hung, peak RSS in MB) of one hook run, stdin from a file.
+    A run still going after HANG_SECONDS is killed, and counts as hung."""
     err_path = tmp_path / "stderr"
+    hung = threading.Event()
+
     with open(stdin_path, "rb") as stdin, open(err_path, "wb") as err:
-        started = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"],
                                 stdin=stdin, stdout=subprocess.DEVNULL, stderr=err, env=hookcheck.HOOK_ENV,
                                 preexec_fn=_limits)  # fmt: skip
-        watchdog = threading.Timer(60, proc.kill)
+
+        def kill():
+            hung.set()
+            proc.kill()
+
+        watchdog = threading.Timer(HANG_SECONDS, kill)
         watchdog.start()
         _, status, usage = os.wait4(proc.pid, 0)
         watchdog.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
-        wall = time.monotonic() - started
-    return proc.returncode, err_path.read_bytes(), wall, usage.ru_maxrss / 1024
+    return proc.returncode, err_path.read_bytes(), hung.is_set(), usage.ru_maxrss / 1024
 
 
 def assert_refused(result, code=None, words=None):
-    returncode, stderr, wall, rss = result
+    returncode, stderr, hung, rss = result
+    assert not hung, f"still running after {HANG_SECONDS} s (killed): a hang; stderr {stderr[-500:]!r}"
     assert returncode != 0, "the hook accepted it"
+    assert returncode > 0, f"killed by signal {-returncode}, not refused by the hook; stderr {stderr[-500:]!r}"
     line = hookcheck.one_clear_line(stderr)
     if code is not None:
         assert returncode == code, (returncode, line)
     if words is not None:
         assert words in line, line
-    assert wall < MAX_SECONDS, f"{wall:.1f} s"
     assert rss < MAX_RSS_MB, f"peak RSS {rss:.0f} MB"
     return line
 
