@@ -26,6 +26,9 @@ def report(message: str) -> None:
 
 
 RUNTIME_COMMANDS = ("prestart", "createRuntime")
+# start/ldcache_refresh.COMMAND, written out: importing that module here would load it on every
+# container start. The CDI spec's createContainer hook runs it for each container too.
+LDCACHE_REFRESH = "ldcache-refresh"
 
 
 def _split_config(argv):
@@ -45,9 +48,7 @@ def run(argv, as_program: bool = False) -> int:
         from oci_gpu_hook.start.prestart import run as prestart
 
         return prestart(config, since_process_start=as_program)
-    # "ldcache-refresh" is start/ldcache_refresh.COMMAND, written out: importing that module here
-    # would load it on every container start.
-    if rest and rest[0] == "ldcache-refresh" and not {"-h", "--help"} & set(rest):
+    if rest and rest[0] == LDCACHE_REFRESH and not {"-h", "--help"} & set(rest):
         from oci_gpu_hook.start import ldcache_refresh
 
         return ldcache_refresh.run(rest[1:])
@@ -62,7 +63,7 @@ def run(argv, as_program: bool = False) -> int:
 def _on_start_path(argv) -> bool:
     """A command a runtime runs for each container (the hook, and the CDI spec's ld cache hook)."""
     rest = _split_config(argv)[1]
-    return bool(rest) and rest[0] in RUNTIME_COMMANDS + ("ldcache-refresh",)
+    return bool(rest) and rest[0] in (*RUNTIME_COMMANDS, LDCACHE_REFRESH)
 
 
 def main(argv=None, options=()) -> int:

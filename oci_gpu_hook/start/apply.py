@@ -16,6 +16,7 @@ import stat
 import time
 
 from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.start.budget import no_deadline_between
 from oci_gpu_hook.start.linux import _linux, cgroups, labels, ldconfig
 from oci_gpu_hook.start.linux.journal import Journal, journal_directory
 from oci_gpu_hook.start.linux.rootfs import Rootfs, UndoLog
@@ -51,21 +52,6 @@ class DeadlineExceeded(ApplyError):
 
 def _fd_path(fd: int) -> str:
     return f"/proc/self/fd/{fd}"
-
-
-class _no_deadline_between:
-    """Holds the deadline's SIGALRM back while a change is made and its undo recorded: raised
-    between the two, the change would stay with nothing to undo it. A signal that came meanwhile
-    is delivered on leaving, and the rollback then includes the change."""
-
-    _ALARM = {signal.SIGALRM}
-
-    def __enter__(self):
-        signal.pthread_sigmask(signal.SIG_BLOCK, self._ALARM)
-
-    def __exit__(self, *exc):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, self._ALARM)
-        return False
 
 
 class Applier:
@@ -134,7 +120,7 @@ class Applier:
             raise ApplyError(f"{target}: the rootfs changed while the hook was mounting (a race?)")
         where = f"{_fd_path(parent_fd)}/{name}"  # the topmost mount on that entry: ours
         flags = _linux.MNT_DETACH | _linux.UMOUNT_NOFOLLOW
-        with _no_deadline_between():
+        with no_deadline_between():
             mount()
             self.undo.add(f"unmount {target}", lambda: _linux.umount2(where, flags))
         mounted = self.undo.keep_fd(os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd))
@@ -294,7 +280,7 @@ class Applier:
             if cgroups.v1_granted(self._v1_list, op.major, op.minor, op.access):
                 return  # already allowed (the root cgroup, a privileged container): nothing to change
             rule = cgroups.v1_rule(op.major, op.minor, op.access)
-            with _no_deadline_between():
+            with no_deadline_between():
                 cgroups.write_v1(directory, "devices.allow", rule)
                 self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
         elif not self._v2_done:
@@ -303,7 +289,7 @@ class Applier:
             from oci_gpu_hook.start.linux import bpf
 
             rules = [(r.major, r.minor, r.access) for r in self.plan.operations if isinstance(r, DeviceRule)]
-            with _no_deadline_between():
+            with no_deadline_between():
                 change = bpf.allow_devices(directory, rules)
                 self.undo.add(f"restore the device programs of {directory}", change.undo)
             self.undo.on_close.append(change.close)
@@ -313,10 +299,8 @@ class Applier:
         """Starts ldconfig; the operations after this one run while it works (the plan puts
         them after: nothing ldconfig reads), and run() installs its cache at the end."""
         remaining = max(1.0, signal.getitimer(signal.ITIMER_REAL)[0] or self.settings.deadline_seconds)
-        started = time.perf_counter()
         self._ldcache = ldconfig.Refresh(self.rootfs, op.directories, self.undo, timeout=remaining,
                                          sources=self.sources)  # fmt: skip
-        self._ldcache.started = started
 
 
 def check_handlers(operations=None) -> None:

@@ -7,6 +7,7 @@ back and fails with one line instead of being killed half-way. Standard library 
 
 from __future__ import annotations
 
+import _signal as signal  # the C core of signal: the same calls, without its enum wrappers
 import time
 
 from oci_gpu_hook.start import pids
@@ -31,3 +32,19 @@ class Budget:
 
     def remaining(self) -> float:
         return self.end - time.monotonic()
+
+
+class no_deadline_between:
+    """Holds the deadline's SIGALRM back for a step that must not be cut in two: a change and the
+    record of its undo (raised between the two, the change would stay with nothing to undo it), a
+    child reaped and forgotten (a pid forgotten late could be killed after another process got
+    it). A signal that came meanwhile is delivered on leaving."""
+
+    _ALARM = {signal.SIGALRM}
+
+    def __enter__(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, self._ALARM)
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self._ALARM)
+        return False

@@ -44,7 +44,7 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
     try:
         clock = time.perf_counter()
         settings = settings_module.load(config)
-        return _configure(container, spec, settings, started, {"settings": (time.perf_counter() - clock) * 1e3})
+        return _configure(container, spec, settings, started, {"settings": _since(clock)})
     except HookError as e:
         report.record(settings, container.id, "error", e.message, bundle=container.bundle)
         if settings is not None:  # a GPU start that failed (a bad request included): counted
@@ -57,7 +57,7 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     explains them); each step adds its own."""
     clock = time.perf_counter()
     from oci_gpu_hook.start import apply, inventory_cache, memory_limit, report, request
-    from oci_gpu_hook.start.budget import Budget
+    from oci_gpu_hook.start.budget import Budget, process_age
     from oci_gpu_hook.start.linux import arch
     from oci_gpu_hook.start.plan import build_plan
 
@@ -67,7 +67,9 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     if gpu_request is None:
         return 0
     # Counted from the process start all the same; built only once the container asks for GPUs.
-    budget = Budget(settings.deadline_seconds, age=None if started is None else time.monotonic() - started)
+    if started is None:  # the process's own start, read from procfs once for the budget and the record
+        started = time.monotonic() - process_age()
+    budget = Budget(settings.deadline_seconds, age=time.monotonic() - started)
     arch.current()  # an unknown machine says so first, not through whatever fails next
     inventory = inventory_cache.load(settings, budget)
     plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))

@@ -288,10 +288,7 @@ def _schema() -> dict:
 
 
 def validate(data: object, path: str) -> None:
-    from oci_gpu_hook.start import with_site_packages
-
-    with_site_packages()
-    import jsonschema
+    import jsonschema  # parse_mapping, its one caller, has made the dependencies importable
 
     schema = _schema()
     if not isinstance(data, dict):

@@ -29,6 +29,7 @@ import stat
 import time
 
 from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.start.budget import no_deadline_between
 from oci_gpu_hook.start.linux import _linux
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 
@@ -305,14 +306,9 @@ class Sandbox:
             if not chunk:  # the child's end closed: it has exited (or exec failed and it is exiting)
                 break
             chunks.append(chunk)
-        # Reaped and forgotten as one step: a deadline's signal between the two would have
-        # cancel() kill a pid that may belong to someone else by then.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
-        try:
+        with no_deadline_between():  # reaped and forgotten as one: cancel() kills only ours
             _, status = os.waitpid(self.pid, 0)
             self.pid = None
-        finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
         return os.waitstatus_to_exitcode(status), b"".join(chunks)[-4096:]
 
     def cancel(self) -> None:
@@ -417,6 +413,7 @@ class Refresh:
     whatever happens (undo.on_close)."""
 
     def __init__(self, rootfs, directories, undo, timeout: float = 20.0, sources=None):
+        self.started = time.perf_counter()  # how long it took in all: the log record's timings
         self.rootfs, self.undo = rootfs, undo
         conf, self.notes = flatten_conf(rootfs)
         try:

@@ -20,6 +20,13 @@
 #include "sim_nvml.h"
 
 #define EXPORT __attribute__((visibility("default")))
+/* Return what a check answers unless it is success: the first line of most entry points. */
+#define TRY(check)                         \
+    do {                                   \
+        nvmlReturn_t try_ = (check);       \
+        if (try_ != NVML_SUCCESS)          \
+            return try_;                   \
+    } while (0)
 
 /* Upper bound on MIG devices per GPU: A100/H100 allow 7 compute instances. */
 #define SIM_MAX_MIG 16
@@ -153,9 +160,7 @@ static nvmlReturn_t check(nvmlDevice_t device)
 /* The usual head of a device query: a valid handle and somewhere to put the answer. */
 static nvmlReturn_t check_out(nvmlDevice_t device, const void *out)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     return out == NULL ? NVML_ERROR_INVALID_ARGUMENT : NVML_SUCCESS;
 }
 
@@ -571,9 +576,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *pciBusId, nvmlDevi
 
 EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     if (device->mig == NULL)
         return copy_string(name, length, device->gpu->name);
     /* MIG devices are named after their parent and profile, as the real one does. */
@@ -584,18 +587,14 @@ EXPORT nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned 
 
 EXPORT nvmlReturn_t nvmlDeviceGetBrand(nvmlDevice_t device, nvmlBrandType_t *type)
 {
-    nvmlReturn_t ret = check_out(device, type);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, type));
     *type = device->gpu->brand;
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     return copy_string(uuid, length, device->mig ? device->mig->uuid : device->gpu->uuid);
 }
 
@@ -603,9 +602,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned 
  * nodes through its parent. */
 EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *minorNumber)
 {
-    nvmlReturn_t ret = check_out(device, minorNumber);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, minorNumber));
     if (device->mig)
         return NVML_ERROR_NOT_SUPPORTED;
     *minorNumber = device->gpu->minor;
@@ -614,9 +611,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t device, unsigned int *
 
 EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index)
 {
-    nvmlReturn_t ret = check_out(device, index);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, index));
     if (device->mig)
         return NVML_ERROR_NOT_SUPPORTED;
     *index = device->index;
@@ -640,9 +635,7 @@ static void fill_pci(const struct sim_gpu *g, nvmlPciInfo_t *pci)
 
 EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
-    nvmlReturn_t ret = check_out(device, pci);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, pci));
     fill_pci(device->gpu, pci);
     return NVML_SUCCESS;
 }
@@ -655,9 +648,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *
 EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v1_t *pci)
 {
     nvmlPciInfo_t full;
-    nvmlReturn_t ret = nvmlDeviceGetPciInfo_v3(device, pci ? &full : NULL);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(nvmlDeviceGetPciInfo_v3(device, pci ? &full : NULL));
     memset(pci, 0, sizeof *pci);
     memcpy(pci->busId, full.busIdLegacy, sizeof pci->busId);
     pci->domain = full.domain;
@@ -670,9 +661,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_v1_t *
 
 EXPORT nvmlReturn_t nvmlDeviceGetPciInfoExt(nvmlDevice_t device, nvmlPciInfoExt_v1_t *pci)
 {
-    nvmlReturn_t ret = check_out(device, pci);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, pci));
     if (pci->version != nvmlPciInfoExt_v1)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     nvmlPciInfo_t full;
@@ -692,9 +681,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetPciInfoExt(nvmlDevice_t device, nvmlPciInfoExt_
 
 EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int *major, int *minor)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     if (major == NULL || minor == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     *major = device->gpu->cc_major;
@@ -704,9 +691,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t device, int 
 
 EXPORT nvmlReturn_t nvmlDeviceGetArchitecture(nvmlDevice_t device, nvmlDeviceArchitecture_t *arch)
 {
-    nvmlReturn_t ret = check_out(device, arch);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, arch));
     /* nvmlDeviceArchitecture_t values by compute capability. */
     int cc = device->gpu->cc_major * 10 + device->gpu->cc_minor;
     if (cc >= 100)
@@ -744,9 +729,7 @@ static void memory_of(nvmlDevice_t device, unsigned long long *total, unsigned l
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory)
 {
-    nvmlReturn_t ret = check_out(device, memory);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, memory));
     memory_of(device, &memory->total, &memory->used);
     memory->free = memory->total - memory->used;
     return NVML_SUCCESS;
@@ -754,9 +737,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *m
 
 EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory)
 {
-    nvmlReturn_t ret = check_out(device, memory);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, memory));
     if (memory->version != nvmlMemory_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     memory_of(device, &memory->total, &memory->used);
@@ -767,9 +748,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
 
 EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization)
 {
-    nvmlReturn_t ret = check_out(device, utilization);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, utilization));
     /* With MIG on, the GPU has no single utilization figure (nvidia-smi shows N/A). */
     if (device->mig || device->gpu->mig_enabled)
         return NVML_ERROR_NOT_SUPPORTED;
@@ -781,17 +760,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtili
 /* Sensors and counters of the board: a MIG device has none of its own. */
 static nvmlReturn_t board_value(nvmlDevice_t device, const void *out)
 {
-    nvmlReturn_t ret = check_out(device, out);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, out));
     return device->mig ? NVML_ERROR_NOT_SUPPORTED : NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType, unsigned int *temp)
 {
-    nvmlReturn_t ret = board_value(device, temp);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(board_value(device, temp));
     if (sensorType != 0) /* NVML_TEMPERATURE_GPU is the only sensor */
         return NVML_ERROR_INVALID_ARGUMENT;
     *temp = (unsigned)live_value(device, L_TEMP, 33);
@@ -800,18 +775,14 @@ EXPORT nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensorType
 
 EXPORT nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power)
 {
-    nvmlReturn_t ret = board_value(device, power);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(board_value(device, power));
     *power = (unsigned)live_value(device, L_POWER, 58000); /* milliwatts */
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock)
 {
-    nvmlReturn_t ret = board_value(device, clock);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(board_value(device, clock));
     switch (type) { /* nvmlClockType_t: graphics, SM, memory, video */
     case 0:
     case 1: *clock = (unsigned)live_value(device, L_SM_CLOCK, 1410); break;
@@ -824,18 +795,14 @@ EXPORT nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsign
 
 EXPORT nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, unsigned long long *energy)
 {
-    nvmlReturn_t ret = board_value(device, energy);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(board_value(device, energy));
     *energy = live_value(device, L_ENERGY, 0); /* millijoules since the driver loaded */
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode)
 {
-    nvmlReturn_t ret = check_out(device, mode);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, mode));
     *mode = NVML_FEATURE_DISABLED;
     return NVML_SUCCESS;
 }
@@ -846,9 +813,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnable
  * control file; graphics and MPS lists are always empty here. */
 static nvmlReturn_t processes(nvmlDevice_t device, unsigned int *infoCount, void *infos, int v1, int any)
 {
-    nvmlReturn_t ret = check_out(device, infoCount);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, infoCount));
     nvmlProcessInfo_t found[SIM_MAX_PROCS];
     unsigned long long bytes;
     unsigned n = any ? live_processes(device, found, SIM_MAX_PROCS, &bytes) : 0;
@@ -896,9 +861,7 @@ PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, 0, 
 EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
                                          unsigned int *pendingMode)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     if (currentMode == NULL || pendingMode == NULL || device->mig)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!mig_capable(device->gpu))
@@ -909,9 +872,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *curr
 
 EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     if (count == NULL || device->mig)
         return NVML_ERROR_INVALID_ARGUMENT;
     /* Seven compute slices on every MIG-capable part; zero when MIG is off. */
@@ -925,9 +886,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned
 EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
                                                         nvmlDevice_t *migDevice)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     unsigned max = 0;
     nvmlDeviceGetMaxMigDeviceCount(device, &max);
     if (migDevice == NULL || device->mig || index >= max)
@@ -940,18 +899,14 @@ EXPORT nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, uns
 
 EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
 {
-    nvmlReturn_t ret = check_out(device, isMigDevice);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, isMigDevice));
     *isMigDevice = device->mig != NULL;
     return NVML_SUCCESS;
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
 {
-    nvmlReturn_t ret = check_out(device, id);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, id));
     if (device->mig == NULL)
         return NVML_ERROR_NOT_SUPPORTED;
     *id = device->mig->gi_id;
@@ -960,9 +915,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int
 
 EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
 {
-    nvmlReturn_t ret = check_out(device, id);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, id));
     if (device->mig == NULL)
         return NVML_ERROR_NOT_SUPPORTED;
     *id = device->mig->ci_id;
@@ -972,9 +925,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned
 EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
                                                                  nvmlDevice_t *device)
 {
-    nvmlReturn_t ret = check(migDevice);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(migDevice));
     if (device == NULL || migDevice->mig == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     *device = migDevice->parent;
@@ -1046,9 +997,7 @@ static unsigned placement_start(nvmlDevice_t mig)
 static nvmlReturn_t check_instance(const void *handle, nvmlDevice_t *mig, const struct sim_gi_profile **profile)
 {
     nvmlDevice_t device = (nvmlDevice_t)(uintptr_t)handle;
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     if (device->mig == NULL || (*profile = profile_of(device)) == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     *mig = device;
@@ -1057,9 +1006,7 @@ static nvmlReturn_t check_instance(const void *handle, nvmlDevice_t *mig, const 
 
 EXPORT nvmlReturn_t nvmlDeviceGetAttributes_v2(nvmlDevice_t device, nvmlDeviceAttributes_t *attributes)
 {
-    nvmlReturn_t ret = check_out(device, attributes);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, attributes));
     const struct sim_gi_profile *p = device->mig ? profile_of(device) : NULL;
     if (p == NULL)
         return NVML_ERROR_NOT_SUPPORTED; /* whole GPUs: see docs/simulate.md */
@@ -1082,9 +1029,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetAttributes(nvmlDevice_t device, nvmlDeviceAttri
 
 EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t device, unsigned int id, nvmlGpuInstance_t *gpuInstance)
 {
-    nvmlReturn_t ret = check_out(device, gpuInstance);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_out(device, gpuInstance));
     if (device->mig != NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!device->gpu->mig_enabled)
@@ -1102,9 +1047,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetInfo(nvmlGpuInstance_t gpuInstance, nvmlGp
 {
     nvmlDevice_t mig = NULL;
     const struct sim_gi_profile *p = NULL;
-    nvmlReturn_t ret = check_instance(gpuInstance, &mig, &p);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_instance(gpuInstance, &mig, &p));
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     info->device = mig->parent;
@@ -1120,9 +1063,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceById(nvmlGpuInstance_t gpuI
 {
     nvmlDevice_t mig = NULL;
     const struct sim_gi_profile *p = NULL;
-    nvmlReturn_t ret = check_instance(gpuInstance, &mig, &p);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_instance(gpuInstance, &mig, &p));
     if (computeInstance == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (mig->mig->ci_id != id)
@@ -1136,9 +1077,7 @@ EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo_v2(nvmlComputeInstance_t computeI
 {
     nvmlDevice_t mig = NULL;
     const struct sim_gi_profile *p = NULL;
-    nvmlReturn_t ret = check_instance(computeInstance, &mig, &p);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_instance(computeInstance, &mig, &p));
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     info->device = mig->parent;
@@ -1157,9 +1096,7 @@ EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t computeInst
 
 static nvmlReturn_t gi_profile(nvmlDevice_t device, unsigned int profile, const struct sim_gi_profile **out)
 {
-    nvmlReturn_t ret = check(device);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check(device));
     if (device->mig != NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!mig_capable(device->gpu) || profile >= N_GI_PROFILES)
@@ -1188,9 +1125,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, uns
                                                         nvmlGpuInstanceProfileInfo_t *info)
 {
     const struct sim_gi_profile *p = NULL;
-    nvmlReturn_t ret = gi_profile(device, profile, &p);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(gi_profile(device, profile, &p));
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     FILL_GI_PROFILE(info, p);
@@ -1201,9 +1136,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, un
                                                          nvmlGpuInstanceProfileInfo_v2_t *info)
 {
     const struct sim_gi_profile *p = NULL;
-    nvmlReturn_t ret = gi_profile(device, profile, &p);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(gi_profile(device, profile, &p));
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlGpuInstanceProfileInfo_v2)
@@ -1217,9 +1150,7 @@ static nvmlReturn_t ci_profile(nvmlGpuInstance_t gpuInstance, unsigned int profi
                                const struct sim_gi_profile **gi, unsigned *slices)
 {
     nvmlDevice_t mig = NULL;
-    nvmlReturn_t ret = check_instance(gpuInstance, &mig, gi);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(check_instance(gpuInstance, &mig, gi));
     if (engProfile != 0) /* NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED only */
         return NVML_ERROR_NOT_SUPPORTED;
     if (profile >= N_GI_PROFILES || GI_PROFILES[profile].slices > (*gi)->slices)
@@ -1247,9 +1178,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance
 {
     const struct sim_gi_profile *gi = NULL;
     unsigned slices = 0;
-    nvmlReturn_t ret = ci_profile(gpuInstance, profile, engProfile, &gi, &slices);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(ci_profile(gpuInstance, profile, engProfile, &gi, &slices));
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     FILL_CI_PROFILE(info, profile, slices, gi);
@@ -1262,9 +1191,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstanc
 {
     const struct sim_gi_profile *gi = NULL;
     unsigned slices = 0;
-    nvmlReturn_t ret = ci_profile(gpuInstance, profile, engProfile, &gi, &slices);
-    if (ret != NVML_SUCCESS)
-        return ret;
+    TRY(ci_profile(gpuInstance, profile, engProfile, &gi, &slices));
     if (info == NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlComputeInstanceProfileInfo_v2)
