@@ -1,5 +1,8 @@
 """Helpers for tests of the node services: the exporter run as a program, on a port of its own."""
 
+from __future__ import annotations
+
+import resource
 import socket
 import subprocess
 import sys
@@ -16,12 +19,19 @@ def free_port() -> int:
 
 
 class Exporter:
-    def __init__(self, config: str, tmp_path):
+    def __init__(self, config: str, tmp_path, open_files: int | None = None):
+        """open_files: the exporter's RLIMIT_NOFILE (soft and hard), to run it short of descriptors."""
         self.port = free_port()
         self.log = open(tmp_path / f"exporter-{self.port}.log", "w+")
+
+        def limit():
+            if open_files is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "exporter", "--listen",
              f"127.0.0.1:{self.port}"], stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+            preexec_fn=limit,
         )  # fmt: skip
         deadline = time.monotonic() + 60
         while True:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from oci_gpu_hook.start import container_record
 from oci_gpu_hook.start.linux import cgroups
 
 # The initial PID namespace's inode number is fixed by the kernel (PROC_PID_INIT_INO).
@@ -21,6 +22,30 @@ def sees_host_processes(proc: str = "/proc") -> bool:
         return os.stat(f"{proc}/self/ns/pid").st_ino == _INIT_PID_NAMESPACE
     except OSError:
         return False
+
+
+class Records:
+    """The container records as a node service reads them on each pass. While their directory is
+    not root's alone, none are read (forged ones could aim the watchdog at any container, or
+    put any names on the exporter's page): the service says so once, and once when it ends."""
+
+    def __init__(self, directory: str, tell):
+        self.directory, self.tell = directory, tell
+        self.untrusted = False
+
+    def read(self) -> dict | None:
+        """container_record.read_all's answer, or None while the directory is untrusted."""
+        try:
+            records = container_record.read_all(self.directory)
+        except container_record.UntrustedRecords as e:
+            if not self.untrusted:
+                self.tell(f"{e.message}; nothing is attributed or enforced until that is mended")
+            self.untrusted = True
+            return None
+        if self.untrusted:
+            self.tell(f"{self.directory}: the container records directory is root's alone again")
+        self.untrusted = False
+        return records
 
 
 def started(running: dict) -> list:

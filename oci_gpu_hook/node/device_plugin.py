@@ -186,7 +186,16 @@ class ResourceServer:
             pass
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="device-plugin"))
         pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self), self.server)
-        if self.server.add_insecure_port("unix://" + self.path) == 0:
+        # The socket answers Allocate, which says which device nodes a container gets: the kubelet
+        # (root) alone may connect. gRPC makes it with the process's umask, whatever the service
+        # was started with: 077 while it binds, so that it is never open to others, not even
+        # for a moment.
+        previous = os.umask(0o077)
+        try:
+            bound = self.server.add_insecure_port("unix://" + self.path)
+        finally:
+            os.umask(previous)
+        if bound == 0:
             raise PrerequisiteError(f"{self.path}: cannot serve the device plugin socket there")
         self.server.start()
         self.identity = _identity(self.path)

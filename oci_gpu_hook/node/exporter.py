@@ -12,10 +12,10 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from oci_gpu_hook.errors import HookError, NvmlError, UsageError
 from oci_gpu_hook.node import attribution, metrics, say, watchdog
+from oci_gpu_hook.node.scrape_server import ScrapeServer
 from oci_gpu_hook.start import container_record
 
 
@@ -42,11 +42,12 @@ class Exporter:
         self.stale = False
         self.garbage_seen = set()
         self.warned_namespace = False
+        self.records = attribution.Records(records_directory, log)
         self.lock = threading.Lock()
 
     def scrape(self) -> str:
         with self.lock:
-            records = container_record.read_all(self.records_directory)
+            records = self.records.read() or {}
             if not attribution.sees_host_processes(self.proc):
                 # In a PID namespace of its own (a pod without hostPID) every container's pid looks
                 # gone: nothing is attributed, and above all nothing is collected.
@@ -82,52 +83,34 @@ class Exporter:
                                   len(live), self.hostname, [actions])  # fmt: skip
 
 
-def _handler(exporter: Exporter):
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                body, kind = exporter.scrape().encode(), "text/plain; version=0.0.4; charset=utf-8"
-            elif path == "/":
-                body, kind = b'<html><body><a href="/metrics">metrics</a></body></html>\n', "text/html"
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", kind)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+def responder(exporter: Exporter):
+    """respond(path) for the scrape server: the page, or the index, or 404."""
 
-        def log_message(self, format, *args):  # one line per request is noise for a scrape target
-            pass
+    def respond(path: str):
+        if path == "/metrics":
+            # Text from containers is made printable where it is rendered (metrics.escape); the
+            # encoding replaces whatever else could not be encoded rather than fail the page.
+            return 200, "text/plain; version=0.0.4; charset=utf-8", exporter.scrape().encode("utf-8", "replace")
+        if path == "/":
+            return 200, "text/html", b'<html><body><a href="/metrics">metrics</a></body></html>\n'
+        return 404, "text/plain", b"not found\n"
 
-    return Handler
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address, handler):
-        host = address[0]
-        if ":" in host:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
+    return respond
 
 
 def serve(exporter: Exporter, listen: str, ready=None) -> None:
     host, port = parse_listen(listen)
     try:
-        server = _Server((host or "0.0.0.0", port), _handler(exporter))
+        server = ScrapeServer(host or "0.0.0.0", port, responder(exporter), log)
     except OSError as e:
         raise HookError(f"cannot listen on {listen}: {e.strerror or e}") from None
     log(f"serving /metrics on {listen} (records: {exporter.records_directory})")
     if ready:
         ready(server)
     try:
-        server.serve_forever(poll_interval=0.5)
+        server.serve_forever()
     finally:
-        server.server_close()
+        server.close()
 
 
 def run(settings, listen: str) -> int:

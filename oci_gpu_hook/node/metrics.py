@@ -11,6 +11,8 @@ would be renamed with a _total suffix that DCGM's energy counter does not have.
 
 from __future__ import annotations
 
+from oci_gpu_hook.errors import printable
+
 # sample field (nvml_reader.FIELDS) -> (DCGM name, type, help)
 DEVICE_METRICS = {
     "util_gpu": ("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %)."),
@@ -28,7 +30,9 @@ DURATION_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 def escape(value) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    """A label value: printable first (a container's annotation may hold controls or a lone
+    surrogate, which cannot be encoded and would take the page down), then the format's escapes."""
+    return printable(str(value)).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
 def _number(value) -> str:

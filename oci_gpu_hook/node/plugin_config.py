@@ -14,7 +14,7 @@ import re
 
 from oci_gpu_hook.errors import ConfigError, RequestError, printable
 from oci_gpu_hook.record import Record
-from oci_gpu_hook.start import memory_limit
+from oci_gpu_hook.start import memory_limit, settings
 
 MIG_STRATEGIES = ("none", "single", "mixed")
 # How Allocate tells the runtime which GPUs to give (docs/kubernetes.md, "Allocate answers").
@@ -33,6 +33,7 @@ def mig_resource(profile: str) -> str:
     return MIG_RESOURCE_PREFIX + profile.replace("+", ".")
 PER_REPLICA = memory_limit.PER_REPLICA  # the same word as the hook's shared_gpu_memory_limit
 MAX_REPLICAS = 1024
+MAX_FILE_BYTES = 1 << 20  # a real configuration is a few hundred bytes
 
 
 class TimeSlicedResource(Record):
@@ -79,6 +80,19 @@ _RESOURCE = {"name": None, "replicas": None, "memoryLimit": None,
                         "is shared"}  # fmt: skip
 
 
+def shown(value) -> str:
+    """A value in an error message, in bounded time and space: a scalar as repr() writes it, cut
+    short; a list or mapping by its kind only. The document may be hostile: repr() of a YAML alias
+    bomb is exponential, of a deeply nested list a RecursionError."""
+    if isinstance(value, str):
+        text = repr(value[:40]) + ("..." if len(value) > 40 else "")
+    elif value is None or isinstance(value, (bool, int, float)):
+        text = repr(value) if not isinstance(value, int) or value.bit_length() < 128 else "a very large number"
+    else:
+        text = {list: "a list", dict: "a mapping"}.get(type(value), f"a {type(value).__name__}")
+    return printable(text)
+
+
 def _fail(where: str, key: str, problem: str):
     raise ConfigError(f"{where}: {key}: {problem}")
 
@@ -101,7 +115,7 @@ def _bool(value, where: str, key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        _fail(where, key, f"expected true or false, found {printable(repr(value)[:40])}")
+        _fail(where, key, f"expected true or false, found {shown(value)}")
     return value
 
 
@@ -109,7 +123,7 @@ def _choice(value, where: str, key: str, choices: tuple, default: str) -> str:
     if value is None:
         return default
     if value not in choices:
-        _fail(where, key, f"{printable(repr(value)[:40])} is not one of {', '.join(choices)}")
+        _fail(where, key, f"{shown(value)} is not one of {', '.join(choices)}")
     return value
 
 
@@ -138,7 +152,7 @@ def _resource(entry, where: str, key: str, seen: set) -> TimeSlicedResource:
     seen.add(name)
     replicas = entry.get("replicas")
     if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
-        _fail(where, f"{key}.replicas", f"{printable(repr(replicas)[:40])}: expected a whole number from 1 to "
+        _fail(where, f"{key}.replicas", f"{shown(replicas)}: expected a whole number from 1 to "
                                         f"{MAX_REPLICAS}")  # fmt: skip
     limit = entry.get("memoryLimit")
     if limit is not None:
@@ -160,7 +174,7 @@ def parse(doc, where: str) -> PluginConfig:
     top = _mapping(doc, where, "", _TOP)
     version = top.get("version", "v1")
     if version != "v1":
-        _fail(where, "version", f"{printable(repr(version)[:40])}: only v1 is understood")
+        _fail(where, "version", f"{shown(version)}: only v1 is understood")
     flags = _mapping(top.get("flags"), where, "flags", _FLAGS)
     plugin = _mapping(flags.get("plugin"), where, "flags.plugin", _PLUGIN)
     lists = plugin.get("deviceListStrategy", "envvar")
@@ -204,11 +218,14 @@ def load(path: str | None, node_settings) -> PluginConfig:
         if node_settings.replicas > 1:
             sharing = (TimeSlicedResource(GPU_RESOURCE, node_settings.replicas, None),)
         return PluginConfig(mig_strategy=node_settings.mig_strategy, time_slicing=sharing)
+    from oci_gpu_hook.start import files
+
     try:
-        with open(path, "rb") as f:
-            text = f.read(1 << 20)
+        text = files.read_bounded(path, MAX_FILE_BYTES, regular=True)
     except OSError as e:
         raise ConfigError(f"{path}: {e.strerror or e}") from None
+    if len(text) > MAX_FILE_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES} bytes; this is not a device plugin configuration")
     import yaml
 
     try:
@@ -217,4 +234,7 @@ def load(path: str | None, node_settings) -> PluginConfig:
         mark = getattr(e, "problem_mark", None)
         line = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML or JSON{line}: {getattr(e, 'problem', None) or e}") from None
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting past the stack
+        raise ConfigError(f"{path}: not valid YAML or JSON: {settings.load_problem(e)}") from None
+    settings.check_document_size(doc, path)
     return parse(doc, path)

@@ -111,10 +111,13 @@ class Watchdog:
         self.reported = set()  # Over.key already warned about (one line per episode)
         self.counters = {}
         self.nvml_failing = False
+        self.records = attribution.Records(records_directory, say)
 
     def scan(self) -> list:
         """One pass; returns the log entries of what it did."""
-        records = container_record.read_all(self.records_directory)
+        records = self.records.read()
+        if records is None:
+            return []
         live = attribution.started(container_record.live(records, self.proc))
         try:
             samples = self.reader.read()
@@ -177,8 +180,13 @@ def read_counters(records_directory: str) -> dict:
     """{action: count} of the running watchdog, for the exporter; {} when there is none."""
     from oci_gpu_hook.start import files
 
+    path = counters_path(records_directory)
     try:
-        doc = json.loads(files.read_bounded(counters_path(records_directory), 1 << 16, nofollow=True, regular=True))
+        data = files.read_bounded(path, 1 << 16, nofollow=True, regular=True)
+        st = os.stat(path, follow_symlinks=False)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            return {}  # not the watchdog's (root's) own: anyone could have written the counts
+        doc = json.loads(data)
         actions = doc["actions"]
         if pids.start_ticks(doc["pid"]) is None:
             return {}  # that watchdog has stopped: its counts ended with it

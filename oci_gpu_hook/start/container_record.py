@@ -14,11 +14,12 @@ Standard library only: this is on the start path.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import time
 
-from oci_gpu_hook.errors import exit_reason
+from oci_gpu_hook.errors import HookError, exit_reason, printable
 from oci_gpu_hook.start import files, jsonio, pids
 from oci_gpu_hook.start.linux import cgroups
 
@@ -36,27 +37,48 @@ KUBERNETES_ANNOTATIONS = {
 }
 _SAFE = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_+-.")
 _MAX_NAME = 240
+# Kubernetes' longest object name (a DNS subdomain); pod, namespace and container names are
+# shorter. Longer annotation values are cut: they cannot be real names.
+MAX_KUBERNETES_NAME = 253
+# A longer container id is recorded as its SHA-256 ("sha256:<hex>"), like its file name.
+MAX_ID = 1024
 
 
-def file_name(container_id: str) -> str | None:
+def file_name(container_id: str) -> str:
     """The record's file name: the id itself when it is made of the characters runc allows in ids
-    (podman's and CRI-O's 64 hex digits are), else '%' and the id's bytes in hex; None for an id
-    too long to name a file (no record: such a container is not shown by the node services)."""
+    (podman's and CRI-O's 64 hex digits are), else '%' and the id's bytes in hex; an id too long
+    for that is named '#' and its SHA-256, so that every container has its record."""
     if container_id and set(container_id) <= _SAFE and not container_id.startswith("."):
         name = container_id
     else:
         name = "%" + container_id.encode("utf-8", "surrogatepass").hex()
-    return name + SUFFIX if len(name) <= _MAX_NAME else None
+    if len(name) > _MAX_NAME:
+        import hashlib  # rare: not worth its import on every start
+
+        name = "#" + hashlib.sha256(container_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return name + SUFFIX
 
 
 def kubernetes_names(annotations: dict) -> dict | None:
+    """The pod's, namespace's and container's names, each cut to MAX_KUBERNETES_NAME characters
+    and made printable: they come from annotations, which whoever creates the container writes,
+    and a record must stay small and readable whatever they hold (its limit lives in it)."""
     names = {}
     for field, keys in KUBERNETES_ANNOTATIONS.items():
         for key in keys:
-            if annotations.get(key):
-                names[field] = annotations[key]
+            value = annotations.get(key)
+            if value and isinstance(value, str):
+                names[field] = printable(value[:MAX_KUBERNETES_NAME])[:MAX_KUBERNETES_NAME]
                 break
     return names or None
+
+
+def recorded_id(container_id: str) -> str:
+    if len(container_id) <= MAX_ID:
+        return container_id
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(container_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def describe_devices(devices) -> list:
@@ -75,7 +97,7 @@ def build(container, annotations: dict, devices, duration: float, failure_code: 
             pass
     return {
         "format": FORMAT,
-        "id": container.id,
+        "id": recorded_id(container.id),
         "outcome": "failed" if failure_code is not None else "started",
         "reason": exit_reason(failure_code) if failure_code is not None else None,
         "devices": describe_devices(devices),
@@ -89,6 +111,12 @@ def build(container, annotations: dict, devices, duration: float, failure_code: 
     }
 
 
+def _owned_alone(st) -> bool:
+    """The rule for the records directory, for the writer and the readers alike: a directory of
+    this user's (root's) that no one else can enter, read or change."""
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
 def _directory(path: str) -> bool:
     """Make records_directory (0700) if missing; False when it is not root's alone (or not a
     directory): no record is written there then, for anyone could forge or read them."""
@@ -96,17 +124,38 @@ def _directory(path: str) -> bool:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-    st = os.lstat(path)
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+    return _owned_alone(os.lstat(path))
+
+
+class UntrustedRecords(HookError):
+    """The records directory is not root's alone: what is in it may be forged (a record naming
+    another container's cgroup could aim the watchdog at it), so none of it is read."""
+
+    def __init__(self, directory: str):
+        super().__init__(f"{directory}: the container records directory is not root's alone (it must be a "
+                         "directory of root's, mode 0700, not a symlink); no record in it is trusted")  # fmt: skip
+
+
+def encode(record: dict) -> bytes:
+    """The record's bytes, never over MAX_RECORD_BYTES: a record the readers refused would leave its
+    container without its GPU memory limit. What the container's creator chooses (names, id) is
+    bounded when the record is built, so this only guards: should a record still not fit, its
+    Kubernetes names go, and failing that it is not written (OSError, a warning in the log)."""
+    data = jsonio.dumps(record).encode()
+    if len(data) > MAX_RECORD_BYTES and record.get("kubernetes"):
+        data = jsonio.dumps({**record, "kubernetes": None}).encode()
+    if len(data) > MAX_RECORD_BYTES:
+        raise OSError(errno.EFBIG, f"the record would be {len(data)} bytes (at most {MAX_RECORD_BYTES})")
+    return data
 
 
 def write(directory: str, record: dict) -> bool:
-    """Put the record in place; False (nothing written) when the directory cannot be trusted or
-    the id cannot name a file. OSError from the write itself goes to the caller."""
-    name = file_name(record["id"])
-    if name is None or not _directory(directory):
+    """Put the record in place; False (nothing written) when the directory cannot be trusted.
+    OSError from the write itself goes to the caller."""
+    if not _directory(directory):
         return False
-    files.write_atomically(os.path.join(directory, name), jsonio.dumps(record).encode(), 0o600, durable=False)
+    data = encode(record)
+    files.write_atomically(os.path.join(directory, file_name(record["id"])), data, 0o600, durable=False)
     # Listing a directory of hundreds of records costs more than writing one: one start in
     # CHECK_ONE_IN looks (at random, so no pattern of starts can dodge it).
     if os.urandom(1)[0] < 256 // CHECK_ONE_IN and len(os.listdir(directory)) > COLLECT_ABOVE:
@@ -157,10 +206,13 @@ def is_live(record: dict, proc: str = "/proc") -> bool:
 
 
 def read_all(directory: str) -> dict:
-    """{file name: record or None (garbage)} for every record file; {} when there is no directory.
-    Files that are not regular, not root's, or too large count as garbage."""
+    """{file name: record or None (garbage)} for every record file; {} when there is no directory;
+    UntrustedRecords when it is not root's alone. Files that are not regular, not root's, or too
+    large count as garbage."""
     records = {}
     try:
+        if not _owned_alone(os.lstat(directory)):
+            raise UntrustedRecords(directory)
         names = os.listdir(directory)
     except OSError:
         return records

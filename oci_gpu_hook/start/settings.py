@@ -272,12 +272,46 @@ def parse_mapping(text: str, path: str) -> dict:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or "invalid YAML"
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting past the stack
+        raise ConfigError(f"{path}: not valid YAML: {load_problem(e)}") from None
+    check_document_size(data, path)
     if data is None:
         data = {}
     if isinstance(data, dict) and data.get("cgroups") is False:
         data["cgroups"] = "off"  # YAML 1.1 reads an unquoted `off` as false; the user meant "off"
     validate(data, path)
     return data
+
+
+# A loaded configuration document is walked (with its YAML aliases expanded, as every later
+# check would walk it) only up to these bounds: a few hundred bytes of aliases can stand for
+# billions of values, and a deep nesting for more frames than the interpreter has.
+MAX_DOCUMENT_VALUES = 100_000
+MAX_DOCUMENT_DEPTH = 32
+
+
+def load_problem(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return str(error).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string conversion..."
+
+
+def check_document_size(data: object, path: str) -> None:
+    """ConfigError when the document has more than MAX_DOCUMENT_VALUES values or is nested more
+    than MAX_DOCUMENT_DEPTH deep, counting an alias as often as it is used; bounded time."""
+    stack, count = [(data, 0)], 0
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_DOCUMENT_VALUES:
+            raise ConfigError(f"{path}: more than {MAX_DOCUMENT_VALUES} values (YAML aliases counted as often as "
+                              "they are used); this is not a configuration")  # fmt: skip
+        if depth > MAX_DOCUMENT_DEPTH:
+            raise ConfigError(f"{path}: nested more than {MAX_DOCUMENT_DEPTH} deep; this is not a configuration")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
 
 
 def _schema() -> dict:

@@ -28,11 +28,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import sys
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start import files, settings
 from oci_gpu_hook.start.inventory import host_path
+from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 from oci_gpu_hook.toolkit import launcher
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
@@ -351,6 +353,41 @@ def _makedirs(root: str, directory: str, created: list) -> None:
             created.append(path)
 
 
+def _check_destinations(root: str, entries) -> None:
+    """Refuse, before writing anything, a destination that anyone but root could change: what
+    install writes there is run as root (the launcher, Docker's program), or says what runs as
+    root (hooks.d, units, CRI-O's drop-in, the configuration, the manifest uninstall trusts). So
+    each directory it writes into, or the part of it that exists, and every directory above it
+    must be root's and writable by no one else, checked as the hook checks its mount sources;
+    and a file already there must be root's and writable by no one else."""
+    sources = HostSources()
+    try:
+        for directory in sorted({os.path.dirname(e.path) for e in entries} | {os.path.dirname(MANIFEST)}):
+            existing = host_path(root, directory)
+            while not os.path.lexists(existing):
+                existing = os.path.dirname(existing)
+            try:
+                os.close(sources.open(existing, "dir"))
+            except UntrustedSource as e:
+                raise InstallError(f"{e}: install writes what runtimes run as root under it, so it and every "
+                                   "directory above it must be root's and writable by no one else") from None
+            except OSError as e:
+                raise InstallError(f"{existing}: {e.strerror}") from None
+        for entry in entries:
+            path = host_path(root, entry.path)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISLNK(st.st_mode) or (st.st_uid == 0 and not st.st_mode & 0o022):
+                continue
+            why = f"owned by uid {st.st_uid}" if st.st_uid != 0 else "writable by others than root"
+            raise InstallError(f"{path}: {why}; runtimes act on it as root: make it root's alone (or remove it) "
+                               "and run install again")  # fmt: skip
+    finally:
+        sources.close()
+
+
 # --- install / uninstall ------------------------------------------------------------------------
 
 
@@ -369,6 +406,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     entries = planned(runtimes, argv_prefix, node_services, device_plugin)
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
+    _check_destinations(root, entries)
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
         path = host_path(root, entry.path)

@@ -10,16 +10,17 @@ on every container start), imports re, and Docker's program would add a shell in
   no site module. One word: a shebang passes everything after the interpreter as one argument.
 - The package's directory is appended, after the standard library, so that nothing installed
   beside the package can stand in for a standard module.
-- The interpreter and that directory must be root's alone: the launcher runs as root on every
-  container start, so whoever can change either runs code as root (`check_trusted`).
+- Everything the launched process loads must be root's alone: it runs as root on every
+  container start, so whoever can change any of it runs code as root (`check_trusted`).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
-from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.errors import Exit, HookError, printable
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 
 MARKER = "# oci-gpu-hook launcher"
@@ -80,20 +81,100 @@ def is_launcher(path: str) -> bool:
 
 
 def check_trusted(interpreter: str | None = None, parent: str | None = None) -> None:
-    """Refuse an interpreter or package directory that anyone but root could change (a user's
-    venv, `pip install --user` as a user): checked as the hook checks its mount sources."""
+    """Refuse a launcher whose process could load anything that anyone but root could change.
+
+    The process runs as root on every container start (and as the node services), and loads:
+    the interpreter; the venv's pyvenv.cfg, whose `home` names the standard library (-I and -S
+    do not stop that); the standard library; the package; and, once site runs for the CLI and
+    for a changed configuration, every directory site puts on sys.path and the .pth files there.
+    Each is checked as the hook checks its mount sources (HostSources: every directory on the way
+    root's and not writable by others), and every file and directory in each importable tree must
+    be root's and writable by no one else."""
+    interpreter = interpreter or sys.executable
+    parent = parent or package_parent()
     sources = HostSources()
     try:
-        parent = parent or package_parent()
-        for path, kind in ((interpreter or sys.executable, "file"), (parent, "dir"),
-                           (os.path.join(parent, "oci_gpu_hook"), "dir")):  # fmt: skip
-            try:
-                os.close(sources.open(path, kind))
-            except UntrustedSource as e:
-                raise LauncherError(f"{e}: the hook runs as root on every container start, so its interpreter and "
-                                    "package must be root's alone (install it as root, outside a user's home)"
-                                    ) from None  # fmt: skip
-            except OSError as e:
-                raise LauncherError(f"{path}: {e.strerror}") from None
+        _trusted(sources, interpreter, "file")
+        for config in _venv_configs(interpreter):
+            _trusted(sources, config, "file")
+        seen: set = set()
+        for entry in _import_path(interpreter) + [parent]:
+            _trusted_tree(sources, entry, seen)
     finally:
         sources.close()
+
+
+def _venv_configs(interpreter: str) -> list:
+    """The pyvenv.cfg files Python would read at start: beside the interpreter, or one up."""
+    bin_dir = os.path.dirname(interpreter)
+    candidates = [os.path.join(bin_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(bin_dir), "pyvenv.cfg")]
+    return [c for c in candidates if os.path.lexists(c)]
+
+
+def _import_path(interpreter: str) -> list:
+    """sys.path as the interpreter has it once site has run (what the CLI and the node services
+    import from), asked of the interpreter itself, as a runtime starts it: -I, no environment."""
+    import json
+    import subprocess
+
+    try:
+        done = subprocess.run([interpreter, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
+                              capture_output=True, env={}, cwd="/", timeout=60)  # fmt: skip
+        entries = json.loads(done.stdout) if done.returncode == 0 else None
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        raise LauncherError(f"{interpreter}: cannot ask it for its import path: {e}") from None
+    if not isinstance(entries, list):
+        raise LauncherError(f"{interpreter}: cannot ask it for its import path: "
+                            f"{printable(done.stderr.decode(errors='replace').strip()[-200:])}")  # fmt: skip
+    # Path hooks (an editable install's finder) are names, not paths: their files are the package.
+    return [e for e in entries if isinstance(e, str) and e.startswith("/") and os.path.lexists(e)]
+
+
+def _refuse(path: str, why: str):
+    raise LauncherError(f"{path}: {why}: the hook runs as root on every container start, so its interpreter, "
+                        "package and everything they import must be root's alone (install it as root, outside "
+                        "a user's home)")  # fmt: skip
+
+
+def _trusted(sources: HostSources, path: str, kind: str) -> None:
+    try:
+        os.close(sources.open(path, kind))
+    except UntrustedSource as e:
+        _refuse(e.path, e.why)
+    except OSError as e:
+        raise LauncherError(f"{path}: {e.strerror}") from None
+
+
+def _importable(name: str) -> bool:
+    """Whether an entry of a sys.path directory can be imported (a module, a package, a native
+    module: its name up to the first dot is an identifier) or runs at start (a .pth file)."""
+    return name.split(".", 1)[0].isidentifier() or name.endswith(".pth")
+
+
+def _trusted_tree(sources: HostSources, top: str, seen: set) -> None:
+    """top (a sys.path entry: a directory, or a zip file) and every importable entry under it:
+    root's and writable by no one else; a symlink's target is checked from its own path."""
+    if os.path.isfile(top):
+        _trusted(sources, top, "file")
+        return
+    _trusted(sources, top, "dir")
+    real = os.path.realpath(top)
+    if real in seen:
+        return
+    seen.add(real)
+    for directory, dirs, names in os.walk(top, onerror=lambda e: _refuse(e.filename, e.strerror)):
+        if directory == top:  # in a sys.path directory only what can be imported (not .git, .venv)
+            dirs[:] = [d for d in dirs if _importable(d)]
+            names = [n for n in names if _importable(n)]
+        for name in dirs + names:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                target = os.path.isdir(path)
+                _trusted(sources, path, "dir" if target else "file")
+                if target:
+                    _trusted_tree(sources, path, seen)
+            elif st.st_uid != 0:
+                _refuse(path, f"owned by uid {st.st_uid}, not root")
+            elif st.st_mode & 0o022:
+                _refuse(path, "writable by others than root")

@@ -6,6 +6,8 @@ The host is a simulated 4-GPU H100 host with MIG on GPU 3, used by this module a
 take device nodes away and make NVML fail, and put them back. Waiting is by deadline, on what the
 plugin says (Register calls, ListAndWatch messages), never a fixed sleep."""
 
+from __future__ import annotations
+
 import os
 import queue
 import shutil
@@ -17,6 +19,7 @@ import tempfile
 import threading
 import time
 from concurrent import futures
+from resource import RLIMIT_AS, setrlimit
 from types import SimpleNamespace
 
 import pytest
@@ -135,13 +138,14 @@ class FakeKubelet:
 
 
 class Plugin:
-    def __init__(self, host_config: str, socket_dir: str, config_file: str, log_dir):
+    def __init__(self, host_config: str, socket_dir: str, config_file: str, log_dir, umask: int | None = None):
         self.socket_dir = socket_dir
         self.log = open(log_dir / f"device-plugin-{time.monotonic_ns()}.log", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", host_config, "device-plugin", "--socket-dir",
              socket_dir, "--config-file", config_file, "--interval", INTERVAL],
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+            preexec_fn=None if umask is None else lambda: os.umask(umask),
         )  # fmt: skip
 
     def output(self) -> str:
@@ -235,8 +239,8 @@ def start(host_config, socket_dir, plugin_file, tmp_path):
     """start(config text) -> Plugin, stopped (and its output shown on failure) at the end."""
     started = []
 
-    def make(text=MIXED_SHARED):
-        plugin = Plugin(host_config, socket_dir, plugin_file(text), tmp_path)
+    def make(text=MIXED_SHARED, umask=None):
+        plugin = Plugin(host_config, socket_dir, plugin_file(text), tmp_path, umask)
         started.append(plugin)
         return plugin
 
@@ -597,3 +601,74 @@ def test_check_without_a_file_follows_the_node_settings(host, host_config, tmp_p
     assert p.returncode == Exit.CONFIG and len(p.stderr.splitlines()) == 1, p.stderr
     assert p.stderr.startswith("oci-gpu-hook: node settings (node.mig_strategy, node.replicas): flags.migStrategy "
                                "single needs MIG on every GPU"), p.stderr  # fmt: skip
+
+
+# ---- hostile configuration files: one line, in bounded time and memory ---------------------------
+
+
+def alias_bomb(levels: int) -> str:
+    """A YAML flow list of `levels` anchors, each nine aliases of the one before: 9**levels values
+    in under 500 bytes."""
+    items = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+    items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "[" + ", ".join(items) + "]"
+
+
+HOSTILE_KEYS = {"version": "version: {}\n", "migStrategy": "flags:\n  migStrategy: {}\n",
+                "deviceIDStrategy": "flags:\n  plugin:\n    deviceIDStrategy: {}\n",
+                "passDeviceSpecs": "flags:\n  plugin:\n    passDeviceSpecs: {}\n",
+                "replicas": "sharing:\n  timeSlicing:\n    resources:\n    - name: nvidia.com/gpu\n"
+                            "      replicas: {}\n"}  # fmt: skip
+
+
+def run_limited(args, memory=1 << 30, timeout=60):
+    """run_cli under an address-space limit: a configuration that grows without bound fails here."""
+
+    def limit():
+        setrlimit(RLIMIT_AS, (memory, memory))
+
+    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", *args], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=limit)  # fmt: skip
+
+
+@pytest.mark.parametrize("key", list(HOSTILE_KEYS))
+@pytest.mark.parametrize("value, words", [
+    (alias_bomb(9), "more than 100000 values (YAML aliases counted as often as they are used)"),
+    (alias_bomb(4), "a list"),  # within the bound: shown by its kind, never by repr()
+    ("[" * 5000 + "]" * 5000, "not valid YAML or JSON: nested too deeply"),
+    ("9" * 5000, "not valid YAML or JSON: Exceeds the limit (4300 digits)"),
+], ids=["bomb", "small-bomb", "deep", "huge-int"])  # fmt: skip
+def test_hostile_configuration_is_one_line_in_bounded_time_and_memory(host_config, plugin_file, key, value, words):
+    path = plugin_file(HOSTILE_KEYS[key].format(value))
+    p = run_limited(["--config", host_config, "device-plugin", "--check", "--config-file", path])
+    assert p.returncode == Exit.CONFIG, p.stderr[-2000:]
+    assert len(p.stderr.splitlines()) == 1 and len(p.stderr) < 400, p.stderr[-2000:]
+    assert p.stderr.startswith(f"oci-gpu-hook: {path}: ") and words in p.stderr, p.stderr
+    # The same limit lets a good configuration through: it is the configuration that was bounded.
+    good = run_limited(["--config", host_config, "device-plugin", "--check", "--config-file", plugin_file()])
+    assert good.returncode == 0, good.stderr
+
+
+def test_an_oversized_configuration_is_refused_not_cut(host_config, plugin_file):
+    """A file past MAX_FILE_BYTES used to be read up to its first MiB and accepted."""
+    from oci_gpu_hook.node.plugin_config import MAX_FILE_BYTES
+
+    path = plugin_file("version: v1\n#" + "x" * MAX_FILE_BYTES + "\nflags: {migStrategy: bogus}\n")
+    p = run_cli("--config", host_config, "device-plugin", "--check", "--config-file", path)
+    assert p.returncode == Exit.CONFIG and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr == f"oci-gpu-hook: {path}: larger than {MAX_FILE_BYTES} bytes; this is not a device plugin " \
+                       "configuration\n"  # fmt: skip
+
+
+def test_the_sockets_are_the_kubelets_alone_whatever_the_umask(api, host, kubelet, start, socket_dir, run_as_nobody):
+    """Allocate says which device nodes a container gets. Started under umask 000, gRPC used to
+    make the sockets 0777 and any local user could ask; the plugin binds under umask 077 itself."""
+    os.chmod(socket_dir, 0o755)  # a directory others can enter: the socket's own mode must hold
+    plugin = start(umask=0)
+    kubelet.wait_for(4, plugin)
+    for resource in RESOURCES:
+        assert stat.S_IMODE(os.stat(plugin.socket(resource)).st_mode) & 0o077 == 0
+    probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1])\n"
+             "except PermissionError:\n    sys.exit(13)\n")  # fmt: skip
+    done = run_as_nobody(["-c", probe, plugin.socket(RESOURCES[0])], modules=(), capture_output=True, text=True)
+    assert done.returncode == 13, done.stderr

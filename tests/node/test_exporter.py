@@ -38,8 +38,8 @@ def host(simulated_host, require):
 def exporter(host, tmp_path):
     started = []
 
-    def start(config=None):
-        e = Exporter(config or f"{host['root']}/config.yaml", tmp_path)
+    def start(config=None, open_files=None):
+        e = Exporter(config or f"{host['root']}/config.yaml", tmp_path, open_files)
         started.append(e)
         return e
 
@@ -208,3 +208,68 @@ def test_a_bad_listen_address_is_one_line(host, listen):
     done = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
                            "exporter", "--listen", listen], capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "--listen" in done.stderr
+
+
+def test_text_from_a_container_cannot_take_the_page_down(host, exporter, live_container):
+    """Annotations are the container creator's text: a lone surrogate (JSON's \\ud800) could not be
+    encoded and emptied every reply while the container ran; controls and quotes could break the
+    format. Each is rendered printable, and the page parses."""
+    hostile = {"io.kubernetes.cri.sandbox-name": "pod\ud800", "io.kubernetes.cri.sandbox-namespace": 'ns"\n}x 1',
+               "io.kubernetes.cri.container-name": "c\x1b[2J\udfff"}  # fmt: skip
+    container_id, pid = start_gpu_container(live_container, host, "0", hostile)
+    control.write(host["root"], processes=[(host["gpus"][0]["uuid"], pid, 700 * MIB)])
+    e = exporter()
+    samples = e.scrape()
+    assert values(samples, "oci_gpu_hook_container_gpu_memory_used_bytes", container_id=container_id,
+                  pod="pod\\ud800", namespace='ns"\\n}x 1', container="c\\x1b[2J\\udfff") == [700 * MIB]  # fmt: skip
+    assert values(samples, "oci_gpu_hook_gpu_facts_stale") == [0]
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_idle_connections_cannot_stop_the_endpoint(host, exporter):
+    """A thousand idle TCP clients against an exporter short of descriptors (64): it used to give
+    each a thread with no timeout until EMFILE, then stop answering and spin on accept. Now the
+    oldest idle ones are closed to make room, /metrics answers meanwhile, and the process idles."""
+    e = exporter(open_files=64)
+    clients = []
+    try:
+        for _ in range(1000):
+            client = socket.socket()
+            client.setblocking(False)
+            client.connect_ex(("127.0.0.1", e.port))
+            clients.append(client)
+        assert "DCGM_FI_DEV_FB_USED" in e.text()
+        assert e.proc.poll() is None
+        before = _cpu_seconds(e.proc.pid)
+        time.sleep(2)
+        # Idle: no busy loop on a full table or on EMFILE (one that spins uses the whole 2 s).
+        assert _cpu_seconds(e.proc.pid) - before < 1.0
+        assert "DCGM_FI_DEV_FB_USED" in e.text()
+    finally:
+        for client in clients:
+            client.close()
+    assert "closing the oldest idle connections to keep answering" in e.output()
+    assert "Traceback" not in e.output()
+
+
+def test_a_client_that_never_finishes_its_request_is_closed(host, exporter):
+    """Each client has REQUEST_TIMEOUT seconds to send its request and read the reply; headers past
+    MAX_REQUEST_BYTES are refused at once; only GET and HEAD are answered."""
+    from oci_gpu_hook.node import scrape_server
+
+    e = exporter()
+    with socket.create_connection(("127.0.0.1", e.port), timeout=60) as slow:
+        slow.sendall(b"GET /metrics HTTP/1.1\r\n")  # and never the blank line
+        assert slow.recv(1) == b""  # closed by the server (before this socket's own 60 s)
+    with socket.create_connection(("127.0.0.1", e.port), timeout=60) as big:
+        big.sendall(b"GET /metrics HTTP/1.1\r\nX: " + b"a" * (2 * scrape_server.MAX_REQUEST_BYTES))
+        assert big.recv(64).startswith(b"HTTP/1.1 431 ")
+    with socket.create_connection(("127.0.0.1", e.port), timeout=60) as post:
+        post.sendall(b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
+        assert post.recv(64).startswith(b"HTTP/1.1 405 ")
+    assert "DCGM_FI_DEV_FB_USED" in e.text()

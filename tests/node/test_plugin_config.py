@@ -338,7 +338,7 @@ def test_load_a_missing_or_unreadable_file(tmp_path):
     assert e.value.message == f"{tmp_path}/absent.yaml: No such file or directory"
     with pytest.raises(ConfigError) as e:
         pc.load(str(tmp_path), NodeSettings())
-    assert e.value.message == f"{tmp_path}: Is a directory"
+    assert e.value.message == f"{tmp_path}: not a regular file"
 
 
 @pytest.mark.parametrize("strategy", ["none", "single", "mixed"])

@@ -204,3 +204,42 @@ def test_a_bad_limit_stops_the_start_and_leaves_nothing(host, tmp_path, limit, w
     listed = subprocess.run(["runc", "list", "-q"], capture_output=True, text=True).stdout.split()
     assert container_id not in listed
     assert hookcheck.tree(os.path.join(bundle, "rootfs")) == rootfs_before
+
+
+def test_a_container_cannot_escape_its_limit_through_its_annotations(host, tmp_path):
+    """A 70 KB pod name used to make the container's record larger than the readers take, so the
+    watchdog never saw its limit; a lone surrogate could not be printed. Both are bounded when the
+    record is written: the container over its limit is killed, and its names are in the log."""
+    annotations = {"io.kubernetes.cri.sandbox-name": "p" * 70_000, "io.kubernetes.cri.sandbox-namespace": "ns\ud800",
+                   "io.kubernetes.cri.container-name": "cuda"}  # fmt: skip
+    container_id = f"ocigpu-wd-{os.getpid()}-annotated"
+    bundle = containers.make_bundle(str(tmp_path / "annotated"), args=["busybox", "sleep", "600"],
+                                    env={"NVIDIA_VISIBLE_DEVICES": "0", ENV: "1GiB"}, annotations=annotations,
+                                    config_file=f"{host['root']}/config.yaml")  # fmt: skip
+    try:
+        pid = containers.runc_detached(bundle, container_id)
+        control.write(host["root"], processes=[(host["gpus"][0]["uuid"], pid, GIB + MIB)])
+        done = watchdog(host, "--once")
+        assert done.returncode == 0, done.stderr
+        (entry,) = [json.loads(line) for line in done.stdout.splitlines()]
+        assert (entry["action"], entry["pids"], entry["limit_bytes"]) == ("kill", [pid], GIB)
+        assert entry["pod"] == "p" * container_record.MAX_KUBERNETES_NAME and entry["namespace"] == "ns\\ud800"
+        wait_until(lambda: not alive(pid), "the container over its limit is gone")
+    finally:
+        containers.runc_delete(container_id)
+
+
+def test_records_in_a_directory_others_can_change_are_not_acted_on(host, shared_gpu):
+    """A record forged by whoever can write the directory could name another container's cgroup:
+    nothing is read from it, one line says why, and nothing is killed."""
+    directory = f"{host['root']}/containers"
+    use(host, shared_gpu)
+    os.chmod(directory, 0o733)
+    try:
+        done = watchdog(host, "--once")
+    finally:
+        os.chmod(directory, 0o700)
+    assert done.returncode == 0 and done.stdout == ""
+    assert f"{directory}: the container records directory is not root's alone" in done.stderr
+    assert all(alive(pid) for pid in shared_gpu.values())
+    assert [json.loads(line)["action"] for line in watchdog(host, "--once").stdout.splitlines()] == ["kill"]

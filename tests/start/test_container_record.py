@@ -1,6 +1,7 @@
 """The hook's per-container records: names, contents, the trust rules of their directory, the
 readers' parsing and collection, and what a real GPU start (and a failed one) leaves."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -25,8 +26,9 @@ from oci_gpu_hook.start.state import ContainerState
         ("a/b", "%" + b"a/b".hex() + ".json"),
         ("é", "%" + "é".encode().hex() + ".json"),
         ("x" * 240, "x" * 240 + ".json"),
-        ("x" * 241, None),
-        ("/" * 200, None),
+        # Too long to name a file: named by the SHA-256, so that such a container has a record too.
+        ("x" * 241, "#" + hashlib.sha256(b"x" * 241).hexdigest() + ".json"),
+        ("/" * 200, "#" + hashlib.sha256(b"/" * 200).hexdigest() + ".json"),
     ],
 )
 def test_file_name(container_id, expected):
@@ -34,7 +36,7 @@ def test_file_name(container_id, expected):
 
 
 def test_file_names_are_distinct_for_distinct_ids():
-    ids = ["a", "%61", "%" + b"%61".hex(), "a.json", ".a", "a/", "A"]
+    ids = ["a", "%61", "%" + b"%61".hex(), "a.json", ".a", "a/", "A", "x" * 241, "x" * 242]
     names = [cr.file_name(i) for i in ids]
     assert len(set(names)) == len(ids) and all("/" not in n for n in names)
 
@@ -159,6 +161,41 @@ def test_readers_treat_untrusted_files_as_garbage_and_collect_them(tmp_path):
     removed = cr.collect(str(directory), records)
     assert sorted(removed) == ["big.json", "garbage.json", "writable.json"]
     assert sorted(os.listdir(directory)) == ["alive.json", "fifo.json", "link.json", "other.txt"]
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o770, 0o707])
+def test_readers_refuse_a_directory_others_can_use(tmp_path, mode):
+    """Forged records in a directory others can write could aim the watchdog at any container:
+    the readers check the directory as the writer does, and read nothing from it."""
+    directory = tmp_path / "records"
+    directory.mkdir(mode=0o700)
+    assert cr.write(str(directory), cr.build(_state(os.getpid(), "alive"), {}, (), 0.1))
+    directory.chmod(mode)
+    with pytest.raises(cr.UntrustedRecords, match="not root's alone"):
+        cr.read_all(str(directory))
+    directory.chmod(0o700)
+    os.symlink(directory, tmp_path / "link")
+    with pytest.raises(cr.UntrustedRecords):
+        cr.read_all(str(tmp_path / "link"))
+    assert list(cr.read_all(str(directory))) == ["alive.json"]
+
+
+def test_no_annotation_makes_a_record_unreadable(tmp_path):
+    """The Kubernetes names come from annotations, which whoever creates the container writes: cut
+    to Kubernetes' longest name and made printable, so the record stays under the readers' bound
+    (a 70 KB pod name used to make it garbage, and its container unlimited) and renders anywhere."""
+    annotations = {"io.kubernetes.pod.name": "p" * 70_000, "io.kubernetes.pod.namespace": "ns\ud800\x1b[2J",
+                   "io.kubernetes.container.name": "c" * 300}  # fmt: skip
+    record = cr.build(_state(os.getpid(), "x" * 5000), annotations, (), 0.1, gpu_memory_limit={"GPU-1": 1 << 30})
+    directory = str(tmp_path / "records")
+    assert cr.write(directory, record)
+    (name,) = os.listdir(directory)
+    assert os.path.getsize(os.path.join(directory, name)) <= cr.MAX_RECORD_BYTES
+    read = cr.read_all(directory)[name]
+    assert read["kubernetes"] == {"pod": "p" * cr.MAX_KUBERNETES_NAME, "namespace": "ns\\ud800\\x1b[2J",
+                                  "container": "c" * cr.MAX_KUBERNETES_NAME}  # fmt: skip
+    assert read["id"] == "sha256:" + hashlib.sha256(b"x" * 5000).hexdigest()
+    assert read["gpu_memory_limit"] == {"GPU-1": 1 << 30}
 
 
 def test_the_hook_collects_only_past_its_threshold(tmp_path, monkeypatch):

@@ -215,3 +215,61 @@ def test_node_services_round_trip_and_units(root):
 def test_node_services_are_not_installed_unless_asked(root):
     install.install(root, ("podman",), PREFIX)
     assert not os.path.exists(os.path.join(root, "etc/systemd/system/oci-gpu-hook-exporter.service"))
+
+
+# ---- where install writes: root's alone, all the way up -----------------------------------------
+
+NOBODY = 65534
+
+
+@pytest.mark.parametrize(
+    "directory, change",
+    [("usr/local/libexec/oci-gpu-hook", "chown"),  # the launcher's: nobody would replace it
+     ("usr/local", "chmod"),  # a parent on the way, group-writable
+     ("etc/containers/oci/hooks.d", "chown"),  # what podman and CRI-O run
+     ("etc/systemd/system", "chmod"),  # units that systemd runs as root
+     ("var/lib/oci-gpu-hook", "chown"),  # the manifest uninstall acts on
+     ("", "chmod")],  # the root itself
+    ids=["launcher-dir", "parent", "hooks.d", "units", "manifest", "root"],
+)  # fmt: skip
+def test_install_refuses_a_destination_others_can_change(root, hook_cli, require, monkeypatch, directory, change):
+    """A local user who can write the launcher's directory (or any directory above it, or the
+    hooks.d, units or manifest directories) gets root at the next container start: install
+    refuses with one line and writes nothing."""
+    require("root")
+    path = os.path.join(root, directory)
+    os.makedirs(path, exist_ok=True)
+    if change == "chown":
+        os.chown(path, NOBODY, NOBODY)
+    else:
+        os.chmod(path, 0o775)
+    before = snapshot(root)
+    monkeypatch.setattr(install, "INSTALLED_PATH", os.path.join(root, "no-rpm"))  # install writes the launcher
+    with pytest.raises(HookError) as e:
+        install.install(root, ("podman", "crio", "docker"), install.hook_command(), node_services=True)
+    assert e.value.message.startswith(f"{path.rstrip('/')}: ") and "\n" not in e.value.message
+    assert "must be root's and writable by no one else" in e.value.message
+    assert snapshot(root) == before
+    out = hook_cli("install", "--root", root, "--runtime", "podman")
+    assert out.returncode == install.InstallError.exit_code and out.stderr.count("\n") == 1, out.stderr
+    assert "Traceback" not in out.stderr and snapshot(root) == before
+
+
+def test_install_refuses_a_planted_file_others_can_change(root, require):
+    """A file already at a destination, in a directory of root's, that another user owns: it
+    could be rewritten after install checked it."""
+    require("root")
+    hooks_d = os.path.join(root, "etc/containers/oci/hooks.d")
+    os.makedirs(hooks_d)
+    planted = os.path.join(hooks_d, "oci-gpu-hook.json")
+    with open(planted, "w") as f:
+        f.write(install.hooks_d_text(PREFIX))  # even with the very content install would write
+    os.chown(planted, NOBODY, NOBODY)
+    with pytest.raises(HookError, match=f"^{planted}: owned by uid {NOBODY}; runtimes act on it as root"):
+        install.install(root, ("podman",), PREFIX)
+    os.chown(planted, 0, 0)
+    os.chmod(planted, 0o666)
+    with pytest.raises(HookError, match="writable by others than root"):
+        install.install(root, ("podman",), PREFIX)
+    os.chmod(planted, 0o644)
+    install.install(root, ("podman",), PREFIX)  # root's alone: taken as install's own

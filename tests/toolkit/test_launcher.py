@@ -128,3 +128,57 @@ def test_a_gpu_start_through_the_launcher_compiles_a_new_configuration(tmp_path,
     assert (start.returncode, start.stderr) == (0, ""), start.stderr
     with open(f"/proc/{pid}/mountinfo") as f:
         assert "/dev/nvidia" in f.read()
+
+
+@pytest.fixture
+def venv(tmp_path, require):
+    """A real venv (no pip: nothing fetched) with a stand-in yaml package and a .pth file in its
+    site-packages, all root's: what a pip install into a venv leaves."""
+    require("root")
+    os.chmod(tmp_path, 0o755)
+    path = tmp_path / "venv"
+    subprocess.run([sys.executable, "-I", "-m", "venv", "--without-pip", str(path)], check=True,
+                   executable=os.path.realpath(getattr(sys, "_base_executable", sys.executable)))  # fmt: skip
+    (site_packages,) = path.glob("lib/python3.*/site-packages")
+    (site_packages / "yaml").mkdir()
+    (site_packages / "yaml" / "__init__.py").write_text("")
+    (site_packages / "extra.pth").write_text(str(tmp_path / "venv" / "extra") + "\n")
+    (path / "extra").mkdir()
+    return path, site_packages
+
+
+@pytest.mark.parametrize(
+    "target, change",
+    [("pyvenv.cfg", "chmod"),  # its `home =` picks the standard library that runs as root
+     ("site-packages/yaml/__init__.py", "chown"),  # imported by the node services and the CLI
+     ("site-packages/yaml", "chmod"),
+     ("site-packages/extra.pth", "chown"),  # site runs it, and puts its directory on sys.path
+     ("extra", "chown"),  # that directory
+     ("site-packages", "chown")],
+    ids=["pyvenv.cfg", "module", "package", "pth", "pth-directory", "site-packages"],
+)  # fmt: skip
+def test_everything_the_launched_process_loads_must_be_roots_alone(venv, probe_package, target, change):
+    path, site_packages = venv
+    python = str(path / "bin" / "python")
+    launcher.check_trusted(python, probe_package)  # root's alone: accepted
+    inside, _, rest = target.partition("/")
+    changed = str(site_packages / rest) if inside == "site-packages" else str(path / target)
+    if change == "chown":
+        os.chown(changed, 65534, 65534)
+        words = "owned by uid 65534"
+    else:
+        os.chmod(changed, os.stat(changed).st_mode | 0o002)
+        words = "writable by others than root"
+    with pytest.raises(launcher.LauncherError) as e:
+        launcher.check_trusted(python, probe_package)
+    assert e.value.message.startswith(changed) and words in e.value.message and "\n" not in e.value.message
+    assert "everything they import must be root's alone" in e.value.message
+
+
+def test_what_check_trusted_walks_is_what_the_interpreter_imports_from(venv):
+    """The import path is asked of the interpreter (site run, as the CLI runs it): the venv's
+    site-packages and the .pth file's directory are on it; the venv's bin/ is not."""
+    path, site_packages = venv
+    entries = launcher._import_path(str(path / "bin" / "python"))
+    assert str(site_packages) in entries and str(path / "extra") in entries
+    assert str(path / "bin") not in entries

@@ -1,0 +1,213 @@
+"""The exporter's HTTP endpoint: one thread, one selector, and a bound on everything a client holds.
+
+The endpoint listens on every address by default (as DCGM's exporter does), so any pod or host on
+the network can connect. http.server's threading server gave each connection a thread with no
+timeout: about a thousand idle connections used up the process's descriptors, /metrics stopped
+answering and the accept loop spun on EMFILE. Here instead:
+
+- at most max_connections are open (fewer when RLIMIT_NOFILE is low); a new one closes the
+  oldest that has not yet sent its request (a scrape sends it at once, an idle client never does);
+- a client has `timeout` seconds from connecting to send its request and read the reply;
+- a request is at most MAX_REQUEST_BYTES of headers, and only GET and HEAD are answered;
+- out of descriptors (EMFILE, from whatever cause), the oldest waiting connection is closed to
+  make room, and with none to close the listener rests for a moment rather than spin;
+- each connection gets one reply and is closed (Connection: close), so nothing is kept alive.
+
+The reply is built by respond(path) -> (status, content type, body bytes), in this thread: a
+scrape takes milliseconds, and clients meanwhile wait in the kernel's backlog, not in memory here.
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+import selectors
+import socket
+import time
+
+MAX_CONNECTIONS = 64
+# Descriptors kept for the scrape itself (NVML, the records, /proc) when the cap on connections is
+# set from the process's RLIMIT_NOFILE: the clients must never be able to starve the answer.
+RESERVED_DESCRIPTORS = 32
+REQUEST_TIMEOUT = 10.0
+MAX_REQUEST_BYTES = 8192
+REST_SECONDS = 0.1  # how long the listener rests when no descriptor can be freed
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error"}  # fmt: skip
+
+
+class _Connection:
+    __slots__ = ("sock", "deadline", "inbox", "outbox")
+
+    def __init__(self, sock, deadline: float):
+        self.sock, self.deadline = sock, deadline
+        self.inbox = b""
+        self.outbox = None  # the reply still to send, once the request is in
+
+
+def reply(status: int, kind: str, body: bytes, head_only: bool = False) -> bytes:
+    head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: {kind}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")  # fmt: skip
+    return head.encode("ascii") + (b"" if head_only else body)
+
+
+class ScrapeServer:
+    def __init__(self, host: str, port: int, respond, log, max_connections: int = MAX_CONNECTIONS,
+                 timeout: float = REQUEST_TIMEOUT, clock=time.monotonic):  # fmt: skip
+        self.respond, self.log, self.clock = respond, log, clock
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY:
+            max_connections = max(1, min(max_connections, soft - RESERVED_DESCRIPTORS))
+        self.max_connections, self.timeout = max_connections, timeout
+        self.listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.listener.bind((host, port))
+            self.listener.listen(128)
+            self.listener.setblocking(False)
+        except BaseException:
+            self.listener.close()
+            raise
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.connections: dict = {}  # socket -> _Connection, oldest first
+        self.resting_until = None  # the listener is unregistered until then
+        self.full = False  # said once per episode of evictions
+
+    @property
+    def address(self):
+        return self.listener.getsockname()
+
+    def close(self) -> None:
+        for conn in list(self.connections.values()):
+            self._drop(conn)
+        self.selector.close()
+        self.listener.close()
+
+    def serve_forever(self) -> None:
+        while True:
+            self.serve_once()
+
+    def serve_once(self) -> None:
+        now = self.clock()
+        wake = [c.deadline for c in self.connections.values()]
+        if self.resting_until is not None:
+            wake.append(self.resting_until)
+        for key, mask in self.selector.select(max(0.0, min(wake) - now) if wake else None):
+            if key.fileobj is self.listener:
+                self._accept()
+            elif mask & selectors.EVENT_READ:
+                self._read(key.data)
+            else:
+                self._write(key.data)
+        now = self.clock()
+        for conn in [c for c in self.connections.values() if c.deadline <= now]:
+            self._drop(conn)
+        if self.resting_until is not None and now >= self.resting_until:
+            self.resting_until = None
+            self.selector.register(self.listener, selectors.EVENT_READ)
+
+    # --- connections --------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        # A burst of a quarter of the cap, then the requests already in get read: a scrape that
+        # came in among a flood of idle clients is answered before enough newer ones arrive to
+        # make it the oldest waiting, the one closed to make room.
+        for _ in range(max(1, self.max_connections // 4)):
+            try:
+                sock, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as e:
+                if e.errno not in _OUT_OF_DESCRIPTORS:
+                    return  # the client gave up before we accepted it (ECONNABORTED, ...)
+                if self._evict_one("out of file descriptors"):
+                    continue
+                self.selector.unregister(self.listener)
+                self.resting_until = self.clock() + REST_SECONDS
+                return
+            if len(self.connections) >= self.max_connections:
+                self._evict_one(f"{self.max_connections} connections open")
+            sock.setblocking(False)
+            conn = _Connection(sock, self.clock() + self.timeout)
+            self.connections[sock] = conn
+            self.selector.register(sock, selectors.EVENT_READ, conn)
+        if len(self.connections) < self.max_connections // 2:
+            self.full = False
+
+    def _evict_one(self, why: str) -> bool:
+        """Close the oldest connection still waiting for its request (else the oldest of all)."""
+        if not self.connections:
+            return False
+        waiting = [c for c in self.connections.values() if c.outbox is None]
+        self._drop((waiting or list(self.connections.values()))[0])
+        if not self.full:
+            self.log(f"{why}: closing the oldest idle connections to keep answering")
+            self.full = True
+        return True
+
+    def _drop(self, conn: _Connection) -> None:
+        self.connections.pop(conn.sock, None)
+        try:
+            self.selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        conn.inbox += data
+        end = conn.inbox.find(b"\r\n\r\n")
+        if end < 0:
+            end = conn.inbox.find(b"\n\n")
+        if end < 0:
+            if len(conn.inbox) > MAX_REQUEST_BYTES:
+                self._answer(conn, reply(431, "text/plain", b"request too large\n"))
+            return
+        self._answer(conn, self._reply_to(conn.inbox[:end]))
+
+    def _reply_to(self, head: bytes) -> bytes:
+        if len(head) > MAX_REQUEST_BYTES:
+            return reply(431, "text/plain", b"request too large\n")
+        parts = head.split(b"\n", 1)[0].strip().split(b" ")
+        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
+            return reply(400, "text/plain", b"bad request\n")
+        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        if method not in (b"GET", b"HEAD"):
+            return reply(405, "text/plain", b"only GET and HEAD\n")
+        try:
+            status, kind, body = self.respond(target.decode("ascii", "replace"))
+        except Exception as e:  # one bad scrape must not stop the endpoint; the next may succeed
+            self.log(f"internal error answering a request: {type(e).__name__}: {e}")
+            status, kind, body = 500, "text/plain", b"internal error\n"
+        return reply(status, kind, body, head_only=method == b"HEAD")
+
+    def _answer(self, conn: _Connection, data: bytes) -> None:
+        conn.outbox = memoryview(data)
+        self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        self._write(conn)
+
+    def _write(self, conn: _Connection) -> None:
+        try:
+            sent = conn.sock.send(conn.outbox)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        conn.outbox = conn.outbox[sent:]
+        if not conn.outbox:
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            self._drop(conn)
