@@ -41,8 +41,6 @@ from oci_gpu_hook.toolkit import containers, install
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # In CI the checkout is a clone whose sibling `shared` is a link to the real one: join, not realpath.
-KUBELET_TOOLS = os.path.join(REPO, "..", "shared", "tools", "kubelet")
-BUILD_SCRIPT = os.path.join(KUBELET_TOOLS, "build.sh")
 
 IMAGE = "localhost/oci-gpu-hook-test:1"
 # containers.APPLETS plus what pods and the sandbox run (the image's default command is a long sleep,
@@ -83,27 +81,33 @@ def kubelet_binary() -> str:
     absent = [name for name in PROGRAMS if not shutil.which(name)]
     if absent:
         missing(f"needs {', '.join(absent)} for a Kubernetes node, not available here")
+    return shared_tool("kubelet", os.environ.get("KUBELET_CACHE") or "/var/cache/oci-gpu-hook-kubelet")
+
+
+def shared_tool(tool: str, cache: str) -> str:
+    """What ../shared/tools/<tool>/build.sh prints (the built program, or the directory of several),
+    building it on first use into cache (build.sh's own default, passed here to hold its lock)."""
+    script = os.path.join(REPO, "..", "shared", "tools", tool, "build.sh")
     if os.geteuid() != 0:
-        missing("needs root for a Kubernetes node")
-    if not os.path.exists(BUILD_SCRIPT):
-        missing(f"{os.path.normpath(BUILD_SCRIPT)} is missing (the shared kubelet tools)")
-    # build.sh has no lock of its own, and two builds at once would double the 1.4 GB it needs: wait
+        missing(f"needs root for {tool}")
+    if not os.path.exists(script):
+        missing(f"{os.path.normpath(script)} is missing (the shared {tool} tools)")
+    # build.sh has no lock of its own, and two builds at once would double what it needs: wait
     # for one started by hand (or by setup) to finish, and take a lock against other tests.
     deadline = time.monotonic() + 1200
-    while _builds_running() and time.monotonic() < deadline:
+    while _builds_running(tool) and time.monotonic() < deadline:
         time.sleep(2)
-    cache = os.environ.get("KUBELET_CACHE") or "/var/cache/oci-gpu-hook-kubelet"  # build.sh's own default
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, "build.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.run(["sh", BUILD_SCRIPT], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0 or not os.access(proc.stdout.strip(), os.X_OK):
-        pytest.fail(f"{BUILD_SCRIPT} failed ({proc.returncode}): {proc.stderr[-3000:]}", pytrace=False)
+        proc = subprocess.run(["sh", script, cache], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0 or not os.path.exists(proc.stdout.strip()):
+        pytest.fail(f"{script} failed ({proc.returncode}): {proc.stderr[-3000:]}", pytrace=False)
     return proc.stdout.strip()
 
 
-def _builds_running() -> list[int]:
-    """Pids of other build.sh runs (any checkout's: they share the cache)."""
+def _builds_running(tool: str) -> list[int]:
+    """Pids of other build.sh runs of tool (any checkout's: they share the cache)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -112,7 +116,7 @@ def _builds_running() -> list[int]:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(b"tools/kubelet/build.sh") for arg in argv[:3]):
+            if any(arg.endswith(f"tools/{tool}/build.sh".encode()) for arg in argv[:3]):
                 found.append(int(entry))
     return found
 

@@ -16,6 +16,8 @@ import os
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import files
 from oci_gpu_hook.start.inventory import host_path
+from oci_gpu_hook.toolkit import runtime_config
+from oci_gpu_hook.toolkit.runtime_config import ConfigFileError
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
 ORDER = {PASS: 0, WARN: 1, FAIL: 2}
@@ -23,8 +25,6 @@ EXIT_STATUS = {PASS: 0, WARN: 1, FAIL: 2}
 KEY_LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1")
 PERSISTENCED_SOCKET = "/var/run/nvidia-persistenced/socket"
 HOOK_FILE_NAME = "oci-gpu-hook.json"
-HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d", "/etc/containers/oci/hooks.d")  # later masks earlier
-CRIO_DEFAULT_HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d",)
 REFRESH_SERVICE = "/etc/systemd/system/oci-gpu-hook-refresh.service"
 SELINUX_BOOLEANS = ("container_use_xserver_devices", "container_use_devices")
 
@@ -110,6 +110,8 @@ class Doctor:
                 status, summary, fix = getattr(self, f"check_{name}")()
             except NotChecked as e:
                 status, summary, fix = WARN, str(e), None
+            except runtime_config.TomlUnavailable as e:
+                status, summary, fix = WARN, f"not checked: {e}", None
             checks.append(Check(check_id, status, summary, fix))
         return checks
 
@@ -242,12 +244,8 @@ class Doctor:
     def hooks_d_file(self):
         """(path of the file podman would use, the directories it reads). ConfigFileError when
         containers.conf cannot be read as podman reads it."""
-        dirs = list(HOOKS_DIRS)
-        conf = host_path(self.root, "/etc/containers/containers.conf")
-        configured = _toml_list(conf, ("engine", "hooks_dir"))
-        if configured is not None:
-            dirs = configured
-        for directory in reversed(dirs):
+        dirs = runtime_config.podman_hooks_dirs(self.root)
+        for directory in reversed(dirs):  # a later directory masks an earlier one
             path = host_path(self.root, f"{directory}/{HOOK_FILE_NAME}")
             if os.path.lexists(path):
                 return path, directory, dirs
@@ -281,26 +279,24 @@ class Doctor:
             return FAIL, f"{path}: the hook {hook} is not an executable (runtimes ignore the file)", fix
         if "prestart" not in doc["hook"].get("args", []) or "prestart" not in doc["stages"]:
             return FAIL, f"{path}: does not run `oci-gpu-hook prestart` at prestart", fix
-        return PASS, f"{path} runs {hook} at prestart", None
+        return PASS, f"{path} runs {hook} at prestart (podman; CRI-O runs it at createRuntime, the same moment)", None
 
     def check_crio(self):
-        crio_dir = host_path(self.root, "/etc/crio")
-        if not (os.path.isdir(crio_dir) or os.path.exists(host_path(self.root, "/usr/bin/crio"))):
+        crio_dir, crio = host_path(self.root, "/etc/crio"), host_path(self.root, "/usr/bin/crio")
+        if not (os.path.isdir(crio_dir) or os.path.exists(crio)):
             return PASS, "CRI-O is not installed: nothing to check", None
-        dirs = list(CRIO_DEFAULT_HOOKS_DIRS)
-        for conf in [f"{crio_dir}/crio.conf"] + sorted(glob.glob(f"{crio_dir}/crio.conf.d/*.conf")):
-            try:
-                configured = _toml_list(conf, ("crio", "runtime", "hooks_dir"))
-            except ConfigFileError as e:
-                return (FAIL, f"{e} (CRI-O cannot read its configuration)",
-                        "correct the file, then systemctl restart crio")  # fmt: skip
-            if configured is not None:
-                dirs = configured
+        try:
+            dirs, source = runtime_config.crio_hooks_dirs(self.root)
+        except ConfigFileError as e:
+            return (FAIL, f"{e} (CRI-O cannot read its configuration)",
+                    "correct the file, then systemctl restart crio")  # fmt: skip
+        where = f"hooks_dir in {source}" if source else "its default"
+        read = f"CRI-O reads hooks from {', '.join(dirs) or 'no directory'} ({where})"
         present = [d for d in dirs if os.path.lexists(host_path(self.root, f"{d}/{HOOK_FILE_NAME}"))]
         if not present:
-            return (FAIL, f"CRI-O's hooks_dir ({', '.join(dirs)}) holds no {HOOK_FILE_NAME}",
+            return (FAIL, f"{read}; none of them holds {HOOK_FILE_NAME}",
                     "oci-gpu-hook install --runtime crio, then systemctl restart crio")  # fmt: skip
-        return PASS, f"CRI-O reads {present[-1]}/{HOOK_FILE_NAME}", None
+        return PASS, f"{read}; {present[-1]}/{HOOK_FILE_NAME} is among them, run at createRuntime", None
 
     def check_docker(self):
         from oci_gpu_hook.toolkit.install import DOCKER_HOOK, DOCKER_HOOK_MARKER
@@ -516,10 +512,6 @@ class Doctor:
 DOCKER_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
-class ConfigFileError(Exception):
-    """A runtime's TOML configuration file that exists but cannot be read as the runtime reads it."""
-
-
 def service_processes(command: str, proc: str = "/proc") -> list:
     """Pids whose command line runs this program's command (watchdog, device-plugin)."""
     found = []
@@ -541,44 +533,6 @@ def _node_unit_installed(root: str, unit: str) -> bool:
     from oci_gpu_hook.toolkit.install import UNIT_DIR
 
     return os.path.exists(host_path(root, f"{UNIT_DIR}/{unit}"))
-
-
-def _load_toml(text: str) -> dict:
-    # Imported here: doctor is a toolkit command, and the hook's start path never needs TOML.
-    try:
-        import tomllib  # novermin (before Python 3.11: tomli, the same parser and API)
-    except ModuleNotFoundError:
-        try:
-            import tomli as tomllib
-        except ModuleNotFoundError:
-            raise NotChecked("not checked: reading TOML needs tomli before Python 3.11 (python3-tomli)") from None
-    return tomllib.loads(text)
-
-
-def _toml_list(path: str, keys: tuple):
-    """The list of strings at `keys` (tables, then the key) in a TOML file, or None when the file
-    does not exist or does not set it. ConfigFileError when it is not valid TOML or the value is
-    not a list of strings: the runtime would refuse to start."""
-    try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError as e:
-        raise ConfigFileError(f"{path}: unreadable ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise ConfigFileError(f"{path}: not valid TOML (not UTF-8: {e.reason} at byte {e.start})") from None
-    try:
-        value = _load_toml(text)
-    except ValueError as e:  # tomllib.TOMLDecodeError
-        raise ConfigFileError(f"{path}: not valid TOML ({e})") from None
-    for key in keys:
-        if not isinstance(value, dict) or key not in value:
-            return None
-        value = value[key]
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise ConfigFileError(f"{path}: {'.'.join(keys)} is not an array of strings")
-    return value
 
 
 def run(settings, root: str = "/", config_error: str | None = None, **options) -> list:

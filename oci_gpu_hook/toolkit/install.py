@@ -5,7 +5,7 @@ What install writes, under --root (default /):
 | file | for |
 |---|---|
 | /etc/containers/oci/hooks.d/oci-gpu-hook.json | podman and CRI-O (see docs/toolkit.md for why /etc) |
-| /etc/crio/crio.conf.d/50-oci-gpu-hook.conf | CRI-O: its default hooks_dir lacks the directory above |
+| /etc/crio/crio.conf.d/50-oci-gpu-hook.conf | CRI-O, when its hooks_dir lacks the directory above: that list plus it |
 | /etc/oci-gpu-hook/config.yaml | the default configuration, only when there is none |
 | /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
@@ -128,13 +128,35 @@ def write_hooks_dir(directory: str, argv_prefix) -> str:
     return directory
 
 
-def crio_dropin_text() -> str:
+def crio_dropin_text(dirs, source) -> str:
+    """The drop-in that adds the administrators' hooks directory to the list CRI-O reads now:
+    CRI-O's drop-ins replace lists, so it holds that whole list, in its order, with ours last."""
+    listed = ", ".join(f'"{d}"' for d in dirs)
     return (
-        "# Written by `oci-gpu-hook install`: CRI-O's default hooks_dir lacks the administrators'\n"
-        "# directory, where the GPU hook's hooks.d file is. Removed by `oci-gpu-hook uninstall`.\n"
+        "# Written by `oci-gpu-hook install`: CRI-O's hooks_dir did not include the administrators'\n"
+        "# directory, where the GPU hook's hooks.d file is. A drop-in's list replaces the list before\n"
+        f"# it, so this is that list ({f'hooks_dir in {source}' if source else 'CRI-O default'}) with it added.\n"
+        "# Removed by `oci-gpu-hook uninstall`.\n"
         "[crio.runtime]\n"
-        f'hooks_dir = ["{PACKAGE_HOOKS_D_DIR}", "{HOOKS_D_DIR}"]\n'
+        f"hooks_dir = [{listed}]\n"
     )
+
+
+def crio_dropin(root: str):
+    """The Entry for CRI-O's drop-in, or None when CRI-O already reads the administrators' hooks
+    directory. The list is CRI-O's own as it stands without our drop-in (runtime_config.py)."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    try:
+        dirs, source = runtime_config.crio_hooks_dirs(root, without=CRIO_DROPIN)
+    except (runtime_config.ConfigFileError, runtime_config.TomlUnavailable) as e:
+        raise InstallError(f"{e}: cannot tell which hooks directories CRI-O reads") from None
+    if HOOKS_D_DIR in dirs:
+        return None
+    if source is not None and source > CRIO_DROPIN:  # read after ours, so its list would replace ours
+        raise InstallError(f"{host_path(root, source)}: sets CRI-O's hooks_dir after {CRIO_DROPIN} would, without "
+                           f"{HOOKS_D_DIR}: add {HOOKS_D_DIR} to that list, then run install again")  # fmt: skip
+    return Entry(CRIO_DROPIN, crio_dropin_text(dirs + [HOOKS_D_DIR], source))
 
 
 def _options(argv_prefix) -> list:
@@ -265,14 +287,14 @@ class Entry:
         return "sha256:" + hashlib.sha256(self.content.encode()).hexdigest()
 
 
-def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False) -> list:
+def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False, root: str = "/") -> list:
     entries = []
     if argv_prefix[0] == launcher.LAUNCHER:
         entries.append(Entry(launcher.LAUNCHER, launcher_text(), mode=0o755))
     if "podman" in runtimes or "crio" in runtimes:
         entries.append(Entry(HOOKS_D_FILE, hooks_d_text(argv_prefix)))
     if "crio" in runtimes:
-        entries.append(Entry(CRIO_DROPIN, crio_dropin_text()))
+        entries += [e for e in [crio_dropin(root)] if e is not None]
     if "docker" in runtimes:
         entries.append(Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755, set_aside=DOCKER_HOOK_SAVED))
     entries.append(Entry(CONFIG_FILE, config_text(), only_if_absent=True))
@@ -403,7 +425,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     manifest = _read_manifest(root)
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
-    entries = planned(runtimes, argv_prefix, node_services, device_plugin)
+    entries = planned(runtimes, argv_prefix, node_services, device_plugin, root)
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(root, entries)

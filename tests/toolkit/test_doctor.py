@@ -10,7 +10,7 @@ import pytest
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import inventory_cache, settings
 from oci_gpu_hook.start.linux import labels
-from oci_gpu_hook.toolkit import doctor, install
+from oci_gpu_hook.toolkit import doctor, install, runtime_config
 
 V1_MOUNTINFO = (
     "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
@@ -248,7 +248,7 @@ def test_containers_conf_is_read_as_podman_reads_it(installed_root, name, text, 
     _write(installed_root, "/etc/containers/containers.conf", text)
     assert _regex_answer(text) != dirs  # the case the regular expressions got wrong
     doc = doctor.Doctor(settings.Settings(), installed_root)
-    expected = dirs if dirs is not None else list(doctor.HOOKS_DIRS)
+    expected = dirs if dirs is not None else list(runtime_config.PODMAN_DEFAULT_HOOKS_DIRS)
     assert doc.hooks_d_file()[2] == expected
     status, summary, _ = doc.check_hooks_d()
     assert status == (doctor.PASS if OURS in expected else doctor.FAIL), summary

@@ -273,3 +273,100 @@ def test_install_refuses_a_planted_file_others_can_change(root, require):
         install.install(root, ("podman",), PREFIX)
     os.chmod(planted, 0o644)
     install.install(root, ("podman",), PREFIX)  # root's alone: taken as install's own
+
+
+# ---- CRI-O's hooks_dir, checked against what the real CRI-O merges ------------------------------
+
+ADMINS = install.HOOKS_D_DIR
+OPENSHIFT = "/run/containers/oci/hooks.d"  # where operators put their hooks on OpenShift
+
+
+def _crio_file(root, path, dirs):
+    full = root + path
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    with open(full, "w") as f:
+        f.write("[crio.runtime]\n" + (f"hooks_dir = {json.dumps(dirs)}\n" if dirs is not None else ""))
+
+
+def _doctor_crio(root):
+    from oci_gpu_hook.start import settings
+    from oci_gpu_hook.toolkit import doctor
+
+    return doctor.Doctor(settings.Settings(), root).check_crio()
+
+
+@pytest.mark.parametrize(
+    "files, dropin",
+    [({"/etc/crio/crio.conf": ["/opt/a", "/opt/b", "/opt/c"]}, True),
+     ({"/etc/crio/crio.conf": ["/opt/a", ADMINS, "/opt/c"]}, False),
+     ({"/etc/crio/crio.conf": ["/opt/a"], "/etc/crio/crio.conf.d/10-openshift.conf": [OPENSHIFT, "/opt/b"]}, True),
+     ({"/etc/crio/crio.conf.d/10-openshift.conf": [ADMINS, OPENSHIFT]}, False),
+     ({}, True),
+     ({"/etc/crio/crio.conf": None}, True)],
+    ids=["three-in-crio.conf", "ours-already-listed", "a-drop-in-sets-it", "a-drop-in-lists-ours", "no-files",
+         "no-hooks-dir"],
+)  # fmt: skip
+def test_crio_keeps_every_hooks_dir_it_had_and_reads_ours(root, require, files, dropin):
+    """CRI-O does not merge lists: a drop-in's hooks_dir replaces the list. install adds the
+    administrators' directory to the list CRI-O reads now (crio.conf, the drop-ins in order, else
+    its default), writes nothing when it is there, and uninstall leaves CRI-O as it was: each
+    checked in what the real `crio config` merges."""
+    import criocheck
+
+    require("root")
+    for path, dirs in files.items():
+        _crio_file(root, path, dirs)
+    before = criocheck.hooks_dirs(root)
+    tree = snapshot(root)
+    install.install(root, ("crio",), PREFIX)
+    after = criocheck.hooks_dirs(root)
+    assert os.path.exists(root + install.CRIO_DROPIN) == dropin
+    assert after == (before + [ADMINS] if dropin else before)  # every directory kept, in its order
+    status, summary, _ = _doctor_crio(root)
+    assert status == "PASS" and f"CRI-O reads hooks from {', '.join(after)} (" in summary, summary
+    assert f"{ADMINS}/oci-gpu-hook.json is among them, run at createRuntime" in summary
+    assert install.install(root, ("crio",), PREFIX) == []  # again: nothing to change
+    install.uninstall(root)
+    assert criocheck.hooks_dirs(root) == before and snapshot(root) == tree
+
+
+def test_a_drop_in_read_after_ours_that_leaves_ours_out_is_refused(root, require):
+    import criocheck
+
+    require("root")
+    late = "/etc/crio/crio.conf.d/99-late.conf"
+    _crio_file(root, late, [OPENSHIFT])
+    tree = snapshot(root)
+    with pytest.raises(HookError) as e:
+        install.install(root, ("crio",), PREFIX)
+    assert e.value.message.startswith(f"{root}{late}: sets CRI-O's hooks_dir after {install.CRIO_DROPIN} would")
+    assert snapshot(root) == tree
+    status, summary, _ = _doctor_crio(root)
+    assert status == "FAIL" and summary.startswith(f"CRI-O reads hooks from {OPENSHIFT} (hooks_dir in {late})")
+    assert criocheck.hooks_dirs(root) == [OPENSHIFT]  # what doctor said is what CRI-O does
+
+
+def test_every_file_below_crio_conf_d_counts_in_crio_s_order(root, require):
+    """CRI-O reads every file below crio.conf.d, whatever its suffix, subdirectories where their
+    names fall: the list it ends with is the one install and doctor see."""
+    import criocheck
+
+    from oci_gpu_hook.toolkit import runtime_config
+
+    require("root")
+    _crio_file(root, "/etc/crio/crio.conf.d/20-no-suffix", ["/opt/no-suffix"])
+    _crio_file(root, "/etc/crio/crio.conf.d/30-sub/10.conf", ["/opt/sub"])
+    _crio_file(root, "/etc/crio/crio.conf.d/25.conf", ["/opt/25"])
+    assert runtime_config.crio_hooks_dirs(root) == (["/opt/sub"], "/etc/crio/crio.conf.d/30-sub/10.conf")
+    assert criocheck.hooks_dirs(root) == ["/opt/sub"]
+
+
+def test_crio_s_built_in_hooks_dir_is_the_one_install_assumes(root, require):
+    import criocheck
+
+    from oci_gpu_hook.toolkit import runtime_config
+
+    require("root")
+    assert criocheck.config(root, "--default")["crio"]["runtime"]["hooks_dir"] == list(
+        runtime_config.CRIO_DEFAULT_HOOKS_DIRS
+    )
