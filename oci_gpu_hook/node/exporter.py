@@ -84,13 +84,18 @@ class Exporter:
 
 
 def responder(exporter: Exporter):
-    """respond(path) for the scrape server: the page, or the index, or 404."""
+    """respond(path, head) for the scrape server: the page, or the index, or 404. HEAD answers with
+    the last page rendered and renders none: anyone who can reach the port can ask, and only a
+    GET may make the exporter read NVML (the server renders once for all the GETs it has at once)."""
+    last = [b""]
 
-    def respond(path: str):
+    def respond(path: str, head: bool = False):
         if path == "/metrics":
-            # Text from containers is made printable where it is rendered (metrics.escape); the
-            # encoding replaces whatever else could not be encoded rather than fail the page.
-            return 200, "text/plain; version=0.0.4; charset=utf-8", exporter.scrape().encode("utf-8", "replace")
+            if not head:
+                # Text from containers is made printable where it is rendered (metrics.escape); the
+                # encoding replaces whatever else could not be encoded rather than fail the page.
+                last[0] = exporter.scrape().encode("utf-8", "replace")
+            return 200, "text/plain; version=0.0.4; charset=utf-8", last[0]
         if path == "/":
             return 200, "text/html", b'<html><body><a href="/metrics">metrics</a></body></html>\n'
         return 404, "text/plain", b"not found\n"

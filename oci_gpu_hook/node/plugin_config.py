@@ -33,7 +33,6 @@ def mig_resource(profile: str) -> str:
     return MIG_RESOURCE_PREFIX + profile.replace("+", ".")
 PER_REPLICA = memory_limit.PER_REPLICA  # the same word as the hook's shared_gpu_memory_limit
 MAX_REPLICAS = 1024
-MAX_FILE_BYTES = 1 << 20  # a real configuration is a few hundred bytes
 
 
 class TimeSlicedResource(Record):
@@ -218,18 +217,11 @@ def load(path: str | None, node_settings) -> PluginConfig:
         if node_settings.replicas > 1:
             sharing = (TimeSlicedResource(GPU_RESOURCE, node_settings.replicas, None),)
         return PluginConfig(mig_strategy=node_settings.mig_strategy, time_slicing=sharing)
-    from oci_gpu_hook.start import files
-
-    try:
-        text = files.read_bounded(path, MAX_FILE_BYTES, regular=True)
-    except OSError as e:
-        raise ConfigError(f"{path}: {e.strerror or e}") from None
-    if len(text) > MAX_FILE_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_FILE_BYTES} bytes; this is not a device plugin configuration")
+    text = settings.read_config_file(path, "the device plugin configuration")
     import yaml
 
     try:
-        doc = yaml.safe_load(text)
+        doc = settings.load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" (line {mark.line + 1})" if mark is not None else ""

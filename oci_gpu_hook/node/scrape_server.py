@@ -13,8 +13,10 @@ answering and the accept loop spun on EMFILE. Here instead:
   make room, and with none to close the listener rests for a moment rather than spin;
 - each connection gets one reply and is closed (Connection: close), so nothing is kept alive.
 
-The reply is built by respond(path) -> (status, content type, body bytes), in this thread: a
-scrape takes milliseconds, and clients meanwhile wait in the kernel's backlog, not in memory here.
+The reply is built by respond(path, head) -> (status, content type, body bytes), in this thread,
+once for all the requests for one path that came in by one turn of the loop: a flood of scrapes
+costs one render per turn, and a real scrape among them waits for one render, not for all of
+theirs. Clients meanwhile wait in the kernel's backlog, not in memory here.
 """
 
 from __future__ import annotations
@@ -94,13 +96,21 @@ class ScrapeServer:
         wake = [c.deadline for c in self.connections.values()]
         if self.resting_until is not None:
             wake.append(self.resting_until)
+        complete = []  # (connection, request head) of the requests that came in on this turn
         for key, mask in self.selector.select(max(0.0, min(wake) - now) if wake else None):
             if key.fileobj is self.listener:
                 self._accept()
             elif mask & selectors.EVENT_READ:
-                self._read(key.data)
+                self._read(key.data, complete)
             else:
                 self._write(key.data)
+        replies: dict = {}  # one reply per request line on this turn
+        for conn, head in complete:
+            if conn.sock in self.connections:  # not closed meanwhile to make room
+                line = head.split(b"\n", 1)[0].strip()
+                if line not in replies:
+                    replies[line] = self._reply_to(head)
+                self._answer(conn, replies[line])
         now = self.clock()
         for conn in [c for c in self.connections.values() if c.deadline <= now]:
             self._drop(conn)
@@ -155,7 +165,7 @@ class ScrapeServer:
             pass
         conn.sock.close()
 
-    def _read(self, conn: _Connection) -> None:
+    def _read(self, conn: _Connection, complete: list) -> None:
         try:
             data = conn.sock.recv(4096)
         except BlockingIOError:
@@ -173,7 +183,8 @@ class ScrapeServer:
             if len(conn.inbox) > MAX_REQUEST_BYTES:
                 self._answer(conn, reply(431, "text/plain", b"request too large\n"))
             return
-        self._answer(conn, self._reply_to(conn.inbox[:end]))
+        self.selector.unregister(conn.sock)  # nothing more is read: it gets its reply after this turn
+        complete.append((conn, conn.inbox[:end]))
 
     def _reply_to(self, head: bytes) -> bytes:
         if len(head) > MAX_REQUEST_BYTES:
@@ -185,7 +196,7 @@ class ScrapeServer:
         if method not in (b"GET", b"HEAD"):
             return reply(405, "text/plain", b"only GET and HEAD\n")
         try:
-            status, kind, body = self.respond(target.decode("ascii", "replace"))
+            status, kind, body = self.respond(target.decode("ascii", "replace"), method == b"HEAD")
         except Exception as e:  # one bad scrape must not stop the endpoint; the next may succeed
             self.log(f"internal error answering a request: {type(e).__name__}: {e}")
             status, kind, body = 500, "text/plain", b"internal error\n"
@@ -193,7 +204,10 @@ class ScrapeServer:
 
     def _answer(self, conn: _Connection, data: bytes) -> None:
         conn.outbox = memoryview(data)
-        self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        try:
+            self.selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
+        except KeyError:  # unregistered while its request waited for the turn's replies
+            self.selector.register(conn.sock, selectors.EVENT_WRITE, conn)
         self._write(conn)
 
     def _write(self, conn: _Connection) -> None:

@@ -241,17 +241,74 @@ def _write_compiled(path: str, key, data: dict) -> None:
         pass  # a read-only /run costs speed, not correctness
 
 
-def read_config_file(path: str) -> str:
+def read_config_file(path: str, what: str = "the configuration file") -> str:
+    """A configuration file's text, at most MAX_CONFIG_BYTES. It decides what containers get (and
+    the device plugin's, what the kubelet is told), so it must be root's (or this user's) and
+    writable by no one else: checked on the descriptor that is read."""
     try:
-        raw = files.read_bounded(path, MAX_CONFIG_BYTES)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read the configuration file: {e.strerror}") from None
+        raise ConfigError(f"{path}: cannot read {what}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{path}: cannot read {what}: not a regular file")
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            whose = f"owned by uid {st.st_uid}" if st.st_uid not in (0, os.geteuid()) else "writable by others"
+            raise ConfigError(f"{path}: {what} is {whose}: it decides what containers get, so it must be root's "
+                              "and writable by no one else")  # fmt: skip
+        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
+        while len(raw) <= MAX_CONFIG_BYTES:
+            more = os.read(fd, MAX_CONFIG_BYTES + 1 - len(raw))
+            if not more:
+                break
+            raw += more
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read {what}: {e.strerror}") from None
+    finally:
+        os.close(fd)
     if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: the configuration file is larger than {MAX_CONFIG_BYTES} bytes")
+        raise ConfigError(f"{path}: {what} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(f"{path}: the configuration file is not UTF-8 text") from None
+        raise ConfigError(f"{path}: {what} is not UTF-8 text") from None
+
+
+def load_yaml(text: str):
+    """A YAML (or JSON) document as JSON's types only: mappings, lists, strings, numbers, booleans
+    and null. Merge keys (<<) are refused, because older PyYAML expands them exponentially inside
+    the parser; so are the tags that build other types (binary, set, omap, pairs), and a timestamp
+    stays text. yaml.YAMLError for everything refused."""
+    import yaml
+
+    return yaml.load(text, Loader=_json_loader())  # noqa: S506 - a SafeLoader, narrowed further
+
+
+_LOADER = []
+
+
+def _json_loader():
+    if _LOADER:
+        return _LOADER[0]
+    import yaml
+    from yaml.constructor import ConstructorError
+
+    class JsonLoader(yaml.SafeLoader):
+        def flatten_mapping(self, node):
+            for key, _ in node.value:
+                if key.tag == "tag:yaml.org,2002:merge":
+                    raise ConstructorError(None, None, "merge keys (<<) are not accepted", key.start_mark)
+            super().flatten_mapping(node)
+
+    def refuse(loader, node):
+        raise ConstructorError(None, None, f"{node.tag.rpartition(':')[2]} values are not accepted", node.start_mark)
+
+    for tag in ("binary", "set", "omap", "pairs"):
+        JsonLoader.add_constructor(f"tag:yaml.org,2002:{tag}", refuse)
+    JsonLoader.add_constructor("tag:yaml.org,2002:timestamp", lambda loader, node: loader.construct_scalar(node))
+    _LOADER.append(JsonLoader)
+    return JsonLoader
 
 
 def parse(text: str, path: str) -> Settings:
@@ -266,7 +323,7 @@ def parse_mapping(text: str, path: str) -> dict:
     import yaml
 
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -288,6 +345,7 @@ def parse_mapping(text: str, path: str) -> dict:
 # billions of values, and a deep nesting for more frames than the interpreter has.
 MAX_DOCUMENT_VALUES = 100_000
 MAX_DOCUMENT_DEPTH = 32
+MAX_LIST_ITEMS = 1024
 
 
 def load_problem(error: Exception) -> str:
@@ -297,8 +355,10 @@ def load_problem(error: Exception) -> str:
 
 
 def check_document_size(data: object, path: str) -> None:
-    """ConfigError when the document has more than MAX_DOCUMENT_VALUES values or is nested more
-    than MAX_DOCUMENT_DEPTH deep, counting an alias as often as it is used; bounded time."""
+    """ConfigError when the document has more than MAX_DOCUMENT_VALUES values, a list of more than
+    MAX_LIST_ITEMS, is nested more than MAX_DOCUMENT_DEPTH deep, or holds anything but JSON's
+    types; an alias counts as often as it is used. Bounded time, before any check that could take
+    longer (jsonschema's uniqueItems compares every pair of items)."""
     stack, count = [(data, 0)], 0
     while stack:
         value, depth = stack.pop()
@@ -311,7 +371,11 @@ def check_document_size(data: object, path: str) -> None:
         if isinstance(value, dict):
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
+            if len(value) > MAX_LIST_ITEMS:
+                raise ConfigError(f"{path}: a list of more than {MAX_LIST_ITEMS} items; this is not a configuration")
             stack.extend((v, depth + 1) for v in value)
+        elif value is not None and not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{path}: a {type(value).__name__} value; only JSON's types are accepted")
 
 
 def _schema() -> dict:

@@ -260,9 +260,9 @@ def _spec_kind(path: str):
         if path.endswith(".json"):
             doc = json.loads(text)
         else:
-            import yaml
+            from oci_gpu_hook.start.settings import load_yaml
 
-            doc = yaml.safe_load(text)
+            doc = load_yaml(text)
     except Exception:  # noqa: BLE001 - someone else's broken file is only a reason not to warn
         return None
     return doc.get("kind") if isinstance(doc, dict) else None

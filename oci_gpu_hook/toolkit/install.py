@@ -329,20 +329,58 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
 # --- the manifest -------------------------------------------------------------------------------
 
 
+def _installable_paths() -> set:
+    """Every path install can write (with any options): all a manifest may name."""
+    entries = planned(("podman", "docker"), [launcher.LAUNCHER], node_services=True, device_plugin=True)
+    return {e.path for e in entries} | {CRIO_DROPIN}
+
+
 def _read_manifest(root: str) -> dict:
+    """The manifest, trusted only as far as install could have written it: uninstall removes and
+    moves what it names, as root. So the file must be root's alone in directories only root can
+    change (as install's destinations), and name only paths install writes, the directories
+    above them, and NVIDIA's program set aside; anything else is refused, with one line."""
     path = host_path(root, MANIFEST)
+    if not os.path.lexists(path):
+        return {"format": 1, "files": {}, "directories": []}
+    sources = HostSources()
     try:
+        os.close(sources.open(path, "file"))
         with open(path) as f:
             doc = json.load(f)
     except FileNotFoundError:
         return {"format": 1, "files": {}, "directories": []}
+    except UntrustedSource as e:
+        raise InstallError(f"{e}: the install manifest says what uninstall removes, so it must be root's alone; "
+                           "remove it to start over") from None  # fmt: skip
     except (OSError, ValueError) as e:
         raise InstallError(f"{path}: unreadable install manifest ({e}); remove it to start over") from None
+    finally:
+        sources.close()
     if not isinstance(doc, dict) or doc.get("format") != 1:
         raise InstallError(f"{path}: not an oci-gpu-hook install manifest of format 1")
     doc.setdefault("files", {})
     doc.setdefault("directories", [])
+    known = _installable_paths()
+    parents = {os.path.dirname(p) for p in known | {MANIFEST}}
+    parents |= {d for p in set(parents) for d in _ancestors(p)}
+    files_ok = isinstance(doc["files"], dict) and all(
+        k in known and isinstance(v, str) for k, v in doc["files"].items()
+    )
+    dirs_ok = isinstance(doc["directories"], list) and all(d in parents for d in doc["directories"])
+    saved_ok = doc.get("saved", {}) in ({}, {DOCKER_HOOK: DOCKER_HOOK_SAVED})
+    if not (files_ok and dirs_ok and saved_ok):
+        raise InstallError(f"{path}: names paths install never writes; not trusted (remove it, and what it "
+                           "lists, by hand)")  # fmt: skip
     return doc
+
+
+def _ancestors(path: str) -> list:
+    found = []
+    while path not in ("/", ""):
+        found.append(path)
+        path = os.path.dirname(path)
+    return found
 
 
 def _write_text(path: str, text: str, mode: int = 0o644) -> None:
@@ -410,6 +448,28 @@ def _check_destinations(root: str, entries) -> None:
         sources.close()
 
 
+def _check_configuration(root: str, argv_prefix) -> None:
+    """A --config that install writes into what runtimes run must name a file only root can
+    change (or, while it does not exist yet, a place where only root can make it): whoever
+    changes it decides what containers get and which files the hook and node services write."""
+    if "--config" not in argv_prefix[:-1]:
+        return
+    path = host_path(root, argv_prefix[argv_prefix.index("--config") + 1])
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    sources = HostSources()
+    try:
+        os.close(sources.open(existing, "file" if existing == path else "dir"))
+    except UntrustedSource as e:
+        raise InstallError(f"{e}: the configuration decides what containers get, so it and every directory "
+                           "above it must be root's and writable by no one else") from None  # fmt: skip
+    except OSError as e:
+        raise InstallError(f"{path}: {e.strerror}") from None
+    finally:
+        sources.close()
+
+
 # --- install / uninstall ------------------------------------------------------------------------
 
 
@@ -429,6 +489,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(root, entries)
+    _check_configuration(root, argv_prefix)
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
         path = host_path(root, entry.path)
@@ -488,6 +549,8 @@ def uninstall(root: str) -> list:
     if not os.path.exists(manifest_path):
         return []
     manifest = _read_manifest(root)
+    # Each directory uninstall removes or moves entries in must be root's alone, as for install.
+    _check_destinations(root, [Entry(p) for p in list(manifest["files"]) + list(manifest.get("saved", {}))])
     lines = []
     for relative, checksum in sorted(manifest["files"].items(), key=lambda kv: kv[0], reverse=True):
         path = host_path(root, relative)

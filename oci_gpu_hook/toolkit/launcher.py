@@ -127,7 +127,29 @@ def _import_path(interpreter: str) -> list:
         raise LauncherError(f"{interpreter}: cannot ask it for its import path: "
                             f"{printable(done.stderr.decode(errors='replace').strip()[-200:])}")  # fmt: skip
     # Path hooks (an editable install's finder) are names, not paths: their files are the package.
-    return [e for e in entries if isinstance(e, str) and e.startswith("/") and os.path.lexists(e)]
+    entries = [e for e in entries if isinstance(e, str) and e.startswith("/")]
+    return entries + [e for e in _pth_entries(entries) if e not in entries]
+
+
+def _pth_entries(directories) -> list:
+    """The directories the .pth files in directories name, existing or not: site leaves out one
+    that does not exist, until someone makes it."""
+    found = []
+    for directory in directories:
+        try:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".pth"))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                with open(os.path.join(directory, name), encoding="utf-8", errors="replace") as f:
+                    lines = f.read(1 << 20).splitlines()
+            except OSError:
+                continue
+            for line in (line.strip() for line in lines):
+                if line and not line.startswith(("#", "import ", "import\t")):
+                    found.append(os.path.normpath(os.path.join(directory, line)))
+    return found
 
 
 def _refuse(path: str, why: str):
@@ -153,7 +175,15 @@ def _importable(name: str) -> bool:
 
 def _trusted_tree(sources: HostSources, top: str, seen: set) -> None:
     """top (a sys.path entry: a directory, or a zip file) and every importable entry under it:
-    root's and writable by no one else; a symlink's target is checked from its own path."""
+    root's and writable by no one else; a symlink's target is checked from its own path. An entry
+    that does not exist (python311.zip, usually) must stay so: its nearest existing directory
+    must be one only root can change."""
+    if not os.path.lexists(top):
+        existing = os.path.dirname(top)
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        _trusted(sources, existing, "dir")
+        return
     if os.path.isfile(top):
         _trusted(sources, top, "file")
         return

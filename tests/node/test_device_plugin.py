@@ -637,7 +637,11 @@ def run_limited(args, memory=1 << 30, timeout=60):
     (alias_bomb(4), "a list"),  # within the bound: shown by its kind, never by repr()
     ("[" * 5000 + "]" * 5000, "not valid YAML or JSON: nested too deeply"),
     ("9" * 5000, "not valid YAML or JSON: Exceeds the limit (4300 digits)"),
-], ids=["bomb", "small-bomb", "deep", "huge-int"])  # fmt: skip
+    (f"!!pairs [[a, {alias_bomb(8)}]]", "pairs values are not accepted"),
+    ("[&m0 {a: 1}, " + ", ".join(f"&m{i} {{<<: [*m{i - 1}, *m{i - 1}], k{i}: 1}}" for i in range(1, 41)) + "]",
+     "merge keys (<<) are not accepted"),
+    ("[x, " + ", ".join(f"[{i}]" for i in range(8000)) + "]", "a list of more than 1024 items"),
+], ids=["bomb", "small-bomb", "deep", "huge-int", "pairs-bomb", "merge-bomb", "long-list"])  # fmt: skip
 def test_hostile_configuration_is_one_line_in_bounded_time_and_memory(host_config, plugin_file, key, value, words):
     path = plugin_file(HOSTILE_KEYS[key].format(value))
     p = run_limited(["--config", host_config, "device-plugin", "--check", "--config-file", path])
@@ -650,17 +654,26 @@ def test_hostile_configuration_is_one_line_in_bounded_time_and_memory(host_confi
 
 
 def test_an_oversized_configuration_is_refused_not_cut(host_config, plugin_file):
-    """A file past MAX_FILE_BYTES used to be read up to its first MiB and accepted."""
-    from oci_gpu_hook.node.plugin_config import MAX_FILE_BYTES
+    """A file past the bound used to be read up to its first MiB and accepted."""
+    from oci_gpu_hook.start.settings import MAX_CONFIG_BYTES
 
-    path = plugin_file("version: v1\n#" + "x" * MAX_FILE_BYTES + "\nflags: {migStrategy: bogus}\n")
+    path = plugin_file("version: v1\n#" + "x" * MAX_CONFIG_BYTES + "\nflags: {migStrategy: bogus}\n")
     p = run_cli("--config", host_config, "device-plugin", "--check", "--config-file", path)
     assert p.returncode == Exit.CONFIG and len(p.stderr.splitlines()) == 1, p.stderr
-    assert p.stderr == f"oci-gpu-hook: {path}: larger than {MAX_FILE_BYTES} bytes; this is not a device plugin " \
-                       "configuration\n"  # fmt: skip
+    assert p.stderr == f"oci-gpu-hook: {path}: the device plugin configuration is larger than {MAX_CONFIG_BYTES} " \
+                       "bytes\n"  # fmt: skip
 
 
-def test_the_sockets_are_the_kubelets_alone_whatever_the_umask(api, host, kubelet, start, socket_dir, run_as_nobody):
+def test_a_configuration_others_can_change_is_refused(host_config, plugin_file):
+    """What the plugin reads decides what the kubelet is told: root's alone, as the hook's own."""
+    path = plugin_file()
+    os.chown(path, 65534, 65534)
+    p = run_cli("--config", host_config, "device-plugin", "--check", "--config-file", path)
+    assert p.returncode == Exit.CONFIG and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith(f"oci-gpu-hook: {path}: the device plugin configuration is owned by uid 65534"), p.stderr
+
+
+def test_the_sockets_are_the_kubelets_alone_whatever_the_umask(api, host, kubelet, start, socket_dir):
     """Allocate says which device nodes a container gets. Started under umask 000, gRPC used to
     make the sockets 0777 and any local user could ask; the plugin binds under umask 077 itself."""
     os.chmod(socket_dir, 0o755)  # a directory others can enter: the socket's own mode must hold
@@ -670,5 +683,9 @@ def test_the_sockets_are_the_kubelets_alone_whatever_the_umask(api, host, kubele
         assert stat.S_IMODE(os.stat(plugin.socket(resource)).st_mode) & 0o077 == 0
     probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ntry:\n    s.connect(sys.argv[1])\n"
              "except PermissionError:\n    sys.exit(13)\n")  # fmt: skip
-    done = run_as_nobody(["-c", probe, plugin.socket(RESOURCES[0])], modules=(), capture_output=True, text=True)
+    # A real other user: the base interpreter (the venv may lie where nobody cannot enter), with
+    # the standard library only, as uid and gid 65534 with no groups and so no capabilities.
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    done = subprocess.run([python, "-I", "-S", "-c", probe, plugin.socket(RESOURCES[0])], user=65534, group=65534,
+                          extra_groups=[], capture_output=True, text=True, cwd="/", timeout=60)  # fmt: skip
     assert done.returncode == 13, done.stderr

@@ -273,3 +273,29 @@ def test_a_client_that_never_finishes_its_request_is_closed(host, exporter):
         post.sendall(b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n")
         assert post.recv(64).startswith(b"HTTP/1.1 405 ")
     assert "DCGM_FI_DEV_FB_USED" in e.text()
+
+
+def test_many_scrapes_at_once_each_get_the_whole_page_and_head_renders_none(host, exporter):
+    """Requests that arrive together share one render (each gets all of it); HEAD answers with
+    the last page's length and no body, and never makes the exporter read NVML."""
+    e = exporter()
+    clients = [socket.create_connection(("127.0.0.1", e.port), timeout=60) for _ in range(40)]
+    for client in clients:
+        client.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    pages = []
+    for client in clients:
+        data = b""
+        while chunk := client.recv(65536):
+            data += chunk
+        client.close()
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ") and b"DCGM_FI_DEV_FB_USED" in body
+        assert f"Content-Length: {len(body)}".encode() in head
+        pages.append(body)
+    with socket.create_connection(("127.0.0.1", e.port), timeout=60) as client:
+        client.sendall(b"HEAD /metrics HTTP/1.1\r\n\r\n")
+        data = b""
+        while chunk := client.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert body == b"" and f"Content-Length: {len(pages[-1])}".encode() in head

@@ -329,16 +329,17 @@ def test_load_invalid_utf8_is_one_line(tmp_path):
     path.write_bytes(b"version: v1\nflags:\n  migStrategy: \xff\xfe\n")
     with pytest.raises(ConfigError) as e:
         pc.load(str(path), NodeSettings())
-    assert e.value.message.startswith(f"{path}: not valid YAML or JSON") and "\n" not in e.value.message
+    assert e.value.message == f"{path}: the device plugin configuration is not UTF-8 text"
 
 
 def test_load_a_missing_or_unreadable_file(tmp_path):
     with pytest.raises(ConfigError) as e:
         pc.load(str(tmp_path / "absent.yaml"), NodeSettings())
-    assert e.value.message == f"{tmp_path}/absent.yaml: No such file or directory"
+    assert e.value.message == f"{tmp_path}/absent.yaml: cannot read the device plugin configuration: No such file or " \
+                              "directory"  # fmt: skip
     with pytest.raises(ConfigError) as e:
         pc.load(str(tmp_path), NodeSettings())
-    assert e.value.message == f"{tmp_path}: not a regular file"
+    assert e.value.message == f"{tmp_path}: cannot read the device plugin configuration: not a regular file"
 
 
 @pytest.mark.parametrize("strategy", ["none", "single", "mixed"])

@@ -306,14 +306,48 @@ def test_config_json_that_is_not_a_file(kind, host, bundle, tmp_path):
 # --- the hook's own configuration file ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["malformed", "huge", "unknown-key"])
+def _anchors(levels: int, kind: str = "list") -> str:
+    """YAML flow text whose last anchor stands for 9**levels values (kind list) or 2**levels
+    merges (kind merge: each mapping merges the one before twice)."""
+    if kind == "merge":
+        items = ["&m0 {a: 1}"] + [f"&m{i} {{<<: [*m{i - 1}, *m{i - 1}], k{i}: 1}}" for i in range(1, levels + 1)]
+    else:
+        items = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+        items += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels + 1)]
+    return "[" + ", ".join(items) + "]"
+
+
+# The configuration file is root's, in bounded time and memory whatever it holds (attack round 3,
+# classes 6 and 7, and the review after it): YAML that expands, types JSON does not have, lists
+# jsonschema would compare pairwise, a file others can change.
+HOSTILE_CONFIGS = {
+    "alias-bomb": f"supported_capabilities: {_anchors(9)}\n",
+    "merge-bomb": f"node: {_anchors(40, 'merge')}\n",
+    "pairs-bomb": f"deadline_seconds: !!pairs [[a, {_anchors(8)}]]\n",
+    "timestamp": "deadline_seconds: 2001-12-14\n",
+    "binary": "deadline_seconds: !!binary aGVsbG8=\n",
+    "set": "supported_capabilities: !!set {compute: null}\n",
+    "deep": "supported_capabilities: " + "[" * 5000 + "]" * 5000 + "\n",
+    "huge-int": "deadline_seconds: " + "9" * 5000 + "\n",
+    "long-mixed-list": "supported_capabilities: [x, " + ", ".join(f"[{i}]" for i in range(8000)) + "]\n",
+}
+
+
+@pytest.mark.parametrize("kind", ["malformed", "huge", "unknown-key", *HOSTILE_CONFIGS, "not-roots", "writable"])
 def test_bad_hook_configuration(kind, bundle, tmp_path):
     config = tmp_path / "config.yaml"
     if kind == "malformed":
         config.write_text("driver_root: [unclosed\n")
-    elif kind == "unknown-key":
-        config.write_text("driver_rot: /\n")
+    elif kind in ("unknown-key", "not-roots", "writable"):
+        config.write_text("driver_rot: /\n" if kind == "unknown-key" else "{}\n")
+        if kind == "not-roots":
+            os.chown(config, 65534, 65534)  # a local user's file: they would decide what containers get
+        elif kind == "writable":
+            config.chmod(0o666)
+    elif kind in HOSTILE_CONFIGS:
+        config.write_text(HOSTILE_CONFIGS[kind])
     else:
         write_huge(config, b"# ", b"z", HUGE, b"\n")
     result = run_bounded(str(config), write(tmp_path, state_doc(bundle)), tmp_path)
-    assert_refused(result, CONFIG_ERROR, str(config))
+    line = assert_refused(result, CONFIG_ERROR, str(config))
+    assert "internal error" not in line

@@ -370,3 +370,66 @@ def test_crio_s_built_in_hooks_dir_is_the_one_install_assumes(root, require):
     assert criocheck.config(root, "--default")["crio"]["runtime"]["hooks_dir"] == list(
         runtime_config.CRIO_DEFAULT_HOOKS_DIRS
     )
+
+
+def _forge_manifest(root, doc, owner=0):
+    path = os.path.join(root, install.MANIFEST.lstrip("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    os.chown(path, owner, owner)
+    return path
+
+
+@pytest.mark.parametrize("case", ["outside-the-root", "not-installs-path", "saved-elsewhere", "a-stray-directory",
+                                  "a-users-manifest"])  # fmt: skip
+def test_uninstall_acts_only_on_what_install_could_have_written(root, tmp_path, require, case):
+    """uninstall removes and moves, as root, what the manifest names: a manifest naming anything
+    else (a path outside the root, a file install never writes, NVIDIA's program set aside to
+    somewhere else), or one another user could have written, is refused, and nothing changes."""
+    require("root")
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "pub.txt").write_text("keep me\n")
+    checksum = "sha256:" + __import__("hashlib").sha256(b"keep me\n").hexdigest()
+    doc = {"format": 1, "files": {}, "directories": []}
+    if case == "outside-the-root":
+        doc["files"]["/../victim/pub.txt"] = checksum
+    elif case == "not-installs-path":
+        doc["files"]["/etc/passwd"] = checksum
+    elif case == "saved-elsewhere":
+        doc["saved"] = {"/etc/ld.so.preload": "/../victim/pub.txt"}
+    elif case == "a-stray-directory":
+        doc["directories"] = ["/../victim"]
+    path = _forge_manifest(root, doc, owner=65534 if case == "a-users-manifest" else 0)
+    before, outside = snapshot(root), snapshot(str(victim))
+    with pytest.raises(HookError) as e:
+        install.uninstall(root)
+    assert e.value.message.startswith(path) and "\n" not in e.value.message
+    assert snapshot(root) == before and snapshot(str(victim)) == outside
+
+
+@pytest.mark.parametrize("change", ["chown", "chmod", "parent"])
+def test_a_configuration_others_can_change_is_not_wired_in(root, tmp_path, require, change):
+    """install writes --config into the hooks.d file and the units: a file another user could edit
+    would decide what every container gets."""
+    require("root")
+    directory = os.path.join(root, "etc/gpu")  # --config names a path of the tree install writes into
+    os.makedirs(directory)
+    config = os.path.join(directory, "config.yaml")
+    with open(config, "w") as f:
+        f.write("{}\n")
+    if change == "chown":
+        os.chown(config, 65534, 65534)
+    elif change == "chmod":
+        os.chmod(config, 0o666)
+    else:
+        os.chmod(directory, 0o777)
+    before = snapshot(root)
+    with pytest.raises(HookError, match="the configuration decides what containers get"):
+        install.install(root, ("podman",), PREFIX + ["--config", "/etc/gpu/config.yaml"])
+    assert snapshot(root) == before
+    os.chown(config, 0, 0)
+    os.chmod(config, 0o644)
+    os.chmod(directory, 0o755)
+    assert install.install(root, ("podman",), PREFIX + ["--config", "/etc/gpu/config.yaml"])  # root's alone

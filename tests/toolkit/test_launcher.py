@@ -142,8 +142,9 @@ def venv(tmp_path, require):
     (site_packages,) = path.glob("lib/python3.*/site-packages")
     (site_packages / "yaml").mkdir()
     (site_packages / "yaml" / "__init__.py").write_text("")
-    (site_packages / "extra.pth").write_text(str(tmp_path / "venv" / "extra") + "\n")
+    (site_packages / "extra.pth").write_text(f"{path / 'extra'}\n{path / 'open' / 'missing'}\n")
     (path / "extra").mkdir()
+    (path / "open").mkdir()  # holds a sys.path entry that does not exist (yet)
     return path, site_packages
 
 
@@ -154,8 +155,9 @@ def venv(tmp_path, require):
      ("site-packages/yaml", "chmod"),
      ("site-packages/extra.pth", "chown"),  # site runs it, and puts its directory on sys.path
      ("extra", "chown"),  # that directory
-     ("site-packages", "chown")],
-    ids=["pyvenv.cfg", "module", "package", "pth", "pth-directory", "site-packages"],
+     ("site-packages", "chown"),
+     ("open", "chmod")],  # whoever can write it can make the missing entry, ahead of site-packages' .pth order
+    ids=["pyvenv.cfg", "module", "package", "pth", "pth-directory", "site-packages", "missing-entry"],
 )  # fmt: skip
 def test_everything_the_launched_process_loads_must_be_roots_alone(venv, probe_package, target, change):
     path, site_packages = venv
