@@ -84,10 +84,11 @@ def kubelet_binary() -> str:
     return shared_tool("kubelet", os.environ.get("KUBELET_CACHE") or "/var/cache/oci-gpu-hook-kubelet")
 
 
-def shared_tool(tool: str, cache: str) -> str:
-    """What ../shared/tools/<tool>/build.sh prints (the built program, or the directory of several),
-    building it on first use into cache (build.sh's own default, passed here to hold its lock)."""
-    script = os.path.join(REPO, "..", "shared", "tools", tool, "build.sh")
+def shared_tool(tool: str, cache: str, script_name: str = "build.sh") -> str:
+    """What ../shared/tools/<tool>/build.sh (or script_name) prints (the built program, the
+    directory of several, a fetched tree), making it on first use into cache (the script's own
+    default, passed here to hold its lock)."""
+    script = os.path.join(REPO, "..", "shared", "tools", tool, script_name)
     if os.geteuid() != 0:
         missing(f"needs root for {tool}")
     if not os.path.exists(script):
@@ -95,7 +96,7 @@ def shared_tool(tool: str, cache: str) -> str:
     # build.sh has no lock of its own, and two builds at once would double what it needs: wait
     # for one started by hand (or by setup) to finish, and take a lock against other tests.
     deadline = time.monotonic() + 1200
-    while _builds_running(tool) and time.monotonic() < deadline:
+    while _builds_running(tool, script_name) and time.monotonic() < deadline:
         time.sleep(2)
     os.makedirs(cache, exist_ok=True)
     with open(os.path.join(cache, "build.lock"), "w") as lock:
@@ -106,8 +107,8 @@ def shared_tool(tool: str, cache: str) -> str:
     return proc.stdout.strip()
 
 
-def _builds_running(tool: str) -> list[int]:
-    """Pids of other build.sh runs of tool (any checkout's: they share the cache)."""
+def _builds_running(tool: str, script_name: str = "build.sh") -> list[int]:
+    """Pids of other runs of tool's script (any checkout's: they share the cache)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -116,7 +117,7 @@ def _builds_running(tool: str) -> list[int]:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue
-            if any(arg.endswith(f"tools/{tool}/build.sh".encode()) for arg in argv[:3]):
+            if any(arg.endswith(f"tools/{tool}/{script_name}".encode()) for arg in argv[:3]):
                 found.append(int(entry))
     return found
 

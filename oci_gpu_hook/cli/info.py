@@ -13,6 +13,11 @@ def _node(node) -> str:
 def print_inventory(inventory) -> None:
     click.echo(f"NVRM version:   {inventory.driver_version}")
     click.echo(f"CUDA version:   {inventory.cuda_version or 'unknown (NVML unavailable)'}")
+    if inventory.nvml_error:
+        from oci_gpu_hook.errors import printable
+        from oci_gpu_hook.start.nvml import advice
+
+        click.echo(f"NVML:           failed: {printable(inventory.nvml_error)} ({advice(inventory.nvml_error)})")
     for gpu in inventory.gpus:
         click.echo("")
         click.echo(f"Device Index:   {gpu.index}")

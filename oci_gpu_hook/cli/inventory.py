@@ -20,3 +20,11 @@ def refresh(obj):
         f"{settings.inventory_cache}: driver {result.driver_version}, {len(result.gpus)} GPU(s), "
         f"{len(result.files)} driver files"
     )
+    if result.nvml_error:
+        from oci_gpu_hook.errors import printable
+        from oci_gpu_hook.start.nvml import advice
+
+        # Written all the same: GPUs, device nodes and files come from procfs and the driver root.
+        click.echo(f"oci-gpu-hook: warning: {printable(result.nvml_error)}: GPUs and files are from procfs and "
+                   f"the driver's files; the CUDA version, brands, memory and MIG UUIDs are unknown until NVML answers "
+                   f"({advice(result.nvml_error)}; then run inventory refresh again)", err=True)  # fmt: skip

@@ -14,6 +14,7 @@ import stat
 from oci_gpu_hook.errors import InventoryError, NvmlError
 from oci_gpu_hook.start import driver, files
 from oci_gpu_hook.start.inventory import (
+    DEPENDENCY,
     DeviceNode,
     DriverFile,
     GpuInfo,
@@ -177,62 +178,157 @@ def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None,
     return tuple(devices)
 
 
-def _inside(root: str, path: str) -> bool:
-    root = os.path.realpath(root)
-    return path == root or path.startswith(root.rstrip("/") + "/")
+MAX_SYMLINKS = 40
+
+
+def resolve_in_root(root: str, path: str) -> str | None:
+    """The host path of what path names inside root, every symlink followed with root as / (an
+    absolute link, as Debian's /etc/alternatives ones are, stays inside a driver root that is not
+    /); None for a loop. For root /, this is os.path.realpath."""
+    pending = [p for p in path.split("/") if p]
+    current: list = []
+    links = 0
+    while pending:
+        name = pending.pop(0)
+        if name == ".":
+            continue
+        if name == "..":
+            if current:
+                current.pop()
+            continue
+        candidate = os.path.join(root, *current, name)
+        if os.path.islink(candidate):
+            links += 1
+            if links > MAX_SYMLINKS:
+                return None
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                current = []
+            pending = [p for p in target.split("/") if p] + pending
+        else:
+            current.append(name)
+    return os.path.join(root, *current)
+
+
+def _relative(root: str, real: str) -> str:
+    return "/" + os.path.relpath(real, root)
 
 
 def find_libraries(settings: Settings, version: str) -> tuple[DriverFile, ...]:
-    """Driver libraries from the driver root's ld.so.cache, resolved to the versioned file."""
-    from oci_gpu_hook.start import ldcache
+    """Driver libraries from the driver root's ld.so.cache, resolved inside the driver root to the
+    versioned file, with the driver libraries each NEEDs; the VDPAU backend from <libdir>/vdpau/
+    (not in the cache); and the libraries only another one needs (DEPENDENCY)."""
+    from oci_gpu_hook.start import elf, ldcache
 
-    cache = host_path(settings.driver_root, "/etc/ld.so.cache")
+    root = settings.driver_root
+    cache = host_path(root, "/etc/ld.so.cache")
     if not os.path.exists(cache):
         raise InventoryError(f"{cache}: not found: run ldconfig on the host after installing the driver")
     prefixes = {prefix: cap for cap, names in driver.LIBRARIES.items() for prefix in names}
-    files = {}
+    found: dict = {}  # relative path -> DriverFile
+    search_dirs: set = set()  # (directory, kind) of the driver's libraries and of their links
+    by_name: dict = {}  # (kind, ld cache name) -> real host path, for what libraries NEED
+
+    def add(real: str, kind: str, capability: str, soname: str | None) -> DriverFile:
+        relative = _relative(root, real)
+        if relative in found:
+            return found[relative]
+        try:
+            own, needed = elf.read_dynamic(real)
+        except (OSError, elf.NotElf):  # listed all the same: what it needs is then unknown
+            own, needed = None, ()
+        f = DriverFile(capability, kind, relative, own or soname, tuple(needed))
+        found[relative] = f
+        return f
+
     for entry in ldcache.read(cache):
-        prefix = entry.name.split(".so", 1)[0] + ".so"
-        capability = prefixes.get(prefix)
-        if capability is None or entry.word_size not in (32, 64):
+        if entry.word_size not in (32, 64):
             continue
-        real = os.path.realpath(host_path(settings.driver_root, entry.path))
-        # Only files of this driver version, and only inside the driver root: a link pointing
-        # elsewhere, or a library left over from another driver, must not reach containers.
-        if os.path.basename(real) != f"{prefix}.{version}" or not _inside(settings.driver_root, real):
+        real = resolve_in_root(root, entry.path)
+        # Only files of this driver version: a library left over from another driver must not
+        # reach containers. resolve_in_root keeps every link inside the driver root.
+        if real is None or not os.path.isfile(real) or not os.path.basename(real).endswith("." + version):
             continue
-        if not os.path.isfile(real):
-            continue
-        relative = "/" + os.path.relpath(real, os.path.realpath(settings.driver_root))
-        # A 32-bit library keeps its own capability; compat32 decides whether 32-bit ones go in.
         kind = "library" if entry.word_size == 64 else "library32"
-        files.setdefault(relative, DriverFile(capability, kind, relative, entry.name))
-    return tuple(sorted(files.values(), key=lambda f: (f.kind, f.path)))
-
-
-def find_other_files(settings: Settings, version: str) -> tuple[DriverFile, ...]:
+        by_name.setdefault((kind, entry.name), real)
+        search_dirs.update({(os.path.dirname(entry.path), kind), (os.path.dirname(_relative(root, real)), kind)})
+        capability = prefixes.get(entry.name.split(".so", 1)[0] + ".so")
+        if capability is not None and os.path.basename(real) == entry.name.split(".so", 1)[0] + ".so." + version:
+            # A 32-bit library keeps its own capability; compat32 decides whether 32-bit ones go in.
+            add(real, kind, capability, entry.name)
+    # VDPAU's backend, where the driver installs it: <libdir>/vdpau/ beside its libraries (or
+    # beside their links: Debian's are in the library directory, its files elsewhere).
     import glob
 
-    def exists(path, want=os.path.isfile):
-        return want(host_path(settings.driver_root, path))
+    backend = f"{driver.VDPAU_PREFIX}.{version}"
+    for directory, kind in sorted(search_dirs):
+        for candidate in sorted(glob.glob(host_path(root, f"{directory}/{driver.VDPAU_DIR}/{driver.VDPAU_PREFIX}.*"))):
+            real = resolve_in_root(root, _relative(root, candidate))
+            if real is not None and os.path.isfile(real) and os.path.basename(real) == backend:
+                add(real, kind, "video", "libvdpau_nvidia.so.1")
+    # What the libraries need, from the ELF files: a driver library no capability lists is added
+    # as a DEPENDENCY (it goes into a container only with a library that needs it).
+    pending = list(found.values())
+    while pending:
+        f = pending.pop()
+        for name in f.needs:
+            real = by_name.get((f.kind, name))
+            if real is not None and _relative(root, real) not in found:
+                pending.append(add(real, f.kind, DEPENDENCY, name))
+    return tuple(sorted(found.values(), key=lambda f: (f.kind, f.path)))
+
+
+def _config_usable(path: str, libraries: set) -> bool:
+    """A driver JSON configuration file is used only when the library it names (library_path) is
+    one of the driver's: the EGL GBM and Wayland platform files name libraries of other packages,
+    and mounting a file whose library is absent breaks the loader that reads it."""
+    if not path.endswith(".json"):
+        return True
+    import json
+
+    try:
+        doc = json.loads(read_text(path, 1 << 16))
+        library = next(v["library_path"] for v in doc.values() if isinstance(v, dict) and "library_path" in v)
+    except (InventoryError, ValueError, StopIteration, TypeError):
+        return False
+    return os.path.basename(library) in libraries
+
+
+def find_other_files(settings: Settings, version: str, libraries=()) -> tuple[DriverFile, ...]:
+    import glob
+
+    root = settings.driver_root
+
+    def exists(path, want):
+        return want(host_path(root, path))
+
+    def resolved(path):
+        """The path relative to the driver root of what path names there, if it is a file."""
+        real = resolve_in_root(root, path)
+        return _relative(root, real) if real is not None and os.path.isfile(real) else None
 
     files = []
     for capability, names in driver.BINARIES.items():
         for name in names:
-            path = next((f"{d}/{name}" for d in BINARY_DIRS if exists(f"{d}/{name}")), None)
-            if path:
+            # Debian's /usr/bin/nvidia-smi is a link through /etc/alternatives: the file it
+            # reaches inside the driver root is the mount source (the plan keeps the name).
+            path = next((p for p in (resolved(f"{d}/{name}") for d in BINARY_DIRS) if p), None)
+            if path and os.path.basename(path) == name:
                 files.append(DriverFile(capability, "binary", path))
     for directory in FIRMWARE_DIRS:
-        pattern = host_path(settings.driver_root, f"{directory}/{version}/gsp*.bin")
+        pattern = host_path(root, f"{directory}/{version}/gsp*.bin")
         for path in sorted(glob.glob(pattern)):
             files.append(DriverFile("utility", "firmware", f"{directory}/{version}/{os.path.basename(path)}"))
     for capability, sockets in driver.IPC_SOCKETS.items():
         for sock in sockets:
             if exists(sock, lambda p: os.path.exists(p) and stat.S_ISSOCK(os.stat(p).st_mode)):
                 files.append(DriverFile(capability, "ipc", sock))
-    for path in driver.GRAPHICS_CONFIG_FILES:
-        if exists(path):
-            files.append(DriverFile("graphics", "config", path))
+    names = {n for f in libraries for n in (f.soname, os.path.basename(f.path)) if n}
+    for capability, paths in driver.CONFIG_FILES.items():
+        for path in paths:
+            source = resolved(path)
+            if source is not None and _config_usable(host_path(root, source), names):
+                files.append(DriverFile(capability, "config", source, target=path if source != path else None))
     return tuple(files)
 
 
@@ -240,13 +336,21 @@ def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | No
     version = read_driver_version(settings)
     majors = read_majors(settings)
     libraries = find_libraries(settings, version)
-    facts = None
+    facts, nvml_error = None, None
     if use_nvml:
         from oci_gpu_hook.start import nvml
 
         library = nvml.library(libraries, settings.driver_root)
         if library is not None:
-            facts = nvml.query(library, nvml.DEFAULT_TIMEOUT if nvml_timeout is None else nvml_timeout)
+            # What procfs and the device nodes say does not wait for NVML: when it fails (no
+            # kernel module, a driver upgraded without a reboot), the inventory holds every GPU
+            # without NVML's facts, and says why; only what needs those facts is refused.
+            try:
+                facts = nvml.query(library, nvml.DEFAULT_TIMEOUT if nvml_timeout is None else nvml_timeout)
+            except nvml.NvmlTimeout:
+                raise  # a hung driver: no GPU is handed out on its word
+            except NvmlError as e:
+                nvml_error = e.message
     nvml_gpus = facts["gpus"] if facts else {}
     caps_major = majors.get("nvidia-caps")
     gpus = []
@@ -290,5 +394,6 @@ def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | No
         gpus=tuple(gpus),
         control_devices={name: check_node(settings.dev_root, f"/dev/{name}", *nums) for name, nums in control.items()},
         mig_caps=mig_caps,
-        files=libraries + find_other_files(settings, version),
+        files=libraries + find_other_files(settings, version, libraries),
+        nvml_error=nvml_error,
     )

@@ -83,15 +83,31 @@ IPC_SOCKETS = {
 }
 MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
-# Graphics configuration files; NVIDIA's own hook never injects them, which breaks Vulkan/EGL.
-GRAPHICS_CONFIG_FILES = (
-    "/usr/share/glvnd/egl_vendor.d/10_nvidia.json",
-    "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
-    "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json",
-    "/etc/vulkan/icd.d/nvidia_icd.json",
-    "/etc/vulkan/implicit_layer.d/nvidia_layers.json",
-    "/etc/OpenCL/vendors/nvidia.icd",
-)
+# Configuration and data files the driver's libraries look for at fixed paths, per capability,
+# wherever real layouts put them: the .run installer (/etc/vulkan), Debian's and RHEL's packages
+# (/usr/share/vulkan, RHEL's nvidia_icd.x86_64.json), OptiX's data file. Each is mounted at its own
+# path; a JSON file that names a library (library_path) only when the driver has that library.
+# NVIDIA's own hook never injects them, which breaks Vulkan, EGL and OptiX.
+CONFIG_FILES = {
+    "graphics": (
+        "/usr/share/glvnd/egl_vendor.d/10_nvidia.json",
+        "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json",
+        "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json",
+        "/etc/vulkan/icd.d/nvidia_icd.json",
+        "/etc/vulkan/icd.d/nvidia_icd.x86_64.json",
+        "/usr/share/vulkan/icd.d/nvidia_icd.json",
+        "/usr/share/vulkan/icd.d/nvidia_icd.x86_64.json",
+        "/etc/vulkan/implicit_layer.d/nvidia_layers.json",
+        "/usr/share/vulkan/implicit_layer.d/nvidia_layers.json",
+        "/usr/share/nvidia/nvoptix.bin",
+    ),
+    # OpenCL is compute: the ICD loader finds libnvidia-opencl through this file.
+    "compute": ("/etc/OpenCL/vendors/nvidia.icd",),
+}
+# VDPAU's loader looks for backends in <libdir>/vdpau/, which is not in ld.so.conf: the driver
+# installs its backend there, and the hook mounts it there.
+VDPAU_DIR = "vdpau"
+VDPAU_PREFIX = "libvdpau_nvidia.so"
 
 # Device numbers. The "nvidia" major is fixed; nvidia-uvm and nvidia-caps are dynamic and must
 # be read from /proc/devices.

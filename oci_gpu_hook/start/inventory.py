@@ -65,12 +65,19 @@ class GpuInfo(Record):
 
 
 class DriverFile(Record):
-    __slots__ = ("capability", "kind", "path", "soname")
-    _defaults = {"soname": None}
-    capability: str
+    __slots__ = ("capability", "kind", "path", "soname", "needs", "target")
+    _defaults = {"soname": None, "needs": (), "target": None}
+    capability: str  # or DEPENDENCY: a driver library only another one needs
     kind: str  # library, library32, binary, firmware, ipc, config
-    path: str  # host path under driver_root: /usr/lib64/libcuda.so.550.54.15
+    path: str  # host path under driver_root, every link resolved: /usr/lib64/libcuda.so.550.54.15
     soname: str | None  # libraries: the SONAME link name, libcuda.so.1
+    needs: tuple  # libraries: the driver libraries it NEEDs (ELF DT_NEEDED), by SONAME
+    target: str | None  # config files reached through a link: the path it goes to in the container
+
+
+# The capability of a driver library that no capability lists but that a listed one NEEDs: it
+# reaches a container only with a library that needs it.
+DEPENDENCY = "dependency"
 
 
 class Inventory(Record):
@@ -86,7 +93,9 @@ class Inventory(Record):
         "control_devices",
         "mig_caps",
         "files",
+        "nvml_error",
     )
+    _defaults = {"nvml_error": None}
     driver_version: str
     cuda_version: str | None
     nvml: bool  # whether NVML answered (brand, arch, memory and MIG UUIDs are known)
@@ -98,6 +107,7 @@ class Inventory(Record):
     control_devices: dict[str, DeviceNode]  # nvidiactl, nvidia-modeset, nvidia-uvm, nvidia-uvm-tools
     mig_caps: dict[str, DeviceNode]  # config, monitor
     files: tuple[DriverFile, ...]
+    nvml_error: str | None  # why NVML did not answer, when it was asked and failed
 
     @classmethod
     def from_json(cls, data: dict) -> Inventory:
@@ -117,7 +127,7 @@ class Inventory(Record):
                 gpus=tuple(gpu(g) for g in data["gpus"]),
                 control_devices={k: node(v) for k, v in data["control_devices"].items()},
                 mig_caps={k: node(v) for k, v in data["mig_caps"].items()},
-                files=tuple(DriverFile(**f) for f in data["files"]),
+                files=tuple(DriverFile(**dict(f, needs=tuple(f.get("needs", ())))) for f in data["files"]),
             )
         )
 

@@ -17,7 +17,8 @@ from oci_gpu_hook.start import driver, files, jsonio
 from oci_gpu_hook.start.inventory import Inventory, host_path
 from oci_gpu_hook.start.settings import Settings, read_trusted
 
-FORMAT = 3  # 2: GPUs list their DRM nodes; 3: MIG devices their profile and memory
+FORMAT = 4  # 2: GPUs list their DRM nodes; 3: MIG devices their profile and memory; 4: libraries
+# what they need, and why NVML did not answer
 MAX_BYTES = 16 << 20  # an 8-GPU host's cache is 14 kB
 
 

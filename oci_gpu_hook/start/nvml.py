@@ -19,6 +19,24 @@ from oci_gpu_hook.errors import NvmlError
 DEFAULT_TIMEOUT = 20.0
 
 
+class NvmlTimeout(NvmlError):
+    """NVML did not answer in time: a hung driver. Unlike an answer that is an error, this stops
+    the start (the GPUs may be unusable), and nothing is cached."""
+
+
+def advice(message: str) -> str:
+    """What to do about NVML's failure, from its own words (nvmlErrorString)."""
+    lowered = message.lower()
+    if "mismatch" in lowered:
+        return ("the loaded kernel module and the driver's libraries differ (a driver upgraded without a "
+                "reboot): reboot, or unload and reload the nvidia modules")  # fmt: skip
+    if "not loaded" in lowered:
+        return "the NVIDIA kernel module is not loaded: load it (modprobe nvidia, or nvidia-modprobe)"
+    if "insufficient permissions" in lowered or "no permission" in lowered:
+        return "NVML cannot open the device nodes: run as root"
+    return "check the driver's installation (nvidia-smi says more)"
+
+
 def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
     """{'cuda_version': '12.4', 'gpus': {uuid: {...}}} from the NVML library at library_path."""
     # -I keeps the caller's environment out; the package (and pynvml beside it) is imported from
@@ -37,7 +55,7 @@ def query(library_path: str, timeout: float = DEFAULT_TIMEOUT) -> dict:
             cwd="/",
         )
     except subprocess.TimeoutExpired:
-        raise NvmlError(f"NVML ({library_path}) did not answer within {timeout:.1f} s") from None
+        raise NvmlTimeout(f"NVML ({library_path}) did not answer within {timeout:.1f} s") from None
     if result.returncode != 0:
         message = result.stderr.decode("utf-8", "replace").strip().splitlines()
         raise NvmlError(f"NVML ({library_path}): {message[-1] if message else 'failed'}")

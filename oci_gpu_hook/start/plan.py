@@ -16,6 +16,7 @@ import os
 
 from oci_gpu_hook.errors import InventoryError, RequestError, RequirementError
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start import driver
 from oci_gpu_hook.start.inventory import (
     DeviceNode,
     DriverFile,
@@ -377,13 +378,39 @@ def _dri(builder: _Builder, gpu) -> None:
         builder.add(Symlink(f"/dev/dri/by-path/pci-{gpu.bus_id}-{kind}", f"../{os.path.basename(node.path)}"))
 
 
+def with_dependencies(inventory: Inventory, selected) -> tuple:
+    """selected (driver libraries) and every driver library they NEED, transitively, of the same
+    word size, whatever capability lists it: a library mounted without what it needs cannot load
+    (libnvidia-glcore, a graphics library, NEEDs libnvidia-gpucomp, which compute lists)."""
+    by_name = {}
+    for f in inventory.files:
+        if f.kind in ("library", "library32"):
+            for name in (f.soname, os.path.basename(f.path)):
+                by_name.setdefault((f.kind, name), f)
+    chosen = list(selected)
+    seen = {f.path for f in chosen}
+    for f in chosen:  # grows while it is walked
+        for name in f.needs:
+            dependency = by_name.get((f.kind, name))
+            if dependency is not None and dependency.path not in seen:
+                seen.add(dependency.path)
+                chosen.append(dependency)
+    return tuple(chosen)
+
+
 def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout, for_cdi: bool) -> tuple[str, ...]:
     inventory, caps = builder.inventory, request.capabilities
     kinds = ("library", "library32") if "compat32" in caps and layout.lib32 else ("library",)
     dirs = []
-    for f in inventory.files_for(caps, kinds):
+    for f in with_dependencies(inventory, inventory.files_for(caps, kinds)):
         directory = layout.lib64 if f.kind == "library" else layout.lib32
         name = os.path.basename(f.path)
+        if name.startswith(driver.VDPAU_PREFIX + "."):
+            # VDPAU's loader looks only in <libdir>/vdpau/ (not in the ld cache): mounted there,
+            # with its SONAME link, and that directory left out of the ld cache as on the host.
+            builder.file(f, f"{directory}/{driver.VDPAU_DIR}/{name}")
+            builder.add(Symlink(f"{directory}/{driver.VDPAU_DIR}/{f.soname}", name))
+            continue
         builder.file(f, f"{directory}/{name}")
         if f.soname and f.soname != name:
             builder.add(Symlink(f"{directory}/{f.soname}", name))
@@ -394,12 +421,11 @@ def _libraries(builder: _Builder, request: GpuRequest, layout: LibraryLayout, fo
         # The development link NVIDIA's hook adds (the Optical Flow SDK dlopens the bare name).
         if name.startswith("libnvidia-opticalflow.so."):
             builder.add(Symlink(f"{directory}/libnvidia-opticalflow.so", "libnvidia-opticalflow.so.1"))
-        if for_cdi:  # two more that NVIDIA's CDI specs carry (its hook does not)
-            if name.startswith("libnvidia-ml.so."):
-                builder.add(Symlink(f"{directory}/libnvidia-ml.so", "libnvidia-ml.so.1"))
-            if name.startswith("libnvidia-allocator.so.") and "graphics" in caps and f.kind == "library":
-                # Mesa's GBM loads <libdir>/gbm/<name>_gbm.so; NVIDIA's backend is the allocator.
-                builder.add(Symlink(f"{directory}/gbm/nvidia-drm_gbm.so", "../libnvidia-allocator.so.1"))
+        if for_cdi and name.startswith("libnvidia-ml.so."):  # NVIDIA's CDI specs carry it (its hook does not)
+            builder.add(Symlink(f"{directory}/libnvidia-ml.so", "libnvidia-ml.so.1"))
+        if name.startswith("libnvidia-allocator.so.") and "graphics" in caps and f.kind == "library":
+            # Mesa's GBM loads <libdir>/gbm/<name>_gbm.so; NVIDIA's backend is the allocator.
+            builder.add(Symlink(f"{directory}/gbm/nvidia-drm_gbm.so", "../libnvidia-allocator.so.1"))
         if directory not in dirs:
             dirs.append(directory)
     return tuple(dirs)
@@ -493,7 +519,7 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout,
         source = host_path(inventory.driver_root, request.mps_pipe_directory)
         builder.add(BindMount(source, request.mps_pipe_directory, "dir", IPC_FLAGS, optional=True))
     for f in inventory.files_for(caps, ("config",)):
-        builder.file(f, f.path)
+        builder.file(f, f.target or f.path)
     if "graphics" in caps:
         _app_profile(builder, devices)
     _proc_driver(builder, devices, request)

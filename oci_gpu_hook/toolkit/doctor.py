@@ -239,6 +239,14 @@ class Doctor:
         if doc.get("fingerprint") != inventory_cache.fingerprint(self.settings):
             return (FAIL, f"{path}: stale: the driver, GPUs, device nodes or ld.so.cache changed since it was "
                     "written (the next GPU container pays for rebuilding it)", fix)  # fmt: skip
+        error = (doc.get("inventory") or {}).get("nvml_error")
+        if error:
+            from oci_gpu_hook.errors import printable
+            from oci_gpu_hook.start.nvml import advice
+
+            return (WARN, f"{path}: built while NVML failed ({printable(str(error))}): containers get their GPUs, "
+                    "but requirements on the CUDA version or brand hold unchecked, and MIG devices cannot be "
+                    "named by UUID", f"{advice(str(error))}; then {fix}")  # fmt: skip
         return PASS, f"{path} is fresh", None
 
     def hooks_d_file(self):

@@ -320,16 +320,32 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
             os.path.join(CSRC, "nvml.c"),
         ],
     ]
+    def library_path(directory: str, lib) -> str:
+        # VDPAU's backend lives in <libdir>/vdpau/, where its loader looks (not in ld.so.conf).
+        sub = driver.VDPAU_DIR if lib.prefix == driver.VDPAU_PREFIX else ""
+        return os.path.join(directory, sub, f"{lib.prefix}.{version}")
+
+    # Libraries are linked in waves, each after the ones it NEEDs (model.NEEDS, the real driver's
+    # edges), which are given to the linker by path: DT_NEEDED then names their SONAMEs.
+    by_prefix = {lib.prefix: lib for lib in host.libraries}
+
+    def depth(prefix: str) -> int:
+        return max((1 + depth(n) for n in model.NEEDS.get(prefix, ())), default=0)
+
+    waves: list = [[] for _ in range(1 + max(depth(p) for p in by_prefix))]
     for lib in host.libraries:
         tls = lib.prefix == "libnvidia-tls.so"
-        if lib.prefix != "libnvidia-ml.so":
-            out = os.path.join(lib64, f"{lib.prefix}.{version}")
-            objects = [stub64] + ([abi64] if tls else [])
-            jobs.append([gcc, "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, *objects, *needs_libc])
-        if lib.lib32 and lib32:
-            out = os.path.join(lib32_dir, f"{lib.prefix}.{version}")
-            objects = [stub32] + ([abi32] if tls else [])
-            jobs.append([gcc, "-m32", "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, *objects, *needs_libc])
+        for directory, m32, stub, abi in ((lib64, [], stub64, abi64), (lib32_dir, ["-m32"], stub32, abi32)):
+            if m32 and not (lib.lib32 and lib32) or (not m32 and lib.prefix == "libnvidia-ml.so"):
+                continue
+            needed = [library_path(directory, by_prefix[n]) for n in model.NEEDS.get(lib.prefix, ())]
+            out = library_path(directory, lib)
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+            objects = [stub] + ([abi] if tls else [])
+            waves[depth(lib.prefix)].append([gcc, *m32, "-shared", f"-Wl,-soname,{lib.soname}", "-o", out, *objects,
+                                 *needs_libc, *needed])  # fmt: skip
+    for name in model.UNVERSIONED_LIBRARIES:
+        waves[0].append([gcc, "-shared", f"-Wl,-soname,{name}", "-o", os.path.join(lib64, name), stub64, *needs_libc])
     for tool in driver.BINARIES["utility"] + driver.BINARIES["compute"]:
         if tool != "nvidia-smi":
             jobs.append(
@@ -344,10 +360,15 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
                 ]
             )
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-        for future in [
-            pool.submit(_run, argv, f"building {os.path.basename(argv[argv.index('-o') + 1])}") for argv in jobs
-        ]:
-            future.result()
+        for wave in [jobs + waves[0]] + waves[1:]:
+            for future in [
+                pool.submit(_run, argv, f"building {os.path.basename(argv[argv.index('-o') + 1])}") for argv in wave
+            ]:
+                future.result()
+    for directory in (lib64, lib32_dir):  # ldconfig does not look in vdpau/: its SONAME link by hand
+        backend = os.path.join(directory, driver.VDPAU_DIR, f"{driver.VDPAU_PREFIX}.{version}")
+        if os.path.exists(backend):
+            os.symlink(os.path.basename(backend), os.path.join(os.path.dirname(backend), "libvdpau_nvidia.so.1"))
     # nvidia-smi links against the simulated NVML by SONAME, as the real one does.
     os.symlink(f"libnvidia-ml.so.{version}", os.path.join(workdir, "libnvidia-ml.so"))
     shutil.copy2(nvml, os.path.join(workdir, f"libnvidia-ml.so.{version}"))
@@ -407,16 +428,17 @@ def write_driver_files(root: str, host: SimulatedHost, workdir: str) -> bool:
         '        "api_version" : "1.3.277",\n        "implementation_version" : "1",\n'
         '        "description" : "NVIDIA Optimus layer"\n    }\n}\n'
     )
+    # As the .run installer lays them out; the EGL GBM and Wayland platform files are left out:
+    # they name libraries of other packages (egl-gbm, egl-wayland), which are not simulated.
     contents = {
         "/usr/share/glvnd/egl_vendor.d/10_nvidia.json": egl % "libEGL_nvidia.so.0",
-        "/usr/share/egl/egl_external_platform.d/15_nvidia_gbm.json": egl % "libnvidia-egl-gbm.so.1",
-        "/usr/share/egl/egl_external_platform.d/10_nvidia_wayland.json": egl % "libnvidia-egl-wayland.so.1",
         "/etc/vulkan/icd.d/nvidia_icd.json": vulkan_icd,
         "/etc/vulkan/implicit_layer.d/nvidia_layers.json": vulkan_layer,
         "/etc/OpenCL/vendors/nvidia.icd": "libnvidia-opencl.so.1\n",
+        "/usr/share/nvidia/nvoptix.bin": f"simulated OptiX data {host.driver_version}\n",
     }
-    for path in driver.GRAPHICS_CONFIG_FILES:
-        _write(root, path.lstrip("/"), contents[path])
+    for path, text in contents.items():
+        _write(root, path.lstrip("/"), text)
     return lib32
 
 

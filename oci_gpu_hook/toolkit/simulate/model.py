@@ -95,21 +95,19 @@ class SimulatedHost:
         return dataclasses.asdict(self)
 
 
-# SONAMEs as the driver ships them; "V" stands for the driver version. Whether an i386 build
-# exists follows the .run installer's 32-bit compat set.
+# The libraries driver 550 ships (NVIDIA's 550.163.01, name for name: a test compares them with
+# the real files when ../shared/tools/nvidia-driver has fetched them) and their SONAMEs; "V" stands
+# for the driver version. Whether an i386 build exists follows the .run installer's 32-bit compat
+# set (not compared: Debian's amd64 packages carry no i386 files).
 _SONAMES = {
     "libnvidia-ml.so": ("libnvidia-ml.so.1", True),
     "libnvidia-cfg.so": ("libnvidia-cfg.so.1", False),
-    "libnvidia-nscq.so": ("libnvidia-nscq.so.2", False),
     "libcuda.so": ("libcuda.so.1", True),
     "libcudadebugger.so": ("libcudadebugger.so.1", False),
     "libnvidia-opencl.so": ("libnvidia-opencl.so.1", True),
     "libnvidia-gpucomp.so": ("libnvidia-gpucomp.so.V", True),
     "libnvidia-ptxjitcompiler.so": ("libnvidia-ptxjitcompiler.so.1", True),
-    "libnvidia-fatbinaryloader.so": ("libnvidia-fatbinaryloader.so.V", False),
     "libnvidia-allocator.so": ("libnvidia-allocator.so.1", True),
-    "libnvidia-compiler.so": ("libnvidia-compiler.so.V", False),
-    "libnvidia-pkcs11.so": ("libnvidia-pkcs11.so.V", False),
     "libnvidia-pkcs11-openssl3.so": ("libnvidia-pkcs11-openssl3.so.V", False),
     "libnvidia-nvvm.so": ("libnvidia-nvvm.so.4", True),
     "libvdpau_nvidia.so": ("libvdpau_nvidia.so.1", True),
@@ -121,7 +119,6 @@ _SONAMES = {
     "libnvidia-tls.so": ("libnvidia-tls.so.V", True),
     "libnvidia-glsi.so": ("libnvidia-glsi.so.V", True),
     "libnvidia-fbc.so": ("libnvidia-fbc.so.1", True),
-    "libnvidia-ifr.so": ("libnvidia-ifr.so.1", True),
     "libnvidia-rtcore.so": ("libnvidia-rtcore.so.V", False),
     "libnvoptix.so": ("libnvoptix.so.1", False),
     "libGLX_nvidia.so": ("libGLX_nvidia.so.0", True),
@@ -129,18 +126,29 @@ _SONAMES = {
     "libGLESv2_nvidia.so": ("libGLESv2_nvidia.so.2", True),
     "libGLESv1_CM_nvidia.so": ("libGLESv1_CM_nvidia.so.1", True),
     "libnvidia-glvkspirv.so": ("libnvidia-glvkspirv.so.V", True),
-    "libnvidia-cbl.so": ("libnvidia-cbl.so.V", False),
     "libnvidia-ngx.so": ("libnvidia-ngx.so.1", False),
+}
+# Driver libraries 550 ships that no capability lists (NVAPI, for Wine and Proton): built, and
+# not mounted, as on a real host. Their file is the SONAME itself.
+UNVERSIONED_LIBRARIES = ("libnvidia-api.so.1",)
+# What each library NEEDs of the others, as 550.163.01's ELF files say (readelf -d); the system
+# libraries they also need (libc, libX11, ...) are left out: the stubs need only libc.
+NEEDS = {
+    "libnvidia-eglcore.so": ("libnvidia-glsi.so", "libnvidia-gpucomp.so"),
+    "libnvidia-glcore.so": ("libnvidia-tls.so", "libnvidia-gpucomp.so"),
+    "libEGL_nvidia.so": ("libnvidia-glsi.so",),
+    "libGLX_nvidia.so": ("libnvidia-glsi.so", "libnvidia-tls.so", "libnvidia-glcore.so"),
+    "libnvidia-encode.so": ("libnvcuvid.so",),
+    "libnvidia-opticalflow.so": ("libnvcuvid.so",),
 }
 
 
 def driver_libraries(driver_version: str) -> tuple[Library, ...]:
-    libs = []
-    for capability, prefixes in driver.LIBRARIES.items():
-        for prefix in prefixes:
-            soname, lib32 = _SONAMES[prefix]
-            libs.append(Library(prefix, soname.replace(".V", "." + driver_version), capability, lib32))
-    return tuple(libs)
+    capability = {prefix: cap for cap, prefixes in driver.LIBRARIES.items() for prefix in prefixes}
+    return tuple(
+        Library(prefix, soname.replace(".V", "." + driver_version), capability[prefix], lib32)
+        for prefix, (soname, lib32) in _SONAMES.items()
+    )
 
 
 def _uuid(kind: str, *key) -> str:

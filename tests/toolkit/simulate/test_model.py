@@ -45,10 +45,17 @@ def test_dynamic_majors_avoid_used_ones():
     assert (host.uvm_major, host.caps_major) == (509, 507)
 
 
-def test_every_capability_library_has_a_soname():
+def test_the_simulated_libraries_are_550s_and_each_is_in_the_capability_table():
+    """The simulator builds what driver 550 ships (compared with the real files in
+    tests/e2e/test_real_driver.py), each a library the hook knows; the table also names libraries
+    of older drivers (libnvidia-compiler, -fatbinaryloader, -ifr, -cbl) and of other packages
+    (libnvidia-nscq), which the simulator does not invent."""
     libs = driver_libraries("550.54.15")
     prefixes = {lib.prefix for lib in libs}
-    assert prefixes == {p for ps in driver.LIBRARIES.values() for p in ps}
+    table = {p for ps in driver.LIBRARIES.values() for p in ps}
+    assert prefixes <= table
+    assert table - prefixes == {"libnvidia-cbl.so", "libnvidia-compiler.so", "libnvidia-fatbinaryloader.so",
+                                "libnvidia-ifr.so", "libnvidia-nscq.so", "libnvidia-pkcs11.so"}  # fmt: skip
     sonames = {lib.prefix: lib.soname for lib in libs}
     assert sonames["libcuda.so"] == "libcuda.so.1"
     assert sonames["libnvidia-glcore.so"] == "libnvidia-glcore.so.550.54.15"
