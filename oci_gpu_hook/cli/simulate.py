@@ -51,7 +51,8 @@ def simulate(directory, gpus, driver_version, cuda_version, mig, model, scramble
     root = summary["root"]
     click.echo(
         f"simulated GPU host at {root}: {len(summary['gpus'])} GPU(s), driver {driver_version}, "
-        f"CUDA {cuda_version}" + ("" if summary["lib32"] else " (no 32-bit libraries: gcc -m32 unavailable)")
+        f"CUDA {cuda_version}"
+        + ("" if summary["lib32"] else " (no 32-bit libraries: gcc cannot link with -m32; gcc-multilib would)")
     )
     for gpu in summary["gpus"]:
         mig_note = f", MIG: {len(gpu['mig'])} instances" if gpu["mig"] else ""

@@ -31,3 +31,23 @@ def test_a_by_path_link_that_leads_elsewhere_is_not_used(tmp_path, require):
     os.unlink(f"{host['root']}/dev/dri/renderD128")
     os.mknod(f"{host['root']}/dev/dri/renderD128", 0o20666, os.makedev(1, 3))  # /dev/null's numbers
     assert read_dri_nodes(config, bus) == ()
+
+
+def test_links_resolve_inside_the_driver_root(tmp_path):
+    """Debian's SONAME links go through absolute /etc/alternatives links; in a driver root other
+    than / they must land inside it, never on the host's own files (issue 26, defect 2)."""
+    from oci_gpu_hook.start.discover import resolve_in_root
+
+    root = tmp_path / "driver"
+    (root / "usr/lib/nvidia/current").mkdir(parents=True)
+    (root / "etc/alternatives").mkdir(parents=True)
+    (root / "usr/lib/nvidia/current/libcuda.so.550").write_text("")
+    os.symlink("libcuda.so.550", root / "usr/lib/nvidia/current/libcuda.so.1")
+    os.symlink("/usr/lib/nvidia/current/libcuda.so.1", root / "etc/alternatives/libcuda")
+    os.symlink("/etc/alternatives/libcuda", root / "usr/lib/libcuda.so.1")
+    os.symlink("../../../../../../etc/passwd", root / "usr/lib/escape")
+    os.symlink("loop", root / "usr/lib/loop")
+    assert resolve_in_root(str(root), "/usr/lib/libcuda.so.1") == f"{root}/usr/lib/nvidia/current/libcuda.so.550"
+    assert resolve_in_root(str(root), "/usr/lib/escape") == f"{root}/etc/passwd"  # .. stops at the root
+    assert resolve_in_root(str(root), "/usr/lib/loop") is None
+    assert resolve_in_root("/", "/usr/lib/../lib") == os.path.realpath("/usr/lib")

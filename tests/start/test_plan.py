@@ -895,3 +895,46 @@ def test_graphics_gets_the_gpus_drm_nodes_and_by_path_links():
     assert {(226, 2), (226, 129)} <= rules
     compute = plan_for("1", "utility,compute", host=host)
     assert not [t for t in targets(compute, MountDevice) if t.startswith("/dev/dri/")]
+
+
+def test_a_library_brings_every_driver_library_it_needs_whatever_its_capability():
+    """Read from the ELF files at discovery (DriverFile.needs): graphics alone gets libnvidia-gpucomp,
+    which libnvidia-glcore NEEDs and the table files under compute (issue 26, defect 1); needs are
+    followed transitively; a DEPENDENCY library comes only with what needs it."""
+    from oci_gpu_hook.start.inventory import DEPENDENCY
+
+    gpucomp = f"libnvidia-gpucomp.so.{VERSION}"
+    glcore, helper = f"libnvidia-glcore.so.{VERSION}", f"libnvidia-helper.so.{VERSION}"
+    files = (
+        DriverFile("graphics", "library", f"/usr/lib64/libGLX_nvidia.so.{VERSION}", "libGLX_nvidia.so.0",
+                   (glcore, "libX11.so.6")),
+        DriverFile("graphics", "library", f"/usr/lib64/{glcore}", glcore, (gpucomp,)),
+        DriverFile("compute", "library", f"/usr/lib64/{gpucomp}", gpucomp, (helper,)),
+        DriverFile(DEPENDENCY, "library", f"/usr/lib64/{helper}", helper),
+        lib("utility", "library", "/usr/lib64", "libnvidia-ml.so", "libnvidia-ml.so.1"),
+    )  # fmt: skip
+    host = make_host(files=files)
+    for caps, expected in (
+        ("graphics", {f"libGLX_nvidia.so.{VERSION}", glcore, gpucomp, helper}),
+        ("utility", {f"libnvidia-ml.so.{VERSION}"}),
+    ):  # fmt: skip
+        with no_file_system():
+            request = parse_request(container({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": caps}),
+                                    Settings())  # fmt: skip
+            plan = build_plan(request, host, RHEL)
+        assert library_names(plan, "/usr/lib64") == expected, caps
+
+
+def test_vdpau_goes_where_its_loader_looks():
+    files = FILES + (DriverFile("video", "library", f"/usr/lib64/vdpau/libvdpau_nvidia.so.{VERSION}",
+                                "libvdpau_nvidia.so.1"),)  # fmt: skip
+    host = make_host(files=files)
+    with no_file_system():
+        request = parse_request(container({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "video"}),
+                                Settings())  # fmt: skip
+        plan = build_plan(request, host, RHEL)
+    assert library_names(plan, "/usr/lib64/vdpau") == {f"libvdpau_nvidia.so.{VERSION}"}
+    links = {op.target: op.value for op in of(plan, Symlink)}
+    assert links["/usr/lib64/vdpau/libvdpau_nvidia.so.1"] == f"libvdpau_nvidia.so.{VERSION}"
+    (refresh,) = of(plan, RefreshLdcache)
+    assert "/usr/lib64/vdpau" not in refresh.directories  # not in the ld cache, as on the host

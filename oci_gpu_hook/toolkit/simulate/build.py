@@ -369,36 +369,24 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
         backend = os.path.join(directory, driver.VDPAU_DIR, f"{driver.VDPAU_PREFIX}.{version}")
         if os.path.exists(backend):
             os.symlink(os.path.basename(backend), os.path.join(os.path.dirname(backend), "libvdpau_nvidia.so.1"))
-    # nvidia-smi links against the simulated NVML by SONAME, as the real one does.
-    os.symlink(f"libnvidia-ml.so.{version}", os.path.join(workdir, "libnvidia-ml.so"))
-    shutil.copy2(nvml, os.path.join(workdir, f"libnvidia-ml.so.{version}"))
-    _run(
-        [
-            gcc,
-            *cflags,
-            *include,
-            "-o",
-            os.path.join(bindir, "nvidia-smi"),
-            os.path.join(CSRC, "nvidia-smi.c"),
-            "-L",
-            workdir,
-            "-lnvidia-ml",
-        ],
-        "building nvidia-smi",
-    )
+    # nvidia-smi loads NVML with dlopen, as the real one does (no NEEDED entry: csrc/nvml_dlopen.c).
+    _run([gcc, *cflags, *include, "-o", os.path.join(bindir, "nvidia-smi"), os.path.join(CSRC, "nvidia-smi.c"),
+          os.path.join(CSRC, "nvml_dlopen.c"), "-ldl"], "building nvidia-smi")  # fmt: skip
     # The development links the .run installer creates next to the SONAME links.
     os.symlink("libcuda.so.1", os.path.join(lib64, "libcuda.so"))
     os.symlink("libnvidia-ml.so.1", os.path.join(lib64, "libnvidia-ml.so"))
 
 
 def _can_build_32bit(workdir: str) -> bool:
-    probe = os.path.join(workdir, "probe32.o")
+    """Whether gcc can link 32-bit shared libraries: a compile alone succeeds without gcc-multilib,
+    and every 32-bit link then fails (no crti.o), so the probe links one, against libc as the
+    stubs are."""
+    probe = os.path.join(workdir, "probe32.so")
     result = subprocess.run(
-        [find_tool("gcc"), "-m32", "-fPIC", "-c", "-o", probe, os.path.join(CSRC, "driver_stub.c")],
-        env=_TOOL_ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+        [find_tool("gcc"), "-m32", "-fPIC", "-shared", "-o", probe, os.path.join(CSRC, "driver_stub.c"),
+         "-Wl,--no-as-needed", "-lc"],
+        env=_TOOL_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     return result.returncode == 0
 
 
