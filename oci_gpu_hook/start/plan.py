@@ -297,6 +297,14 @@ def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
             for mig in gpu.mig:
                 if mig.uuid and mig.uuid.lower() == lowered:
                     return SelectedDevice(gpu, mig)
+        if inventory.nvml_error and any(mig.uuid is None for gpu in gpus for mig in gpu.mig):
+            # Only NVML knows MIG UUIDs: say why they are unknown, and the way that works now.
+            from oci_gpu_hook.start.nvml import advice
+
+            raise RequestError(f"{device_id}: MIG devices are known by UUID only through NVML, which failed "
+                               f"({inventory.nvml_error}); {advice(inventory.nvml_error)}, then run "
+                               "`oci-gpu-hook inventory refresh`; meanwhile name the MIG device by index "
+                               "(GPU:MIG, e.g. 0:1)")  # fmt: skip
     else:
         bus_id = normalize_bus_id(device_id)
         for gpu in gpus:

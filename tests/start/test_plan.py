@@ -938,3 +938,21 @@ def test_vdpau_goes_where_its_loader_looks():
     assert links["/usr/lib64/vdpau/libvdpau_nvidia.so.1"] == f"libvdpau_nvidia.so.{VERSION}"
     (refresh,) = of(plan, RefreshLdcache)
     assert "/usr/lib64/vdpau" not in refresh.directories  # not in the ld cache, as on the host
+
+
+def test_a_mig_uuid_while_nvml_fails_names_the_cause_and_the_way_that_works():
+    """MIG UUIDs come from NVML alone: with NVML failing (issue 26, defect 4) such a request says
+    why, what to do, and that the index works; the index does."""
+    host = make_host()
+    unknown = tuple(gpu.replace(mig=tuple(m.replace(uuid=None) for m in gpu.mig)) for gpu in host.gpus)
+    host = host.replace(gpus=unknown, nvml_error="NVML (/usr/lib64/libnvidia-ml.so.1): Driver Not Loaded")
+    with no_file_system():
+        request = parse_request(container({"NVIDIA_VISIBLE_DEVICES": "MIG-5b8a7c1f-0000-5000-8000-000000000000"}),
+                                Settings())  # fmt: skip
+        with pytest.raises(RequestError) as e:
+            build_plan(request, host, RHEL)
+        assert "known by UUID only through NVML, which failed (NVML (/usr/lib64/libnvidia-ml.so.1): Driver Not " \
+               "Loaded); the NVIDIA kernel module is not loaded" in e.value.message  # fmt: skip
+        assert "name the MIG device by index (GPU:MIG, e.g. 0:1)" in e.value.message
+        by_index = parse_request(container({"NVIDIA_VISIBLE_DEVICES": "1:0"}), Settings())
+        assert selected(build_plan(by_index, host, RHEL)) == [(1, 0)]

@@ -1,5 +1,6 @@
 """The simulated host, built for real (root, gcc, ldconfig) and read back with real tools."""
 
+import glob
 import json
 import os
 import stat
@@ -235,3 +236,22 @@ def test_non_root_is_told_to_use_root(tmp_path, run_as_nobody):
     assert out.returncode == 7
     assert out.stderr == "oci-gpu-hook: simulate needs root: it creates device nodes with mknod (run it as root)\n"
     assert not os.path.exists(tmp_path / "s")
+
+
+def test_a_gcc_that_compiles_but_cannot_link_32_bit_gives_a_64_bit_host(tmp_path, monkeypatch, require):
+    """Without gcc-multilib, `gcc -m32 -c` works and every 32-bit link fails (no crti.o): the probe
+    links, so simulate builds the 64-bit host and says why there is no 32-bit one (issue 26)."""
+    require("root", "gcc")
+    from oci_gpu_hook.toolkit.simulate import build, simulate
+
+    wrapper = tmp_path / "gcc"
+    wrapper.write_text('#!/bin/sh\ncase " $* " in *" -m32 "*) case " $* " in *" -c "*) ;; *)\n'
+                       '  echo "/usr/bin/ld: cannot find crti.o: No such file or directory" >&2; exit 1;; esac;; esac\n'
+                       f'exec {build.find_tool("gcc")} "$@"\n')  # fmt: skip
+    wrapper.chmod(0o755)
+    real_find_tool = build.find_tool
+    monkeypatch.setattr(build, "find_tool", lambda name: str(wrapper) if name == "gcc" else real_find_tool(name))
+    summary = simulate(str(tmp_path / "host"), gpus=1)
+    assert summary["lib32"] is False
+    assert os.path.exists(f"{tmp_path}/host/usr/lib64/libcuda.so.{summary['driver_version']}")
+    assert not glob.glob(f"{tmp_path}/host/usr/lib/*.so.*")
