@@ -9,14 +9,24 @@ DEMO_DIR ?= /tmp/oci-gpu-hook-demo
 
 setup: $(VENV)/.installed
 
+# The whole suite's packages and Python dependencies (`make test`, `make bench`, `make lint`).
 $(VENV)/.installed: pyproject.toml scripts/setup-host.sh
-	./scripts/setup-host.sh
+	./scripts/setup-host.sh test
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-demo: setup
+# The demo's only: no test tools, no container daemons (docker.io, containerd and prometheus
+# would be enabled and started on a systemd host).
+$(VENV)/.installed-demo: pyproject.toml scripts/setup-host.sh
+	./scripts/setup-host.sh demo
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+demo: $(VENV)/.installed-demo
 	@echo "=== a real runc container with NVIDIA_VISIBLE_DEVICES=1 on a simulated 4-GPU host"
 	$(HOOK) demo --dir $(DEMO_DIR) --devices 1
 	@echo "=== the simulated host itself: nvidia-smi -L and oci-gpu-hook info"

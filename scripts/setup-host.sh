@@ -1,12 +1,20 @@
 #!/bin/sh
-# Install the Debian packages oci-gpu-hook's demo and test suite need; a no-op when all are there.
+# Install the Debian packages oci-gpu-hook needs; a no-op when all are there.
+#   setup-host.sh demo   what `make demo` needs: Python, a C compiler (the simulated host's
+#                        libraries), runc and busybox (the demo's container). No daemon.
+#   setup-host.sh        (or `test`) what the whole test suite needs, the demo's included.
 # Recommends are installed too: the suite was verified with them (podman's, for one).
 # RHEL 9 equivalent: dnf install python3 gcc glibc-devel glibc-devel.i686 runc podman busybox libcap-devel
 # (docker.io: Docker's --gpus end-to-end test; its postinst starts no daemon where systemd is not PID 1)
 # (prometheus: the exporter end-to-end test starts its own server; the package's service is not used)
 # (containerd: the Kubernetes end-to-end test runs its own, with a kubelet built from ../shared/tools/kubelet)
 set -eu
-packages="python3 python3-venv python3-dev gcc gcc-multilib libc6-dev make runc busybox-static libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus"
+demo="python3 python3-venv python3-dev gcc libc6-dev make runc busybox-static"
+case "${1:-test}" in
+    demo) packages="$demo" ;;
+    test) packages="$demo gcc-multilib libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus" ;;
+    *) echo "usage: setup-host.sh [demo|test]" >&2; exit 2 ;;
+esac
 missing=""
 for p in $packages; do
     dpkg-query -W -f='${Status}\n' "$p" 2>/dev/null | grep -q '^install ok installed$' || missing="$missing $p"

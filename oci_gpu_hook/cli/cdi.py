@@ -20,8 +20,9 @@ def cdi():
 @click.option("--capabilities", default="utility,compute", show_default=True,
               help="Driver capabilities the spec's containers get (as NVIDIA_DRIVER_CAPABILITIES).")  # fmt: skip
 @click.option("--no-cache", is_flag=True, help="Discover the host now instead of using the inventory cache.")
+@click.option("--parents", is_flag=True, help="Make --output's missing directories (else a missing one is an error).")
 @click.pass_obj
-def generate(obj, output, fmt, kind, capabilities, no_cache):
+def generate(obj, output, fmt, kind, capabilities, no_cache, parents):
     """Write a CDI spec with every GPU (by index and UUID), every MIG device and `all`."""
     from oci_gpu_hook.start import inventory_cache
     from oci_gpu_hook.start.discover import discover
@@ -41,7 +42,7 @@ def generate(obj, output, fmt, kind, capabilities, no_cache):
     for other in cdi_module.other_specs_with_kind(kind, output):
         click.echo(f"oci-gpu-hook: warning: {other} also defines {kind}: runtimes reject devices defined twice "
                    "at the same priority (/var/run/cdi wins over /etc/cdi); keep one", err=True)  # fmt: skip
-    cdi_module.write_atomically(output, text)
+    cdi_module.write_atomically(output, text, parents)
     names = len(spec["devices"])
     click.echo(f"{output}: CDI {spec['cdiVersion']}, kind {kind}, {names} devices "
                f"({len(inventory.gpus)} GPU(s), driver {inventory.driver_version})", err=True)  # fmt: skip

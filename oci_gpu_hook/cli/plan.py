@@ -17,22 +17,20 @@ def plan(obj, bundle, as_json, no_cache):
     The rootfs may be absent; libraries then go to /usr/lib64 (as for a non-Debian image).
     """
     from oci_gpu_hook.errors import printable
-    from oci_gpu_hook.start import inventory_cache, request, spec
+    from oci_gpu_hook.start import inventory_cache, spec
     from oci_gpu_hook.start.discover import discover
-    from oci_gpu_hook.start.plan import build_plan
-    from oci_gpu_hook.start.prestart import library_layout
+    from oci_gpu_hook.start.plan import decide
 
     container = spec.load(os.path.abspath(bundle))
     settings = obj.settings
-    gpu_request = request.parse_request(container, settings)
-    if gpu_request is None:
+    # The hook's own decision (start/plan.decide): what it would refuse, this refuses alike.
+    result = decide(container, settings, lambda: discover(settings) if no_cache else inventory_cache.load(settings))
+    if result is None:
         if as_json:
             click.echo(json.dumps({"gpu_container": False, "operations": []}, indent=2))
         else:
             click.echo("not a GPU container (NVIDIA_VISIBLE_DEVICES unset, empty or void): the hook does nothing")
         return
-    inventory = discover(settings) if no_cache else inventory_cache.load(settings)
-    result = build_plan(gpu_request, inventory, library_layout(container.rootfs))
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))  # ASCII: json escapes every control character
     else:

@@ -160,8 +160,14 @@ def write(path: str, labels: dict) -> bool:
                 return False
     except OSError:
         pass
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        # Only what --output or node.features_file names is written, never a directory of its own
+        # making: NFD's features.d exists where NFD runs.
+        from oci_gpu_hook.errors import HookError
+
+        raise HookError(f"{directory}: no such directory (is NFD installed? --output or node.features_file names "
+                        "the feature file)")  # fmt: skip
     write_atomically(path, text.encode(), 0o644)
     return True
 

@@ -242,10 +242,12 @@ class SelectedDevice(Record):
 
 
 class Plan(Record):
-    __slots__ = ("request", "devices", "operations")
+    __slots__ = ("request", "devices", "operations", "memory_limits")
+    _defaults = {"memory_limits": None}
     request: GpuRequest
     devices: tuple[SelectedDevice, ...]
     operations: tuple[Operation, ...]
+    memory_limits: dict | None  # {device key: bytes} the watchdog enforces (memory_limit.py), or None
 
     def describe(self) -> str:
         lines = [f"request: {self.request.describe()}"]
@@ -261,6 +263,7 @@ class Plan(Record):
             "capabilities": sorted(self.request.capabilities),
             "device_source": self.request.source,
             "notes": list(self.request.notes),
+            "gpu_memory_limit": self.memory_limits,
             "operations": [op.to_json() for op in self.operations],
         }
 
@@ -532,3 +535,42 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout,
         _app_profile(builder, devices)
     _proc_driver(builder, devices, request)
     return Plan(request=request, devices=devices, operations=tuple(builder.operations))
+
+
+# --- the decision -------------------------------------------------------------------------------
+
+
+def decide(spec, settings, inventory_for) -> Plan | None:
+    """What a container gets: its request, the plan on the host's inventory and its GPU memory
+    limits, decided here once for the hook (which carries it out) and for `plan` (which prints
+    it), so that the dry run says what the hook would do, refusals included. None when the
+    container asks for no GPU. inventory_for() is called only for a GPU container: the hook's
+    cache under its budget, or discovery."""
+    from oci_gpu_hook.start import request as request_module
+
+    gpu_request = request_module.parse_request(spec, settings)
+    if gpu_request is None:
+        return None
+    return decide_for(gpu_request, inventory_for(), layout_of(spec.rootfs), settings, spec)
+
+
+def decide_for(gpu_request: GpuRequest, inventory: Inventory, layout: LibraryLayout, settings, spec=None,
+               for_cdi: bool = False) -> Plan:  # fmt: skip
+    """decide() for a request already parsed; `cdi generate` calls it with requests of its own and
+    no container (spec None: no container's limits to resolve)."""
+    plan = build_plan(gpu_request, inventory, layout, for_cdi)
+    if spec is None:
+        return plan
+    from oci_gpu_hook.start import memory_limit
+
+    # Checked before anything changes: a bad limit fails the start with nothing to undo.
+    limits = memory_limit.resolve(spec.env, spec.annotations, settings.shared_gpu_memory_limit,
+                                  settings.node.replicas, plan.devices, spec.mounts)  # fmt: skip
+    return plan.replace(memory_limits=limits)
+
+
+def layout_of(rootfs: str) -> LibraryLayout:
+    """Where the image's loader looks for libraries, from the directories it has."""
+    from oci_gpu_hook.start.linux.rootfs import directories
+
+    return LibraryLayout.for_image(directories(rootfs, LibraryLayout.probe_paths()))

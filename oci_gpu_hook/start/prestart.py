@@ -56,26 +56,28 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     """timings: milliseconds spent so far by step, for the log record (docs/performance.md
     explains them); each step adds its own."""
     clock = time.perf_counter()
-    from oci_gpu_hook.start import apply, inventory_cache, memory_limit, report, request
+    from oci_gpu_hook.start import apply, inventory_cache, report
     from oci_gpu_hook.start.budget import Budget, process_age
     from oci_gpu_hook.start.linux import arch
-    from oci_gpu_hook.start.plan import build_plan
+    from oci_gpu_hook.start.plan import decide
 
     timings["imports"] = _since(clock)
     clock = time.perf_counter()
-    gpu_request = request.parse_request(spec, settings)
-    if gpu_request is None:
+    budget = None
+
+    def inventory_for():
+        nonlocal started, budget
+        # Counted from the process start all the same; built only once the container asks for GPUs.
+        if started is None:  # the process's own start, read from procfs once for the budget and the record
+            started = time.monotonic() - process_age()
+        budget = Budget(settings.deadline_seconds, age=time.monotonic() - started)
+        arch.current()  # an unknown machine says so first, not through whatever fails next
+        return inventory_cache.load(settings, budget)
+
+    plan = decide(spec, settings, inventory_for)  # the one decision, as `plan` prints it
+    if plan is None:
         return 0
-    # Counted from the process start all the same; built only once the container asks for GPUs.
-    if started is None:  # the process's own start, read from procfs once for the budget and the record
-        started = time.monotonic() - process_age()
-    budget = Budget(settings.deadline_seconds, age=time.monotonic() - started)
-    arch.current()  # an unknown machine says so first, not through whatever fails next
-    inventory = inventory_cache.load(settings, budget)
-    plan = build_plan(gpu_request, inventory, library_layout(spec.rootfs))
-    # Checked before anything changes: a bad limit fails the start with nothing to undo.
-    limits = memory_limit.resolve(spec.env, spec.annotations, settings.shared_gpu_memory_limit,
-                                  settings.node.replicas, plan.devices, spec.mounts)  # fmt: skip
+    gpu_request, limits = plan.request, plan.memory_limits
     timings["plan"] = _since(clock)
     clock = time.perf_counter()
     prepared = []
@@ -124,12 +126,3 @@ def _keep_record(settings, container, spec, devices, started: float | None, fail
         from oci_gpu_hook.start import report
 
         report.record(settings, container.id, "warning", f"the container record was not written: {e}")
-
-
-def library_layout(rootfs: str):
-    """Where the image's loader looks for libraries, from the directories it has (the hook and the
-    dry run decide it here, alike)."""
-    from oci_gpu_hook.start.linux.rootfs import directories
-    from oci_gpu_hook.start.plan import LibraryLayout
-
-    return LibraryLayout.for_image(directories(rootfs, LibraryLayout.probe_paths()))

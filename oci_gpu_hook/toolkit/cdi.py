@@ -201,19 +201,20 @@ def translate(plan, hook_prefix) -> dict:
 
 def build_spec(inventory, settings, kind: str = DEFAULT_KIND, capabilities=DEFAULT_CAPABILITIES) -> dict:
     """The CDI spec (a dict) for every GPU and MIG device of the inventory, plus `all`."""
-    from oci_gpu_hook.start.plan import LibraryLayout, MountDevice, build_plan
+    from oci_gpu_hook.start.plan import LibraryLayout, MountDevice, decide_for
 
     if not inventory.gpus:
         raise CdiError("the host has no GPUs: there is nothing to put in a CDI spec")
     layout = LibraryLayout.for_rootfs(False)
     hook_prefix = install.installed_command()  # ldcache-refresh reads no configuration
-    common = build_plan(_request((), capabilities, settings), inventory, layout, for_cdi=True)
+    # The hook's decision (start/plan.decide_for) for a container asking for these devices.
+    common = decide_for(_request((), capabilities, settings), inventory, layout, settings, for_cdi=True)
     shared_targets = {op.target for op in common.operations if isinstance(op, MountDevice)}
     edits = translate(common, hook_prefix)
     edits["env"] = list(SPEC_ENV)
 
     def own_nodes(device_ids):
-        plan = build_plan(_request(device_ids, capabilities, settings), inventory, layout, for_cdi=True)
+        plan = decide_for(_request(device_ids, capabilities, settings), inventory, layout, settings, for_cdi=True)
         return [_node(op) for op in plan.operations if isinstance(op, MountDevice) and op.target not in shared_targets]
 
     devices = [{"name": name, "containerEdits": {"deviceNodes": own_nodes([device_id])}}
@@ -242,10 +243,14 @@ def format_for(output: str | None, fmt: str | None) -> str:
     return "json" if output and output.endswith(".json") else "yaml"
 
 
-def write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str, parents: bool = False) -> None:
+    """Write the spec; a missing directory is an error unless parents (--parents) says to make it."""
     path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    if not parents and not os.path.isdir(directory):
+        raise CdiError(f"{directory}: no such directory (--parents makes it)")
     try:
-        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        os.makedirs(directory, mode=0o755, exist_ok=True)
         files.write_atomically(path, text.encode())
     except OSError as e:
         raise CdiError(f"{path}: cannot write: {e.strerror}") from None

@@ -56,7 +56,7 @@ def test_cdi_all_gives_every_mig_device(tmp_path, host, require):
     path = f"/etc/cdi/oci-gpu-hook-test-migall-{os.getpid()}.json"
     created_dir = not os.path.isdir("/etc/cdi")
     generate = [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                "cdi", "generate", "--vendor-class", kind, "--output", path]  # fmt: skip
+                "cdi", "generate", "--vendor-class", kind, "--parents", "--output", path]  # fmt: skip
     image = f"localhost/ocigpu-migall-{os.getpid()}:latest"
     try:  # /etc/cdi is the host's: the spec goes whatever fails
         out = subprocess.run(generate, capture_output=True, text=True)

@@ -230,7 +230,8 @@ def test_our_plugins_cdi_names_give_exactly_the_allocated_gpus_through_podman(tm
     created_dir = not os.path.isdir("/etc/cdi")
     spec = f"/etc/cdi/oci-gpu-hook-dp-test-{os.getpid()}.yaml"
     out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                          "cdi", "generate", "--output", spec], capture_output=True, text=True)  # fmt: skip
+                          "cdi", "generate", "--parents", "--output", spec], capture_output=True,
+                         text=True)  # fmt: skip
     image = None
     try:
         assert out.returncode == 0, out.stderr

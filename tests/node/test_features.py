@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.node import features
 from oci_gpu_hook.start import inventory_cache
 from oci_gpu_hook.start import settings as settings_module
@@ -242,8 +243,14 @@ def test_family(capability, name):
 
 
 def test_write_is_atomic_and_only_when_changed(tmp_path):
-    path = tmp_path / "features.d" / "oci-gpu-hook"  # the directory is made
+    path = tmp_path / "features.d" / "oci-gpu-hook"
     labels = {"nvidia.com/gpu.count": "2", "nvidia.com/cuda.driver.major": "550", "nvidia.com/a": ""}
+    # A directory that is not there is not made (issue 32): only what the flags and configuration
+    # name is written.
+    with pytest.raises(HookError, match=f"^{tmp_path}/features.d: no such directory \\(is NFD installed"):
+        features.write(str(path), labels)
+    assert not path.parent.exists()
+    path.parent.mkdir()
     assert features.write(str(path), labels) is True
     assert path.read_text() == "nvidia.com/a=\nnvidia.com/cuda.driver.major=550\nnvidia.com/gpu.count=2\n"
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
@@ -266,9 +273,9 @@ def test_write_to_a_bare_relative_name(tmp_path, monkeypatch):
 def test_refresh_reports_an_unwritable_output(host_settings, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with pytest.raises(features.LabelError) as e:
+    with pytest.raises(HookError) as e:
         features.refresh(host_settings, str(blocker / "features"))
-    assert e.value.message.startswith(f"{blocker}/features: ")
+    assert e.value.message.startswith(f"{blocker}: no such directory")
 
 
 def test_driver_change_refreshes_the_file(tmp_path, require):
@@ -305,8 +312,24 @@ def test_cli_prints_the_labels(host, hook_cli):
     assert p.stdout == features.render(expected)
 
 
+def test_a_simulated_hosts_labels_stay_inside_it(hook_cli, tmp_path, require):
+    """With a simulated host's configuration and no --output, labels go to the feature file the
+    configuration names, inside the host: the machine's own /etc is not touched (issue 32)."""
+    require("root", "gcc", "pynvml")
+    from oci_gpu_hook.toolkit.simulate import build, simulate
+
+    root = str(tmp_path / "h")
+    simulate(root, gpus=1)
+    real = "/etc/kubernetes/node-feature-discovery/features.d/oci-gpu-hook"
+    before = os.path.exists(real) and os.stat(real).st_mtime_ns
+    p = hook_cli("--config", f"{root}/config.yaml", "labels")
+    assert (p.returncode, p.stdout) == (0, f"{root}/{build.FEATURES_FILE}: written\n"), p.stderr
+    assert (os.path.exists(real) and os.stat(real).st_mtime_ns) == before
+
+
 def test_cli_writes_the_file_once(host, hook_cli, tmp_path):
     out = tmp_path / "nfd" / "oci-gpu-hook"
+    out.parent.mkdir()  # NFD's features.d: there where NFD runs
     args = ("--config", f"{host['root']}/config.yaml", "labels", "--output", str(out))
     p = hook_cli(*args)
     assert (p.returncode, p.stdout) == (0, f"{out}: written\n"), p.stderr

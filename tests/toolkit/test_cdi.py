@@ -151,6 +151,19 @@ def test_cli_output_formats_and_errors(host, hook_cli, tmp_path):
         assert bad.returncode == 2 and words in bad.stderr and bad.stderr.count("\n") == 1
 
 
+def test_output_goes_only_where_it_is_told(host, hook_cli, tmp_path):
+    """A missing directory is an error, not made (issue 32), unless --parents says to make it."""
+    config = f"{host['root']}/config.yaml"
+    target = tmp_path / "missing" / "dir" / "x.yaml"
+    out = hook_cli("--config", config, "cdi", "generate", "--output", str(target))
+    assert out.returncode == 13 and out.stderr == f"oci-gpu-hook: {target.parent}: no such directory (--parents " \
+                                                  "makes it)\n"  # fmt: skip
+    assert not (tmp_path / "missing").exists()
+    made = hook_cli("--config", config, "cdi", "generate", "--parents", "--output", str(target))
+    assert made.returncode == 0, made.stderr
+    cdi.validate(yaml.safe_load(target.read_text()))
+
+
 # --- podman, for real ---------------------------------------------------------------------------
 
 
@@ -163,7 +176,8 @@ def podman_spec(host, require, tmp_path_factory):
     created_dir = not os.path.isdir("/etc/cdi")
     path = f"/etc/cdi/oci-gpu-hook-test-{os.getpid()}.yaml"
     out = subprocess.run([os.sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                          "cdi", "generate", "--output", path], capture_output=True, text=True)  # fmt: skip
+                          "cdi", "generate", "--parents", "--output", path], capture_output=True,
+                         text=True)  # fmt: skip
     assert out.returncode == 0, out.stderr
     work = tmp_path_factory.mktemp("cdi")
     rootfs = containers.make_rootfs(str(work / "rootfs"))

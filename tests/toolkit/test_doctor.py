@@ -375,6 +375,7 @@ def test_node_services_running_pass(setup, tmp_path):
     from servicecheck import Exporter
 
     features_file = tmp_path / "features.d/gpu"
+    features_file.parent.mkdir()
     exporter = Exporter(os.path.join(host["root"], "config.yaml"), tmp_path)
     try:
         config = config.replace(node=config.node.replace(exporter_listen=f"127.0.0.1:{exporter.port}",

@@ -22,6 +22,9 @@ from oci_gpu_hook.toolkit.simulate import model
 from oci_gpu_hook.toolkit.simulate.model import SimulatedHost
 
 MARKER = "simulated-host.json"
+# NFD's features.d of the simulated host: `labels` with its configuration writes here, not into
+# the machine's own /etc/kubernetes/node-feature-discovery.
+FEATURES_FILE = "etc/kubernetes/node-feature-discovery/features.d/oci-gpu-hook"
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 LIB64_DIR = "usr/lib64"
 LIB32_DIR = "usr/lib"
@@ -439,6 +442,8 @@ def config_text(target: str) -> str:
         f"proc_root: {json.dumps(target)}\n"
         f"inventory_cache: {json.dumps(target + '/inventory-cache.json')}\n"
         f"records_directory: {json.dumps(target + '/containers')}\n"
+        "node:\n"
+        f"  features_file: {json.dumps(target + '/' + FEATURES_FILE)}\n"
         "logging:\n"
         "  level: info\n"
         f"  file: {json.dumps(target + '/hook.log')}\n"
@@ -466,6 +471,7 @@ def build_host(host: SimulatedHost) -> dict:
         write_devices(staging, host)
         lib32 = write_driver_files(staging, host, workdir)
         _write(staging, "config.yaml", config_text(target))
+        os.makedirs(os.path.join(staging, os.path.dirname(FEATURES_FILE)))
         summary = dict(host.to_json(), lib32=lib32)
         _write(staging, MARKER, json.dumps(summary, indent=2) + "\n")
         if os.path.isdir(target):
