@@ -37,8 +37,7 @@ def labels(obj, output, watch):
         raise UsageError("--watch writes a file: it cannot be used with --output -")
     if output == "-":
         inventory = inventory_cache.load(settings)
-        click.echo(features.render(features.compute(inventory, settings.node.mig_strategy, settings.node.replicas)),
-                   nl=False)  # fmt: skip
+        click.echo(features.render(features.for_node(settings, inventory)), nl=False)
         return 0
     output = output or settings.node.features_file
     if watch:

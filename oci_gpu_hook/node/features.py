@@ -104,10 +104,10 @@ def compute(inventory, mig_strategy: str = "none", replicas: int = 1) -> dict:
         labels["cuda.runtime.major"], labels["cuda.runtime.minor"] = major, minor or "0"
     labels["mig.capable"] = "true" if any(mig_capable(g) for g in gpus) else "false"
     labels["mig.strategy"] = mig_strategy
-    if mig_strategy == "single":
-        migs = [m for g in gpus for m in g.mig]
+    migs = [m for g in gpus for m in g.mig]
+    if mig_strategy == "single" and migs:  # with MIG on nowhere, single offers the GPUs, as none does
         profiles = {m.profile for m in migs}
-        if not migs or any(not g.mig for g in gpus) or len(profiles) != 1 or None in profiles:
+        if any(not g.mig for g in gpus) or len(profiles) != 1 or None in profiles:
             found = ", ".join(sorted(p or "?" for p in profiles)) or "none"
             raise LabelError(
                 f"mig_strategy single needs MIG on every GPU, with one profile throughout (found {len(migs)} "
@@ -172,13 +172,23 @@ def write(path: str, labels: dict) -> bool:
     return True
 
 
+def for_node(settings, inventory) -> dict:
+    """The labels of what the device plugin offers on this node: its configuration
+    (node.device_plugin_config, else node.mig_strategy and node.replicas, as the plugin reads it)
+    is the one source of the MIG strategy and the replicas, for the plugin and the labels alike."""
+    from oci_gpu_hook.node import plugin_config
+
+    config = plugin_config.load(settings.node.device_plugin_config, settings.node)
+    sharing = config.sharing(plugin_config.GPU_RESOURCE)
+    return compute(inventory, config.mig_strategy, sharing.replicas if sharing else 1)
+
+
 def refresh(settings, output: str) -> bool:
     """Labels from the current inventory (rediscovered when the driver changed: the inventory
     cache's fingerprint) written to output; True when the file changed."""
     from oci_gpu_hook.start import inventory_cache
 
-    inventory = inventory_cache.load(settings)
-    labels = compute(inventory, settings.node.mig_strategy, settings.node.replicas)
+    labels = for_node(settings, inventory_cache.load(settings))
     try:
         return write(output, labels)
     except OSError as e:

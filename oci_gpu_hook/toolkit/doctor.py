@@ -365,9 +365,7 @@ class Doctor:
         path = self.settings.node.features_file
         fix = f"systemctl start {LABELS_SERVICE}; journalctl -u {LABELS_SERVICE} says why it stopped"
         try:
-            node = self.settings.node
-            wanted = features.render(features.compute(inventory_cache.load(self.settings), node.mig_strategy,
-                                                      node.replicas))  # fmt: skip
+            wanted = features.render(features.for_node(self.settings, inventory_cache.load(self.settings)))
         except HookError as e:
             return FAIL, f"no labels can be made: {e.message}", fix
         try:

@@ -373,3 +373,28 @@ def test_cli_single_strategy_error_is_one_line(host, hook_cli, tmp_path):
     assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
     assert "mig_strategy single" in p.stderr
     assert not out.exists()
+
+
+def test_the_device_plugins_configuration_is_the_one_source(simulated_host, tmp_path, require):
+    """Labels describe what the plugin offers (issue 32): its configuration file's replicas and MIG
+    strategy, not node.replicas and node.mig_strategy beside it; `single` with MIG on nowhere
+    offers the GPUs, for the labels as for the plugin."""
+    require("root", "gcc", "pynvml")
+    from oci_gpu_hook.node import plugin_devices
+
+    host = simulated_host(gpus=2)
+    plugin_file = tmp_path / "plugin.yaml"
+    plugin_file.write_text("version: v1\nflags:\n  migStrategy: single\nsharing:\n  timeSlicing:\n    resources:\n"
+                           "    - name: nvidia.com/gpu\n      replicas: 4\n")  # fmt: skip
+    config = tmp_path / "config.yaml"
+    config.write_text(open(f"{host['root']}/config.yaml").read().replace(
+        "node:\n", f"node:\n  device_plugin_config: {plugin_file}\n  replicas: 1\n  mig_strategy: none\n"))  # fmt: skip
+    settings = settings_module.load(str(config))
+    inventory = inventory_cache.load(settings)
+    labels = features.for_node(settings, inventory)
+    assert labels["nvidia.com/gpu.replicas"] == "4" and labels["nvidia.com/gpu.product"].endswith("-SHARED")
+    assert labels["nvidia.com/mig.strategy"] == "single" and labels["nvidia.com/gpu.count"] == "2"
+    from oci_gpu_hook.node import plugin_config
+
+    offered = plugin_devices.resources(inventory, plugin_config.load(str(plugin_file), settings.node), "plugin")
+    assert [(r.name, len(r.devices), r.replicas) for r in offered] == [("nvidia.com/gpu", 2 * 4, 4)]
