@@ -15,6 +15,7 @@ import time
 
 from oci_gpu_hook.errors import HookError, NvmlError, UsageError
 from oci_gpu_hook.node import attribution, metrics, say, watchdog
+from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged
 from oci_gpu_hook.node.scrape_server import ScrapeServer
 from oci_gpu_hook.start import container_record
 
@@ -94,7 +95,11 @@ def responder(exporter: Exporter):
             if not head:
                 # Text from containers is made printable where it is rendered (metrics.escape); the
                 # encoding replaces whatever else could not be encoded rather than fail the page.
-                last[0] = exporter.scrape().encode("utf-8", "replace")
+                try:
+                    last[0] = exporter.scrape().encode("utf-8", "replace")
+                except DriverChanged as e:  # a new driver's NVML needs a new process
+                    log(str(e))
+                    raise SystemExit(RESTART) from None
             return 200, "text/plain; version=0.0.4; charset=utf-8", last[0]
         if path == "/":
             return 200, "text/html", b'<html><body><a href="/metrics">metrics</a></body></html>\n'

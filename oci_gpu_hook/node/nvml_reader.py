@@ -166,22 +166,57 @@ class NvmlReader:
         return tuple(used.items())
 
 
+# The exit status of a node service that stops because the driver changed: not 0, so that systemd
+# (Restart=on-failure) and Kubernetes start it again, with the new driver's NVML.
+RESTART = 75  # EX_TEMPFAIL
+
+
+class DriverChanged(Exception):
+    """The driver's NVML library changed under a running service: the library this process loaded
+    cannot be unloaded, so the service must start again (systemd and the DaemonSet restart it)."""
+
+
 class HostReader:
     """An NvmlReader for the configured host, made on the first read that finds an inventory: a
     node service started before the driver (or with a broken one) keeps running and reads NVML
-    once the driver is there."""
+    once the driver is there. Each read checks the host's fingerprint (the inventory cache's): when
+    the GPUs or device nodes changed, the inventory is read again and NVML started afresh; when
+    the NVML library itself changed (another driver, or the same one reinstalled), DriverChanged."""
 
     def __init__(self, settings):
         self.settings = settings
         self.reader = None
+        self.fingerprint = None
+        self.library = None  # (path, device, inode) of the NVML library this process loaded
 
     def read(self) -> tuple[Sample, ...]:
-        if self.reader is None:
-            from oci_gpu_hook.errors import InventoryError
-            from oci_gpu_hook.start import inventory_cache
+        from oci_gpu_hook.errors import InventoryError
+        from oci_gpu_hook.start import inventory_cache
 
+        current = inventory_cache.fingerprint(self.settings)
+        if self.reader is None or current != self.fingerprint:
             try:
-                self.reader = NvmlReader(inventory_cache.load(self.settings))
+                inventory = inventory_cache.load(self.settings)
             except InventoryError as e:
                 raise NvmlError(f"no GPU inventory: {e.message}") from None
-        return self.reader.read()
+            reader = NvmlReader(inventory)
+            if self.library is not None and _identity(reader.path) != self.library:
+                raise DriverChanged(f"the NVIDIA driver changed ({self.reader.inventory.driver_version} -> "
+                                    f"{inventory.driver_version}, {reader.path}): starting again to load its NVML")
+            if self.reader is not None:
+                self.reader.close()
+            self.reader, self.fingerprint = reader, current
+        samples = self.reader.read()
+        if self.library is None:
+            self.library = _identity(self.reader.path)
+        return samples
+
+
+def _identity(path):
+    import os
+
+    try:
+        st = os.stat(path)
+    except (OSError, TypeError):
+        return (path, None, None)
+    return (path, st.st_dev, st.st_ino)

@@ -199,7 +199,7 @@ def read_counters(records_directory: str) -> dict:
 
 def run(settings, interval: float, policy: str, grace: float, dry_run: bool, once: bool = False) -> int:
     from oci_gpu_hook.errors import PrerequisiteError
-    from oci_gpu_hook.node.nvml_reader import HostReader
+    from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged, HostReader
 
     if os.geteuid() != 0:
         raise PrerequisiteError("the watchdog needs root: it reads every process's cgroup and kills")
@@ -212,7 +212,11 @@ def run(settings, interval: float, policy: str, grace: float, dry_run: bool, onc
         + (f", grace {grace:g} s" if grace else "") + (", dry run" if dry_run else ""))  # fmt: skip
     while True:
         started = time.monotonic()
-        watchdog.scan()
+        try:
+            watchdog.scan()
+        except DriverChanged as e:  # a new driver's NVML needs a new process
+            say(str(e))
+            return RESTART
         if once:
             return 0
         time.sleep(max(0.0, interval - (time.monotonic() - started)))

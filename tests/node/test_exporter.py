@@ -245,10 +245,12 @@ def test_idle_connections_cannot_stop_the_endpoint(host, exporter):
             clients.append(client)
         assert "DCGM_FI_DEV_FB_USED" in e.text()
         assert e.proc.poll() is None
+        time.sleep(2)  # the rest of the flood is accepted (and the oldest closed) meanwhile
         before = _cpu_seconds(e.proc.pid)
-        time.sleep(2)
-        # Idle: no busy loop on a full table or on EMFILE (one that spins uses the whole 2 s).
-        assert _cpu_seconds(e.proc.pid) - before < 1.0
+        time.sleep(3)
+        # Idle while the clients stay: no busy loop on a full table or on EMFILE (one that spins
+        # uses all 3 s; a loaded CI machine gives it less, never more).
+        assert _cpu_seconds(e.proc.pid) - before < 1.5
         assert "DCGM_FI_DEV_FB_USED" in e.text()
     finally:
         for client in clients:
@@ -299,3 +301,34 @@ def test_many_scrapes_at_once_each_get_the_whole_page_and_head_renders_none(host
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
     assert body == b"" and f"Content-Length: {len(pages[-1])}".encode() in head
+
+
+def test_a_changed_host_is_noticed(tmp_path, require):
+    """The exporter follows the host as the inventory cache does (issue 32): a GPU gone (its node
+    removed) is gone from the next scrape, NVML started afresh; a new driver (another NVML library,
+    which a process cannot unload) ends the process with status 75 and one line, for systemd or
+    Kubernetes to start it again, and the new process serves the new host."""
+    require("root", "gcc", "pynvml", "prometheus_client")
+    from oci_gpu_hook.node.nvml_reader import RESTART
+    from oci_gpu_hook.toolkit.simulate import simulate
+
+    root = str(tmp_path / "host")
+    host = simulate(root, gpus=2)
+    e = Exporter(f"{root}/config.yaml", tmp_path)
+    try:
+        assert len(values(e.scrape(), "DCGM_FI_DEV_GPU_TEMP")) == 2
+        os.unlink(f"{root}/dev/nvidia{host['gpus'][1]['minor']}")
+        gpus = [ls["UUID"] for n, ls, v in e.scrape() if n == "DCGM_FI_DEV_GPU_TEMP"]
+        assert gpus == [host["gpus"][0]["uuid"]]
+        simulate(root, gpus=3, driver_version="555.42.02", cuda_version="12.5")
+        with pytest.raises(OSError):  # the reply never comes: the process ends
+            e.text()
+        assert e.proc.wait(timeout=60) == RESTART
+        assert "the NVIDIA driver changed (550.54.15 -> 555.42.02" in e.output()
+    finally:
+        e.stop()
+    again = Exporter(f"{root}/config.yaml", tmp_path)
+    try:
+        assert len(values(again.scrape(), "DCGM_FI_DEV_GPU_TEMP")) == 3
+    finally:
+        again.stop()
