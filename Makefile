@@ -35,6 +35,7 @@ demo: $(VENV)/.installed-demo
 
 lint: setup
 	$(VENV)/bin/ruff check oci_gpu_hook tests
+	$(VENV)/bin/ruff format --check oci_gpu_hook tests bench
 	$(VENV)/bin/vermin --target=3.9- --violations --eval-annotations --no-tips oci_gpu_hook tests
 
 test: setup lint

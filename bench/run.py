@@ -111,8 +111,13 @@ class LiveContainer:
         with open(os.path.join(self.cgroup, "devices.deny"), "w") as f:
             f.write("a")
         self.state = json.dumps(
-            {"ociVersion": "1.0.2", "id": f"bench-{case}-{n}", "status": "creating", "pid": self.proc.pid,
-             "bundle": bundle}  # fmt: skip
+            {
+                "ociVersion": "1.0.2",
+                "id": f"bench-{case}-{n}",
+                "status": "creating",
+                "pid": self.proc.pid,
+                "bundle": bundle,
+            }
         ).encode()
 
     def close(self):
@@ -175,8 +180,9 @@ def main():
 
         bundles = {name: gpu_bundle(name, env) for name, env in envs.items()}
         ways = install_ways.hooks(work, config)
-        plain = containers.make_bundle(os.path.join(work, "plain"), args=["true"], env={}, config_file=None,
-                                       with_hook=False)
+        plain = containers.make_bundle(
+            os.path.join(work, "plain"), args=["true"], env={}, config_file=None, with_hook=False
+        )
         runc = shutil.which("runc")
         samples = {}
         counter = [0]
@@ -288,23 +294,33 @@ def main():
                 f"{name:24} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['x_floor']:8.2f} {r['x_runc']:7.2f} "
                 f"{r['peak_rss_kib'] / 1024:12.1f}"
             )
-        print(f"container record: {record['total_ms']:.3f} ms (import {record['import_ms']:.3f}, build and write "
-              f"{record['write_ms']:.3f})")
-        print(f"exporter, 8 GPUs and 50 records: scrape median {exporter['scrape_median_ms']:.1f} ms, p95 "
-              f"{exporter['scrape_p95_ms']:.1f} ms, RSS {exporter['rss_kib'] / 1024:.1f} MiB")
-        print(f"watchdog, 8 GPUs and 100 processes: scan {watchdog['scan_cpu_ms']:.1f} ms CPU, RSS "
-              f"{watchdog['rss_kib'] / 1024:.1f} MiB")
+        print(
+            f"container record: {record['total_ms']:.3f} ms (import {record['import_ms']:.3f}, build and write "
+            f"{record['write_ms']:.3f})"
+        )
+        print(
+            f"exporter, 8 GPUs and 50 records: scrape median {exporter['scrape_median_ms']:.1f} ms, p95 "
+            f"{exporter['scrape_p95_ms']:.1f} ms, RSS {exporter['rss_kib'] / 1024:.1f} MiB"
+        )
+        print(
+            f"watchdog, 8 GPUs and 100 processes: scan {watchdog['scan_cpu_ms']:.1f} ms CPU, RSS "
+            f"{watchdog['rss_kib'] / 1024:.1f} MiB"
+        )
         print("where the time of hook:gpu1 goes (ms):")
         for part, ms, what in parts:
             print(f"  {part:52} {ms:7.2f}  {what}")
         for name in ways:
             print(f"{name}: x{results[name]['x_rpm']:.3f} the RPM's launcher (hook:gpu1)")
         without, with_gpus = dockers["docker run"], dockers["docker run --gpus 1"]
-        print(f"docker run: median {without['median_ms']:.1f} ms, p95 {without['p95_ms']:.1f} ms; with --gpus 1: "
-              f"median {with_gpus['median_ms']:.1f} ms, p95 {with_gpus['p95_ms']:.1f} ms (x{dockers['x_plain']:.3f})")
-        print(f"{len(load)} concurrent GPU starts under runc: wall median {load_figures['wall_median_s']:.2f} s "
-              f"(rounds: {', '.join(f'{w:.2f}' for w in walls)}); one start: median "
-              f"{load_figures['start']['median_ms']:.0f} ms, p95 {load_figures['start']['p95_ms']:.0f} ms")
+        print(
+            f"docker run: median {without['median_ms']:.1f} ms, p95 {without['p95_ms']:.1f} ms; with --gpus 1: "
+            f"median {with_gpus['median_ms']:.1f} ms, p95 {with_gpus['p95_ms']:.1f} ms (x{dockers['x_plain']:.3f})"
+        )
+        print(
+            f"{len(load)} concurrent GPU starts under runc: wall median {load_figures['wall_median_s']:.2f} s "
+            f"(rounds: {', '.join(f'{w:.2f}' for w in walls)}); one start: median "
+            f"{load_figures['start']['median_ms']:.0f} ms, p95 {load_figures['start']['p95_ms']:.0f} ms"
+        )
         for target, met in targets.items():
             print(f"{'met ' if met else 'MISSED'} {target}")
         print(f"wrote {args.output}")

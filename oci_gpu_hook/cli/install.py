@@ -16,8 +16,11 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
 @click.option("--node-services", is_flag=True,
               help="Also install systemd units for the exporter, the NFD labels and the watchdog "
                    "(docs/monitoring.md, docs/watchdog.md).")  # fmt: skip
-@click.option("--device-plugin", is_flag=True,
-              help="Also install a systemd unit for the Kubernetes device plugin (docs/kubernetes.md).")
+@click.option(
+    "--device-plugin",
+    is_flag=True,
+    help="Also install a systemd unit for the Kubernetes device plugin (docs/kubernetes.md).",
+)
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
 def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin):

@@ -77,8 +77,9 @@ def watchdog(obj, interval, policy, grace, dry_run, once):
 @click.option("--config-file", metavar="FILE",
               help="The plugin's configuration (NVIDIA's version: v1 format; default: "
                    "node.device_plugin_config, else node.mig_strategy and node.replicas).")  # fmt: skip
-@click.option("--socket-dir", metavar="DIR",
-              help="The kubelet's device-plugins directory (default: node.kubelet_socket_dir).")
+@click.option(
+    "--socket-dir", metavar="DIR", help="The kubelet's device-plugins directory (default: node.kubelet_socket_dir)."
+)
 @click.option("--interval", metavar="SECONDS", type=click.FloatRange(min=0.2, max=3600), default=5.0,
               show_default=True, help="Seconds between health checks and kubelet-restart checks.")  # fmt: skip
 @click.option("--check", is_flag=True, help="Check the configuration against this node, print what would be "

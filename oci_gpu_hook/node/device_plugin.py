@@ -431,4 +431,3 @@ def run(settings, config, socket_dir: str, interval: float, where: str) -> int:
         plugin.stop()
         say("stopped")
     return 0
-

@@ -109,9 +109,7 @@ class NvmlReader:
             handle = call(nvml.nvmlDeviceGetHandleByIndex, index)
             uuid = text(call(nvml.nvmlDeviceGetUUID, handle))
             known = by_uuid.get(uuid)
-            gpu = Device(
-                uuid, index, uuid, known.minor if known else index, text(call(nvml.nvmlDeviceGetName, handle))
-            )
+            gpu = Device(uuid, index, uuid, known.minor if known else index, text(call(nvml.nvmlDeviceGetName, handle)))
             yield Sample(gpu, self._values(nvml, handle, board=True), self._processes(nvml, handle))
             mode = call(nvml.nvmlDeviceGetMigMode, handle)
             if not mode or not mode[0]:
@@ -201,8 +199,10 @@ class HostReader:
                 raise NvmlError(f"no GPU inventory: {e.message}") from None
             reader = NvmlReader(inventory)
             if self.library is not None and _identity(reader.path) != self.library:
-                raise DriverChanged(f"the NVIDIA driver changed ({self.reader.inventory.driver_version} -> "
-                                    f"{inventory.driver_version}, {reader.path}): starting again to load its NVML")
+                raise DriverChanged(
+                    f"the NVIDIA driver changed ({self.reader.inventory.driver_version} -> "
+                    f"{inventory.driver_version}, {reader.path}): starting again to load its NVML"
+                )
             if self.reader is not None:
                 self.reader.close()
             self.reader, self.fingerprint = reader, current

@@ -31,6 +31,8 @@ MIG_PROFILE = re.compile(r"^[1-9][0-9]?g\.[1-9][0-9]{0,3}gb(\.[a-z][a-z0-9]*)*$"
 def mig_resource(profile: str) -> str:
     """nvidia.com/mig-1g.10gb.me for NVML's profile 1g.10gb+me."""
     return MIG_RESOURCE_PREFIX + profile.replace("+", ".")
+
+
 PER_REPLICA = memory_limit.PER_REPLICA  # the same word as the hook's shared_gpu_memory_limit
 MAX_REPLICAS = 1024
 
@@ -198,13 +200,19 @@ def parse(doc, where: str) -> PluginConfig:
     return PluginConfig(
         mig_strategy=mig_strategy,
         list_strategies=tuple(dict.fromkeys(lists)),
-        id_strategy=_choice(plugin.get("deviceIDStrategy"), where, "flags.plugin.deviceIDStrategy", ID_STRATEGIES,
-                            "uuid"),  # fmt: skip
+        id_strategy=_choice(
+            plugin.get("deviceIDStrategy"), where, "flags.plugin.deviceIDStrategy", ID_STRATEGIES, "uuid"
+        ),
         pass_device_specs=_bool(plugin.get("passDeviceSpecs"), where, "flags.plugin.passDeviceSpecs", False),
-        rename_by_default=_bool(time_slicing.get("renameByDefault"), where,
-                                "sharing.timeSlicing.renameByDefault", False),  # fmt: skip
-        fail_requests_greater_than_one=_bool(time_slicing.get("failRequestsGreaterThanOne"), where,
-                                             "sharing.timeSlicing.failRequestsGreaterThanOne", False),  # fmt: skip
+        rename_by_default=_bool(
+            time_slicing.get("renameByDefault"), where, "sharing.timeSlicing.renameByDefault", False
+        ),
+        fail_requests_greater_than_one=_bool(
+            time_slicing.get("failRequestsGreaterThanOne"),
+            where,
+            "sharing.timeSlicing.failRequestsGreaterThanOne",
+            False,
+        ),
         time_slicing=resources,
     )
 

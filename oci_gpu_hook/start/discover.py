@@ -117,7 +117,7 @@ def read_dri_nodes(settings: Settings, bus_id: str) -> tuple[DeviceNode, ...]:
         except OSError:
             continue
         name = value[3:] if value.startswith("../") else ""
-        if not (name.startswith(prefix) and name[len(prefix):].isdigit()):
+        if not (name.startswith(prefix) and name[len(prefix) :].isdigit()):
             continue
         try:
             st = os.lstat(host_path(settings.dev_root, f"/dev/dri/{name}"))

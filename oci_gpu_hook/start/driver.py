@@ -35,6 +35,7 @@ def parse_capabilities(value: str) -> frozenset:
         asked.update(IMPLIED_CAPABILITIES.get(capability, ()))
     return frozenset(asked)
 
+
 # Library name prefixes per capability; a cache entry matches when its name is the prefix plus
 # ".<driver version>" (libraries of another driver version stay out).
 LIBRARIES = {

@@ -56,7 +56,7 @@ def write_atomically(path: str, data: bytes, mode: int = 0o644, durable: bool = 
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fchmod(fd, mode)
             if durable:
                 os.fsync(fd)

@@ -118,6 +118,7 @@ def load(settings: Settings, budget=None) -> Inventory:
         return cached
     from oci_gpu_hook.errors import InventoryError, NvmlError
     from oci_gpu_hook.start.discover import discover  # the parsers load only when discovering
+
     nvml_timeout = None
     if budget is not None:
         nvml_timeout = budget.remaining() - min(APPLY_RESERVE, budget.seconds / 4)

@@ -118,7 +118,7 @@ def make_config(
             },
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
             {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]},
-        ],  # fmt: skip
+        ],
         "linux": {
             "resources": {"devices": [{"allow": False, "access": "rwm"}]},
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],

@@ -425,11 +425,17 @@ class Doctor:
                     "change flags.plugin.deviceListStrategy or the hook's setting")  # fmt: skip
         if not service_processes("device-plugin"):
             return FAIL, "the device plugin is not running: the kubelet offers no GPUs", fix
-        missing = [r.name for r in resources
-                   if not os.path.exists(os.path.join(node.kubelet_socket_dir, device_plugin.socket_name(r.name)))]
+        missing = [
+            r.name
+            for r in resources
+            if not os.path.exists(os.path.join(node.kubelet_socket_dir, device_plugin.socket_name(r.name)))
+        ]
         if missing:
-            return WARN, f"the device plugin runs but serves no socket for {', '.join(missing)} (is the kubelet up?)", \
-                fix
+            return (
+                WARN,
+                f"the device plugin runs but serves no socket for {', '.join(missing)} (is the kubelet up?)",
+                fix,
+            )
         return PASS, f"the device plugin offers {', '.join(r.name for r in resources)} to the kubelet", None
 
     def check_cgroups(self):

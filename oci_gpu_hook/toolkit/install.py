@@ -163,7 +163,7 @@ def _options(argv_prefix) -> list:
     """The options in an argv prefix (its --config), after the program: a launcher's path, or
     the interpreter command tests use."""
     program = interpreter_command()
-    return list(argv_prefix[len(program):] if argv_prefix[: len(program)] == program else argv_prefix[1:])
+    return list(argv_prefix[len(program) :] if argv_prefix[: len(program)] == program else argv_prefix[1:])
 
 
 def docker_hook_text(argv_prefix) -> str:
@@ -429,8 +429,10 @@ def _check_destinations(root: str, entries) -> None:
             try:
                 os.close(sources.open(existing, "dir"))
             except UntrustedSource as e:
-                raise InstallError(f"{e}: install writes what runtimes run as root under it, so it and every "
-                                   "directory above it must be root's and writable by no one else") from None
+                raise InstallError(
+                    f"{e}: install writes what runtimes run as root under it, so it and every "
+                    "directory above it must be root's and writable by no one else"
+                ) from None
             except OSError as e:
                 raise InstallError(f"{existing}: {e.strerror}") from None
         for entry in entries:

@@ -64,7 +64,7 @@ def test_cdi_all_gives_every_mig_device(tmp_path, host, require):
         spec = json.load(open(path))
         (all_device,) = [d for d in spec["devices"] if d["name"] == "all"]
         minors = {n["minor"] for n in all_device["containerEdits"]["deviceNodes"]}
-        assert {int(n[len("nvidia-cap"):]) for n in cap_nodes(host)} <= minors
+        assert {int(n[len("nvidia-cap") :]) for n in cap_nodes(host)} <= minors
         containers.podman_image(containers.make_rootfs(str(tmp_path / "rootfs")), image)
         argv = ["podman", "run", "--rm", *containers.PODMAN_OPTIONS, "--device", f"{kind}=all", image,
                 "sh", "-c", "nvidia-smi -L; ls /dev/nvidia-caps"]  # fmt: skip

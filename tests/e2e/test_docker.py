@@ -63,8 +63,10 @@ def test_gpus_flag(docker, case):
 
 def test_capabilities_utility_gives_nvidia_smi_but_not_cuda(docker):
     client, host, image = docker
-    script = ("echo CAPS=$NVIDIA_DRIVER_CAPABILITIES; nvidia-smi -L >/dev/null && echo SMI-OK; "
-              "ls /usr/lib64/libcuda.so.1 2>/dev/null || echo NO-CUDA; ls /dev/nvidia-uvm 2>/dev/null || echo NO-UVM")
+    script = (
+        "echo CAPS=$NVIDIA_DRIVER_CAPABILITIES; nvidia-smi -L >/dev/null && echo SMI-OK; "
+        "ls /usr/lib64/libcuda.so.1 2>/dev/null || echo NO-CUDA; ls /dev/nvidia-uvm 2>/dev/null || echo NO-UVM"
+    )
     out = client.run("all,capabilities=utility", script, image)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["CAPS=utility", "SMI-OK", "NO-CUDA", "NO-UVM"]

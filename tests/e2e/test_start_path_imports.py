@@ -77,12 +77,20 @@ def test_gpu_container_with_warm_caches(live_container):
     assert {"oci_gpu_hook", "ctypes"} <= added  # it did the work (mounts need ctypes)
 
 
-
 # What the apply child may import on its own (lazily, after the fork: the probes above cannot see
 # it), cgroup v2's bpf.py among them.
-CHILD_MODULES = ("start.apply", "start.budget", "start.linux.arch", "start.linux.bpf", "start.linux.cgroups",
-                 "start.linux.journal", "start.linux.labels", "start.linux.ldconfig", "start.linux.rootfs",
-                 "start.linux.sources")
+CHILD_MODULES = (
+    "start.apply",
+    "start.budget",
+    "start.linux.arch",
+    "start.linux.bpf",
+    "start.linux.cgroups",
+    "start.linux.journal",
+    "start.linux.labels",
+    "start.linux.ldconfig",
+    "start.linux.rootfs",
+    "start.linux.sources",
+)
 
 
 def test_what_the_apply_child_loads_on_cgroup_v1_and_v2():

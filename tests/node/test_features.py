@@ -148,7 +148,7 @@ def _fake_inventory(profile="1g.5gb", gpus=2, driver="550.54", cuda=None):
             memory_total=40 << 30,
             compute_capability="8.0",
             mig=tuple(mig() for _ in range(7)),
-        )  # fmt: skip
+        )
         for _ in range(gpus)
     ]
     return SimpleNamespace(gpus=gpu, driver_version=driver, cuda_version=cuda)

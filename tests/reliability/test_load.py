@@ -90,6 +90,7 @@ def test_50_concurrent_containers_each_see_exactly_their_gpus(host, tmp_path, ho
     started = time.monotonic()
     try:
         with ThreadPoolExecutor(max_workers=CONTAINERS) as pool:
+
             def run(ib):
                 return containers.runc_run(ib[1], f"ocigpu-load-{os.getpid()}-{ib[0]}", timeout=240)
 

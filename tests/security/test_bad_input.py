@@ -145,7 +145,7 @@ STATES = {
     "pid-float": (
         lambda b: b'{"ociVersion":"1.0.2","id":"x","status":"creating","pid":NaN,"bundle":"%s"}' % str(b).encode(),
         "'pid'",
-    ),  # fmt: skip
+    ),
     "annotations-not-strings": (lambda b: state_doc(b, annotations={"a": 1}), "annotations"),
 }
 
@@ -237,29 +237,29 @@ CONFIGS = {
         _env_config("NVIDIA_DRIVER_CAPABILITIES", "compute," * (MB // 8)),
         REQUEST_ERROR,
         "longer than",
-    ),  # fmt: skip
+    ),
     "require-cuda-1mb": (_env_config("NVIDIA_REQUIRE_CUDA", "cuda>=1.0 " * (MB // 10)), REQUEST_ERROR, None),
     "mig-config-1mb": (_env_config("NVIDIA_MIG_CONFIG_DEVICES", "a" * MB), REQUEST_ERROR, None),
     "cdi-annotation-1mb": (
         _config(annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0," * (MB // 16)}),
         REQUEST_ERROR,
         "longer than",
-    ),  # fmt: skip
+    ),
     "10000-device-ids": (
         _env_config("NVIDIA_VISIBLE_DEVICES", ",".join(["0"] * 10_000)),
         REQUEST_ERROR,
         "10000 device ids",
-    ),  # fmt: skip
+    ),
     "10000-distinct-device-ids": (
         _env_config("NVIDIA_VISIBLE_DEVICES", ",".join(str(i) for i in range(10_000))),
         REQUEST_ERROR,
         "10000 device ids",
-    ),  # fmt: skip
+    ),
     "10000-cdi-devices": (
         _config(annotations={"cdi.k8s.io/x": ",".join(["nvidia.com/gpu=0"] * 10_000)}),
         REQUEST_ERROR,
         None,
-    ),  # fmt: skip
+    ),
     "unknown-device": (_env_config("NVIDIA_VISIBLE_DEVICES", "0,../../etc/passwd"), REQUEST_ERROR, "unknown device"),
     "rootfs-missing": (_config(**{"root.path": "no-such-rootfs"}), APPLY_ERROR, "rootfs"),
 }

@@ -94,12 +94,12 @@ config_docs = st.fixed_dictionaries(
     {},
     optional={
         "root": _maybe(st.fixed_dictionaries({"path": _maybe(st.sampled_from(["rootfs", "/r", "", "a\x00b"]))},
-                                             optional={"readonly": json_values})),  # fmt: skip
+                                             optional={"readonly": json_values})),
         "process": _maybe(st.fixed_dictionaries({}, optional={
             "env": env_lists,
             "capabilities": _maybe(st.fixed_dictionaries({}, optional={
                 "bounding": st.lists(st.sampled_from(["CAP_SYS_ADMIN", "CAP_KILL"]) | json_scalars, max_size=3)})),
-        })),  # fmt: skip
+        })),
         "mounts": _maybe(st.lists(st.fixed_dictionaries({}, optional={
             "destination": _maybe(st.sampled_from([VOLUME + "0", "/x", VOLUME + "all", VOLUME + "../0",
                                                    "/var/run/./nvidia-container-devices/0", VOLUME + "1/",

@@ -917,7 +917,7 @@ def test_a_library_brings_every_driver_library_it_needs_whatever_its_capability(
     for caps, expected in (
         ("graphics", {f"libGLX_nvidia.so.{VERSION}", glcore, gpucomp, helper}),
         ("utility", {f"libnvidia-ml.so.{VERSION}"}),
-    ):  # fmt: skip
+    ):
         with no_file_system():
             request = parse_request(container({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": caps}),
                                     Settings())  # fmt: skip

@@ -41,7 +41,7 @@ def minimal(**edits):
         (lambda d: d.update(kind="vendor.com/dev.sub"), "0.6.0"),
         (lambda d: d.update(containerEdits={"additionalGids": [5]}), "0.7.0"),
     ],
-)  # fmt: skip
+)
 def test_required_version(change, version):
     doc = minimal()
     change(doc)

@@ -247,7 +247,6 @@ class Rootfs:
         finally:
             os.close(parent_fd)
 
-
     def replace_file(self, directory: str, dir_fd: int, name: str, data: bytes, mode: int, undo: UndoLog) -> None:
         """Put a new file with data at name in the directory open at dir_fd, by rename: whatever
         is there (a device node, FIFO, hard link or symlink the image planted) is replaced as a

@@ -323,6 +323,7 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
             os.path.join(CSRC, "nvml.c"),
         ],
     ]
+
     def library_path(directory: str, lib) -> str:
         # VDPAU's backend lives in <libdir>/vdpau/, where its loader looks (not in ld.so.conf).
         sub = driver.VDPAU_DIR if lib.prefix == driver.VDPAU_PREFIX else ""
