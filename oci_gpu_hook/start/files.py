@@ -11,18 +11,24 @@ import os
 import stat
 
 
-def read_bounded(path: str, limit: int, nofollow: bool = False, regular: bool = False) -> bytes:
+def read_bounded(path: str, limit: int, nofollow: bool = False, regular: bool = False, check=None) -> bytes:
     """At most limit + 1 bytes of the file at path: one more than allowed, so that the caller can
-    tell a file that is too large (and say so) from one that fits, without reading all of it.
+    tell a file that is too large (and say so) from one that fits, without reading all of it. The
+    one bounded read of the hook's own files.
 
     Opened O_NONBLOCK, so a FIFO put where a file belongs cannot hang the hook; nofollow refuses a
     symlink at the last component (ELOOP); regular refuses anything but a regular file (EINVAL,
-    "not a regular file")."""
+    "not a regular file"); check(stat) runs on the descriptor that is read (an owner or mode
+    check: nothing can be swapped in between) and raises what the caller wants said."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0)
     fd = os.open(path, flags)
     try:
-        if regular and not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", path)
+        if regular or check is not None:
+            st = os.fstat(fd)
+            if regular and not stat.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            if check is not None:
+                check(st)
         chunks, left = [], limit + 1
         while left > 0:
             chunk = os.read(fd, min(left, 1 << 20))

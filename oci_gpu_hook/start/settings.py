@@ -189,28 +189,19 @@ def read_trusted(path: str, limit: int) -> bytes:
     keeps for itself (compiled settings, the inventory cache): they decide where mounts come from.
 
     Raises OSError (absent; a symlink: ELOOP) or ValueError (not a regular file, not trusted, over
-    limit bytes). The checks are made on the descriptor that is read, so nothing can be swapped
-    in between; O_NONBLOCK because a FIFO planted there would otherwise block the open.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
+    limit bytes), checked on the descriptor that is read (files.read_bounded)."""
+
+    def check(st):
         if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file")
         if not trusted(st):
             raise ValueError(f"owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}: only a file of "
                              f"uid {os.geteuid()} that no one else may write is used")  # fmt: skip
-        chunks, size = [], 0
-        while True:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise ValueError(f"larger than {limit} bytes")
-    finally:
-        os.close(fd)
+
+    data = files.read_bounded(path, limit, nofollow=True, check=check)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data
 
 
 def _read_compiled(path: str, key) -> dict | None:
@@ -245,28 +236,17 @@ def read_config_file(path: str, what: str = "the configuration file") -> str:
     """A configuration file's text, at most MAX_CONFIG_BYTES. It decides what containers get (and
     the device plugin's, what the kubelet is told), so it must be root's (or this user's) and
     writable by no one else: checked on the descriptor that is read."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read {what}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{path}: cannot read {what}: not a regular file")
+
+    def check(st):
         if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
             whose = f"owned by uid {st.st_uid}" if st.st_uid not in (0, os.geteuid()) else "writable by others"
             raise ConfigError(f"{path}: {what} is {whose}: it decides what containers get, so it must be root's "
                               "and writable by no one else")  # fmt: skip
-        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
-        while len(raw) <= MAX_CONFIG_BYTES:
-            more = os.read(fd, MAX_CONFIG_BYTES + 1 - len(raw))
-            if not more:
-                break
-            raw += more
+
+    try:
+        raw = files.read_bounded(path, MAX_CONFIG_BYTES, regular=True, check=check)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read {what}: {e.strerror}") from None
-    finally:
-        os.close(fd)
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {what} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
