@@ -128,9 +128,10 @@ def unescape(field: str) -> str:
     return mountinfo.unescape(field)
 
 
-def tree(root: str, contents: bool = False) -> dict:
+def tree(root: str, contents: bool = False, times: bool = False) -> dict:
     """Every path under root (root included) with type, mode, link target, and optionally a hash of
-    the contents: what 'nothing created, changed or removed' means."""
+    the contents and the files' modification times: what 'nothing created, changed or removed'
+    means. The one snapshot of a tree the tests compare."""
     seen = {}
 
     def record(path):
@@ -141,6 +142,8 @@ def tree(root: str, contents: bool = False) -> dict:
         elif contents and os.path.isfile(path):
             with open(path, "rb") as f:
                 entry.append(hashlib.sha256(f.read()).hexdigest())
+        if times and os.path.isfile(path) and not os.path.islink(path):
+            entry.append(st.st_mtime_ns)
         seen[os.path.relpath(path, root)] = tuple(entry)
 
     if not os.path.lexists(root):

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import hookcheck
 import jsonschema
 import pytest
 
@@ -18,20 +19,7 @@ PREFIX = ["/usr/bin/oci-gpu-hook"]
 def snapshot(root):
     """Everything about a tree that install could change: types, modes, contents, link values,
     and file modification times."""
-    found = {}
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = os.path.join(directory, name)
-            st = os.lstat(path)
-            rel = os.path.relpath(path, root)
-            if os.path.islink(path):
-                found[rel] = ("link", os.readlink(path))
-            elif os.path.isdir(path):
-                found[rel] = ("dir", st.st_mode)
-            else:
-                with open(path, "rb") as f:
-                    found[rel] = ("file", st.st_mode, f.read(), st.st_mtime_ns)
-    return found
+    return hookcheck.tree(root, contents=True, times=True)
 
 
 @pytest.fixture
