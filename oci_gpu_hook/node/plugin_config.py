@@ -10,6 +10,7 @@ silently means something else on this node is worse than one that does not start
 
 from __future__ import annotations
 
+import os
 import re
 
 from oci_gpu_hook.errors import ConfigError, RequestError, printable
@@ -61,71 +62,55 @@ class PluginConfig(Record):
         return next((r for r in self.time_slicing if r.name == name), None)
 
 
-# Known keys at each level; the value says what a key NVIDIA's plugin has and we refuse means.
-_TOP = {"version": None, "flags": None, "sharing": None}
-# failOnInitError is taken and has no effect: this plugin always stops on a configuration error.
-_FLAGS = {"migStrategy": None, "failOnInitError": None, "plugin": None,
-          "nvidiaDriverRoot": "the driver's root is driver_root in oci-gpu-hook's own configuration",
-          "gdsEnabled": "GPUDirect Storage is not set up by oci-gpu-hook",
-          "mofedEnabled": "MOFED devices are not set up by oci-gpu-hook",
-          "gfd": "labels come from `oci-gpu-hook labels` (node.* settings)"}  # fmt: skip
-_PLUGIN = {"passDeviceSpecs": None, "deviceListStrategy": None, "deviceIDStrategy": None,
-           "containerDriverRoot": "the hook mounts the driver from driver_root; there is no container driver root",
-           "cdiAnnotationPrefix": "the CDI annotations are named cdi.k8s.io/oci-gpu-hook_<resource>",
-           "nvidiaCTKPath": "oci-gpu-hook's CDI hooks run oci-gpu-hook itself"}  # fmt: skip
-_SHARING = {"timeSlicing": None, "mps": "MPS sharing is not offered by oci-gpu-hook; use timeSlicing"}
-_TIME_SLICING = {"renameByDefault": None, "failRequestsGreaterThanOne": None, "resources": None}
-_RESOURCE = {"name": None, "replicas": None, "memoryLimit": None,
-             "rename": "per-resource rename is not offered; use renameByDefault",
-             "devices": "time-slicing a subset of the devices is not offered; each device of the resource "
-                        "is shared"}  # fmt: skip
-
-
-def shown(value) -> str:
-    """A value in an error message, in bounded time and space: a scalar as repr() writes it, cut
-    short; a list or mapping by its kind only. The document may be hostile: repr() of a YAML alias
-    bomb is exponential, of a deeply nested list a RecursionError."""
-    if isinstance(value, str):
-        text = repr(value[:40]) + ("..." if len(value) > 40 else "")
-    elif value is None or isinstance(value, (bool, int, float)):
-        text = repr(value) if not isinstance(value, int) or value.bit_length() < 128 else "a very large number"
-    else:
-        text = {list: "a list", dict: "a mapping"}.get(type(value), f"a {type(value).__name__}")
-    return printable(text)
+# Keys NVIDIA's plugin has that this one refuses, each with what it would mean here, by where they
+# sit (the schema, schemas/device-plugin.schema.json, knows the keys that are taken). Checked
+# first: a refused key gets its reason, not "unknown key".
+_REFUSED = {
+    ("flags",): {"nvidiaDriverRoot": "the driver's root is driver_root in oci-gpu-hook's own configuration",
+                 "gdsEnabled": "GPUDirect Storage is not set up by oci-gpu-hook",
+                 "mofedEnabled": "MOFED devices are not set up by oci-gpu-hook",
+                 "gfd": "labels come from `oci-gpu-hook labels` (node.* settings)"},
+    ("flags", "plugin"): {
+        "containerDriverRoot": "the hook mounts the driver from driver_root; there is no container driver root",
+        "cdiAnnotationPrefix": "the CDI annotations are named cdi.k8s.io/oci-gpu-hook_<resource>",
+        "nvidiaCTKPath": "oci-gpu-hook's CDI hooks run oci-gpu-hook itself"},
+    ("sharing",): {"mps": "MPS sharing is not offered by oci-gpu-hook; use timeSlicing"},
+    ("sharing", "timeSlicing", "resources", 0): {
+        "rename": "per-resource rename is not offered; use renameByDefault",
+        "devices": "time-slicing a subset of the devices is not offered; each device of the resource is shared"},
+}  # fmt: skip
+SCHEMA_PATH = os.path.join(settings.SCHEMAS_DIR, "device-plugin.schema.json")
 
 
 def _fail(where: str, key: str, problem: str):
     raise ConfigError(f"{where}: {key}: {problem}")
 
 
-def _mapping(value, where: str, key: str, known: dict) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        _fail(where, key or "the document", f"expected a mapping, found {type(value).__name__}")
-    for name in value:
-        if name not in known:
-            _fail(where, f"{key}.{printable(str(name))}" if key else printable(str(name)),
-                  f"unknown key; known: {', '.join(k for k in known if not known[k])}")  # fmt: skip
-        if known[name]:
-            _fail(where, f"{key}.{name}" if key else name, known[name])
-    return value
+def _refused(doc: dict, where: str) -> None:
+    """ConfigError for the first key NVIDIA's plugin has and this one refuses."""
+
+    def at(node, keys):
+        for key in keys:
+            if isinstance(key, int):
+                if not isinstance(node, list):
+                    return []
+                return [(i, item) for i, item in enumerate(node) if isinstance(item, dict)]
+            node = node.get(key) if isinstance(node, dict) else None
+        return [(None, node)] if isinstance(node, dict) else []
+
+    for keys, reasons in _REFUSED.items():
+        for index, node in at(doc, keys):
+            for name in node:
+                if name in reasons:
+                    path = [k if not isinstance(k, int) else index for k in keys] + [name]
+                    _fail(where, settings.key_path(path), reasons[name])
 
 
-def _bool(value, where: str, key: str, default: bool) -> bool:
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        _fail(where, key, f"expected true or false, found {shown(value)}")
-    return value
+def _schema() -> dict:
+    import json
 
-
-def _choice(value, where: str, key: str, choices: tuple, default: str) -> str:
-    if value is None:
-        return default
-    if value not in choices:
-        _fail(where, key, f"{shown(value)} is not one of {', '.join(choices)}")
-    return value
+    with open(SCHEMA_PATH) as f:
+        return json.load(f)
 
 
 def check_resource_name(name: str, where: str, key: str) -> None:
@@ -142,57 +127,40 @@ def check_resource_name(name: str, where: str, key: str) -> None:
                       f"or {MIG_RESOURCE_PREFIX}<profile>")  # fmt: skip
 
 
-def _resource(entry, where: str, key: str, seen: set) -> TimeSlicedResource:
-    entry = _mapping(entry, where, key, _RESOURCE)
-    name = entry.get("name")
-    if not isinstance(name, str) or not name:
-        _fail(where, f"{key}.name", "missing; give the resource to share, e.g. nvidia.com/gpu")
+def _resource(entry: dict, where: str, key: str, seen: set) -> TimeSlicedResource:
+    name = entry["name"]
     check_resource_name(name, where, f"{key}.name")
     if name in seen:
         _fail(where, f"{key}.name", f"{name} is listed twice")
     seen.add(name)
-    replicas = entry.get("replicas")
-    if not isinstance(replicas, int) or isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
-        _fail(where, f"{key}.replicas", f"{shown(replicas)}: expected a whole number from 1 to "
-                                        f"{MAX_REPLICAS}")  # fmt: skip
     limit = entry.get("memoryLimit")
     if limit is not None:
-        if not isinstance(limit, str) or not limit.strip():
-            _fail(where, f"{key}.memoryLimit", f"expected {PER_REPLICA}, a size (4GiB) or a percentage (25%)")
         limit = limit.strip()
         if limit != PER_REPLICA:
             try:
                 memory_limit.parse(limit, f"{key}.memoryLimit")
             except RequestError as e:
                 _fail(where, f"{key}.memoryLimit", e.message.partition(": ")[2] or e.message)
-    return TimeSlicedResource(name, replicas, limit)
+    return TimeSlicedResource(name, entry["replicas"], limit)
 
 
 def parse(doc, where: str) -> PluginConfig:
-    """The configuration from a loaded YAML or JSON document; ConfigError naming where and the key."""
+    """The configuration from a loaded YAML or JSON document; ConfigError naming where and the key,
+    in the main configuration's words (settings.describe_error, against the schema)."""
     if doc is None:
         doc = {}
-    top = _mapping(doc, where, "", _TOP)
-    version = top.get("version", "v1")
-    if version != "v1":
-        _fail(where, "version", f"{shown(version)}: only v1 is understood")
-    flags = _mapping(top.get("flags"), where, "flags", _FLAGS)
-    plugin = _mapping(flags.get("plugin"), where, "flags.plugin", _PLUGIN)
+    if isinstance(doc, dict):
+        _refused(doc, where)
+    settings.validate(doc, where, _schema())
+    flags = doc.get("flags") or {}
+    plugin = flags.get("plugin") or {}
+    time_slicing = (doc.get("sharing") or {}).get("timeSlicing") or {}
     lists = plugin.get("deviceListStrategy", "envvar")
     lists = [lists] if isinstance(lists, str) else lists
-    if not isinstance(lists, list) or not lists:
-        _fail(where, "flags.plugin.deviceListStrategy", f"expected one of {', '.join(LIST_STRATEGIES)}, or a list")
-    for value in lists:
-        _choice(value, where, "flags.plugin.deviceListStrategy", LIST_STRATEGIES, "")
-    time_slicing = _mapping(_mapping(top.get("sharing"), where, "sharing", _SHARING).get("timeSlicing"), where,
-                            "sharing.timeSlicing", _TIME_SLICING)  # fmt: skip
-    entries = time_slicing.get("resources")
-    entries = [] if entries is None else entries
-    if not isinstance(entries, list):
-        _fail(where, "sharing.timeSlicing.resources", "expected a list of {name, replicas}")
     seen: set = set()
-    resources = tuple(_resource(e, where, f"sharing.timeSlicing.resources[{i}]", seen) for i, e in enumerate(entries))
-    mig_strategy = _choice(flags.get("migStrategy"), where, "flags.migStrategy", MIG_STRATEGIES, "none")
+    resources = tuple(_resource(e, where, f"sharing.timeSlicing.resources[{i}]", seen)
+                      for i, e in enumerate(time_slicing.get("resources") or ()))  # fmt: skip
+    mig_strategy = flags.get("migStrategy") or "none"
     for i, resource in enumerate(resources):
         if resource.name.startswith(MIG_RESOURCE_PREFIX) and mig_strategy != "mixed":
             _fail(where, f"sharing.timeSlicing.resources[{i}].name",
@@ -200,19 +168,10 @@ def parse(doc, where: str) -> PluginConfig:
     return PluginConfig(
         mig_strategy=mig_strategy,
         list_strategies=tuple(dict.fromkeys(lists)),
-        id_strategy=_choice(
-            plugin.get("deviceIDStrategy"), where, "flags.plugin.deviceIDStrategy", ID_STRATEGIES, "uuid"
-        ),
-        pass_device_specs=_bool(plugin.get("passDeviceSpecs"), where, "flags.plugin.passDeviceSpecs", False),
-        rename_by_default=_bool(
-            time_slicing.get("renameByDefault"), where, "sharing.timeSlicing.renameByDefault", False
-        ),
-        fail_requests_greater_than_one=_bool(
-            time_slicing.get("failRequestsGreaterThanOne"),
-            where,
-            "sharing.timeSlicing.failRequestsGreaterThanOne",
-            False,
-        ),
+        id_strategy=plugin.get("deviceIDStrategy") or "uuid",
+        pass_device_specs=bool(plugin.get("passDeviceSpecs")),
+        rename_by_default=bool(time_slicing.get("renameByDefault")),
+        fail_requests_greater_than_one=bool(time_slicing.get("failRequestsGreaterThanOne")),
         time_slicing=resources,
     )
 

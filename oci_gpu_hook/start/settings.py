@@ -365,33 +365,52 @@ def _schema() -> dict:
         return json.load(f)
 
 
-def validate(data: object, path: str) -> None:
-    import jsonschema  # parse_mapping, its one caller, has made the dependencies importable
+def validate(data: object, path: str, schema: dict | None = None) -> None:
+    """ConfigError for the first mistake (by key) in a configuration document against its schema
+    (the configuration file's unless another is given: the device plugin's)."""
+    import jsonschema  # the callers have made the dependencies importable
 
-    schema = _schema()
+    schema = schema or _schema()
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the configuration must be a mapping of keys to values")
-    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(data), key=lambda e: list(e.absolute_path))
+    # Keys compared as text: a YAML document may have numbers for keys beside names.
+    errors = sorted(
+        jsonschema.Draft7Validator(schema).iter_errors(data), key=lambda e: [str(k) for k in e.absolute_path]
+    )
     if errors:
         raise ConfigError(describe_error(errors[0], schema, path))
 
 
+def key_path(keys) -> str:
+    """flags.plugin.deviceListStrategy, resources[0].name: a document's keys as messages name them."""
+    out = ""
+    for key in keys:
+        out += f"[{key}]" if isinstance(key, int) else (f".{key}" if out else str(key))
+    return out
+
+
 def describe_error(error, schema: dict, path: str) -> str:
-    """One line: file, dotted key, what is wrong and what is accepted."""
-    keys = [str(k) for k in error.absolute_path]
+    """One line: file, key, what is wrong and what is accepted; any document's, in the same words
+    (the configuration file's, the device plugin's). Values are shown cut short, and a list or
+    mapping by its kind: the document may be hostile."""
+    keys = list(error.absolute_path)
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
-        unknown = sorted(set(error.instance) - set(allowed))
-        key = ".".join(keys + [unknown[0]])
-        return f"{path}: {key}: unknown key (accepted keys here: {', '.join(allowed)})"
-    key = ".".join(keys) or "(top level)"
-    accepted = _description(schema, error.absolute_path)
+        unknown = sorted(str(k) for k in error.instance if k not in allowed)
+        return f"{path}: {key_path(keys + [unknown[0]])}: unknown key (accepted keys here: {', '.join(allowed)})"
+    if error.validator == "required":
+        missing = next(k for k in error.validator_value if k not in error.instance)
+        accepted = _description(schema, keys + [missing])
+        return f"{path}: {key_path(keys + [missing])}: missing (expected {accepted})"
+    accepted = _description(schema, keys)
     import json
 
-    value = (
-        json.dumps(error.instance) if not isinstance(error.instance, (dict, list)) else type(error.instance).__name__
-    )
-    return f"{path}: {key}: {value} is not accepted (expected {accepted})"
+    if isinstance(error.instance, (dict, list)):
+        value = "a mapping" if isinstance(error.instance, dict) else "a list"
+    else:
+        value = json.dumps(error.instance)
+        value = value if len(value) <= 60 else value[:60] + "..."
+    return f"{path}: {key_path(keys) or '(top level)'}: {value} is not accepted (expected {accepted})"
 
 
 def _description(schema: dict, keys) -> str:

@@ -535,7 +535,7 @@ UNKNOWN_PROFILE = MIXED_SHARED + "    - name: nvidia.com/mig-7g.80gb\n      repl
     "text, words",
     [("version: v1\nflags: [unclosed\n", ": not valid YAML or JSON (line "),
      (MIXED_SHARED.replace("replicas: 2", "replicas: 0"),
-      ": sharing.timeSlicing.resources[0].replicas: 0: expected a whole number from 1 to 1024"),
+      ": sharing.timeSlicing.resources[0].replicas: 0 is not accepted (expected a whole number from 1 to 1024)"),
      ("version: v1\nsharing:\n  mps:\n    resources: []\n", ": sharing.mps: MPS sharing is not offered"),
      (UNKNOWN_PROFILE, ": sharing.timeSlicing.resources[1].name: unknown MIG profile: no MIG device on this node has "
                        "profile 7g.80gb (profiles here: 1g.5gb, 2g.10gb, 3g.20gb)"),

@@ -2,6 +2,8 @@
 documentation shows it, our memoryLimit, and every mistake refused with one line that names the
 file and the key. Pure: documents in, records or ConfigError out."""
 
+import json
+
 import pytest
 
 from oci_gpu_hook.errors import ConfigError
@@ -138,17 +140,18 @@ def test_an_empty_resource_list_shares_nothing():
 )  # fmt: skip
 def test_unknown_keys_at_each_level(doc, key):
     message = refused(doc)
-    assert message.startswith(f"{WHERE}: {key}: unknown key; known: "), message
+    assert message.startswith(f"{WHERE}: {key}: unknown key (accepted keys here: "), message
 
 
 def test_unknown_key_lists_the_known_ones_not_the_refused_ones():
+    """In the main configuration's words (settings.describe_error, from the schema)."""
     message = refused({"sharing": {"bogus": 1}})
-    assert message == f"{WHERE}: sharing.bogus: unknown key; known: timeSlicing"
+    assert message == f"{WHERE}: sharing.bogus: unknown key (accepted keys here: timeSlicing)"
     message = refused(shared({"name": "nvidia.com/gpu", "replicas": 2, "x": 1}))
-    assert message.endswith("known: name, replicas, memoryLimit")
-    assert refused({"flags": {"x": 1}}).endswith("known: migStrategy, failOnInitError, plugin")
-    assert refused({"flags": {"plugin": {"x": 1}}}).endswith("known: passDeviceSpecs, deviceListStrategy, "
-                                                             "deviceIDStrategy")  # fmt: skip
+    assert message.endswith("(accepted keys here: memoryLimit, name, replicas)")
+    assert refused({"flags": {"x": 1}}).endswith("(accepted keys here: failOnInitError, migStrategy, plugin)")
+    assert refused({"flags": {"plugin": {"x": 1}}}).endswith("(accepted keys here: deviceIDStrategy, "
+                                                             "deviceListStrategy, passDeviceSpecs)")  # fmt: skip
 
 
 def test_unknown_key_that_is_not_text_is_shown_safely():
@@ -183,33 +186,35 @@ def test_nvidia_keys_we_do_not_offer_are_refused_with_the_reason(doc, key, reaso
 
 @pytest.mark.parametrize(
     "doc, key, words",
-    [({"flags": "mixed"}, "flags", "expected a mapping, found str"),
-     ({"flags": {"plugin": ["envvar"]}}, "flags.plugin", "expected a mapping, found list"),
-     ({"sharing": {"timeSlicing": []}}, "sharing.timeSlicing", "expected a mapping, found list"),
-     ({"sharing": 3}, "sharing", "expected a mapping, found int"),
-     ({"flags": {"migStrategy": "Mixed"}}, "flags.migStrategy", "'Mixed' is not one of none, single, mixed"),
-     ({"flags": {"migStrategy": ["mixed"]}}, "flags.migStrategy", "is not one of none, single, mixed"),
+    [({"flags": "mixed"}, "flags", '"mixed" is not accepted (expected a mapping with the keys migStrategy'),
+     ({"flags": {"plugin": ["envvar"]}}, "flags.plugin", "a list is not accepted (expected a mapping"),
+     ({"sharing": {"timeSlicing": []}}, "sharing.timeSlicing", "a list is not accepted (expected a mapping"),
+     ({"sharing": 3}, "sharing", "3 is not accepted (expected a mapping with the key timeSlicing)"),
+     ({"flags": {"migStrategy": "Mixed"}}, "flags.migStrategy",
+      '"Mixed" is not accepted (expected one of none, single, mixed)'),
+     ({"flags": {"migStrategy": ["mixed"]}}, "flags.migStrategy", "a list is not accepted (expected one of none"),
      ({"flags": {"plugin": {"deviceListStrategy": "env"}}}, "flags.plugin.deviceListStrategy",
-      "'env' is not one of envvar, volume-mounts, cdi-annotations, cdi-cri"),
+      '"env" is not accepted (expected one of envvar, volume-mounts, cdi-annotations, cdi-cri, or a list of them)'),
      ({"flags": {"plugin": {"deviceListStrategy": ["envvar", "cdi"]}}}, "flags.plugin.deviceListStrategy",
-      "'cdi' is not one of"),
-     ({"flags": {"plugin": {"deviceListStrategy": []}}}, "flags.plugin.deviceListStrategy", "or a list"),
-     ({"flags": {"plugin": {"deviceListStrategy": None}}}, "flags.plugin.deviceListStrategy", "or a list"),
-     ({"flags": {"plugin": {"deviceListStrategy": 3}}}, "flags.plugin.deviceListStrategy", "or a list"),
+      "a list is not accepted (expected one of envvar"),
+     ({"flags": {"plugin": {"deviceListStrategy": []}}}, "flags.plugin.deviceListStrategy", "or a list of them"),
+     ({"flags": {"plugin": {"deviceListStrategy": None}}}, "flags.plugin.deviceListStrategy", "or a list of them"),
+     ({"flags": {"plugin": {"deviceListStrategy": 3}}}, "flags.plugin.deviceListStrategy", "or a list of them"),
      ({"flags": {"plugin": {"deviceIDStrategy": "serial"}}}, "flags.plugin.deviceIDStrategy",
-      "'serial' is not one of uuid, index"),
+      '"serial" is not accepted (expected one of uuid, index)'),
      ({"flags": {"plugin": {"passDeviceSpecs": "true"}}}, "flags.plugin.passDeviceSpecs",
-      "expected true or false, found 'true'"),
+      '"true" is not accepted (expected true or false)'),
      ({"sharing": {"timeSlicing": {"renameByDefault": 1}}}, "sharing.timeSlicing.renameByDefault",
-      "expected true or false, found 1"),
+      "1 is not accepted (expected true or false)"),
      ({"sharing": {"timeSlicing": {"failRequestsGreaterThanOne": "yes"}}},
       "sharing.timeSlicing.failRequestsGreaterThanOne", "expected true or false"),
      ({"sharing": {"timeSlicing": {"resources": "nvidia.com/gpu"}}}, "sharing.timeSlicing.resources",
       "expected a list of {name, replicas}"),
-     (shared("nvidia.com/gpu"), "sharing.timeSlicing.resources[0]", "expected a mapping, found str"),
-     (shared({"replicas": 2}), "sharing.timeSlicing.resources[0].name", "missing; give the resource to share"),
-     (shared({"name": 5, "replicas": 2}), "sharing.timeSlicing.resources[0].name", "missing"),
-     (shared({"name": "", "replicas": 2}), "sharing.timeSlicing.resources[0].name", "missing")],
+     (shared("nvidia.com/gpu"), "sharing.timeSlicing.resources[0]", "(expected a mapping with the keys name"),
+     (shared({"replicas": 2}), "sharing.timeSlicing.resources[0].name",
+      "missing (expected the resource to share: nvidia.com/gpu or nvidia.com/mig-<profile>)"),
+     (shared({"name": 5, "replicas": 2}), "sharing.timeSlicing.resources[0].name", "5 is not accepted"),
+     (shared({"name": "", "replicas": 2}), "sharing.timeSlicing.resources[0].name", '"" is not accepted')],
 )  # fmt: skip
 def test_bad_types(doc, key, words):
     message = refused(doc)
@@ -221,8 +226,9 @@ def test_bad_types(doc, key, words):
 def test_bad_replicas(replicas):
     entry = {"name": "nvidia.com/gpu"} if replicas is None else {"name": "nvidia.com/gpu", "replicas": replicas}
     message = refused(shared(entry))
-    assert message == (f"{WHERE}: sharing.timeSlicing.resources[0].replicas: {replicas!r}: expected a whole "
-                       "number from 1 to 1024")  # fmt: skip
+    shown = "missing" if replicas is None else f"{json.dumps(replicas)} is not accepted"
+    assert message == f"{WHERE}: sharing.timeSlicing.resources[0].replicas: {shown} (expected a whole number from " \
+                      "1 to 1024)"  # fmt: skip
 
 
 def test_a_resource_listed_twice():
@@ -276,13 +282,14 @@ def test_bad_memory_limits(limit, words):
 @pytest.mark.parametrize("version", ["v2", "V1", 1, "v1beta1", None])
 def test_only_version_v1(version):
     message = refused({"version": version})
-    assert message == f"{WHERE}: version: {version!r}: only v1 is understood"
+    assert message == f"{WHERE}: version: {json.dumps(version)} is not accepted (expected v1, the only version " \
+                      "understood)"  # fmt: skip
 
 
-@pytest.mark.parametrize("doc, found", [(["version", "v1"], "list"), ("version: v1", "str"), (1, "int")])
-def test_a_document_that_is_not_a_mapping(doc, found):
+@pytest.mark.parametrize("doc", [["version", "v1"], "version: v1", 1])
+def test_a_document_that_is_not_a_mapping(doc):
     message = refused(doc)
-    assert message == f"{WHERE}: the document: expected a mapping, found {found}"
+    assert message == f"{WHERE}: the configuration must be a mapping of keys to values"
 
 
 # ---- load ----------------------------------------------------------------------------------------
@@ -310,7 +317,7 @@ def test_load_names_the_file_in_its_errors(tmp_path):
                     "      replicas: 0\n")  # fmt: skip
     with pytest.raises(ConfigError) as e:
         pc.load(str(path), NodeSettings())
-    assert e.value.message.startswith(f"{path}: sharing.timeSlicing.resources[0].replicas: 0: ")
+    assert e.value.message.startswith(f"{path}: sharing.timeSlicing.resources[0].replicas: 0 is not accepted (")
 
 
 @pytest.mark.parametrize("text", ["flags: [unclosed\n", "version: v1\n  flags: x\n", "a: b: c\n", "{\"version\": \n",

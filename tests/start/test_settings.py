@@ -52,7 +52,7 @@ def test_empty_file_means_defaults(tmp_path):
         ("- a\n- b\n", "the configuration must be a mapping"),
         (
             "supported_capabilities: [compute, gpus]\n",
-            'supported_capabilities.1: "gpus" is not accepted (expected a list',
+            'supported_capabilities[1]: "gpus" is not accepted (expected a list',
         ),
         ("cdi_kind: gpu\n", 'cdi_kind: "gpu" is not accepted (expected a CDI device kind vendor/class'),
         ("driver_root: [unclosed\n", "not valid YAML at line 2"),
