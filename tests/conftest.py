@@ -63,6 +63,11 @@ NOBODY = 65534  # the overflow uid and gid: owns nothing, so it reads only what 
 def pytest_configure(config):
     config.addinivalue_line(
         "markers",
+        "host(gpus, mig, ..., needs=()): the module's simulated GPU host (the `host` fixture): simulate's "
+        "options, and what its tests need beyond root and gcc",
+    )
+    config.addinivalue_line(
+        "markers",
         "another_user: runs code as another user (the run_as_nobody fixture marks it); "
         "tests/test_checkout_location.py runs these from a checkout no one else can enter",
     )
@@ -177,6 +182,19 @@ def simulated_host(tmp_path_factory, require):
         return built[key]
 
     return make
+
+
+@pytest.fixture(scope="module")
+def host(request, simulated_host, require):
+    """The module's simulated GPU host, the one `host` fixture: simulate's options from the module's
+    `pytestmark = pytest.mark.host(gpus=4, mig=[2], ...)` (default: 2 GPUs, GPU 1 in MIG mode),
+    `needs=(...)` what its tests need beyond root and gcc. Built once per option set and session
+    (simulated_host); a module that changes the host puts it back itself."""
+    marker = request.node.get_closest_marker("host")
+    options = {"gpus": 2, "mig": [1], **(marker.kwargs if marker else {})}
+    needs = options.pop("needs", ())
+    require("root", "gcc", *needs)
+    return simulated_host(**options)
 
 
 @pytest.fixture(autouse=True)

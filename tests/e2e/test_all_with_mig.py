@@ -17,11 +17,7 @@ import pytest
 
 from oci_gpu_hook.toolkit import containers
 
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "runc", "busybox", "gcc")
-    return simulated_host(gpus=8, mig=[1])
+pytestmark = pytest.mark.host(gpus=8, mig=[1], needs=("runc", "busybox"))
 
 
 def everything(host):

@@ -20,16 +20,12 @@ from hookcheck import config_with
 
 from oci_gpu_hook.toolkit import containers
 
+pytestmark = pytest.mark.host(gpus=4, mig=[2], scramble_minors=True, needs=("runc", "busybox"))
+
 VOLUME_DIR = "/var/run/nvidia-container-devices"
 STRICT = "accept_volume_mounts: true\naccept_envvar_when_unprivileged: false\n"
 ANNOTATIONS = "accept_cdi_annotations: true\n"
 SHOW = "nvidia-smi -L; ls /dev"
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "runc", "busybox", "gcc")
-    return simulated_host(gpus=4, mig=[2], scramble_minors=True)
 
 
 def node(host, path):

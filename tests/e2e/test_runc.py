@@ -9,11 +9,7 @@ from hookcheck import config_with
 
 from oci_gpu_hook.toolkit import containers
 
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "runc", "busybox", "gcc")
-    return simulated_host(gpus=4, mig=[2], scramble_minors=True)
+pytestmark = pytest.mark.host(gpus=4, mig=[2], scramble_minors=True, needs=("runc", "busybox"))
 
 
 def run(tmp_path, host, script, env, debian=False, config=None, with_hook=True, name="c"):

@@ -26,6 +26,8 @@ import pytest
 
 from oci_gpu_hook.errors import Exit
 
+pytestmark = pytest.mark.host(gpus=4, mig=[3], model="h100", needs=("pynvml",))  # changed and restored here
+
 DEADLINE = 30  # seconds: how long a change may take to show (the plugin checks every 0.3 s)
 INTERVAL = "0.3"
 PROFILES = ["1g.5gb", "2g.10gb", "3g.20gb"]
@@ -52,12 +54,6 @@ def api(require):
     from oci_gpu_hook.node.kubelet_api import deviceplugin_pb2, deviceplugin_pb2_grpc
 
     return SimpleNamespace(grpc=grpc, pb2=deviceplugin_pb2, pb2_grpc=deviceplugin_pb2_grpc)
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "gcc", "pynvml")
-    return simulated_host(gpus=4, mig=[3], model="h100")  # this module's own: it is changed and restored here
 
 
 @pytest.fixture

@@ -17,6 +17,8 @@ from servicecheck import Exporter
 from oci_gpu_hook.start import container_record, pids
 from oci_gpu_hook.toolkit.simulate import control
 
+pytestmark = pytest.mark.host(gpus=2, mig=[1], needs=("pynvml", "prometheus_client"))
+
 MIB = 1 << 20
 ANNOTATIONS = {"io.kubernetes.cri.sandbox-name": "pod-a", "io.kubernetes.cri.sandbox-namespace": "team",
                "io.kubernetes.cri.container-name": "cuda"}  # fmt: skip
@@ -26,11 +28,10 @@ def values(samples, name, **labels) -> list:
     return [v for n, ls, v in samples if n == name and all(ls.get(k) == w for k, w in labels.items())]
 
 
-@pytest.fixture
-def host(simulated_host, require):
-    require("root", "gcc", "pynvml", "prometheus_client")
-    host = simulated_host(gpus=2, mig=[1])
-    yield host
+@pytest.fixture(autouse=True)
+def _fresh_nvml_values(host):
+    """The tests here set the host's live NVML values: cleared after each."""
+    yield
     control.clear(host["root"])
 
 

@@ -14,13 +14,9 @@ from oci_gpu_hook.node import features
 from oci_gpu_hook.start import inventory_cache
 from oci_gpu_hook.start import settings as settings_module
 
+pytestmark = pytest.mark.host(gpus=8, mig=[2], needs=("pynvml",))
+
 MIB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "gcc", "pynvml")
-    return simulated_host(gpus=8, mig=[2])
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@ from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.plan import SelectedDevice
 from oci_gpu_hook.start.spec import Mount, volume_mount_device
 
+pytestmark = pytest.mark.host(gpus=4, mig=[3], needs=("pynvml",))
+
 VISIBLE = "NVIDIA_VISIBLE_DEVICES"
 KIND = "example.com/gpu"  # settings.cdi_kind, not the default, to see that it is the one used
 

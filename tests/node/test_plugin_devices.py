@@ -14,6 +14,8 @@ from oci_gpu_hook.node.plugin_config import PluginConfig, TimeSlicedResource
 from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.inventory import DeviceNode, GpuInfo, Inventory, MigDevice
 
+pytestmark = pytest.mark.host(gpus=4, mig=[3], needs=("pynvml",))
+
 GIB = 1 << 30
 PROFILES = ["1g.5gb", "2g.10gb", "3g.20gb"]  # the simulator's MIG layout, in name order
 # Kubernetes' extended resource names: a DNS subdomain prefix, then a qualified name.

@@ -18,14 +18,15 @@ from oci_gpu_hook.start.memory_limit import ENV
 from oci_gpu_hook.toolkit import containers
 from oci_gpu_hook.toolkit.simulate import control
 
+pytestmark = pytest.mark.host(gpus=2, mig=[], needs=("runc", "busybox", "pynvml"))
+
 GIB, MIB = 1 << 30, 1 << 20
 
 
-@pytest.fixture
-def host(simulated_host, require):
-    require("root", "gcc", "runc", "busybox", "pynvml")
-    host = simulated_host(gpus=2)
-    yield host
+@pytest.fixture(autouse=True)
+def _fresh_nvml_values(host):
+    """The tests here set the host's live NVML values: cleared after each."""
+    yield
     control.clear(host["root"])
 
 

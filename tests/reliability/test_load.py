@@ -21,15 +21,11 @@ import pytest
 
 from oci_gpu_hook.start.inventory_cache import FORMAT
 
+pytestmark = pytest.mark.host(gpus=8, mig=[1], needs=("runc", "busybox"))
+
 CONTAINERS = 50
 REFRESHERS = 4
 REFRESH_ROUNDS = 3
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "runc", "busybox", "gcc")
-    return simulated_host(gpus=8, mig=[1])
 
 
 def gpu_sets(count: int):

@@ -12,11 +12,7 @@ import pytest
 
 from oci_gpu_hook.toolkit import containers
 
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "runc", "busybox", "gcc")
-    return simulated_host(gpus=4, mig=[2], scramble_minors=True)
+pytestmark = pytest.mark.host(gpus=4, mig=[2], scramble_minors=True, needs=("runc", "busybox"))
 
 
 def bundle_with_device(tmp_path, host, path, minor, name):

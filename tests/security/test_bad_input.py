@@ -18,6 +18,8 @@ import time
 import hookcheck
 import pytest
 
+pytestmark = pytest.mark.host(gpus=2, mig=[1])
+
 HANG_SECONDS = 60  # generous: only a run that would never end reaches it
 MAX_RSS_MB = 200
 STATE_ERROR, REQUEST_ERROR, APPLY_ERROR, CONFIG_ERROR = 8, 5, 11, 3
@@ -70,11 +72,6 @@ def assert_refused(result, code=None, words=None):
 
 
 # --- a bundle and a state to spoil ---------------------------------------------------------------
-
-
-@pytest.fixture
-def host(simulated_host):
-    return simulated_host(gpus=2, mig=[1])
 
 
 @pytest.fixture

@@ -19,6 +19,8 @@ from oci_gpu_hook import errors, hook
 from oci_gpu_hook.start import report
 from oci_gpu_hook.start.settings import LoggingSettings, Settings
 
+pytestmark = pytest.mark.host(gpus=2, mig=[1])
+
 REQUEST_ERROR = 5
 # Terminal and log attacks: set the title and ring, clear the screen, overwrite the line, a C1
 # CSI, reverse the text after it, a line separator, a lone surrogate (valid in JSON's \u escapes).
@@ -68,11 +70,6 @@ def log_records(tmp_path) -> list[dict]:
     # JSON lines: the text itself is ASCII (every control character \u-escaped) ...
     assert all(0x20 <= b < 0x7F or b == 0x0A for b in data), f"raw bytes in the log: {data[:300]!r}"
     return [json.loads(line) for line in data.decode().splitlines()]
-
-
-@pytest.fixture
-def host(simulated_host):
-    return simulated_host(gpus=2, mig=[1])
 
 
 # Each case: the container's env (beside NVIDIA_VISIBLE_DEVICES=0) and words of the error line.

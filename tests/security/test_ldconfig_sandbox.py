@@ -22,6 +22,8 @@ from oci_gpu_hook.start.linux import ldconfig
 from oci_gpu_hook.start.linux.rootfs import Rootfs
 from oci_gpu_hook.toolkit import containers
 
+pytestmark = pytest.mark.host(gpus=2, mig=[1], needs=("runc", "busybox"))
+
 # Every path glibc's ldconfig opens or creates in the rootfs when run the usual way (-r ROOT).
 LDCONFIG_PATHS = (
     "etc/ld.so.cache~",
@@ -53,12 +55,6 @@ def disk(tmp_path, require):
         yield path, os.stat(path).st_rdev, backing
     finally:
         subprocess.run(["losetup", "--detach", path], capture_output=True)
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host, require):
-    require("root", "runc", "busybox", "gcc")
-    return simulated_host(gpus=2, mig=[1])
 
 
 def plant(rootfs: str, relative: str, make) -> None:

@@ -22,13 +22,10 @@ import pytest
 
 from oci_gpu_hook.start import inventory_cache, settings
 
+pytestmark = pytest.mark.host(gpus=2, mig=[1])
+
 NOBODY = 65534
 FORGED = "/etc/shadow"
-
-
-@pytest.fixture
-def host(simulated_host):
-    return simulated_host(gpus=2, mig=[1])
 
 
 @pytest.fixture

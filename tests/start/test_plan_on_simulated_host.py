@@ -10,10 +10,7 @@ from oci_gpu_hook.start import driver
 from oci_gpu_hook.start.linux import arch
 from oci_gpu_hook.toolkit.simulate.model import driver_libraries
 
-
-@pytest.fixture(scope="module")
-def host(simulated_host):
-    return simulated_host(gpus=8, mig=[1])
+pytestmark = pytest.mark.host(gpus=8, mig=[1])
 
 
 def make_bundle(tmp_path, env, debian=False, caps=()):

@@ -13,6 +13,8 @@ from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import inventory_cache, settings
 from oci_gpu_hook.toolkit import cdi, containers, install
 
+pytestmark = pytest.mark.host(gpus=4, mig=[2], scramble_minors=True)
+
 SCHEMA = cdi.load_schema()
 MOUNT_WITH_TYPE = {"hostPath": "/a", "containerPath": "/a", "type": "bind"}
 NODE_WITH_HOST_PATH = {"path": "/dev/x", "hostPath": "/dev/y"}
@@ -91,11 +93,6 @@ def test_warning_for_another_spec_of_the_same_kind(tmp_path):
 
 
 # --- the generated spec ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def host(simulated_host):
-    return simulated_host(gpus=4, mig=[2], scramble_minors=True)
 
 
 def test_generated_spec(host):
