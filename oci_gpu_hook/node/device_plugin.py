@@ -297,7 +297,7 @@ class DevicePlugin:
 
     def load(self) -> None:
         """The inventory and the resources it gives; ConfigError when the configuration does not fit."""
-        from oci_gpu_hook.node.nvml_reader import NvmlReader
+        from oci_gpu_hook.node.nvml_reader import NvmlReader, check_library
         from oci_gpu_hook.start import inventory_cache
 
         # Everything is computed before anything is replaced: a read that fails leaves the
@@ -305,9 +305,11 @@ class DevicePlugin:
         fingerprint = inventory_cache.fingerprint(self.settings)
         inventory = inventory_cache.load(self.settings)
         resources = plugin_devices.resources(inventory, self.config, self.where)
+        reader = NvmlReader(inventory)  # bound to the library this inventory found
         if self.reader is not None:
+            check_library(self.reader, reader)  # another driver's NVML: the process starts again
             self.reader.close()
-        self.reader = NvmlReader(inventory)  # bound to the library this inventory found
+        self.reader = reader
         self.fingerprint, self.inventory, self.resources = fingerprint, inventory, resources
 
     def _kubelet_identity(self):
@@ -403,6 +405,8 @@ class DevicePlugin:
 def run(settings, config, socket_dir: str, interval: float, where: str) -> int:
     """Serve until SIGTERM or SIGINT. The configuration and the inventory are checked first.
     where: what the configuration came from, for messages."""
+    from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged
+
     _api()  # a missing grpcio says so before anything else
     if not os.path.isdir(socket_dir):
         raise PrerequisiteError(f"{socket_dir}: no such directory: is the kubelet installed here? "
@@ -425,6 +429,9 @@ def run(settings, config, socket_dir: str, interval: float, where: str) -> int:
                 plugin.round()
             except HookError as e:
                 plugin._problem(e.message)
+            except DriverChanged as e:
+                say(str(e))
+                return RESTART
             watch.wait(interval, stopping)
     finally:
         watch.close()

@@ -60,6 +60,12 @@ class NvmlReader:
         self.path = library(inventory.files, inventory.driver_root)
         self._nvml = None
         self._started = False
+        self.identity = None  # library_identity() of what this process loaded, once it has
+
+    def changed_library(self, other: NvmlReader) -> bool:
+        """Whether other's NVML library is not the one this reader loaded into the process (which
+        cannot load another: the process must start again)."""
+        return self.identity is not None and library_identity(other.path) != self.identity
 
     def _start(self):
         if self.path is None:
@@ -69,6 +75,7 @@ class NvmlReader:
                 from oci_gpu_hook.start.nvml import bind
 
                 self._nvml = bind(self.path)
+                self.identity = library_identity(self.path)
             except (OSError, ImportError) as e:
                 raise NvmlError(f"NVML ({self.path}) cannot be loaded: {e}") from None
         if not self._started:
@@ -185,7 +192,6 @@ class HostReader:
         self.settings = settings
         self.reader = None
         self.fingerprint = None
-        self.library = None  # (path, device, inode) of the NVML library this process loaded
 
     def read(self) -> tuple[Sample, ...]:
         from oci_gpu_hook.errors import InventoryError
@@ -198,21 +204,22 @@ class HostReader:
             except InventoryError as e:
                 raise NvmlError(f"no GPU inventory: {e.message}") from None
             reader = NvmlReader(inventory)
-            if self.library is not None and _identity(reader.path) != self.library:
-                raise DriverChanged(
-                    f"the NVIDIA driver changed ({self.reader.inventory.driver_version} -> "
-                    f"{inventory.driver_version}, {reader.path}): starting again to load its NVML"
-                )
             if self.reader is not None:
+                check_library(self.reader, reader)
                 self.reader.close()
             self.reader, self.fingerprint = reader, current
-        samples = self.reader.read()
-        if self.library is None:
-            self.library = _identity(self.reader.path)
-        return samples
+        return self.reader.read()
 
 
-def _identity(path):
+def check_library(loaded: NvmlReader, new: NvmlReader) -> None:
+    """DriverChanged when new's NVML library is not the one loaded: for every node service."""
+    if loaded.changed_library(new):
+        versions = f"{loaded.inventory.driver_version} -> {new.inventory.driver_version}"
+        raise DriverChanged(f"the NVIDIA driver changed ({versions}, {new.path}): starting again to load its NVML")
+
+
+def library_identity(path):
+    """(path, device, inode) of an NVML library file: a reinstall at the same path is another."""
     import os
 
     try:

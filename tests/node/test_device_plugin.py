@@ -685,3 +685,24 @@ def test_the_sockets_are_the_kubelets_alone_whatever_the_umask(api, host, kubele
     done = subprocess.run([python, "-I", "-S", "-c", probe, plugin.socket(RESOURCES[0])], user=65534, group=65534,
                           extra_groups=[], capture_output=True, text=True, cwd="/", timeout=60)  # fmt: skip
     assert done.returncode == 13, done.stderr
+
+
+def test_a_new_driver_starts_the_plugin_again(api, kubelet, socket_dir, tmp_path):
+    """NVML's library is loaded once per process: when the driver changes under the plugin (here its
+    files rebuilt in place), it says so in one line and exits 75, for systemd or Kubernetes to
+    start it again on the new driver (issue 32), instead of serving on the old library."""
+    from oci_gpu_hook.node.nvml_reader import RESTART
+    from oci_gpu_hook.toolkit.simulate import simulate
+
+    root = str(tmp_path / "private")
+    simulate(root, gpus=2)
+    plugin_file = tmp_path / "plugin.yaml"
+    plugin_file.write_text("version: v1\n")
+    plugin = Plugin(f"{root}/config.yaml", socket_dir, str(plugin_file), tmp_path)
+    try:
+        kubelet.wait_for(1, plugin)  # registered: it has read NVML, and checked the devices' health
+        simulate(root, gpus=2, driver_version="555.42.02", cuda_version="12.5")
+        assert plugin.proc.wait(timeout=DEADLINE) == RESTART, plugin.output()
+        assert "the NVIDIA driver changed (550.54.15 -> 555.42.02" in plugin.output()
+    finally:
+        plugin.stop()
