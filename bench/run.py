@@ -1,7 +1,7 @@
 """Benchmark the container start path: `make bench` (root, runc, gcc, busybox-static).
 
-Interleaved, repeated runs in one invocation (a warm-up round first), so drift in the machine's
-state hits every case alike:
+Interleaved, repeated runs in one invocation (a warm-up round first), each round in a new, seeded
+order, so drift in the machine's state and what ran just before hit every case alike:
 - floor: `python -I -c pass` with the interpreter the hook runs on;
 - runc run of a trivial container without the hook, and with it for a non-GPU container, 1 GPU
   (utility+compute), 8 GPUs with all capabilities, and a MIG device, on a simulated 8-GPU host;
@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -220,8 +221,14 @@ def main():
             cases.append((f"hook:{name}", lambda rss=False, n=name: hook_case(n, rss)))
         for name, argv in ways.items():
             cases.append((name, lambda rss=False, a=argv, c=name: hook_case("gpu1", rss, a, c)))
+        # Each round runs the cases in a new order (seeded, so a rerun repeats it). In a fixed order
+        # a case pays for what ran before it: runc right after the Python floors took 26 ms where
+        # the same bundle right after another runc took 18-21 ms (CPU and page-cache state, and
+        # the previous container's teardown), which made the plain bundle look slower than the
+        # same bundle with a hook. Shuffled, every case follows every other alike.
+        order = random.Random(0)
         for round_ in range(args.runs + 1):  # round 0 warms up caches and is not kept
-            for name, case in cases:
+            for name, case in order.sample(cases, len(cases)):
                 result = case()
                 if round_:
                     samples.setdefault(name, []).append(result)
