@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-from kubeletcheck import shared_tool
+from kubeletcheck import REPO, shared_tool
 
 from oci_gpu_hook.toolkit import runtime_config
 
@@ -34,3 +34,160 @@ def hooks_dirs(root: str) -> list:
     default, which `crio config --default` then prints."""
     runtime = config(root)["crio"]["runtime"]
     return runtime["hooks_dir"] if "hooks_dir" in runtime else config(root, "--default")["crio"]["runtime"]["hooks_dir"]
+
+
+class Node:
+    """A CRI-O of its own, as an OpenShift node runs it (hooks.d, runc, cgroupfs), driven by crictl:
+    private storage, sockets, state and cgroup parent; a busybox image imported with podman (no
+    registry), which is the pause image too; host networking (no CNI). stop() removes the pods,
+    stops CRI-O by its pid and leaves no mount, process or cgroup behind."""
+
+    def __init__(self, base: str, hooks_dir: str):
+        import tempfile
+        import time
+
+        from oci_gpu_hook.toolkit import containers
+
+        self.base = base
+        self.bin = programs()
+        self.parent = f"oci-gpu-hook-crio-{os.getpid()}"
+        d = {k: os.path.join(base, k) for k in ("root", "runroot", "runcroot", "log", "ns", "exits", "attach", "cni",
+                                                 "conf.d", "pods", "rootfs")}  # fmt: skip
+        for path in d.values():
+            os.makedirs(path, exist_ok=True)
+        self.dirs = d
+        rootfs = containers.make_rootfs(d["rootfs"])
+        os.symlink("busybox", os.path.join(rootfs, "bin/sleep"))
+        with open(os.path.join(rootfs, "pause"), "w") as f:
+            f.write("#!/bin/sh\nexec sleep 100000\n")
+        os.chmod(os.path.join(rootfs, "pause"), 0o755)
+        self.store = ["--root", d["root"], "--runroot", d["runroot"], "--storage-driver", "overlay"]
+        with tempfile.TemporaryFile() as tar:
+            subprocess.run(["tar", "-C", rootfs, "-cf", "-", "."], stdout=tar, check=True)
+            tar.seek(0)
+            subprocess.run(["podman", *self.store, "import", "-", self.IMAGE], stdin=tar, check=True,
+                           capture_output=True)  # fmt: skip
+        policy = os.path.join(base, "policy.json")
+        with open(policy, "w") as f:
+            f.write('{"default": [{"type": "insecureAcceptAnything"}]}')
+        empty = os.path.join(base, "crio.conf")
+        open(empty, "w").close()
+        self.socket = os.path.join(base, "crio.sock")
+        wrapper = os.path.join(REPO, "..", "shared", "tools", "crio", "runc-no-oom")
+        argv = [os.path.join(self.bin, "crio"), "--config", empty, "--config-dir", d["conf.d"], *self.store,
+                "--listen", self.socket, "--hooks-dir", hooks_dir, "--cgroup-manager", "cgroupfs",
+                "--conmon", "/usr/bin/conmon", "--pinns-path", os.path.join(self.bin, "pinns"),
+                "--runtimes", f"runc:{wrapper}:{d['runcroot']}", "--default-runtime", "runc",
+                "--pause-image", self.IMAGE, "--pause-command", "/pause", "--signature-policy", policy,
+                "--log-dir", d["log"], "--version-file", os.path.join(base, "version"),
+                "--version-file-persist", os.path.join(base, "version-persist"),
+                "--clean-shutdown-file", os.path.join(base, "clean-shutdown"), "--namespaces-dir", d["ns"],
+                "--container-exits-dir", d["exits"], "--container-attach-socket-dir", d["attach"],
+                "--cni-config-dir", d["cni"], "--log", os.path.join(base, "crio.log"),
+                "--enable-metrics=false"]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.socket):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+            time.sleep(0.05)
+        self.pods = 0
+
+    IMAGE = "localhost/oci-gpu-hook-crio:1"
+
+    def log(self) -> str:
+        try:
+            with open(os.path.join(self.base, "crio.log")) as f:
+                return f.read()[-3000:]
+        except OSError:
+            return ""
+
+    def crictl(self, *args) -> subprocess.CompletedProcess:
+        endpoint = f"unix://{self.socket}"
+        return subprocess.run([os.path.join(self.bin, "crictl"), "-r", endpoint, "-i", endpoint, *args],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    def run_pod(self, containers_: dict, pod_name: str = "gpu-pod", namespace: str = "team") -> dict:
+        """Start a host-network pod with containers {name: (env, command)}, wait for them to exit;
+        returns {name: (log text or the create/start error, container id or None)}."""
+        import json
+        import time
+
+        self.pods += 1
+        # The labels the kubelet sets: CRI-O copies them into every container's annotations, where
+        # the hook finds the pod's names (crictl sets none of its own).
+        labels = {"io.kubernetes.pod.name": pod_name, "io.kubernetes.pod.namespace": namespace,
+                  "io.kubernetes.pod.uid": f"uid-{self.pods}"}  # fmt: skip
+        pod = {"metadata": {"name": pod_name, "namespace": namespace, "uid": f"uid-{self.pods}"}, "labels": labels,
+               "log_directory": os.path.join(self.dirs["pods"], str(self.pods)),
+               "linux": {"cgroup_parent": f"/{self.parent}",
+                         "security_context": {"namespace_options": {"network": 2}}}}  # fmt: skip
+        pod_file = os.path.join(self.base, f"pod-{self.pods}.json")
+        with open(pod_file, "w") as f:
+            json.dump(pod, f)
+        runp = self.crictl("runp", pod_file)
+        assert runp.returncode == 0, runp.stderr + self.log()
+        pod_id = runp.stdout.strip()
+        out = {}
+        for name, (env, command) in containers_.items():
+            spec = {"metadata": {"name": name}, "image": {"image": self.IMAGE}, "command": list(command),
+                    "labels": {**labels, "io.kubernetes.container.name": name},
+                    "envs": [{"key": k, "value": v} for k, v in env.items()], "log_path": f"{name}.log"}  # fmt: skip
+            spec_file = os.path.join(self.base, f"ctr-{self.pods}-{name}.json")
+            with open(spec_file, "w") as f:
+                json.dump(spec, f)
+            create = self.crictl("create", pod_id, spec_file, pod_file)
+            if create.returncode != 0:
+                out[name] = (create.stderr, None)
+                continue
+            cid = create.stdout.strip()
+            start = self.crictl("start", cid)
+            if start.returncode != 0:
+                out[name] = (start.stderr, cid)
+                continue
+            deadline = time.monotonic() + 60
+            while "CONTAINER_EXITED" not in self.crictl("inspect", "-o", "go-template", "--template",
+                                                        "{{.status.state}}", cid).stdout:  # fmt: skip
+                assert time.monotonic() < deadline, f"{name} did not exit"
+                time.sleep(0.1)
+            with open(os.path.join(pod["log_directory"], f"{name}.log")) as f:
+                out[name] = ("".join(line.split(" ", 3)[3] for line in f if line.count(" ") >= 3), cid)
+        self.pod_id = pod_id
+        return out
+
+    def remove_pods(self) -> None:
+        for pod_id in self.crictl("pods", "-q").stdout.split():
+            self.crictl("stopp", pod_id)
+            self.crictl("rmp", "-f", pod_id)
+
+    def stop(self) -> None:
+        import shutil
+        import time
+
+        try:
+            self.remove_pods()
+        finally:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            runc = ["runc", "--root", self.dirs["runcroot"]]
+            for cid in subprocess.run([*runc, "list", "-q"], capture_output=True, text=True).stdout.split():
+                subprocess.run([*runc, "delete", "-f", cid], capture_output=True)
+            subprocess.run(["pkill", "-f", f"conmon -b {self.base}/"], capture_output=True)
+            time.sleep(0.2)
+            with open("/proc/self/mountinfo") as f:
+                mounts = [
+                    line.split()[4] for line in f if f" {self.base}/" in line or line.split()[4].startswith(self.base)
+                ]
+            for mount in sorted(mounts, key=len, reverse=True):
+                subprocess.run(["umount", "-l", mount], capture_output=True)
+            for controller in os.listdir("/sys/fs/cgroup"):
+                top = os.path.join("/sys/fs/cgroup", controller, self.parent)
+                for directory, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                    try:
+                        os.rmdir(directory)
+                    except OSError:
+                        pass
+            shutil.rmtree(self.base, ignore_errors=True)

@@ -1,0 +1,88 @@
+"""The OpenShift node's path, first part (issue 27): a real CRI-O, driven by crictl, runs the
+hook from the hooks.d file `install` writes, through runc. Each GPU container gets exactly its
+GPUs; none, void or no variable get nothing; the pod's infra container gets nothing; two GPU
+containers in one pod each get theirs; a failing hook reaches the client as its one line and
+leaves nothing; the records carry the pod's names from CRI-O's annotations; and no mount is left
+on the host."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+import criocheck
+import hookcheck
+import pytest
+
+from oci_gpu_hook.start import container_record
+from oci_gpu_hook.toolkit import containers
+
+pytestmark = pytest.mark.host(gpus=2, mig=[], needs=("runc", "busybox", "podman", "conmon"))
+
+
+@pytest.fixture(scope="module")
+def node(host):
+    """CRI-O with the hooks.d file install writes (pointed at the simulated host's configuration)."""
+    criocheck.programs()
+    base = tempfile.mkdtemp(prefix="oci-gpu-hook-crio-", dir="/var/tmp")
+    hooks = containers.write_hooks_dir(os.path.join(base, "hooks.d"), f"{host['root']}/config.yaml")
+    before = hookcheck.mountinfo()
+    crio = criocheck.Node(base, hooks)
+    yield crio
+    crio.stop()
+    assert hookcheck.mountinfo() == before  # CRI-O, its pods and the hook leave no mount behind
+
+
+def outside(node) -> list:
+    """The host's mounts, but for CRI-O's own storage and containers (under its private base)."""
+    return [m for m in hookcheck.mountinfo() if not any(node.base in str(field) for field in m)]
+
+
+def uuids(text: str) -> list:
+    return re.findall(r"UUID: (GPU-[0-9a-f-]+)\)", text)
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [({"NVIDIA_VISIBLE_DEVICES": "0"}, [0]), ({"NVIDIA_VISIBLE_DEVICES": "all"}, [0, 1]),
+     ({"NVIDIA_VISIBLE_DEVICES": "none"}, []), ({"NVIDIA_VISIBLE_DEVICES": "void"}, []), ({}, [])],
+    ids=["0", "all", "none", "void", "no-variable"],
+)  # fmt: skip
+def test_each_container_gets_exactly_its_gpus(node, host, env, expected):
+    out = node.run_pod({"c": (env, ["sh", "-c", "ls /dev; nvidia-smi -L 2>&1; true"])})
+    text, _ = out["c"]
+    nodes = {n for n in text.split() if re.fullmatch(r"nvidia\d+", n)}
+    assert nodes == {f"nvidia{host['gpus'][i]['minor']}" for i in expected}, text
+    if expected:
+        assert uuids(text) == [host["gpus"][i]["uuid"] for i in expected], text
+    node.remove_pods()
+
+
+def test_two_gpu_containers_in_one_pod_and_the_infra_container(node, host):
+    out = node.run_pod({"first": ({"NVIDIA_VISIBLE_DEVICES": "0"}, ["nvidia-smi", "-L"]),
+                        "second": ({"NVIDIA_VISIBLE_DEVICES": "1"}, ["nvidia-smi", "-L"])},
+                       pod_name="two-gpus", namespace="ml")  # fmt: skip
+    assert uuids(out["first"][0]) == [host["gpus"][0]["uuid"]]
+    assert uuids(out["second"][0]) == [host["gpus"][1]["uuid"]]
+    # The pause container: CRI-O applies hooks.d files to app containers only.
+    pid = node.crictl("inspectp", "-o", "go-template", "--template", "{{.info.pid}}", node.pod_id).stdout.strip()
+    with open(f"/proc/{pid}/mountinfo") as f:
+        assert "nvidia" not in f.read()
+    # CRI-O passes the pod's names in its own annotations: the records carry them.
+    records = container_record.read_all(f"{host['root']}/containers").values()
+    names = {r["id"]: r["kubernetes"] for r in records if r}
+    assert names[out["first"][1]] == {"pod": "two-gpus", "namespace": "ml", "container": "first"}
+    assert names[out["second"][1]] == {"pod": "two-gpus", "namespace": "ml", "container": "second"}
+    node.remove_pods()
+
+
+def test_a_failing_hook_reaches_the_client_as_its_line(node, host):
+    """CRI-O runs the hook at createRuntime: its one line comes back to the client, and nothing
+    is left (no mount on the host, no container)."""
+    before = outside(node)
+    out = node.run_pod({"bad": ({"NVIDIA_VISIBLE_DEVICES": "7"}, ["true"])})
+    error, _ = out["bad"]
+    assert "oci-gpu-hook: 7: unknown device" in error, error
+    node.remove_pods()
+    assert outside(node) == before
