@@ -106,52 +106,68 @@ class Node:
         return subprocess.run([os.path.join(self.bin, "crictl"), "-r", endpoint, "-i", endpoint, *args],
                               capture_output=True, text=True, timeout=120)  # fmt: skip
 
-    def run_pod(self, containers_: dict, pod_name: str = "gpu-pod", namespace: str = "team") -> dict:
-        """Start a host-network pod with containers {name: (env, command)}, wait for them to exit;
-        returns {name: (log text or the create/start error, container id or None)}."""
+    def start_pod(self, pod_name: str = "gpu-pod", namespace: str = "team") -> str:
+        """A host-network pod (its infra container running); returns its id."""
         import json
-        import time
 
         self.pods += 1
         # The labels the kubelet sets: CRI-O copies them into every container's annotations, where
         # the hook finds the pod's names (crictl sets none of its own).
-        labels = {"io.kubernetes.pod.name": pod_name, "io.kubernetes.pod.namespace": namespace,
-                  "io.kubernetes.pod.uid": f"uid-{self.pods}"}  # fmt: skip
-        pod = {"metadata": {"name": pod_name, "namespace": namespace, "uid": f"uid-{self.pods}"}, "labels": labels,
-               "log_directory": os.path.join(self.dirs["pods"], str(self.pods)),
-               "linux": {"cgroup_parent": f"/{self.parent}",
-                         "security_context": {"namespace_options": {"network": 2}}}}  # fmt: skip
-        pod_file = os.path.join(self.base, f"pod-{self.pods}.json")
-        with open(pod_file, "w") as f:
-            json.dump(pod, f)
-        runp = self.crictl("runp", pod_file)
+        self.labels = {"io.kubernetes.pod.name": pod_name, "io.kubernetes.pod.namespace": namespace,
+                       "io.kubernetes.pod.uid": f"uid-{self.pods}"}  # fmt: skip
+        self.pod = {"metadata": {"name": pod_name, "namespace": namespace, "uid": f"uid-{self.pods}"},
+                    "labels": self.labels, "log_directory": os.path.join(self.dirs["pods"], str(self.pods)),
+                    "linux": {"cgroup_parent": f"/{self.parent}",
+                              "security_context": {"namespace_options": {"network": 2}}}}  # fmt: skip
+        self.pod_file = os.path.join(self.base, f"pod-{self.pods}.json")
+        with open(self.pod_file, "w") as f:
+            json.dump(self.pod, f)
+        runp = self.crictl("runp", self.pod_file)
         assert runp.returncode == 0, runp.stderr + self.log()
-        pod_id = runp.stdout.strip()
+        self.pod_id = runp.stdout.strip()
+        return self.pod_id
+
+    def start_container(self, name: str, env: dict, command, attempt: int = 0) -> tuple:
+        """(container id or None, the create/start error or None) of a container of the current pod;
+        attempt: the kubelet's restart count (a restart is a new container of the same name)."""
+        import json
+
+        spec = {"metadata": {"name": name, "attempt": attempt}, "image": {"image": self.IMAGE},
+                "command": list(command), "labels": {**self.labels, "io.kubernetes.container.name": name},
+                "envs": [{"key": k, "value": v} for k, v in env.items()],
+                "log_path": f"{name}.{attempt}.log"}  # fmt: skip
+        spec_file = os.path.join(self.base, f"ctr-{self.pods}-{name}-{attempt}.json")
+        with open(spec_file, "w") as f:
+            json.dump(spec, f)
+        create = self.crictl("create", self.pod_id, spec_file, self.pod_file)
+        if create.returncode != 0:
+            return None, create.stderr
+        cid = create.stdout.strip()
+        start = self.crictl("start", cid)
+        return cid, (start.stderr if start.returncode != 0 else None)
+
+    def state(self, cid: str) -> str:
+        return self.crictl("inspect", "-o", "go-template", "--template", "{{.status.state}}", cid).stdout.strip()
+
+    def wait_log(self, name: str, cid: str, attempt: int = 0) -> str:
+        """The container's output, once it has exited."""
+        import time
+
+        deadline = time.monotonic() + 60
+        while self.state(cid) != "CONTAINER_EXITED":
+            assert time.monotonic() < deadline, f"{name} did not exit"
+            time.sleep(0.1)
+        with open(os.path.join(self.pod["log_directory"], f"{name}.{attempt}.log")) as f:
+            return "".join(line.split(" ", 3)[3] for line in f if line.count(" ") >= 3)
+
+    def run_pod(self, containers_: dict, pod_name: str = "gpu-pod", namespace: str = "team") -> dict:
+        """A pod with containers {name: (env, command)}, each waited for; returns {name: (its output,
+        or the create/start error; container id or None)}."""
+        self.start_pod(pod_name, namespace)
         out = {}
         for name, (env, command) in containers_.items():
-            spec = {"metadata": {"name": name}, "image": {"image": self.IMAGE}, "command": list(command),
-                    "labels": {**labels, "io.kubernetes.container.name": name},
-                    "envs": [{"key": k, "value": v} for k, v in env.items()], "log_path": f"{name}.log"}  # fmt: skip
-            spec_file = os.path.join(self.base, f"ctr-{self.pods}-{name}.json")
-            with open(spec_file, "w") as f:
-                json.dump(spec, f)
-            create = self.crictl("create", pod_id, spec_file, pod_file)
-            if create.returncode != 0:
-                out[name] = (create.stderr, None)
-                continue
-            cid = create.stdout.strip()
-            start = self.crictl("start", cid)
-            if start.returncode != 0:
-                out[name] = (start.stderr, cid)
-                continue
-            deadline = time.monotonic() + 60
-            while "CONTAINER_EXITED" not in self.crictl("inspect", "-o", "go-template", "--template",
-                                                        "{{.status.state}}", cid).stdout:  # fmt: skip
-                assert time.monotonic() < deadline, f"{name} did not exit"
-                time.sleep(0.1)
-            with open(os.path.join(pod["log_directory"], f"{name}.log")) as f:
-                out[name] = ("".join(line.split(" ", 3)[3] for line in f if line.count(" ") >= 3), cid)
-        self.pod_id = pod_id
+            cid, error = self.start_container(name, env, command)
+            out[name] = (error, cid) if error else (self.wait_log(name, cid), cid)
         return out
 
     def remove_pods(self) -> None:

@@ -86,3 +86,39 @@ def test_a_failing_hook_reaches_the_client_as_its_line(node, host):
     assert "oci-gpu-hook: 7: unknown device" in error, error
     node.remove_pods()
     assert outside(node) == before
+
+
+def test_a_container_restarted_in_its_pod_gets_its_gpu_again(node, host):
+    """The kubelet restarts a container as a new one of the same name (attempt + 1) in the same
+    pod: the hook runs for it again, and each attempt has its own record."""
+    node.start_pod("restarts", "ml")
+    gpu0 = host["gpus"][0]["uuid"]
+    ids = []
+    for attempt in (0, 1):
+        cid, error = node.start_container("cuda", {"NVIDIA_VISIBLE_DEVICES": "0"}, ["nvidia-smi", "-L"], attempt)
+        assert error is None, error
+        assert uuids(node.wait_log("cuda", cid, attempt)) == [gpu0]
+        ids.append(cid)
+    records = {r["id"]: r for r in container_record.read_all(f"{host['root']}/containers").values() if r}
+    assert all(records[i]["kubernetes"]["pod"] == "restarts" for i in ids)
+    node.remove_pods()
+
+
+def test_a_container_removed_while_running_leaves_nothing(node, host):
+    before = outside(node)
+    node.start_pod("removed", "ml")
+    cid, error = node.start_container("long", {"NVIDIA_VISIBLE_DEVICES": "all"}, ["sleep", "1000"])
+    assert error is None, error
+    assert node.state(cid) == "CONTAINER_RUNNING"
+    removed = node.crictl("rm", "-f", cid)
+    assert removed.returncode == 0, removed.stderr
+    node.remove_pods()
+    assert outside(node) == before
+    assert node.crictl("ps", "-a", "-q").stdout.split() == []
+
+
+def test_an_unmet_requirement_is_refused_with_its_line(node):
+    out = node.run_pod({"old": ({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=99.0"}, ["true"])})
+    error, _ = out["old"]
+    assert "oci-gpu-hook: " in error and "cuda>=99.0" in error, error
+    node.remove_pods()
