@@ -122,3 +122,29 @@ def test_an_unmet_requirement_is_refused_with_its_line(node):
     error, _ = out["old"]
     assert "oci-gpu-hook: " in error and "cuda>=99.0" in error, error
     node.remove_pods()
+
+
+def test_the_exporter_names_the_pod_from_crio(node, host, tmp_path, require):
+    """The exporter's attribution through CRI-O: the GPU process of a CRI-O container is shown
+    with the pod, namespace and container names CRI-O passed in its annotations."""
+    require("pynvml", "prometheus_client")
+    from servicecheck import Exporter
+
+    from oci_gpu_hook.toolkit.simulate import control
+
+    node.start_pod("metrics", "ml")
+    cid, error = node.start_container("cuda", {"NVIDIA_VISIBLE_DEVICES": "0"}, ["sleep", "1000"])
+    assert error is None, error
+    pid = int(node.crictl("inspect", "-o", "go-template", "--template", "{{.info.pid}}", cid).stdout.strip())
+    gpu0 = host["gpus"][0]["uuid"]
+    control.write(host["root"], processes=[(gpu0, pid, 700 << 20)])
+    exporter = Exporter(f"{host['root']}/config.yaml", tmp_path)
+    try:
+        samples = exporter.scrape()
+    finally:
+        exporter.stop()
+        control.clear(host["root"])
+        node.remove_pods()
+    used = [(ls.get("pod"), ls.get("namespace"), ls.get("container"), v) for n, ls, v in samples
+            if n == "oci_gpu_hook_container_gpu_memory_used_bytes"]  # fmt: skip
+    assert used == [("metrics", "ml", "cuda", 700 << 20)], used
