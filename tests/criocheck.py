@@ -199,11 +199,10 @@ class Node:
                 ]
             for mount in sorted(mounts, key=len, reverse=True):
                 subprocess.run(["umount", "-l", mount], capture_output=True)
+            from hookcheck import remove_cgroup  # raises for a cgroup it cannot remove
+
             for controller in os.listdir("/sys/fs/cgroup"):
                 top = os.path.join("/sys/fs/cgroup", controller, self.parent)
                 for directory, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
-                    try:
-                        os.rmdir(directory)
-                    except OSError:
-                        pass
+                    remove_cgroup(directory)
             shutil.rmtree(self.base, ignore_errors=True)

@@ -106,13 +106,6 @@ def _refused(doc: dict, where: str) -> None:
                     _fail(where, settings.key_path(path), reasons[name])
 
 
-def _schema() -> dict:
-    import json
-
-    with open(SCHEMA_PATH) as f:
-        return json.load(f)
-
-
 def check_resource_name(name: str, where: str, key: str) -> None:
     """nvidia.com/gpu, or nvidia.com/mig-<profile> with a profile in NVML's form."""
     if name == GPU_RESOURCE:
@@ -151,7 +144,7 @@ def parse(doc, where: str) -> PluginConfig:
         doc = {}
     if isinstance(doc, dict):
         _refused(doc, where)
-    settings.validate(doc, where, _schema())
+    settings.validate(doc, where, SCHEMA_PATH)
     flags = doc.get("flags") or {}
     plugin = flags.get("plugin") or {}
     time_slicing = (doc.get("sharing") or {}).get("timeSlicing") or {}

@@ -77,10 +77,6 @@ class ScrapeServer:
         self.resting_until = None  # the listener is unregistered until then
         self.full = False  # said once per episode of evictions
 
-    @property
-    def address(self):
-        return self.listener.getsockname()
-
     def close(self) -> None:
         for conn in list(self.connections.values()):
             self._drop(conn)

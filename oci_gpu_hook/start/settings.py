@@ -358,19 +358,19 @@ def check_document_size(data: object, path: str) -> None:
             raise ConfigError(f"{path}: a {type(value).__name__} value; only JSON's types are accepted")
 
 
-def _schema() -> dict:
+def _schema(schema_path: str = SCHEMA_PATH) -> dict:
     import json
 
-    with open(SCHEMA_PATH) as f:
+    with open(schema_path) as f:
         return json.load(f)
 
 
-def validate(data: object, path: str, schema: dict | None = None) -> None:
+def validate(data: object, path: str, schema_path: str = SCHEMA_PATH) -> None:
     """ConfigError for the first mistake (by key) in a configuration document against its schema
-    (the configuration file's unless another is given: the device plugin's)."""
+    (the configuration file's unless another is named: the device plugin's)."""
     import jsonschema  # the callers have made the dependencies importable
 
-    schema = schema or _schema()
+    schema = _schema(schema_path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the configuration must be a mapping of keys to values")
     # Keys compared as text: a YAML document may have numbers for keys beside names.

@@ -419,57 +419,52 @@ def _check_destinations(root: str, entries) -> None:
     root (hooks.d, units, CRI-O's drop-in, the configuration, the manifest uninstall trusts). So
     each directory it writes into, or the part of it that exists, and every directory above it
     must be root's and writable by no one else, checked as the hook checks its mount sources;
-    and a file already there must be root's and writable by no one else."""
-    sources = HostSources()
-    try:
+    and a file already at a destination must be root's and writable by no one else."""
+    why = "install writes what runtimes run as root under it, so it and every directory above it"
+    with _root_only() as check:
         for directory in sorted({os.path.dirname(e.path) for e in entries} | {os.path.dirname(MANIFEST)}):
-            existing = host_path(root, directory)
-            while not os.path.lexists(existing):
-                existing = os.path.dirname(existing)
-            try:
-                os.close(sources.open(existing, "dir"))
-            except UntrustedSource as e:
-                raise InstallError(
-                    f"{e}: install writes what runtimes run as root under it, so it and every "
-                    "directory above it must be root's and writable by no one else"
-                ) from None
-            except OSError as e:
-                raise InstallError(f"{existing}: {e.strerror}") from None
-        for entry in entries:
-            path = host_path(root, entry.path)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            if stat.S_ISLNK(st.st_mode) or (st.st_uid == 0 and not st.st_mode & 0o022):
-                continue
-            why = f"owned by uid {st.st_uid}" if st.st_uid != 0 else "writable by others than root"
-            raise InstallError(f"{path}: {why}; runtimes act on it as root: make it root's alone (or remove it) "
-                               "and run install again")  # fmt: skip
-    finally:
-        sources.close()
+            check(host_path(root, directory), "dir", why)
+    for entry in entries:
+        path = host_path(root, entry.path)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode) or (st.st_uid == 0 and not st.st_mode & 0o022):
+            continue
+        owner = f"owned by uid {st.st_uid}" if st.st_uid != 0 else "writable by others than root"
+        raise InstallError(f"{path}: {owner}; runtimes act on it as root: make it root's alone (or remove it) "
+                           "and run install again")  # fmt: skip
 
 
 def _check_configuration(root: str, argv_prefix) -> None:
     """A --config that install writes into what runtimes run must name a file only root can
     change (or, while it does not exist yet, a place where only root can make it): whoever
     changes it decides what containers get and which files the hook and node services write."""
-    if "--config" not in argv_prefix[:-1]:
-        return
-    path = host_path(root, argv_prefix[argv_prefix.index("--config") + 1])
-    existing = path
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    sources = HostSources()
-    try:
-        os.close(sources.open(existing, "file" if existing == path else "dir"))
-    except UntrustedSource as e:
-        raise InstallError(f"{e}: the configuration decides what containers get, so it and every directory "
-                           "above it must be root's and writable by no one else") from None  # fmt: skip
-    except OSError as e:
-        raise InstallError(f"{path}: {e.strerror}") from None
-    finally:
-        sources.close()
+    if "--config" in argv_prefix[:-1]:
+        with _root_only() as check:
+            check(host_path(root, argv_prefix[argv_prefix.index("--config") + 1]), "file",
+                  "the configuration decides what containers get, so it and every directory above it")  # fmt: skip
+
+
+class _root_only:
+    """check(path, kind, why): InstallError unless path (or where it would be made) is a place
+    only root can change (HostSources.open_place, the hook's own rule for its host sources)."""
+
+    def __enter__(self):
+        self.sources = HostSources()
+        return self.check
+
+    def __exit__(self, *exc):
+        self.sources.close()
+
+    def check(self, path: str, kind: str, why: str) -> None:
+        try:
+            os.close(self.sources.open_place(path, kind))
+        except UntrustedSource as e:
+            raise InstallError(f"{e}: {why} must be root's and writable by no one else") from None
+        except OSError as e:
+            raise InstallError(f"{path}: {e.strerror}") from None
 
 
 # --- install / uninstall ------------------------------------------------------------------------

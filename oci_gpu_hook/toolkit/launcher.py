@@ -158,9 +158,11 @@ def _refuse(path: str, why: str):
                         "a user's home)")  # fmt: skip
 
 
-def _trusted(sources: HostSources, path: str, kind: str) -> None:
+def _trusted(sources: HostSources, path: str, kind: str, place: bool = False) -> None:
+    """path checked as the hook checks its host sources (place: where it would be made, if it is
+    not there: HostSources.open_place); LauncherError naming what is wrong."""
     try:
-        os.close(sources.open(path, kind))
+        os.close(sources.open_place(path, kind) if place else sources.open(path, kind))
     except UntrustedSource as e:
         _refuse(e.path, e.why)
     except OSError as e:
@@ -179,10 +181,7 @@ def _trusted_tree(sources: HostSources, top: str, seen: set) -> None:
     that does not exist (python311.zip, usually) must stay so: its nearest existing directory
     must be one only root can change."""
     if not os.path.lexists(top):
-        existing = os.path.dirname(top)
-        while not os.path.lexists(existing):
-            existing = os.path.dirname(existing)
-        _trusted(sources, existing, "dir")
+        _trusted(sources, top, "dir", place=True)
         return
     if os.path.isfile(top):
         _trusted(sources, top, "file")

@@ -519,9 +519,9 @@ def test_sigterm_exits_zero_and_removes_its_sockets(api, host, kubelet, start, w
 # ---- bad input at start: one line, and the exit status --------------------------------------------
 
 
-def run_cli(*args, timeout=120):
+def run_cli(*args, timeout=120, preexec_fn=None):
     return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout)  # fmt: skip
+                          stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=preexec_fn)  # fmt: skip
 
 
 UNKNOWN_PROFILE = MIXED_SHARED + "    - name: nvidia.com/mig-7g.80gb\n      replicas: 2\n"
@@ -617,14 +617,9 @@ HOSTILE_KEYS = {"version": "version: {}\n", "migStrategy": "flags:\n  migStrateg
                             "      replicas: {}\n"}  # fmt: skip
 
 
-def run_limited(args, memory=1 << 30, timeout=60):
+def run_limited(args, memory=1 << 30):
     """run_cli under an address-space limit: a configuration that grows without bound fails here."""
-
-    def limit():
-        setrlimit(RLIMIT_AS, (memory, memory))
-
-    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=limit)  # fmt: skip
+    return run_cli(*args, timeout=60, preexec_fn=lambda: setrlimit(RLIMIT_AS, (memory, memory)))
 
 
 @pytest.mark.parametrize("key", list(HOSTILE_KEYS))

@@ -69,6 +69,15 @@ class HostSources:
             os.close(fd)
             raise
 
+    def open_place(self, path: str, kind: str) -> int:
+        """open(path, kind) where path exists, else open() of its nearest existing directory: the
+        place where something is, or would be made, can be changed by root alone (install's
+        destinations, a configuration to come, an import path entry not made yet)."""
+        existing = path
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        return self.open(existing, kind if existing == path else "dir")
+
     def _directory(self, path: str, links: int) -> int:
         """Descriptor of a directory that only root can change (not to be closed by the caller)."""
         if path in self._dirs:
