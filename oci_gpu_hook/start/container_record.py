@@ -53,10 +53,15 @@ def file_name(container_id: str) -> str:
     else:
         name = "%" + container_id.encode("utf-8", "surrogatepass").hex()
     if len(name) > _MAX_NAME:
-        import hashlib  # rare: not worth its import on every start
-
-        name = "#" + hashlib.sha256(container_id.encode("utf-8", "surrogatepass")).hexdigest()
+        name = "#" + _digest(container_id)
     return name + SUFFIX
+
+
+def _digest(container_id: str) -> str:
+    """The SHA-256 of an id too long to keep as it is (for its file name, and in the record)."""
+    import hashlib  # rare: not worth its import on every start
+
+    return hashlib.sha256(container_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def kubernetes_names(annotations: dict) -> dict | None:
@@ -74,11 +79,7 @@ def kubernetes_names(annotations: dict) -> dict | None:
 
 
 def recorded_id(container_id: str) -> str:
-    if len(container_id) <= MAX_ID:
-        return container_id
-    import hashlib
-
-    return "sha256:" + hashlib.sha256(container_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return container_id if len(container_id) <= MAX_ID else "sha256:" + _digest(container_id)
 
 
 def describe_devices(devices) -> list:

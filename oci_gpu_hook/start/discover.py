@@ -252,8 +252,9 @@ def find_libraries(settings: Settings, version: str) -> tuple[DriverFile, ...]:
         kind = "library" if entry.word_size == 64 else "library32"
         by_name.setdefault((kind, entry.name), real)
         search_dirs.update({(os.path.dirname(entry.path), kind), (os.path.dirname(_relative(root, real)), kind)})
-        capability = prefixes.get(entry.name.split(".so", 1)[0] + ".so")
-        if capability is not None and os.path.basename(real) == entry.name.split(".so", 1)[0] + ".so." + version:
+        prefix = entry.name.split(".so", 1)[0] + ".so"
+        capability = prefixes.get(prefix)
+        if capability is not None and os.path.basename(real) == f"{prefix}.{version}":
             # A 32-bit library keeps its own capability; compat32 decides whether 32-bit ones go in.
             add(real, kind, capability, entry.name)
     # VDPAU's backend, where the driver installs it: <libdir>/vdpau/ beside its libraries (or
