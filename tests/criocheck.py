@@ -42,7 +42,12 @@ class Node:
     registry), which is the pause image too; host networking (no CNI). stop() removes the pods,
     stops CRI-O by its pid and leaves no mount, process or cgroup behind."""
 
-    def __init__(self, base: str, hooks_dir: str):
+    def __init__(self, base: str, hooks_dir: str | None = None, config_dir: str | None = None,
+                 etc_containers: str | None = None):  # fmt: skip
+        """hooks_dir: given as --hooks-dir (None: CRI-O reads what its configuration says);
+        config_dir: its --config-dir (None: an empty one of its own); etc_containers: a directory
+        CRI-O sees over the host's /etc/containers (an install --root's), in a mount namespace
+        of its own, so that the host's stays as it is."""
         import tempfile
         import time
 
@@ -50,7 +55,7 @@ class Node:
 
         self.base = base
         self.bin = programs()
-        self.parent = f"oci-gpu-hook-crio-{os.getpid()}"
+        self.parent = f"oci-gpu-hook-{os.path.basename(base)}"  # unique: two may run at once
         d = {k: os.path.join(base, k) for k in ("root", "runroot", "runcroot", "log", "ns", "exits", "attach", "cni",
                                                  "conf.d", "pods", "rootfs")}  # fmt: skip
         for path in d.values():
@@ -74,8 +79,8 @@ class Node:
         open(empty, "w").close()
         self.socket = os.path.join(base, "crio.sock")
         wrapper = os.path.join(REPO, "..", "shared", "tools", "crio", "runc-no-oom")
-        argv = [os.path.join(self.bin, "crio"), "--config", empty, "--config-dir", d["conf.d"], *self.store,
-                "--listen", self.socket, "--hooks-dir", hooks_dir, "--cgroup-manager", "cgroupfs",
+        argv = [os.path.join(self.bin, "crio"), "--config", empty, "--config-dir", config_dir or d["conf.d"],
+                *self.store, "--listen", self.socket, "--cgroup-manager", "cgroupfs",
                 "--conmon", "/usr/bin/conmon", "--pinns-path", os.path.join(self.bin, "pinns"),
                 "--runtimes", f"runc:{wrapper}:{d['runcroot']}", "--default-runtime", "runc",
                 "--pause-image", self.IMAGE, "--pause-command", "/pause", "--signature-policy", policy,
@@ -85,6 +90,13 @@ class Node:
                 "--container-exits-dir", d["exits"], "--container-attach-socket-dir", d["attach"],
                 "--cni-config-dir", d["cni"], "--log", os.path.join(base, "crio.log"),
                 "--enable-metrics=false"]  # fmt: skip
+        if hooks_dir is not None:
+            argv += ["--hooks-dir", hooks_dir]
+        if etc_containers is not None:
+            # A read-only overlay: the given tree's files over the host's, seen by CRI-O, its conmon,
+            # runc and the hook only; it goes when the last of them exits.
+            mount = 'mount -t overlay oci-gpu-hook-etc -o "lowerdir=$0:/etc/containers" /etc/containers && exec "$@"'
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, etc_containers, *argv]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         while not os.path.exists(self.socket):

@@ -148,3 +148,39 @@ def test_the_exporter_names_the_pod_from_crio(node, host, tmp_path, require):
     used = [(ls.get("pod"), ls.get("namespace"), ls.get("container"), v) for n, ls, v in samples
             if n == "oci_gpu_hook_container_gpu_memory_used_bytes"]  # fmt: skip
     assert used == [("metrics", "ml", "cuda", 700 << 20)], used
+
+
+def test_crio_reads_what_install_writes_and_uninstall_puts_it_back(host, tmp_path):
+    """`install --runtime crio` under a root of the test's own, then CRI-O with that root's
+    drop-in directory and its /etc/containers (seen over the host's, in CRI-O's own mount
+    namespace) and no --hooks-dir: the drop-in alone makes CRI-O read the directory where the
+    hooks.d file is, and GPU containers get their GPU. After uninstall CRI-O's configuration is
+    what it was, and the same CRI-O runs no hook."""
+    from oci_gpu_hook.toolkit import install
+
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    before = criocheck.config(root)
+    prefix = containers.hook_command(f"{host['root']}/config.yaml")
+    assert install.install(root, ("crio",), prefix)
+    assert criocheck.hooks_dirs(root)[-1] == install.HOOKS_D_DIR
+    mounts, etc_before = hookcheck.mountinfo(), list(os.walk("/etc/containers"))
+
+    def run(name):
+        base = tempfile.mkdtemp(prefix="oci-gpu-hook-crio-", dir="/var/tmp")
+        etc = os.path.join(root, "etc/containers")
+        crio = criocheck.Node(base, config_dir=root + install.CRIO_DROPIN.rsplit("/", 1)[0],
+                              etc_containers=etc if os.path.isdir(etc) else None)  # fmt: skip
+        try:
+            return crio.run_pod({name: ({"NVIDIA_VISIBLE_DEVICES": "0"}, ["sh", "-c", "ls /dev; nvidia-smi -L"])})
+        finally:
+            crio.stop()
+
+    (text, _) = run("installed")["installed"]
+    assert uuids(text) == [host["gpus"][0]["uuid"]], text
+    assert install.uninstall(root)
+    assert criocheck.config(root) == before
+    (text, _) = run("uninstalled")["uninstalled"]
+    assert "nvidia0" not in text.split() and "nvidia-smi: not found" in text, text
+    # The overlay lived in CRI-O's namespace only: the host's mounts and /etc/containers are as they were.
+    assert hookcheck.mountinfo() == mounts and list(os.walk("/etc/containers")) == etc_before
