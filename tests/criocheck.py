@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
+import kubeletcheck
 from kubeletcheck import REPO, shared_tool
 
 from oci_gpu_hook.toolkit import runtime_config
@@ -36,6 +37,48 @@ def hooks_dirs(root: str) -> list:
     return runtime["hooks_dir"] if "hooks_dir" in runtime else config(root, "--default")["crio"]["runtime"]["hooks_dir"]
 
 
+def runc_for_this_machine(base: str) -> str:
+    """Debian's runc, behind a wrapper that drops from the bundle what this machine cannot do, and
+    nothing else: the infra container's negative oomScoreAdj (no CAP_SYS_RESOURCE here; as
+    ../shared/tools/crio/runc-no-oom), and, where the hugetlb controller is on the unified
+    hierarchy of a hybrid cgroup layout (no v1 hierarchy to join), the zero hugepage limits the
+    kubelet asks for: CRI-O passes them, and runc's v1 manager would fail to join a hugetlb cgroup.
+    On a node with all v1 controllers mounted, or with cgroup v2 alone, neither is dropped."""
+    import json
+
+    drop = {"process": ["oomScoreAdj"]}
+    unified = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
+    if not unified and not os.path.isdir("/sys/fs/cgroup/hugetlb"):
+        drop["linux.resources"] = ["hugepageLimits"]
+    path = os.path.join(base, "runc")
+    with open(path, "w") as f:
+        f.write(f"""#!/bin/sh
+# runc for this machine (tests/criocheck.py, runc_for_this_machine): drops {json.dumps(drop)}
+for a in "$@"; do
+  case "$prev" in --bundle|-b) b=$a ;; esac; prev=$a
+done
+if [ -n "${{b:-}}" ] && [ -f "$b/config.json" ]; then
+  /usr/bin/python3 -I -c '
+import json, sys
+path, drop = sys.argv[1], json.loads(sys.argv[2])
+with open(path) as f:
+    config = json.load(f)
+for where, keys in drop.items():
+    place = config
+    for part in where.split("."):
+        place = place.get(part) or {{}}
+    for key in keys:
+        place.pop(key, None)
+with open(path, "w") as f:
+    json.dump(config, f)
+' "$b/config.json" '{json.dumps(drop)}' || exit 1
+fi
+exec /usr/bin/runc "$@"
+""")
+    os.chmod(path, 0o755)
+    return path
+
+
 class Node:
     """A CRI-O of its own, as an OpenShift node runs it (hooks.d, runc, cgroupfs), driven by crictl:
     private storage, sockets, state and cgroup parent; a busybox image imported with podman (no
@@ -57,7 +100,7 @@ class Node:
         self.bin = programs()
         self.parent = f"oci-gpu-hook-{os.path.basename(base)}"  # unique: two may run at once
         d = {k: os.path.join(base, k) for k in ("root", "runroot", "runcroot", "log", "ns", "exits", "attach", "cni",
-                                                 "conf.d", "pods", "rootfs")}  # fmt: skip
+                                                 "conf.d", "pods", "rootfs", "cdi")}  # fmt: skip
         for path in d.values():
             os.makedirs(path, exist_ok=True)
         self.dirs = d
@@ -78,7 +121,7 @@ class Node:
         empty = os.path.join(base, "crio.conf")
         open(empty, "w").close()
         self.socket = os.path.join(base, "crio.sock")
-        wrapper = os.path.join(REPO, "..", "shared", "tools", "crio", "runc-no-oom")
+        wrapper = runc_for_this_machine(base)
         argv = [os.path.join(self.bin, "crio"), "--config", empty, "--config-dir", config_dir or d["conf.d"],
                 *self.store, "--listen", self.socket, "--cgroup-manager", "cgroupfs",
                 "--conmon", "/usr/bin/conmon", "--pinns-path", os.path.join(self.bin, "pinns"),
@@ -89,7 +132,7 @@ class Node:
                 "--clean-shutdown-file", os.path.join(base, "clean-shutdown"), "--namespaces-dir", d["ns"],
                 "--container-exits-dir", d["exits"], "--container-attach-socket-dir", d["attach"],
                 "--cni-config-dir", d["cni"], "--log", os.path.join(base, "crio.log"),
-                "--enable-metrics=false"]  # fmt: skip
+                "--cdi-spec-dirs", d["cdi"], "--enable-metrics=false"]  # fmt: skip
         if hooks_dir is not None:
             argv += ["--hooks-dir", hooks_dir]
         if etc_containers is not None:
@@ -105,6 +148,10 @@ class Node:
         self.pods = 0
 
     IMAGE = "localhost/oci-gpu-hook-crio:1"
+
+    def import_archive(self, archive: str) -> None:
+        """A docker-archive image (kubeletcheck.write_image_archive's), into CRI-O's store."""
+        subprocess.run(["podman", *self.store, "load", "-i", archive], check=True, capture_output=True)
 
     def log(self) -> str:
         try:
@@ -218,3 +265,63 @@ class Node:
                 for directory, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
                     remove_cgroup(directory)
             shutil.rmtree(self.base, ignore_errors=True)
+
+
+class KubeletNode(kubeletcheck.Node):
+    """The OpenShift node's path: the kubelet (standalone, as kubeletcheck.Node runs it) on a CRI-O
+    of its own (Node, with the hooks.d file install writes), which runs runc, which runs the hook.
+    CDI specs for CRI-O go in cdi_dir. close() stops the kubelet, then CRI-O (Node.stop), and undoes
+    what the kubelet changed on the host as kubeletcheck.Node does."""
+
+    def __init__(self, workdir, hook_config: str, **options):
+        super().__init__(workdir, hook_config, **options)
+        self.crio: Node | None = None
+        self.runtime_log = self.cdi_dir = ""  # known once CRI-O's base is made
+
+
+    def _start_runtime(self, timeout: float) -> None:
+        import tempfile
+
+        from oci_gpu_hook.toolkit import containers
+
+        hooks = containers.write_hooks_dir(os.path.join(self.workdir, "hooks.d"), self.hook_config)
+        # Short: podman refuses a run root of over 50 characters.
+        base = tempfile.mkdtemp(prefix="oci-gpu-hook-crio-", dir="/var/tmp")
+        self.runtime_log, self.cdi_dir = os.path.join(base, "crio.log"), os.path.join(base, "cdi")
+        self.crio = Node(base, hooks)
+        self.address = self.crio.socket
+        self.crio.import_archive(kubeletcheck.write_image_archive(os.path.join(self.workdir, "image.tar"),
+                                                                  self.workdir))  # fmt: skip
+
+    def _daemons(self) -> list:
+        return [(self.crio.proc if self.crio else None, "CRI-O"), (self.kubelet, "the kubelet")]
+
+    def _stop_runtime(self, attempt) -> None:
+        if self.crio is not None:
+            attempt(self.crio.stop)
+
+    def crictl(self, *args: str) -> subprocess.CompletedProcess:
+        return self.crio.crictl(*args)
+
+    def _inspect(self, container_id: str) -> dict:
+        import json
+
+        done = self.crictl("inspect", "-o", "json", container_id)
+        assert done.returncode == 0, done.stderr + self.diagnostics()
+        return json.loads(done.stdout)
+
+    def _task_states(self) -> dict:
+        import json
+
+        listed = json.loads(self.crictl("ps", "-a", "-o", "json").stdout or "{}").get("containers") or []
+        return {c["id"]: "RUNNING" if c["state"] == "CONTAINER_RUNNING" else "STOPPED" for c in listed}
+
+    def _task_pids(self) -> dict:
+        return {cid: self._inspect(cid)["info"]["pid"] for cid, state in self._task_states().items()
+                if state == "RUNNING"}  # fmt: skip
+
+    def oci_spec(self, name: str) -> dict:
+        return self._inspect(self.container_id(name))["info"]["runtimeSpec"]
+
+    def exec(self, name: str, argv, timeout: float = 30) -> subprocess.CompletedProcess:
+        return self.crictl("exec", "--timeout", str(int(timeout)), self.container_id(name), *argv)

@@ -257,7 +257,7 @@ class Node:
         self.runc_root = os.path.join(self.containerd_dir, "runc")
         self.kubelet_dir = os.path.join(self.workdir, "kubelet")
         self.manifests = os.path.join(self.workdir, "manifests")
-        self.containerd_log = os.path.join(self.workdir, "containerd.log")
+        self.containerd_log = self.runtime_log = os.path.join(self.workdir, "containerd.log")
         self.kubelet_log = os.path.join(self.workdir, "kubelet.log")
         self.containerd: subprocess.Popen | None = None
         self.kubelet: subprocess.Popen | None = None
@@ -299,9 +299,7 @@ class Node:
             self._remove_device_checkpoint()
             for directory in (self.containerd_dir, self.kubelet_dir, self.manifests):
                 os.makedirs(directory, exist_ok=True)
-            self._start_containerd(timeout)
-            archive = write_image_archive(os.path.join(self.workdir, "image.tar"), self.workdir)
-            self.ctr("images", "import", archive)
+            self._start_runtime(timeout)
             self._kubelet_argv = [kubelet, *self._kubelet_flags()]
             self._start_kubelet(timeout)
         except BaseException:
@@ -309,7 +307,8 @@ class Node:
             raise
         return self
 
-    def _start_containerd(self, timeout: float) -> None:
+    def _start_runtime(self, timeout: float) -> None:
+        """containerd, serving, with the image imported."""
         config = os.path.join(self.containerd_dir, "config.toml")
         with open(config, "w") as f:
             f.write(self._containerd_config())
@@ -318,6 +317,11 @@ class Node:
                                            stdin=subprocess.DEVNULL)  # fmt: skip
         log.close()
         self._wait(lambda: self.ctr("version", check=False).returncode == 0, timeout, "containerd to serve")
+        self.ctr("images", "import", write_image_archive(os.path.join(self.workdir, "image.tar"), self.workdir))
+
+    def _daemons(self) -> list:
+        """(process, name) of what must keep running while the node waits for something."""
+        return [(self.containerd, "containerd"), (self.kubelet, "the kubelet")]
 
     def _containerd_config(self) -> str:
         spec = os.path.join(self.containerd_dir, "base-spec.json")
@@ -468,10 +472,7 @@ class Node:
         if self.kubelet is not None and self.kubelet.poll() is None:
             attempt(self._wait_for_no_pods, 20)
         attempt(_stop, self.kubelet)
-        if self.containerd is not None and self.containerd.poll() is None:
-            attempt(self._remove_tasks_and_containers)
-        attempt(_stop, self.containerd)
-        attempt(self._kill_leftover_containers)
+        self._stop_runtime(attempt)
         if self._before is not None:
             attempt(self._unmount_new)
             attempt(self._remove_new_cgroups)
@@ -482,6 +483,13 @@ class Node:
             self._before = None
         if errors:
             raise AssertionError("the Kubernetes node was not fully cleaned up:\n" + "\n".join(errors))
+
+    def _stop_runtime(self, attempt) -> None:
+        """Stop the runtime and whatever it started, each step through attempt."""
+        if self.containerd is not None and self.containerd.poll() is None:
+            attempt(self._remove_tasks_and_containers)
+        attempt(_stop, self.containerd)
+        attempt(self._kill_leftover_containers)
 
     def _wait_for_no_pods(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -523,7 +531,7 @@ class Node:
     def _unmount_new(self) -> None:
         """Unmount mount points that were not there before, under our directories or /var/lib/kubelet,
         deepest (then latest) first; lazily where still busy."""
-        mine = (self.workdir + "/", "/var/lib/kubelet/", "/run/containerd/")
+        mine = (self.workdir + "/", "/var/lib/kubelet/", "/run/containerd/", "/run/crio/")
         for _ in range(100):
             before = list(self._before["mounts"])
             new = []
@@ -827,12 +835,12 @@ class Node:
     def diagnostics(self) -> str:
         """The tails of containerd's and the kubelet's logs, for failure messages."""
         return (f"\n--- {self.kubelet_log} (tail)\n{_tail(self.kubelet_log)}"
-                f"\n--- {self.containerd_log} (tail)\n{_tail(self.containerd_log)}")  # fmt: skip
+                f"\n--- {self.runtime_log} (tail)\n{_tail(self.runtime_log)}")  # fmt: skip
 
     def _wait(self, condition, timeout: float, what: str, detail=lambda: "") -> None:
         deadline = time.monotonic() + timeout
         while not condition():
-            for proc, program in ((self.containerd, "containerd"), (self.kubelet, "the kubelet")):
+            for proc, program in self._daemons():
                 if proc is not None and proc.poll() is not None:
                     raise AssertionError(f"{program} exited ({proc.returncode}) while waiting for {what}"
                                          + self.diagnostics())  # fmt: skip
@@ -843,7 +851,7 @@ class Node:
 
 def host_state() -> dict:
     """What a node must leave as it found it: mounts, sysctls, kubepods cgroups, and whether any
-    containerd, shim or kubelet process runs. Zombies do not count: the shims are orphans once
+    containerd, shim, CRI-O, conmon or kubelet process runs. Zombies do not count: the shims are orphans once
     containerd stops, and this machine's PID 1 reaps orphans seconds late."""
     with open("/proc/self/mountinfo") as f:
         mount_count = len(f.read().splitlines())
@@ -855,7 +863,7 @@ def host_state() -> dict:
                     comm, state = re.match(r"\d+ \((.*)\) (\S)", f.read()).groups()
             except (OSError, AttributeError):
                 continue
-            if comm.startswith(("containerd", "kubelet")) and state != "Z":
+            if comm.startswith(("containerd", "kubelet", "crio", "conmon")) and state != "Z":
                 programs.append(comm)
     return {"mounts": mount_count, "sysctls": read_sysctls(), "kubepods": _kubepods_cgroups(),
             "programs": sorted(programs)}  # fmt: skip

@@ -1,8 +1,10 @@
-"""The Kubernetes test node itself (tests/kubeletcheck.py): a real containerd and kubelet run pods
-that ask for no GPU resource, the hook reaches app containers through containerd's base runtime
-spec, a pod survives a kubelet restart, and closing the node leaves the host as it was (mounts,
+"""The Kubernetes test node itself (tests/kubeletcheck.py): a real kubelet on a real containerd, or
+on a real CRI-O (tests/criocheck.py, the OpenShift node's path), runs pods that ask for no GPU
+resource; the hook reaches app containers through containerd's base runtime spec or CRI-O's hooks.d;
+a pod survives a kubelet restart, and closing the node leaves the host as it was (mounts,
 processes, sysctls, cgroups)."""
 
+import criocheck
 import kubeletcheck
 import pytest
 from hookcheck import config_with
@@ -14,11 +16,17 @@ def node_prerequisites(require):
     kubeletcheck.kubelet_binary()  # built once per machine; skips (fails under REQUIRE_ALL) without it
 
 
-def test_pods_run_survive_a_kubelet_restart_and_leave_nothing_behind(tmp_path, simulated_host,
-                                                                     node_prerequisites):  # fmt: skip
+@pytest.mark.parametrize("runtime", ["containerd", "crio"])
+def test_pods_run_survive_a_kubelet_restart_and_leave_nothing_behind(tmp_path, simulated_host, require,
+                                                                     node_prerequisites, runtime):  # fmt: skip
     host = simulated_host(gpus=1)
     before = kubeletcheck.host_state()
-    node = kubeletcheck.Node(tmp_path / "node", config_with(host, tmp_path, ""))
+    if runtime == "crio":
+        require("podman", "conmon")
+        criocheck.programs()
+    node = {"containerd": kubeletcheck.Node, "crio": criocheck.KubeletNode}[runtime](
+        tmp_path / "node", config_with(host, tmp_path, "")
+    )
     with node:
         node.add_pod("hello", "echo hello; sleep 3600", limits={})
         # No device plugin here: the variable alone asks the hook for the GPU (what an image may do).
@@ -36,7 +44,10 @@ def test_pods_run_survive_a_kubelet_restart_and_leave_nothing_behind(tmp_path, s
         assert "nvidia.com/gpu" not in node.allocatable()  # no plugin runs
 
         node.wait_for_phase("smi", "Running")
-        assert node.oci_spec("smi")["hooks"]["prestart"][0]["args"][-1] == "prestart"
+        # containerd's base spec puts the hook at prestart; CRI-O runs a hooks.d prestart hook at
+        # createRuntime (the same moment, in the runtime's namespace).
+        stage = {"containerd": "prestart", "crio": "createRuntime"}[runtime]
+        assert [h["args"][-1] for h in node.oci_spec("smi")["hooks"][stage]] == ["prestart"]
         listed = node.exec("smi", ["nvidia-smi", "-L"])
         assert listed.returncode == 0 and host["gpus"][0]["uuid"] in listed.stdout, listed.stderr
         assert node.exec("hello", ["ls", "/dev"]).stdout.split().count("nvidia0") == 0
