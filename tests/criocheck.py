@@ -7,7 +7,7 @@ import os
 import subprocess
 
 import kubeletcheck
-from kubeletcheck import REPO, shared_tool
+from kubeletcheck import shared_tool
 
 from oci_gpu_hook.toolkit import runtime_config
 
@@ -277,7 +277,6 @@ class KubeletNode(kubeletcheck.Node):
         super().__init__(workdir, hook_config, **options)
         self.crio: Node | None = None
         self.runtime_log = self.cdi_dir = ""  # known once CRI-O's base is made
-
 
     def _start_runtime(self, timeout: float) -> None:
         import tempfile

@@ -849,6 +849,42 @@ class Node:
             time.sleep(0.2)
 
 
+class DevicePlugin:
+    """`oci-gpu-hook device-plugin` as a program, stopped by its pid."""
+
+    def __init__(self, hook_config, node, tmp_path, doc, name):
+        import yaml
+
+        self.config_file = tmp_path / f"{name}.yaml"
+        self.config_file.write_text(yaml.safe_dump(doc))
+        self.log_path = tmp_path / f"{name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", hook_config, "device-plugin", "--config-file",
+             str(self.config_file), "--socket-dir", node.device_plugin_dir, "--interval", "0.3"],
+            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()
+
+    def registrations(self) -> int:
+        """How many times a resource was registered with a kubelet."""
+        return self.output().count(": registered with the kubelet")
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        return self.proc.returncode
+
+
 def host_state() -> dict:
     """What a node must leave as it found it: mounts, sysctls, kubepods cgroups, and whether any
     containerd, shim, CRI-O, conmon or kubelet process runs. Zombies do not count: the shims are orphans once

@@ -14,13 +14,11 @@ Two plugin configurations, one node:
 
 import json
 import re
-import signal
 import subprocess
 import sys
 
 import kubeletcheck
 import pytest
-import yaml
 from hookcheck import config_with
 
 from oci_gpu_hook.start import container_record
@@ -35,40 +33,6 @@ PLUGIN_SHARED = {
                                 "resources": [{"name": "nvidia.com/gpu", "replicas": 4,
                                                "memoryLimit": "per-replica"}]}},
 }  # fmt: skip
-
-
-class Plugin:
-    """`oci-gpu-hook device-plugin` as a program, stopped by its pid."""
-
-    def __init__(self, hook_config, node, tmp_path, doc, name):
-        self.config_file = tmp_path / f"{name}.yaml"
-        self.config_file.write_text(yaml.safe_dump(doc))
-        self.log_path = tmp_path / f"{name}.log"
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", hook_config, "device-plugin", "--config-file",
-             str(self.config_file), "--socket-dir", node.device_plugin_dir, "--interval", "0.3"],
-            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-
-    def output(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text()
-
-    def registrations(self) -> int:
-        """How many times a resource was registered with a kubelet."""
-        return self.output().count(": registered with the kubelet")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +84,7 @@ def test_whole_gpus_mig_devices_and_a_kubelet_restart(cluster):
     gpus = {u.uuid for u in units["nvidia.com/gpu"]}
     mig_resource = sorted(n for n in units if n.startswith("nvidia.com/mig-"))[0]
     (mig_unit,) = units[mig_resource]
-    plugin = Plugin(hook_config, node, tmp, PLUGIN_ENVVAR, "plugin-envvar")
+    plugin = kubeletcheck.DevicePlugin(hook_config, node, tmp, PLUGIN_ENVVAR, "plugin-envvar")
     try:
         node.wait_for_resource("nvidia.com/gpu", 3)
         node.wait_for_resource(mig_resource, 1)
@@ -164,7 +128,7 @@ def test_time_sliced_gpus_refusal_and_the_watchdog(cluster):
     assert hook_settings(host, tmp, records, STRICT) == hook_config
     units = inventory_units(hook_config, PLUGIN_SHARED)
     by_uuid = {u.uuid: u for u in units["nvidia.com/gpu.shared"]}
-    plugin = Plugin(hook_config, node, tmp, PLUGIN_SHARED, "plugin-shared")
+    plugin = kubeletcheck.DevicePlugin(hook_config, node, tmp, PLUGIN_SHARED, "plugin-shared")
     names = [f"shared-{i}" for i in range(5)]
     try:
         node.wait_for_resource("nvidia.com/gpu.shared", 12)
