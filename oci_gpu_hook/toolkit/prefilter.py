@@ -1,0 +1,90 @@
+"""The compiled pre-filter (start/csrc/prefilter.c): its header, written from the Python rule, and
+its build.
+
+The pre-filter takes the place of the launcher a runtime runs. It answers the containers that
+cannot ask for a GPU itself, without an interpreter, and execs the Python hook (the launcher, at
+another path) for every other one. Its rule is start/prestart.py's: the values come from
+prestart.RULE and the hook's limits through prefilter_rule.h, which header() writes at every build,
+and tests/toolkit/test_prefilter.py runs both rules over one corpus. Nothing compiled is kept in the
+repository. Where no C compiler is found, install keeps the Python launcher (today's speed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+
+from oci_gpu_hook.errors import Exit, HookError
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "start", "csrc", "prefilter.c")
+CFLAGS = ("-O2", "-std=c99", "-Wall", "-Wextra", "-Werror", "-D_FORTIFY_SOURCE=2", "-fstack-protector-strong",
+          "-fPIE", "-pie", "-Wl,-z,relro,-z,now")  # fmt: skip
+
+
+class PrefilterError(HookError):
+    exit_code = Exit.INSTALL
+
+
+def _c_string(value: str) -> str:
+    if any(ord(c) < 0x20 or ord(c) > 0x7E for c in value):
+        raise PrefilterError(f"{value!r}: only printable ASCII goes into the pre-filter")
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def header(python_hook: str, launcher_options=()) -> str:
+    """prefilter_rule.h: the rule's values, the hook's input limits and the Python hook's path."""
+    from oci_gpu_hook import hook
+    from oci_gpu_hook.start import prestart, spec, state
+
+    if not os.path.isabs(python_hook):
+        raise PrefilterError(f"{python_hook}: the Python hook's path must be absolute")
+    rule = prestart.RULE
+    lines = [
+        "/* Written by oci_gpu_hook/toolkit/prefilter.py from start/prestart.py's RULE: do not edit. */",
+        f"#define PYTHON_HOOK {_c_string(python_hook)}",
+        f"#define RULE_VISIBLE_DEVICES {_c_string(rule['VISIBLE_DEVICES'])}",
+        f"#define RULE_NO_DEVICES {_c_string(rule['NO_DEVICES'])}",
+        f"#define RULE_LEGACY_VARIABLE {_c_string(rule['LEGACY_VARIABLE'])}",
+        f"#define RULE_ANNOTATION_PREFIX {_c_string(rule['ANNOTATION_PREFIX'])}",
+        # The C side matches the directory's own name anywhere in a destination (a superset of
+        # the normalised rule), so it needs only that name.
+        f"#define RULE_VOLUME_MOUNT_NAME {_c_string(os.path.basename(rule['VOLUME_MOUNT_DIR']))}",
+        f"#define RULE_MAX_STATE_BYTES {state.MAX_STATE_BYTES}u",
+        f"#define RULE_MAX_CONFIG_BYTES {spec.MAX_CONFIG_BYTES}u",
+        f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in hook.RUNTIME_COMMANDS)}, NULL}}",
+        f"#define RULE_LAUNCHER_OPTIONS {1 if launcher_options else 0}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def compiler() -> str | None:
+    """The C compiler install and the build use: $CC, else cc or gcc on PATH; None without one."""
+    named = os.environ.get("CC")
+    if named:
+        return shutil.which(named)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
+def build(output: str, python_hook: str, launcher_options=(), cc: str | None = None) -> str:
+    """Compile the pre-filter to output (mode 0755); returns output. Raises PrefilterError with the
+    compiler's first error line."""
+    cc = cc or compiler()
+    if not cc:
+        raise PrefilterError("no C compiler (cc, gcc or $CC) to build the pre-filter")
+    with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-prefilter-") as work:
+        with open(os.path.join(work, "prefilter_rule.h"), "w") as f:
+            f.write(header(python_hook, launcher_options))
+        built = os.path.join(work, "prefilter")
+        done = subprocess.run([cc, *CFLAGS, "-I", work, "-o", built, SOURCE], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                                                             "LC_ALL": "C"})  # fmt: skip
+        if done.returncode != 0:
+            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
+            raise PrefilterError(f"{cc}: cannot build the pre-filter: {first[:300]}")
+        os.chmod(built, 0o755)
+        shutil.copyfile(built, output)
+        os.chmod(output, 0o755)
+    return output

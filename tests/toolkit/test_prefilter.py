@@ -1,0 +1,216 @@
+"""The compiled pre-filter (start/csrc/prefilter.c, built by toolkit/prefilter.py) against the
+Python rule, on one corpus (prefilter_corpus.py) and on seeded random edits of it:
+- it exits 0 by itself only where the Python hook finds no GPU request (never where Python would
+  configure GPUs or fail), and on the corpus's plain cases exactly there;
+- everything else goes to the Python hook with the same arguments and the same state bytes;
+- a bad state, a missing bundle and an oversized config get the Python hook's line and status;
+- it opens nothing but config.json and runs nothing but the Python hook.
+The runtimes run it in tests/e2e/test_prefilter_runtimes.py.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import prefilter_corpus
+import pytest
+
+from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.start import prestart, spec, state
+from oci_gpu_hook.toolkit import launcher, prefilter
+
+DEFERRED = 42  # the recording stand-in for the Python hook exits with this
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, require_module):
+    """(the pre-filter, its recording Python hook, the shared bundle)."""
+    work = tmp_path_factory.mktemp("prefilter")
+    recorder = work / "python-hook"
+    recorder.write_text(
+        '#!/bin/sh\nfor a; do printf "%s\\n" "$a"; done > "$RECORD.argv"\ncat > "$RECORD.stdin"\nexit 42\n'
+    )
+    recorder.chmod(0o755)
+    program = prefilter.build(str(work / "prefilter"), str(recorder))
+    bundle = work / "bundle"
+    bundle.mkdir()
+    return program, work, str(bundle)
+
+
+@pytest.fixture(scope="module")
+def require_module(request):
+    require = request.getfixturevalue("require")
+    require("gcc")
+
+
+def python_decision(data: bytes) -> str:
+    """What the Python hook decides for this state, its bundle as it is now: none, gpu or error."""
+    try:
+        container = state.parse(data[: state.MAX_STATE_BYTES + 1])
+        return "gpu" if prestart.may_ask_for_gpus(spec.load(container.bundle)) else "none"
+    except HookError:
+        return "error"
+
+
+def run(program: str, work, data: bytes, argv=("prestart",)) -> tuple:
+    """(skip or defer, the argv and stdin the Python hook got)."""
+    record = str(work / "record")
+    for suffix in (".argv", ".stdin"):
+        if os.path.exists(record + suffix):
+            os.unlink(record + suffix)
+    done = subprocess.run([program, *argv], input=data, capture_output=True, timeout=30,
+                          env={"RECORD": record, "PATH": "/usr/bin:/bin"})  # fmt: skip
+    if done.returncode == 0:
+        assert not os.path.exists(record + ".argv") and done.stderr == b"", done.stderr
+        return "skip", None, None
+    assert done.returncode == DEFERRED, (done.returncode, done.stderr)
+    with open(record + ".argv") as f, open(record + ".stdin", "rb") as g:
+        return "defer", f.read().splitlines(), g.read()
+
+
+def place_config(bundle: str, doc) -> None:
+    path = os.path.join(bundle, "config.json")
+    if os.path.lexists(path):
+        os.unlink(path)
+    if doc is not None:
+        with open(path, "wb") as f:
+            f.write(doc)
+
+
+def check_case(built, name, data, doc, exact) -> str:
+    program, work, bundle = built
+    place_config(bundle, doc)
+    python = python_decision(data)
+    decided, argv, stdin = run(program, work, data)
+    if decided == "skip":
+        assert python == "none", f"{name}: the pre-filter skipped a container Python finds {python}"
+    else:
+        assert argv == ["prestart"], name
+        assert stdin == data[: state.MAX_STATE_BYTES + 1], f"{name}: the Python hook got other state bytes"
+    if exact:
+        assert (decided == "skip") == (python == "none"), f"{name}: pre-filter {decided}, Python {python}"
+    return decided
+
+
+CORPUS = prefilter_corpus.cases(lambda name: "%BUNDLE%")
+
+
+@pytest.mark.parametrize("index", range(len(CORPUS)), ids=[c[0] for c in CORPUS])
+def test_agrees_with_the_python_rule_on_the_corpus(built, index):
+    name, data, doc, exact = prefilter_corpus.cases(lambda _: built[2])[index]
+    check_case(built, name, data, doc, exact)
+
+
+def test_never_skips_where_python_would_not_on_random_edits(built):
+    """600 seeded edits of the corpus (bytes flipped, dropped, repeated, cut): whatever the input,
+    an exit 0 of its own is one Python would give too."""
+    decided = [check_case(built, *case) for case in prefilter_corpus.mutations(29, 600, lambda _: built[2])]
+    assert "skip" in decided and "defer" in decided  # both ways were taken
+
+
+def test_the_plain_cases_are_decided_without_python(built):
+    """The point of it: an ordinary container, and every plain no-GPU case, never starts Python."""
+    plain = {case[0] for case in prefilter_corpus.PLAIN}
+    skipped = set()
+    for name, data, doc, _ in prefilter_corpus.cases(lambda _: built[2]):
+        if name in plain:
+            place_config(built[2], doc)
+            if run(built[0], built[1], data)[0] == "skip":
+                skipped.add(name)
+    assert {"plain", "no-process", "visible-void", "visible-blank", "state-escaped"} <= skipped
+    assert not {"visible-all", "cuda-version", "cdi-annotation", "volume-mount"} & skipped
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [("--config", "/x.yaml", "prestart"), ("--config=/x.yaml", "createRuntime"), ("info",), ("prestart", "extra"),
+     ("--config", "prestart"), ()],
+)  # fmt: skip
+def test_other_command_lines_go_to_python_untouched(built, argv):
+    """Only a runtime's command line is read; any other goes to Python with its stdin unread."""
+    program, work, bundle = built
+    place_config(bundle, prefilter_corpus.config_bytes(prefilter_corpus.config()))
+    data = prefilter_corpus.expanded(prefilter_corpus.STATE, bundle)
+    decided, passed, stdin = run(program, work, data, argv)
+    runtime = argv in (("--config", "/x.yaml", "prestart"), ("--config=/x.yaml", "createRuntime"))
+    assert decided == ("skip" if runtime else "defer")
+    if not runtime:
+        assert passed == list(argv) and stdin == data
+
+
+@pytest.fixture(scope="module")
+def fronting_python(tmp_path_factory, require_module):
+    """The pre-filter in front of this checkout's real Python hook (a launcher of its own)."""
+    work = tmp_path_factory.mktemp("prefilter-real")
+    hook = work / "oci-gpu-hook.py"
+    hook.write_text(launcher.for_this_install())
+    hook.chmod(0o755)
+    return prefilter.build(str(work / "oci-gpu-hook"), str(hook)), str(hook)
+
+
+@pytest.mark.parametrize("case", ["bad-state", "missing-bundle", "oversized-config", "bad-config", "gpu-error"])
+def test_errors_are_the_python_hooks_own(fronting_python, tmp_path, case):
+    """The same one line and exit status as the Python hook alone: the pre-filter says nothing of
+    its own, it hands the input over."""
+    program, hook = fronting_python
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    data = prefilter_corpus.expanded(prefilter_corpus.STATE, str(bundle))
+    doc = prefilter_corpus.config()
+    if case == "bad-state":
+        data = b'{"ociVersion": "3.0.0"'
+    elif case == "missing-bundle":
+        data = prefilter_corpus.expanded(prefilter_corpus.STATE, str(tmp_path / "gone"))
+    elif case == "gpu-error":
+        doc = prefilter_corpus.config(["NVIDIA_VISIBLE_DEVICES=0"])
+    if case == "oversized-config":
+        (bundle / "config.json").write_bytes(b" " * (spec.MAX_CONFIG_BYTES + 1))
+    elif case == "bad-config":
+        (bundle / "config.json").write_bytes(b'{"root": ')
+    else:
+        (bundle / "config.json").write_bytes(prefilter_corpus.config_bytes(doc))
+    config = ["--config", str(tmp_path / "missing-config.yaml")]  # a GPU request then fails on it
+    env = {"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
+    alone = subprocess.run([hook, *config, "prestart"], input=data, capture_output=True, env=env, timeout=60)
+    fronted = subprocess.run([program, *config, "prestart"], input=data, capture_output=True, env=env, timeout=60)
+    assert alone.returncode != 0 and alone.stderr.startswith(b"oci-gpu-hook: "), alone.stderr
+    assert (fronted.returncode, fronted.stderr) == (alone.returncode, alone.stderr)
+
+
+def test_opens_nothing_but_config_json_and_runs_nothing(built, require):
+    """strace: the only path it opens is the bundle's config.json, and it starts no program."""
+    require("strace")
+    program, work, bundle = built
+    place_config(bundle, prefilter_corpus.config_bytes(prefilter_corpus.config()))
+    data = prefilter_corpus.expanded(prefilter_corpus.STATE, bundle)
+    trace = work / "trace"
+    done = subprocess.run(["strace", "-f", "-qq", "-e", "trace=%file,%process", "-o", str(trace), program,
+                           "prestart"], input=data, capture_output=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line.split(None, 1)[1] for line in trace.read_text().splitlines() if "(" in line]
+    named = {m for line in lines for m in re.findall(r'"(/[^"]*)"', line) if not line.startswith("execve")}
+    # The dynamic loader's own (its preload list, its cache, the C library); then config.json alone.
+    loader = {p for p in named if p.endswith(("/ld.so.preload", "/ld.so.cache")) or "/libc.so" in p}
+    assert named - loader == {f"{bundle}/config.json"}, named
+    assert [line for line in lines if line.startswith(("execve", "clone", "fork", "vfork"))][1:] == []
+
+
+def test_header_is_written_from_the_python_rule():
+    text = prefilter.header("/usr/libexec/oci-gpu-hook/python-hook")
+    for value in prestart.RULE.values():
+        assert f'"{os.path.basename(value) if value.startswith("/") else value}"' in text
+    assert f"RULE_MAX_STATE_BYTES {state.MAX_STATE_BYTES}u" in text
+    assert f"RULE_MAX_CONFIG_BYTES {spec.MAX_CONFIG_BYTES}u" in text
+    with pytest.raises(prefilter.PrefilterError):
+        prefilter.header("relative/hook")
+    with pytest.raises(prefilter.PrefilterError):
+        prefilter.header("/x\n#define PYTHON_HOOK /tmp/mine")  # a path cannot become C
+    assert '"/x\\"y"' in prefilter.header('/x"y')  # quoted as one C string
+
+
+def test_no_compiler_says_so_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(prefilter.PrefilterError, match="no C compiler"):
+        prefilter.build(str(tmp_path / "p"), "/x")
