@@ -8,6 +8,8 @@ order, so drift in the machine's state and what ran just before hit every case a
 - the hook alone for the same cases: the non-GPU case from its state, the GPU cases against a
   fresh live container each time (a process in its own mount namespace and devices cgroup;
   setting it up is not timed);
+- the same with the compiled pre-filter in front of the launcher (toolkit/prefilter.py), as
+  install wires it where a C compiler is found: runc with it for no GPU and 1 GPU, and it alone;
 - the 1-GPU case with the hook installed the other ways (bench/install_ways.py): a venv and
   `pip install --user`, each wired by its own `oci-gpu-hook install`, as podman's hooks.d file and
   Docker's nvidia-container-runtime-hook run it, and the venv's console script for comparison.
@@ -43,7 +45,7 @@ import docker  # noqa: E402
 import install_ways  # noqa: E402
 import node  # noqa: E402
 
-from oci_gpu_hook.toolkit import containers, launcher  # noqa: E402
+from oci_gpu_hook.toolkit import containers, launcher, prefilter  # noqa: E402
 from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 
 PYTHON = os.path.realpath(sys.executable)  # the interpreter itself, not a venv's wrapper
@@ -132,6 +134,21 @@ class LiveContainer:
                 time.sleep(0.02)
 
 
+def same_but_the_hook(plain: str, hooked: str) -> None:
+    """The bench compares runc on two bundles for the hook's cost: refuse to measure if their
+    config.json differ in anything but the hooks, or their rootfs in any file."""
+    docs = []
+    for bundle in (plain, hooked):
+        with open(os.path.join(bundle, "config.json")) as f:
+            doc = json.load(f)
+        doc.pop("hooks", None)
+        docs.append(doc)
+        tree = sorted((os.path.relpath(d, bundle), sorted(ds), sorted(fs)) for d, ds, fs in os.walk(bundle + "/rootfs"))
+        docs.append(tree)
+    if docs[0] != docs[2] or docs[1] != docs[3]:
+        raise SystemExit(f"{plain} and {hooked} differ in more than the hook: the comparison would be unfair")
+
+
 def summary(samples, rss=None):
     """Median and p95 of timed's results, with the peak RSS when one was measured."""
     times = sorted(s[0] for s in samples)
@@ -169,21 +186,27 @@ def main():
             "mig": {"NVIDIA_VISIBLE_DEVICES": "1:0"},
         }
 
-        def gpu_bundle(name, env):
-            """A bundle running `true` whose prestart hook is the launcher."""
+        # The pre-filter, in front of the same launcher (install puts it where the launcher was).
+        front = prefilter.build(os.path.join(work, "oci-gpu-hook-prefilter"), launcher)
+
+        def gpu_bundle(name, env, program=launcher):
+            """A bundle running `true` whose prestart hook is program (the launcher, or the pre-filter)."""
             bundle = containers.make_bundle(os.path.join(work, name), args=["true"], env=env, config_file=config)
             with open(os.path.join(bundle, "config.json")) as f:
                 doc = json.load(f)
-            doc["hooks"]["prestart"][0].update(path=launcher, args=list(hook))
+            doc["hooks"]["prestart"][0].update(path=program, args=[program, *hook[1:]])
             with open(os.path.join(bundle, "config.json"), "w") as f:
                 json.dump(doc, f)
             return bundle
 
         bundles = {name: gpu_bundle(name, env) for name, env in envs.items()}
+        fronted = {name: gpu_bundle(f"prefilter-{name}", envs[name], front) for name in ("nongpu", "gpu1")}
         ways = install_ways.hooks(work, config)
         plain = containers.make_bundle(
             os.path.join(work, "plain"), args=["true"], env={}, config_file=None, with_hook=False
         )
+        same_but_the_hook(plain, bundles["nongpu"])
+        same_but_the_hook(plain, fronted["nongpu"])
         runc = shutil.which("runc")
         samples = {}
         counter = [0]
@@ -221,6 +244,9 @@ def main():
             cases.append((f"hook:{name}", lambda rss=False, n=name: hook_case(n, rss)))
         for name, argv in ways.items():
             cases.append((name, lambda rss=False, a=argv, c=name: hook_case("gpu1", rss, a, c)))
+        for name in fronted:
+            cases.append((f"runc+prefilter:{name}", lambda rss=False, n=name: runc_case(fronted[n], rss)))
+        cases.append(("prefilter:nongpu", lambda rss=False: hook_case("nongpu", rss, [front, *hook[1:]])))
         # Each round runs the cases in a new order (seeded, so a rerun repeats it). In a fixed order
         # a case pays for what ran before it: runc right after the Python floors took 26 ms where
         # the same bundle right after another runc took 18-21 ms (CPU and page-cache state, and
@@ -261,7 +287,13 @@ def main():
         imports = breakdown.import_ms(PYTHON, os.path.join(work, "site"), args.runs)
         logged = breakdown.logged(os.path.join(host["root"], "hook.log"), "bench-gpu1-")
         parts = breakdown.breakdown(gpu1, results["floor -IS"]["median_ms"], imports, logged)
+        added = {
+            name: results[f"runc+{name}"]["median_ms"] - runc_ms
+            for name in ("hook:nongpu", "prefilter:nongpu", "hook:gpu1", "prefilter:gpu1")
+        }
         targets = {
+            "runc+prefilter:nongpu <= 1.15x runc": results["runc+prefilter:nongpu"]["x_runc"] <= 1.15,
+            "runc+prefilter:nongpu adds <= 3 ms to runc": added["prefilter:nongpu"] <= 3.0,
             "hook:nongpu <= 1.3x floor": results["hook:nongpu"]["x_floor"] <= 1.3,
             "hook:gpu1 <= 2.0x floor": results["hook:gpu1"]["x_floor"] <= 2.0,
             "runc+hook:gpu1 <= 2.0x runc": results["runc+hook:gpu1"]["x_runc"] <= 2.0,
@@ -290,6 +322,7 @@ def main():
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
         }
         doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench",
+               "added_to_runc_ms": added,
                "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog},
                "docker": {"runs": args.docker_runs, **dockers}, "concurrent": load_figures,
                "breakdown_gpu1_ms": [{"part": p, "ms": ms, "what": what} for p, ms, what in parts]}  # fmt: skip
@@ -313,6 +346,8 @@ def main():
             f"watchdog, 8 GPUs and 100 processes: scan {watchdog['scan_cpu_ms']:.1f} ms CPU, RSS "
             f"{watchdog['rss_kib'] / 1024:.1f} MiB"
         )
+        for name, ms in added.items():
+            print(f"added to a runc run by {name}: {ms:+.1f} ms")
         print("where the time of hook:gpu1 goes (ms):")
         for part, ms, what in parts:
             print(f"  {part:52} {ms:7.2f}  {what}")

@@ -21,9 +21,13 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
     is_flag=True,
     help="Also install a systemd unit for the Kubernetes device plugin (docs/kubernetes.md).",
 )
+@click.option("--prefilter/--no-prefilter", default=None,
+              help="Put the compiled pre-filter where runtimes run the hook, so that containers that cannot "
+                   "ask for a GPU start without Python (docs/performance.md). Default: where a C compiler "
+                   "is found.")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
-def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin):
+def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter):
     """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
     nvidia-container-runtime-hook program), a default configuration, and the systemd units and
     udev rule that refresh the inventory cache when the driver changes.
@@ -36,7 +40,8 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     prefix = install_module.hook_command()
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
-    lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services, device_plugin)
+    lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services, device_plugin,
+                                   prefilter)  # fmt: skip
     for line in lines:
         click.echo(line)
     if not lines:

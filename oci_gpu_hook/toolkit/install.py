@@ -9,11 +9,15 @@ What install writes, under --root (default /):
 | /etc/oci-gpu-hook/config.yaml | the default configuration, only when there is none |
 | /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
-| /usr/local/libexec/oci-gpu-hook/oci-gpu-hook | the launcher runtimes run (not when the RPM's is there) |
+| /usr/local/libexec/oci-gpu-hook/oci-gpu-hook | what runtimes run (no RPM's): the pre-filter, or the launcher |
+| /usr/local/libexec/oci-gpu-hook/oci-gpu-hook-python | the launcher the pre-filter runs (with the pre-filter only) |
 | /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
 | /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
 | /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
+
+The pre-filter (toolkit/prefilter.py) is compiled here, where a C compiler is found (--prefilter
+to require it, --no-prefilter never); without one, runtimes run the launcher itself.
 
 Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
 the manifest lists, and only while each file still has the checksum install gave it (a file an
@@ -275,7 +279,7 @@ class Entry:
     set_aside: where another program's file at path goes when install is told to replace it
     (uninstall moves it back); without one, a file install did not write is never replaced."""
 
-    def __init__(self, path: str, content: str | None = None, link: str | None = None, only_if_absent=False,
+    def __init__(self, path: str, content: str | bytes | None = None, link: str | None = None, only_if_absent=False,
                  mode: int = 0o644, set_aside: str | None = None):  # fmt: skip
         self.path, self.content, self.link, self.only_if_absent = path, content, link, only_if_absent
         self.mode, self.set_aside = mode, set_aside
@@ -284,13 +288,26 @@ class Entry:
     def checksum(self) -> str:
         if self.link is not None:
             return "link:" + self.link
-        return "sha256:" + hashlib.sha256(self.content.encode()).hexdigest()
+        data = self.content if isinstance(self.content, bytes) else self.content.encode()
+        return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False, root: str = "/") -> list:
+def launcher_entries(with_prefilter: bool) -> list:
+    """What runtimes run: the launcher; or, with_prefilter, the compiled pre-filter in its place and
+    the launcher beside it, for what the pre-filter hands on (toolkit/prefilter.py)."""
+    if not with_prefilter:
+        return [Entry(launcher.LAUNCHER, launcher_text(), mode=0o755)]
+    from oci_gpu_hook.toolkit import prefilter
+
+    return [Entry(launcher.PYTHON_LAUNCHER, launcher_text(), mode=0o755),
+            Entry(launcher.LAUNCHER, prefilter.build_bytes(launcher.PYTHON_LAUNCHER), mode=0o755)]  # fmt: skip
+
+
+def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False, root: str = "/",
+            with_prefilter: bool = False) -> list:  # fmt: skip
     entries = []
     if argv_prefix[0] == launcher.LAUNCHER:
-        entries.append(Entry(launcher.LAUNCHER, launcher_text(), mode=0o755))
+        entries += launcher_entries(with_prefilter)
     if "podman" in runtimes or "crio" in runtimes:
         entries.append(Entry(HOOKS_D_FILE, hooks_d_text(argv_prefix)))
     if "crio" in runtimes:
@@ -332,7 +349,7 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
 def _installable_paths() -> set:
     """Every path install can write (with any options): all a manifest may name."""
     entries = planned(("podman", "docker"), [launcher.LAUNCHER], node_services=True, device_plugin=True)
-    return {e.path for e in entries} | {CRIO_DROPIN}
+    return {e.path for e in entries} | {CRIO_DROPIN, launcher.PYTHON_LAUNCHER}
 
 
 def _read_manifest(root: str) -> dict:
@@ -383,8 +400,8 @@ def _ancestors(path: str) -> list:
     return found
 
 
-def _write_text(path: str, text: str, mode: int = 0o644) -> None:
-    files.write_atomically(path, text.encode(), mode)
+def _write_text(path: str, text: str | bytes, mode: int = 0o644) -> None:
+    files.write_atomically(path, text if isinstance(text, bytes) else text.encode(), mode)
 
 
 def _current(path: str):
@@ -470,11 +487,13 @@ class _root_only:
 # --- install / uninstall ------------------------------------------------------------------------
 
 
-def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False,
-            node_services: bool = False, device_plugin: bool = False) -> list:  # fmt: skip
+def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False, node_services: bool = False,
+            device_plugin: bool = False, prefilter: bool | None = None) -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
-    is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing."""
+    is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing.
+    prefilter: put the compiled pre-filter where runtimes run the launcher (True: or fail; False:
+    never; None: where a C compiler is found)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
@@ -482,7 +501,11 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     manifest = _read_manifest(root)
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
-    entries = planned(runtimes, argv_prefix, node_services, device_plugin, root)
+    if prefilter is None:
+        from oci_gpu_hook.toolkit import prefilter as prefilter_module
+
+        prefilter = prefilter_module.compiler() is not None
+    entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter)
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(root, entries)

@@ -27,6 +27,8 @@ MARKER = "# oci-gpu-hook launcher"
 # Where install puts the launcher when no RPM's /usr/bin/oci-gpu-hook is one: a directory of its
 # own, so that nothing else of the host's is shadowed or replaced.
 LAUNCHER = "/usr/local/libexec/oci-gpu-hook/oci-gpu-hook"
+# Beside it, where install puts the compiled pre-filter at LAUNCHER: the launcher it runs.
+PYTHON_LAUNCHER = LAUNCHER + "-python"
 MAX_SHEBANG = 255  # the kernel reads 256 bytes of '#!' line (BINPRM_BUF_SIZE) since Linux 5.1
 
 

@@ -68,6 +68,13 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
+def build_bytes(python_hook: str, launcher_options=()) -> bytes:
+    """The pre-filter program's bytes (what install writes)."""
+    with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-prefilter-") as work:
+        with open(build(os.path.join(work, "oci-gpu-hook"), python_hook, launcher_options), "rb") as f:
+            return f.read()
+
+
 def build(output: str, python_hook: str, launcher_options=(), cc: str | None = None) -> str:
     """Compile the pre-filter to output (mode 0755); returns output. Raises PrefilterError with the
     compiler's first error line."""

@@ -98,7 +98,8 @@ def test_install_writes_the_launcher_when_no_rpm_put_one_in_place(tmp_path, monk
     assert install.hook_command() == [launcher.LAUNCHER]
     root = str(tmp_path / "root")
     os.mkdir(root)
-    install.install(root, ("podman", "docker"), install.hook_command() + ["--config", "/etc/gpu.yaml"])
+    install.install(root, ("podman", "docker"), install.hook_command() + ["--config", "/etc/gpu.yaml"],
+                    prefilter=False)  # fmt: skip
     program = root + launcher.LAUNCHER
     assert os.stat(program).st_mode & 0o777 == 0o755 and launcher.is_launcher(program)
     with open(program) as f:
@@ -113,6 +114,25 @@ def test_install_writes_the_launcher_when_no_rpm_put_one_in_place(tmp_path, monk
     # An RPM's launcher in place: it is the one runtimes run, and install writes none.
     write(install.INSTALLED_PATH, launcher.text("/usr/bin/python3", "/usr/lib/python3.9/site-packages"))
     assert install.hook_command() == [install.INSTALLED_PATH]
+
+
+def test_install_puts_the_prefilter_in_front_of_the_launcher(tmp_path, monkeypatch, require):
+    """With a C compiler: runtimes run the compiled pre-filter at the launcher's path, and it runs
+    the launcher written beside it; uninstall removes both."""
+    require("gcc")
+    monkeypatch.setattr(install, "INSTALLED_PATH", str(tmp_path / "usr-bin-oci-gpu-hook"))
+    root = str(tmp_path / "root")
+    os.mkdir(root)
+    lines = install.install(root, ("podman",), install.hook_command())  # a compiler is there: the default
+    program, python = root + launcher.LAUNCHER, root + launcher.PYTHON_LAUNCHER
+    assert f"wrote {program}" in lines and f"wrote {python}" in lines
+    with open(program, "rb") as f:
+        data = f.read()
+    assert data.startswith(b"\x7fELF") and launcher.PYTHON_LAUNCHER.encode() + b"\0" in data
+    assert launcher.is_launcher(python) and os.stat(program).st_mode & 0o777 == 0o755
+    assert install.install(root, ("podman",), install.hook_command()) == []  # built the same again: nothing to do
+    install.uninstall(root)
+    assert not os.path.exists(program) and not os.path.exists(python)
 
 
 def test_a_gpu_start_through_the_launcher_compiles_a_new_configuration(tmp_path, live_container):
