@@ -48,8 +48,9 @@ stubs:
 bench: setup
 	$(PY) bench/run.py --runs 30
 
-# `make rpm`: the oci-gpu-hook and oci-gpu-hook-selinux RPMs (noarch) from the working tree, with
-# rpmbuild (Debian's works; see rpm/oci-gpu-hook.spec), left in $(RPM_TOPDIR)/RPMS/noarch/.
+# `make rpm`: the oci-gpu-hook (per architecture: the compiled pre-filter) and oci-gpu-hook-selinux
+# (noarch) RPMs from the working tree, with rpmbuild (Debian's works; see rpm/oci-gpu-hook.spec),
+# left in $(RPM_TOPDIR)/RPMS/<arch>/.
 RPM_SPEC := rpm/oci-gpu-hook.spec
 RPM_VERSION := $(shell awk '/^Version:/ {print $$2; exit}' $(RPM_SPEC))
 RPM_TOPDIR ?= $(CURDIR)/build/rpm
@@ -63,7 +64,7 @@ rpm:
 		--exclude=__pycache__ --exclude='*.pyc' --exclude=tmp --exclude='*.pp' --exclude='*.pp.bz2' \
 		--transform 's,^,oci-gpu-hook-$(RPM_VERSION)/,S' $(RPM_SOURCES)
 	rpmbuild -bb --nodeps --quiet --define "_topdir $(RPM_TOPDIR)" $(RPM_SPEC)
-	@ls -1 $(RPM_TOPDIR)/RPMS/noarch/*.rpm
+	@ls -1 $(RPM_TOPDIR)/RPMS/*/*.rpm
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -32,7 +32,10 @@ def wire(cli, root: str, env=None) -> dict:
     """`install --runtime podman --runtime docker` by cli (an install's program and its --config)
     into root; the argv each runtime then runs: {"hooks.d": ..., "docker": ...}."""
     os.mkdir(root)
-    _run([*cli, "install", "--root", root, "--runtime", "podman", "--runtime", "docker"], env)
+    # --no-prefilter: these compare the launchers each way writes (the pre-filter, which runs in
+    # front of any of them, is measured on its own); and the pre-filter a --root install compiles
+    # runs the launcher at its host path, which is not there.
+    _run([*cli, "install", "--root", root, "--runtime", "podman", "--runtime", "docker", "--no-prefilter"], env)
     with open(host_path(root, install.HOOKS_D_FILE)) as f:
         hook = json.load(f)["hook"]
     # hook.path is the host's path: here, under root.

@@ -73,9 +73,13 @@ class InstallError(HookError):
 
 def hook_command() -> list:
     """argv prefix that runs this program from a runtime: the RPM's /usr/bin/oci-gpu-hook when it
-    is a launcher, else the launcher install writes for this interpreter and package (any other
-    way, a pip console script included, would start every container slower: launcher.py)."""
-    if launcher.is_launcher(INSTALLED_PATH) and os.access(INSTALLED_PATH, os.X_OK):
+    is a launcher or a pre-filter in front of one, else the one install writes for this
+    interpreter and package (any other way, a pip console script included, would start every
+    container slower: launcher.py)."""
+    from oci_gpu_hook.toolkit import prefilter
+
+    ours = launcher.is_launcher(INSTALLED_PATH) or prefilter.is_prefilter(INSTALLED_PATH)
+    if ours and os.access(INSTALLED_PATH, os.X_OK):
         return [INSTALLED_PATH]
     return [launcher.LAUNCHER]
 

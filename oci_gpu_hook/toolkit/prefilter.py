@@ -60,6 +60,19 @@ def header(python_hook: str, launcher_options=()) -> str:
     return "\n".join(lines)
 
 
+MARKER = b"oci-gpu-hook pre-filter: runs "
+
+
+def is_prefilter(path: str) -> bool:
+    """Whether path is a pre-filter (an ELF program carrying MARKER)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+    except OSError:
+        return False
+    return data.startswith(b"\x7fELF") and MARKER in data
+
+
 def compiler() -> str | None:
     """The C compiler install and the build use: $CC, else cc or gcc on PATH; None without one."""
     named = os.environ.get("CC")

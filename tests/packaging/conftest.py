@@ -139,12 +139,12 @@ def rpms(tmp_path_factory, require):
     _need_policy_sources(require)
     topdir = tmp_path_factory.mktemp("rpmbuild")
     run(["make", "-s", "rpm", f"RPM_TOPDIR={topdir}"], cwd=REPO)
-    noarch = topdir / "RPMS" / "noarch"
     found = {}
-    for name in os.listdir(noarch):
-        key = "selinux" if name.startswith("oci-gpu-hook-selinux-") else "main"
-        found[key] = str(noarch / name)
-    assert sorted(found) == ["main", "selinux"], os.listdir(noarch)
+    for arch in os.listdir(topdir / "RPMS"):  # noarch for the module, the machine's for the hook
+        for name in os.listdir(topdir / "RPMS" / arch):
+            key = "selinux" if name.startswith("oci-gpu-hook-selinux-") else "main"
+            found[key] = str(topdir / "RPMS" / arch / name)
+    assert sorted(found) == ["main", "selinux"], found
     found["topdir"] = str(topdir)
     return found
 

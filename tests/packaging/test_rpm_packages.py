@@ -10,8 +10,11 @@ import sys
 import yaml
 
 SITELIB = "/usr/lib/python3.9/site-packages"  # RHEL 9's system python3
+PYTHON_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-python"
 MAIN_PATHS = {
     "/usr/bin/oci-gpu-hook",
+    PYTHON_LAUNCHER,
+    f"{SITELIB}/oci_gpu_hook/start/csrc/prefilter.c",
     f"{SITELIB}/oci_gpu_hook/__init__.py",
     f"{SITELIB}/oci_gpu_hook/hook.py",
     f"{SITELIB}/oci_gpu_hook/schemas/config.schema.json",
@@ -57,9 +60,10 @@ def test_selinux_package_files(rpms):
     assert files == SELINUX_PATHS | {"/usr/share/doc/oci-gpu-hook-selinux-0.1.0"}, files
 
 
-def test_both_packages_are_noarch(rpms):
-    for path in (rpms["main"], rpms["selinux"]):
-        assert rpm_query("--qf", "%{ARCH}", path) == "noarch"
+def test_the_hook_package_is_per_architecture_and_the_module_noarch(rpms):
+    machine = subprocess.run(["rpm", "--eval", "%{_arch}"], capture_output=True, text=True).stdout.strip()
+    assert rpm_query("--qf", "%{ARCH}", rpms["main"]) == machine  # the compiled pre-filter
+    assert rpm_query("--qf", "%{ARCH}", rpms["selinux"]) == "noarch"
 
 
 def test_config_is_noreplace_and_hook_executable(rpms):
@@ -68,6 +72,7 @@ def test_config_is_noreplace_and_hook_executable(rpms):
     flags, _mode = entries["/etc/oci-gpu-hook/config.yaml"]
     assert "c" in flags and "n" in flags  # %config(noreplace)
     assert entries["/usr/bin/oci-gpu-hook"][-1] == "-rwxr-xr-x"
+    assert entries[PYTHON_LAUNCHER][-1] == "-rwxr-xr-x"
 
 
 def test_selinux_scriptlets_install_and_remove_at_priority_200(rpms):
@@ -106,13 +111,18 @@ def test_packaged_files_match_the_tree(rpms, pk, tmp_path):
 
 def test_packaged_console_script_runs(rpms, pk, tmp_path):
     root = pk.extract_rpm(rpms["main"], str(tmp_path / "main"))
-    script = os.path.join(root, "usr/bin/oci-gpu-hook")
+    script = os.path.join(root, PYTHON_LAUNCHER[1:])
     with open(script) as f:
         assert f.readline() == "#!/usr/bin/python3 -IS\n"  # the launcher (toolkit/launcher.py)
-    from oci_gpu_hook.toolkit import launcher
+    from oci_gpu_hook.toolkit import launcher, prefilter
 
     with open(script) as f:
         assert f.read() == launcher.text("/usr/bin/python3", SITELIB)
+    # /usr/bin/oci-gpu-hook: the pre-filter, built to run that launcher.
+    program = os.path.join(root, "usr/bin/oci-gpu-hook")
+    assert prefilter.is_prefilter(program)
+    with open(program, "rb") as f:
+        assert prefilter.MARKER + PYTHON_LAUNCHER.encode() + b"\0" in f.read()
     env = dict(os.environ, PYTHONPATH=os.path.join(root, SITELIB[1:]))
     proc = subprocess.run([sys.executable, script, "--version"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "0.1.0" in proc.stdout, proc

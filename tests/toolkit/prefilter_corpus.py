@@ -138,6 +138,8 @@ HOSTILE = [
     ),  # fmt: skip
     ("annotation-not-string", STATE, config(annotations={"cdi.k8s.io/a": 1}), False),
     ("nan-in-config", STATE, b'{"root":{"path":"r"},"x":NaN}', False),
+    # More values than its arena holds (two million numbers: 4 MB): handed over whole.
+    ("arena-exhausted", STATE, b'{"root":{"path":"r"},"x":[' + b"0," * 2_000_000 + b"0]}", False),
 ]
 
 

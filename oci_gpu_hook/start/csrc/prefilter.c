@@ -33,6 +33,9 @@
 #error "PYTHON_HOOK: the Python hook to run for everything this program does not decide"
 #endif
 
+/* What tells the program apart from others at its path (toolkit/prefilter.py, is_prefilter). */
+__attribute__((used)) static const char MARKER[] = "oci-gpu-hook pre-filter: runs " PYTHON_HOOK;
+
 #define MAX_DEPTH 64 /* deeper documents go to Python, whose limit is far above this */
 #define INTERNAL_EXIT 70
 
@@ -598,10 +601,11 @@ static int runtime_command(int argc, char **argv) {
 int main(int argc, char **argv) {
     if (!runtime_command(argc, argv))
         return run_python(argv, NULL, 0, 0);
-    /* Everything below lives in one mapping: two inputs and the values parsed from them, whose
-     * nodes and decoded strings never outgrow the bytes they come from. */
+    /* Everything below lives in one mapping of a fixed size, touched only as far as it is used:
+     * the two inputs, and the values parsed from them. A document whose values do not fit (far
+     * more nodes per byte than any runtime writes) goes to Python whole. */
     size_t state_room = RULE_MAX_STATE_BYTES + 1, config_room = RULE_MAX_CONFIG_BYTES + 1;
-    size_t values = 6 * (state_room + config_room) + (1 << 16);
+    size_t values = 2 * (state_room + config_room) + (1 << 20);
     size_t size = state_room + config_room + values;
     void *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (map == MAP_FAILED)
