@@ -51,6 +51,9 @@ from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 PYTHON = os.path.realpath(sys.executable)  # the interpreter itself, not a venv's wrapper
 CGROUP_ROOT = "/sys/fs/cgroup/devices"
 WORK_PARENT = "/var/tmp"
+# What NVIDIA's legacy path (its prestart hook, then nvidia-container-cli, built from source) added
+# to a 1-GPU `runc run` in issue 29's side-by-side run on a simulated host: +24 to 25 ms.
+NVIDIA_LEGACY_ADDED_MS = 24.0
 
 
 def install(work: str) -> str:
@@ -309,6 +312,13 @@ def main():
             if name.startswith("install:"):
                 targets[f"{name} <= 1.05x RPM launcher"] = results[name]["x_rpm"] <= 1.05
         targets["docker run --gpus 1 <= 1.10x docker run"] = dockers["x_plain"] <= 1.10
+        # NVIDIA's legacy path is not built here (its sources are not on these machines): the 1-GPU
+        # goal is judged against issue 29's side-by-side figure for it, and said to be so.
+        nvidia = {"added_ms": NVIDIA_LEGACY_ADDED_MS, "source": "issue 29's side-by-side run, not this run"}
+        nvidia["ours_less_by"] = 1 - added["prefilter:gpu1"] / NVIDIA_LEGACY_ADDED_MS
+        targets["runc+prefilter:gpu1 adds >= 10% less than NVIDIA's legacy path (its figure, not run here)"] = (
+            nvidia["ours_less_by"] >= 0.10
+        )
         targets[f"{len(load)} concurrent GPU starts <= 4.3 s wall"] = load_figures["wall_median_s"] <= 4.3
         cpu = next(
             (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?"
@@ -322,7 +332,7 @@ def main():
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
         }
         doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench",
-               "added_to_runc_ms": added,
+               "added_to_runc_ms": added, "nvidia_legacy": nvidia,
                "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog},
                "docker": {"runs": args.docker_runs, **dockers}, "concurrent": load_figures,
                "breakdown_gpu1_ms": [{"part": p, "ms": ms, "what": what} for p, ms, what in parts]}  # fmt: skip
@@ -348,6 +358,11 @@ def main():
         )
         for name, ms in added.items():
             print(f"added to a runc run by {name}: {ms:+.1f} ms")
+        print(
+            f"NVIDIA's legacy path (nvidia-container-runtime-hook + nvidia-container-cli) was not run here; "
+            f"issue 29's figure for 1 GPU: +{NVIDIA_LEGACY_ADDED_MS:.1f} ms, so this hook adds "
+            f"{nvidia['ours_less_by']:.0%} less"
+        )
         print("where the time of hook:gpu1 goes (ms):")
         for part, ms, what in parts:
             print(f"  {part:52} {ms:7.2f}  {what}")
