@@ -12,7 +12,7 @@ set -eu
 demo="python3 python3-venv python3-dev gcc libc6-dev make runc busybox-static"
 case "${1:-test}" in
     demo) packages="$demo" ;;
-    test) packages="$demo gcc-multilib libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus strace" ;;
+    test) packages="$demo gcc-multilib libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus strace openssl" ;;
     *) echo "usage: setup-host.sh [demo|test]" >&2; exit 2 ;;
 esac
 missing=""

@@ -102,7 +102,8 @@ def shared_tool(tool: str, cache: str, script_name: str = "build.sh") -> str:
     with open(os.path.join(cache, "build.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         proc = subprocess.run(["sh", script, cache], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0 or not os.path.exists(proc.stdout.strip()):
+    made = proc.stdout.split("\n")  # a path a line (several, for a tool that builds several programs)
+    if proc.returncode != 0 or not proc.stdout.strip() or not all(os.path.exists(p) for p in made if p):
         pytest.fail(f"{script} failed ({proc.returncode}): {proc.stderr[-3000:]}", pytrace=False)
     return proc.stdout.strip()
 
@@ -278,7 +279,7 @@ class Node:
         self.close()
 
     def start(self, timeout: float = 60) -> Node:
-        kubelet = kubelet_binary()
+        kubelet = self._kubelet_program()
         if len(self.address) > 100:
             raise ValueError(f"{self.workdir}: too long a path for the sockets under it")
         with socket.socket() as s:
@@ -412,9 +413,15 @@ class Node:
 
         def ready():
             socket_ready = _identity(self.kubelet_socket) not in (None, old_socket)
-            return socket_ready and self._get("/pods") is not None
+            return socket_ready and self._kubelet_ready()
 
         self._wait(ready, timeout, "the kubelet to serve /pods and the device-plugin registration socket")
+
+    def _kubelet_program(self) -> str:
+        return kubelet_binary()
+
+    def _kubelet_ready(self) -> bool:
+        return self._get("/pods") is not None
 
     def restart_kubelet(self, timeout: float = 60, pods_when=None) -> None:
         """Stop the kubelet by pid and start it again with the same flags. The new kubelet wipes the

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 
 from oci_gpu_hook.errors import Exit, HookError
@@ -55,6 +56,7 @@ def header(python_hook: str, launcher_options=()) -> str:
         f"#define RULE_MAX_CONFIG_BYTES {spec.MAX_CONFIG_BYTES}u",
         f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in hook.RUNTIME_COMMANDS)}, NULL}}",
         f"#define RULE_LAUNCHER_OPTIONS {1 if launcher_options else 0}",
+        f"#define RULE_MAX_INT_DIGITS {max_int_digits()}u",
         "",
     ]
     return "\n".join(lines)
@@ -71,6 +73,15 @@ def is_prefilter(path: str) -> bool:
     except OSError:
         return False
     return data.startswith(b"\x7fELF") and MARKER in data
+
+
+def max_int_digits() -> int:
+    """The most digits Python turns into an int (its CVE-2020-10735 limit; a document with a longer
+    integer is an error there): this interpreter's limit, and never more than the default 4300,
+    which the hook, started with -I, keeps."""
+    get = getattr(sys, "get_int_max_str_digits", None)
+    limit = get() if get else 0
+    return min(limit, 4300) if limit else 4300
 
 
 def compiler() -> str | None:

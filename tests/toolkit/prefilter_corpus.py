@@ -138,6 +138,15 @@ HOSTILE = [
     ),  # fmt: skip
     ("annotation-not-string", STATE, config(annotations={"cdi.k8s.io/a": 1}), False),
     ("nan-in-config", STATE, b'{"root":{"path":"r"},"x":NaN}', False),
+    # Python converts integers of at most 4300 digits; one more is an error there.
+    ("config-int-4300-digits", STATE, b'{"root":{"path":"r"},"x":' + b"9" * 4300 + b"}", True),
+    ("config-int-4301-digits", STATE, b'{"root":{"path":"r"},"x":-' + b"9" * 4301 + b"}", True),
+    (
+        "state-int-4301-digits",
+        b'{"ociVersion":"1.0.2","id":"c","status":"x","bundle":"%BUNDLE%","x":' + b"9" * 4301 + b"}",
+        config(),
+        True,
+    ),  # fmt: skip
     # More values than its arena holds (two million numbers: 4 MB): handed over whole.
     ("arena-exhausted", STATE, b'{"root":{"path":"r"},"x":[' + b"0," * 2_000_000 + b"0]}", False),
 ]

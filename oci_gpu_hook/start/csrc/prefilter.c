@@ -136,10 +136,10 @@ static int hex4(const unsigned char *p, unsigned *out) {
  * scanner would refuse, and for lone surrogates (which it would keep: Python decides those). */
 static int parse_string(struct parser *ps, const char **text, size_t *length) {
     const unsigned char *start = ps->p;
-    size_t raw = 0;
-    while (start + raw < ps->end && start[raw] != '"')
+    size_t raw = 0, left = (size_t)(ps->end - start);
+    while (raw < left && start[raw] != '"')
         raw += start[raw] == '\\' ? 2 : 1;
-    if (start + raw >= ps->end)
+    if (raw >= left)
         return 0;
     char *out = take(ps->arena, raw + 1); /* decoding never lengthens */
     if (!out)
@@ -247,6 +247,10 @@ static int parse_number(struct parser *ps, struct value *v) {
         integral = 0;
     }
     v->kind = integral ? J_INT : J_NUMBER;
+    /* Python refuses to convert an integer of more digits than its limit (CVE-2020-10735): a
+     * document with one is an error there, so it is Python's to report. */
+    if (integral && ndigits > RULE_MAX_INT_DIGITS)
+        return 0;
     if (integral) {
         if (ndigits > 18) {
             v->big = 1;
@@ -562,6 +566,8 @@ static int run_python(char **argv, const unsigned char *state, size_t n, int hav
             if (w < 0 && errno == EINTR)
                 continue;
             if (w <= 0) {
+                if (w == 0)
+                    errno = EIO;
                 close(fd);
                 fd = -1;
                 break;
@@ -599,6 +605,10 @@ static int runtime_command(int argc, char **argv) {
 }
 
 int main(int argc, char **argv) {
+    if (argc < 1) { /* no argv[0] to replace: the array would end where the environment begins */
+        fprintf(stderr, "oci-gpu-hook: internal error: started without arguments\n");
+        return INTERNAL_EXIT;
+    }
     if (!runtime_command(argc, argv))
         return run_python(argv, NULL, 0, 0);
     /* Everything below lives in one mapping of a fixed size, touched only as far as it is used:
