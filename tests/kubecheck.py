@@ -189,6 +189,9 @@ class Cluster(kubeletcheck.Node):
                              "nodefs.inodesFree": "1%"},
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
+            # Otherwise it adds KUBE-FIREWALL (dropping non-loopback traffic to 127/8), hint and
+            # canary chains to the host's iptables, in both families, and keeps them there.
+            "makeIPTablesUtilChains": False,
         }  # fmt: skip
         path = os.path.join(self.workdir, "kubelet-config.json")
         with open(path, "w") as f:
