@@ -7,18 +7,28 @@ kubectl sees it:
 - a Deployment's pods are scheduled, and each container sees exactly its GPU;
 - one request too many stays Pending with the scheduler's reason, and runs once a GPU is freed,
   on the freed GPU;
-- a pod asking for a MIG profile gets that MIG device.
+- a pod asking for a MIG profile gets that MIG device;
+- the node labels `oci-gpu-hook labels` writes reach the node (put there with kubectl, as NFD's
+  local source would: NFD is not here), and a nodeSelector on nvidia.com/gpu.product places a pod;
+- the exporter names each GPU process's pod, namespace and container as the API does;
+- with time-slicing, the watchdog kills the pod over its memory share: the API shows its restart
+  and why, and the other pod on the same GPU keeps running.
 The host is checked afterwards: no process, mount, cgroup, sysctl or iptables rule left changed.
 """
 
+import json
 import re
+import subprocess
+import sys
 
 import kubecheck
 import kubeletcheck
 import pytest
 from hookcheck import config_with
 
-pytestmark = pytest.mark.host(gpus=4, mig=[3], needs=("runc", "busybox", "containerd", "ctr", "openssl"))
+pytestmark = pytest.mark.host(
+    gpus=4, mig=[3], needs=("runc", "busybox", "containerd", "ctr", "openssl", "pynvml", "prometheus_client")
+)
 
 SHOW = "nvidia-smi -L; sleep 3600"
 PLUGIN = {"flags": {"migStrategy": "mixed", "plugin": {"deviceListStrategy": "envvar"}}}
@@ -36,6 +46,7 @@ def cluster(host, tmp_path_factory):
     try:
         cluster.start()
         plugin = kubeletcheck.DevicePlugin(hook_config, cluster, tmp, PLUGIN, "plugin")
+        cluster.hook_config, cluster.tmp, cluster.host = hook_config, tmp, host
         yield cluster, plugin, units(hook_config)
     finally:
         if plugin is not None:
@@ -66,9 +77,9 @@ def pod_spec(limits: dict) -> dict:
             "containers": [container]}  # fmt: skip
 
 
-def pod(name: str, limits: dict) -> dict:
+def pod(name: str, limits: dict, restart: str = "Never", **spec) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": name}},
-            "spec": {**pod_spec(limits), "restartPolicy": "Never"}}  # fmt: skip
+            "spec": {**pod_spec(limits), "restartPolicy": restart, **spec}}  # fmt: skip
 
 
 def listed(text: str) -> list:
@@ -144,3 +155,108 @@ def test_a_mig_pod_gets_its_mig_device(cluster):
     (uuids,) = running_with_uuids(cluster, "app=mig", 1).values()
     assert uuids[-1] == unit.uuid and [u for u in uuids if u.startswith("GPU-")] == [unit.gpu.uuid]
     cluster.kubectl("delete", "pod/mig", "--wait=true", "--timeout=60s")
+
+
+def test_node_labels_reach_the_node_and_steer_a_pod(cluster):
+    """`labels` writes NFD's local-source feature file; NFD is not here, so the test puts the
+    file's labels on the node with kubectl, which is what NFD's master would do with them."""
+    cluster, plugin, resources = cluster
+    features = cluster.tmp / "features"
+    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", cluster.hook_config, "labels",
+                          "--output", str(features)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    labels = dict(line.split("=", 1) for line in features.read_text().splitlines())
+    product = labels["nvidia.com/gpu.product"]
+    cluster.kubectl("label", "node", cluster.node_name, "--overwrite", *[f"{k}={v}" for k, v in labels.items()])
+    on_node = cluster.node()["metadata"]["labels"]
+    assert {k: on_node.get(k) for k in labels} == labels
+    try:
+        cluster.apply(pod("steered", {"nvidia.com/gpu": 1}, nodeSelector={"nvidia.com/gpu.product": product}),
+                      pod("elsewhere", {}, nodeSelector={"nvidia.com/gpu.product": "NVIDIA-NO-SUCH-GPU"}))  # fmt: skip
+        running_with_uuids(cluster, "app=steered", 1)
+
+        def unplaced():
+            conditions = cluster.pods_of("app=elsewhere")[0]["status"].get("conditions") or []
+            return any(c["type"] == "PodScheduled" and "node affinity/selector" in c.get("message", "")
+                       for c in conditions)  # fmt: skip
+
+        cluster.wait_until(unplaced, 60, "the pod for another GPU model to stay unscheduled")
+    finally:
+        cluster.kubectl("delete", "pod/steered", "pod/elsewhere", "--wait=true", "--timeout=60s", check=False)
+        cluster.kubectl("label", "node", cluster.node_name, *[f"{k}-" for k in labels], check=False)
+
+
+def test_the_exporter_names_the_pod_the_api_names(cluster):
+    from servicecheck import Exporter
+
+    from oci_gpu_hook.toolkit.simulate import control
+
+    cluster, plugin, resources = cluster
+    cluster.apply(pod("metrics", {"nvidia.com/gpu": 1}))
+    ((uuid,),) = running_with_uuids(cluster, "app=metrics", 1).values()
+    (api_pod,) = cluster.pods_of("app=metrics")
+    pid = cluster.container_pid("metrics")
+    control.write(cluster.host["root"], processes=[(uuid, pid, 300 << 20)])
+    exporter = Exporter(cluster.hook_config, cluster.tmp)
+    try:
+        samples = exporter.scrape()
+    finally:
+        exporter.stop()
+        control.clear(cluster.host["root"])
+        cluster.kubectl("delete", "pod/metrics", "--wait=true", "--timeout=60s")
+    used = [(ls.get("pod"), ls.get("namespace"), ls.get("container"), ls.get("UUID"), v) for n, ls, v in samples
+            if n == "oci_gpu_hook_container_gpu_memory_used_bytes"]  # fmt: skip
+    meta = api_pod["metadata"]
+    assert used == [(meta["name"], meta["namespace"], api_pod["spec"]["containers"][0]["name"], uuid, 300 << 20)]
+
+
+SHARED = {
+    "flags": {"migStrategy": "mixed", "plugin": {"deviceListStrategy": "envvar"}},
+    "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2,
+                                               "memoryLimit": "per-replica"}]}},
+}  # fmt: skip
+
+
+def test_the_watchdog_kills_the_pod_over_its_share_and_the_api_says_so(cluster):
+    """Last: it replaces the module's plugin with a time-slicing one."""
+    cluster, plugin, resources = cluster
+    from oci_gpu_hook.toolkit.simulate import control
+
+    plugin.stop()
+    shared = kubeletcheck.DevicePlugin(cluster.hook_config, cluster, cluster.tmp, SHARED, "plugin-shared")
+    try:
+        cluster.wait_until(lambda: (cluster.node() or {}).get("status", {}).get("allocatable", {})
+                           .get("nvidia.com/gpu") == "6", 60, "six time-sliced replicas")  # fmt: skip
+        # Six replicas of three GPUs and four pods: at least one GPU is shared by two pods.
+        names = [f"sliced-{i}" for i in range(4)]
+        cluster.apply(*[pod(n, {"nvidia.com/gpu": 1}, restart="Always") for n in names])
+        held = {name: uuids[0] for name, uuids in running_with_uuids(cluster, "app in (" + ",".join(names) + ")",
+                                                                      4).items()}  # fmt: skip
+        uuid = next(u for u in held.values() if list(held.values()).count(u) == 2)
+        over, under = [n for n in names if held[n] == uuid]
+        pids = {n: cluster.container_pid(n) for n in (over, under)}
+        unit = next(u for u in resources["nvidia.com/gpu"] if u.uuid == uuid)
+        share = unit.memory_total // 2
+        control.write(cluster.host["root"], processes=[(uuid, pids[over], share + (64 << 20)),
+                                                       (uuid, pids[under], share // 2)])  # fmt: skip
+        out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", cluster.hook_config,
+                              "watchdog", "--once"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        control.clear(cluster.host["root"])
+
+        def restarted():
+            (status,) = cluster.pods_of(f"app={over}")[0]["status"].get("containerStatuses") or [{}]
+            return status.get("restartCount", 0) >= 1 and "terminated" in status.get("lastState", {})
+
+        cluster.wait_until(restarted, 60, f"{over}'s container to be restarted after the kill")
+        (status,) = cluster.pods_of(f"app={over}")[0]["status"]["containerStatuses"]
+        assert status["lastState"]["terminated"]["exitCode"] == 137  # SIGKILL, the watchdog's
+        (other,) = cluster.pods_of(f"app={under}")[0]["status"]["containerStatuses"]
+        assert other["restartCount"] == 0 and cluster.container_pid(under) == pids[under]
+        (killed,) = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        assert (killed["action"], killed["pids"], killed["device"]) == ("kill", [pids[over]], uuid)
+        assert (killed["pod"], killed["namespace"]) == (over, "default")  # the names the API gives
+    finally:
+        control.clear(cluster.host["root"])
+        cluster.kubectl("delete", "pods", "--all", "--wait=true", "--timeout=60s", check=False)
+        shared.stop()
