@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOOK := $(VENV)/bin/oci-gpu-hook
 DEMO_DIR ?= /tmp/oci-gpu-hook-demo
 
-.PHONY: setup demo test lint unit clean rpm bench stubs
+.PHONY: setup demo test lint unit clean rpm bench stubs image
 
 setup: $(VENV)/.installed
 
@@ -34,8 +34,8 @@ demo: $(VENV)/.installed-demo
 	$(HOOK) --config $(DEMO_DIR)/host/config.yaml info | head -24
 
 lint: setup
-	$(VENV)/bin/ruff check oci_gpu_hook tests
-	$(VENV)/bin/ruff format --check oci_gpu_hook tests bench
+	$(VENV)/bin/ruff check oci_gpu_hook tests bench deploy
+	$(VENV)/bin/ruff format --check oci_gpu_hook tests bench deploy
 	$(VENV)/bin/vermin --target=3.9- --violations --eval-annotations --no-tips oci_gpu_hook tests
 
 test: setup lint
@@ -55,6 +55,11 @@ RPM_SPEC := rpm/oci-gpu-hook.spec
 RPM_VERSION := $(shell awk '/^Version:/ {print $$2; exit}' $(RPM_SPEC))
 RPM_TOPDIR ?= $(CURDIR)/build/rpm
 RPM_SOURCES := README.md pyproject.toml oci_gpu_hook selinux rpm hooks.d docs
+
+# `make image`: the node services' image (deploy/build-image.py), built offline from this machine's
+# python3 and libraries, as a docker-archive in build/ (docs/deploy.md, "The node services").
+image: setup
+	$(PY) deploy/build-image.py --output build/oci-gpu-hook-node.tar
 
 rpm:
 	./scripts/setup-host.sh

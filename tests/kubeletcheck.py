@@ -17,18 +17,14 @@ from __future__ import annotations
 
 import base64
 import fcntl
-import hashlib
-import io
 import json
 import os
-import platform
 import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tarfile
 import time
 import urllib.error
 import urllib.request
@@ -126,49 +122,16 @@ def _builds_running(tool: str, script_name: str = "build.sh") -> list[int]:
 # --- the image ------------------------------------------------------------------------------------
 
 
-def _architecture() -> str:
-    machine = platform.machine()
-    return {"x86_64": "amd64", "aarch64": "arm64", "ppc64le": "ppc64le", "s390x": "s390x"}.get(machine, machine)
-
-
 def write_image_archive(path: str, workdir: str, name: str = IMAGE) -> str:
-    """A docker-archive tarball (manifest.json, the config JSON, one layer) of a busybox rootfs with the
-    host's glibc (so the simulated nvidia-smi runs), its default command a long sleep."""
+    """A docker-archive tarball of a busybox rootfs with the host's glibc (so the simulated
+    nvidia-smi runs), its default command a long sleep."""
     rootfs = containers.make_rootfs(os.path.join(workdir, "image-rootfs"))
     for applet in IMAGE_APPLETS:
         # Symlinks, never hard links: a hard-linked applet lost its execute bit in the imported layer.
         link = os.path.join(rootfs, "bin", applet)
         if not os.path.lexists(link):
             os.symlink("busybox", link)
-
-    def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
-        info.uname = info.gname = "root"
-        return info
-
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as tar:
-        for entry in sorted(os.listdir(rootfs)):
-            tar.add(os.path.join(rootfs, entry), arcname=entry, filter=as_root)
-    layer_bytes = layer.getvalue()
-    diff_id = hashlib.sha256(layer_bytes).hexdigest()
-    config = {
-        "architecture": _architecture(),
-        "os": "linux",
-        "config": {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": SANDBOX_COMMAND, "WorkingDir": "/"},
-        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
-        "history": [{"created_by": "tests/kubeletcheck.py"}],
-    }
-    config_bytes = json.dumps(config).encode()
-    config_name = hashlib.sha256(config_bytes).hexdigest() + ".json"
-    manifest = [{"Config": config_name, "RepoTags": [name], "Layers": [f"{diff_id}/layer.tar"]}]
-    with tarfile.open(path, "w") as archive:
-        for member, data in ((config_name, config_bytes), (f"{diff_id}/layer.tar", layer_bytes),
-                             ("manifest.json", json.dumps(manifest).encode())):  # fmt: skip
-            info = tarfile.TarInfo(member)
-            info.size = len(data)
-            info.mode = 0o644
-            archive.addfile(info, io.BytesIO(data))
+    containers.docker_archive(rootfs, path, name, SANDBOX_COMMAND)
     shutil.rmtree(rootfs)
     return path
 

@@ -63,6 +63,47 @@ def make_rootfs(path: str, debian: bool = False) -> str:
     return path
 
 
+def docker_archive(rootfs: str, path: str, name: str, cmd: Sequence[str], env: Sequence[str] = ()) -> str:
+    """A docker-archive tarball (manifest.json, the image's config, one layer) of rootfs, files
+    owned by root, named name, running cmd: what `ctr images import` and `podman load` take, so
+    that no registry is needed. Returns path."""
+    import hashlib
+    import io
+    import platform
+    import tarfile
+
+    def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        return info
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        for entry in sorted(os.listdir(rootfs)):
+            tar.add(os.path.join(rootfs, entry), arcname=entry, filter=as_root)
+    layer_bytes = layer.getvalue()
+    diff_id = hashlib.sha256(layer_bytes).hexdigest()
+    machine = platform.machine()
+    config = {
+        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine),
+        "os": "linux",
+        "config": {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", *env], "Cmd": list(cmd), "WorkingDir": "/"},
+        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
+        "history": [{"created_by": "oci_gpu_hook.toolkit.containers.docker_archive"}],
+    }
+    config_bytes = json.dumps(config).encode()
+    config_name = hashlib.sha256(config_bytes).hexdigest() + ".json"
+    manifest = [{"Config": config_name, "RepoTags": [name], "Layers": [f"{diff_id}/layer.tar"]}]
+    with tarfile.open(path, "w") as archive:
+        for member, data in ((config_name, config_bytes), (f"{diff_id}/layer.tar", layer_bytes),
+                             ("manifest.json", json.dumps(manifest).encode())):  # fmt: skip
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            info.mode = 0o644
+            archive.addfile(info, io.BytesIO(data))
+    return path
+
+
 def hook_command(config_file: str | None = None) -> list[str]:
     """argv prefix of the hook in bundles and hooks.d files made here: this interpreter and this
     copy of the package (not an installed one), with --config when one is given."""
