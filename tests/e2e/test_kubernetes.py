@@ -8,14 +8,14 @@ Two plugin configurations, one node:
   restart leaves them running with their GPUs while the plugin registers again;
 - time-slicing (4 replicas, renamed .shared, failRequestsGreaterThanOne, a per-replica memory
   limit), volume-mount device lists and the hook's strict settings: five pods share the GPUs and
-  none is refused, a pod asking for two is refused with the plugin's reason, and the watchdog
-  kills the one container that goes over its share, only that one.
+  none is refused, a pod asking for two is refused with the plugin's reason, and the hook records
+  each pod's share. (The watchdog acting on those shares, and the scheduling, MIG and time-slicing
+  ground a cluster covers, are tested against a real cluster: tests/e2e/test_cluster.py. This
+  standalone kubelet stays for what only it shows quickly: a kubelet restart under running pods,
+  the device manager's admission refusals, volume-mount lists.)
 """
 
-import json
 import re
-import subprocess
-import sys
 
 import kubeletcheck
 import pytest
@@ -122,7 +122,7 @@ def test_whole_gpus_mig_devices_and_a_kubelet_restart(cluster):
         assert plugin.stop() == 0, plugin.output()
 
 
-def test_time_sliced_gpus_refusal_and_the_watchdog(cluster):
+def test_time_sliced_gpus_through_volume_mounts_and_a_refusal(cluster):
     node, host, hook_config, records, tmp = cluster
     # Only the plugin's mounts choose GPUs for unprivileged containers (pods are).
     assert hook_settings(host, tmp, records, STRICT) == hook_config
@@ -156,19 +156,8 @@ def test_time_sliced_gpus_refusal_and_the_watchdog(cluster):
         quarter = by_uuid[shared_uuid].memory_total // 4
         assert limits[pids[over]] == limits[pids[under]] == {shared_uuid: quarter}
 
-        control.write(host["root"], processes=[(shared_uuid, pids[over], quarter + (64 << 20)),
-                                                (shared_uuid, pids[under], quarter // 2)])  # fmt: skip
-        out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", hook_config, "watchdog",
-                              "--once"], capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        node.wait_for_phase(over, ("Failed", "Succeeded"))
-        for name in names:
-            if name != over:
-                assert node.pod(name)["status"]["phase"] == "Running"
-                assert node.container_pid(name) == pids[name]
-        (killed,) = [json.loads(line) for line in out.stdout.splitlines()]
-        assert (killed["action"], killed["pids"], killed["device"]) == ("kill", [pids[over]], shared_uuid)
-        assert (killed["pod"], killed["namespace"]) == (node.full_name(over), "default")  # from containerd
+        # What the watchdog then does with those shares is tested against the cluster
+        # (tests/e2e/test_cluster.py), where the API shows the restart.
     finally:
         control.clear(host["root"])
         for name in names + ["two"]:
