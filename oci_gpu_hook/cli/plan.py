@@ -29,7 +29,8 @@ def plan(obj, bundle, as_json, no_cache):
         if as_json:
             click.echo(json.dumps({"gpu_container": False, "operations": []}, indent=2))
         else:
-            click.echo("not a GPU container (NVIDIA_VISIBLE_DEVICES unset, empty or void): the hook does nothing")
+            click.echo("not a GPU container for the hook (NVIDIA_VISIBLE_DEVICES unset, empty or void, or the "
+                       "runtime applied its CDI devices itself): the hook does nothing")  # fmt: skip
         return
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))  # ASCII: json escapes every control character

@@ -551,7 +551,20 @@ def decide(spec, settings, inventory_for) -> Plan | None:
     gpu_request = request_module.parse_request(spec, settings)
     if gpu_request is None:
         return None
-    return decide_for(gpu_request, inventory_for(), layout_of(spec.rootfs), settings, spec)
+    plan = decide_for(gpu_request, inventory_for(), layout_of(spec.rootfs), settings, spec)
+    if gpu_request.source == "cdi-annotation" and applied_by_the_runtime(plan, spec):
+        return None
+    return plan
+
+
+def applied_by_the_runtime(plan: Plan, spec) -> bool:
+    """Whether the runtime has already put this plan's driver files into the container: a runtime
+    that applies CDI (CRI-O; containerd 1.7+) resolves the same cdi.k8s.io annotations the hook
+    reads with accept_cdi_annotations, against the spec `cdi generate` wrote from the same plan,
+    and the hook would then find the runtime's mounts where its own go. Told by the sources: the
+    targets may differ (the spec's library layout is not the image's)."""
+    mounted = {m.source for m in spec.mounts}
+    return any(isinstance(op, BindMount) and op.source in mounted for op in plan.operations)
 
 
 def decide_for(gpu_request: GpuRequest, inventory: Inventory, layout: LibraryLayout, settings, spec=None,

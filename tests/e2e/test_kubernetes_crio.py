@@ -129,13 +129,24 @@ def generate_cdi_spec(node, hook_config) -> None:
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("strategy", ["envvar", "volume-mounts", "cdi-annotations", "cdi-cri"])
-def test_each_allocate_answer_reaches_the_container_through_crio(node, strategy):
+ANSWERS = [("envvar", False), ("volume-mounts", False), ("cdi-annotations", False), ("cdi-cri", False),
+           ("cdi-annotations", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize("strategy, hook_reads_annotations", ANSWERS,
+                         ids=[f"{s}{'-and-the-hook' if h else ''}" for s, h in ANSWERS])  # fmt: skip
+def test_each_allocate_answer_reaches_the_container_through_crio(node, strategy, hook_reads_annotations):
+    """hook_reads_annotations: the hook's accept_cdi_annotations on too (meant for runtimes that do
+    not apply CDI): it sees that CRI-O applied the devices, and stands down."""
     node, host, hook_config, records, tmp = node
     if strategy.startswith("cdi"):
         generate_cdi_spec(node, hook_config)
+    if hook_reads_annotations:  # the same file, rewritten: the hooks.d entry names it
+        assert config_with(host, tmp, f"records_directory: {records}\n{SETTINGS}accept_cdi_annotations: true\n") == (
+            hook_config
+        )
     plugin = kubeletcheck.DevicePlugin(hook_config, node, tmp, plugin_config(strategy), f"plugin-{strategy}")
-    name = f"answer-{strategy}"
+    name = f"answer-{strategy}{'-hook' if hook_reads_annotations else ''}"
     try:
         node.wait_for_resource("nvidia.com/gpu", 3)
         node.add_pod(name, SHOW, limits={"nvidia.com/gpu": 2})
@@ -163,3 +174,4 @@ def test_each_allocate_answer_reaches_the_container_through_crio(node, strategy)
         assert plugin.stop() == 0, plugin.output()
         if strategy.startswith("cdi"):
             os.unlink(os.path.join(node.cdi_dir, "oci-gpu-hook.yaml"))
+        config_with(host, tmp, f"records_directory: {records}\n{SETTINGS}")

@@ -188,3 +188,32 @@ def test_info_json_agrees_with_the_simulator(hook_cli, host):
     assert libs == {f"/usr/lib64/{vdpau.get(lib['prefix'], '')}{lib['prefix']}.{host['driver_version']}"
                     for lib in host["libraries"]}  # fmt: skip
     assert all(g["brand"] == "Tesla" and g["compute_capability"] == "8.0" for g in info["gpus"])
+
+
+def test_cdi_devices_the_runtime_applied_are_not_applied_again(host, tmp_path):
+    """With accept_cdi_annotations, the hook reads the cdi.k8s.io annotations a runtime that
+    applies CDI (CRI-O) has already applied from the spec `cdi generate` wrote: finding those
+    mounts in config.json, it stands down instead of failing on them."""
+    from hookcheck import config_with
+
+    from oci_gpu_hook.start import inventory_cache
+    from oci_gpu_hook.start import settings as settings_module
+    from oci_gpu_hook.start import spec as spec_module
+    from oci_gpu_hook.start.plan import decide
+    from oci_gpu_hook.toolkit import cdi
+
+    settings = settings_module.load(config_with(host, tmp_path, "accept_cdi_annotations: true\n"))
+    inventory = inventory_cache.load(settings)
+    gpu = host["gpus"][0]["uuid"]
+    edits = cdi.build_spec(inventory, settings)["containerEdits"]
+    applied = [{"destination": m["containerPath"], "source": m["hostPath"], "type": "bind"} for m in edits["mounts"]]
+
+    def decided(mounts):
+        doc = {"root": {"path": "rootfs"}, "process": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}, "mounts": mounts,
+               "annotations": {"cdi.k8s.io/oci-gpu-hook_nvidia.com_gpu": f"nvidia.com/gpu={gpu}"}}  # fmt: skip
+        return decide(spec_module.parse(doc, str(tmp_path)), settings, lambda: inventory)
+
+    assert [d.gpu.uuid for d in decided([]).devices] == [gpu]  # a runtime without CDI: the hook acts
+    assert decided(applied) is None  # the runtime did it: nothing to do again
+    unrelated = [{"destination": "/etc/hosts", "source": "/etc/hosts", "type": "bind"}]
+    assert [d.gpu.uuid for d in decided(unrelated).devices] == [gpu]
