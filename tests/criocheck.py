@@ -216,8 +216,7 @@ class Node:
         while self.state(cid) != "CONTAINER_EXITED":
             assert time.monotonic() < deadline, f"{name} did not exit"
             time.sleep(0.1)
-        with open(os.path.join(self.pod["log_directory"], f"{name}.{attempt}.log")) as f:
-            return "".join(line.split(" ", 3)[3] for line in f if line.count(" ") >= 3)
+        return kubeletcheck.cri_log(os.path.join(self.pod["log_directory"], f"{name}.{attempt}.log"))
 
     def run_pod(self, containers_: dict, pod_name: str = "gpu-pod", namespace: str = "team") -> dict:
         """A pod with containers {name: (env, command)}, each waited for; returns {name: (its output,

@@ -184,6 +184,17 @@ def _file_hash(path):
         return e.errno
 
 
+def prefilter_for_this_checkout(directory) -> tuple:
+    """(the compiled pre-filter, the launcher of this checkout it runs), built in directory."""
+    from oci_gpu_hook.toolkit import launcher, prefilter
+
+    python = os.path.join(str(directory), "oci-gpu-hook-python")
+    with open(python, "w") as f:
+        f.write(launcher.for_this_install())
+    os.chmod(python, 0o755)
+    return prefilter.build(os.path.join(str(directory), "oci-gpu-hook"), python), python
+
+
 def config_with(host: dict, tmp_path, extra: str) -> str:
     """A configuration file of the test's own: the simulated host's, plus the YAML lines extra."""
     path = os.path.join(str(tmp_path), "config.yaml")

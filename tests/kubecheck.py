@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 
 import kubeletcheck
 
@@ -264,16 +263,8 @@ class Cluster(kubeletcheck.Node):
     def log_of(self, pod: dict, container: str = kubeletcheck.CONTAINER) -> str:
         """What a pod's container wrote, from the CRI log files under /var/log/pods."""
         meta = pod["metadata"]
-        directory = os.path.join(kubeletcheck.POD_LOGS_DIR, f"{meta['namespace']}_{meta['name']}_{meta['uid']}",
-                                 container)  # fmt: skip
-        text = []
-        for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-            with open(os.path.join(directory, name), errors="replace") as f:
-                for line in f:
-                    parts = line.rstrip("\n").split(" ", 3)
-                    if len(parts) == 4:
-                        text.append(parts[3] + ("\n" if parts[2] == "F" else ""))
-        return "".join(text)
+        pod_dir = f"{meta['namespace']}_{meta['name']}_{meta['uid']}"
+        return kubeletcheck.container_log(os.path.join(kubeletcheck.POD_LOGS_DIR, pod_dir, container))
 
     def wait_until(self, condition, timeout: float, what: str) -> None:
         self._wait(condition, timeout, what)
@@ -311,11 +302,3 @@ def host_state() -> dict:
         out = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
         state["iptables"] = [line for line in out.splitlines() if not line.startswith("#")]
     return state
-
-
-def wait(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.5)

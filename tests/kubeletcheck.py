@@ -707,19 +707,7 @@ class Node:
         runtime writes under /var/log/pods/<namespace>_<full name>_<uid>/<container>/<restart>.log."""
         uid = self._uids.get(name) or (self.pod(name) or {}).get("metadata", {}).get("uid")
         directory = os.path.join(POD_LOGS_DIR, f"{NAMESPACE}_{self.full_name(name)}_{uid}", CONTAINER)
-        try:
-            files = sorted(os.listdir(directory), key=lambda n: int(n.split(".")[0]) if n[0].isdigit() else -1)
-        except FileNotFoundError:
-            return ""
-        text = []
-        for file in files:
-            with open(os.path.join(directory, file), errors="replace") as f:
-                for line in f:
-                    # CRI format: TIMESTAMP STREAM TAG MESSAGE, TAG P for a partial line, F for its end.
-                    parts = line.rstrip("\n").split(" ", 3)
-                    if len(parts) == 4:
-                        text.append(parts[3] + ("\n" if parts[2] == "F" else ""))
-        return "".join(text)
+        return container_log(directory)
 
     def wait_for_log(self, name: str, text: str, timeout: float = 30) -> str:
         """Wait until the pod's log holds text; returns the log."""
@@ -853,6 +841,28 @@ class DevicePlugin:
                 self.proc.wait()
         self.log.close()
         return self.proc.returncode
+
+
+def container_log(directory: str) -> str:
+    """What a container wrote, from the CRI log files in its log directory (one per restart, in
+    restart order); empty when there are none yet."""
+    try:
+        files = sorted(os.listdir(directory), key=lambda n: int(n.split(".")[0]) if n[0].isdigit() else -1)
+    except FileNotFoundError:
+        return ""
+    return "".join(cri_log(os.path.join(directory, file)) for file in files)
+
+
+def cri_log(path: str) -> str:
+    """The text of one CRI log file: TIMESTAMP STREAM TAG MESSAGE lines, TAG P for a partial line
+    and F for its end."""
+    text = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(" ", 3)
+            if len(parts) == 4:
+                text.append(parts[3] + ("\n" if parts[2] == "F" else ""))
+    return "".join(text)
 
 
 def host_state() -> dict:

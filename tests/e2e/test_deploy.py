@@ -17,6 +17,7 @@ import glob
 import os
 import re
 
+import hookcheck
 import kubecheck
 import kubeletcheck
 import pytest
@@ -117,7 +118,12 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
     assert sorted(s["name"] for s in pod["status"]["containerStatuses"]) == [
         "device-plugin", "exporter", "labels", "watchdog"]  # fmt: skip
     cluster.wait_until(lambda: allocatable(cluster) == "3", 60, "the pod's plugin to offer three GPUs")
-    assert not [c for c in kubecheck.host_state()["programs"] if "python" in c]  # no plugin on the host
+    # The only device plugin running is the pod's: every such process is in the pod's cgroup.
+    plugins = [pid for pid, argv in hookcheck.command_lines().items() if b"device-plugin" in argv]
+    assert plugins
+    for pid in plugins:
+        with open(f"/proc/{pid}/cgroup") as f:
+            assert f"pod{pod['metadata']['uid']}" in f.read(), pid
 
 
 def test_a_gpu_pod_and_the_exporter_through_its_service(deployed):

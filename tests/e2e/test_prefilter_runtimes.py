@@ -15,7 +15,7 @@ import criocheck
 import hookcheck
 import pytest
 
-from oci_gpu_hook.toolkit import containers, install, launcher, prefilter
+from oci_gpu_hook.toolkit import containers, install
 
 pytestmark = pytest.mark.host(gpus=2, mig=[], needs=("runc", "busybox", "podman", "conmon", "strace"))
 
@@ -23,11 +23,7 @@ pytestmark = pytest.mark.host(gpus=2, mig=[], needs=("runc", "busybox", "podman"
 @pytest.fixture(scope="module")
 def program(host, tmp_path_factory):
     """(the pre-filter, the argv prefix runtimes run it with)."""
-    work = tmp_path_factory.mktemp("prefilter-e2e")
-    python = work / "oci-gpu-hook-python"
-    python.write_text(launcher.for_this_install())
-    python.chmod(0o755)
-    built = prefilter.build(str(work / "oci-gpu-hook"), str(python))
+    built, _ = hookcheck.prefilter_for_this_checkout(tmp_path_factory.mktemp("prefilter-e2e"))
     return built, [built, "--config", f"{host['root']}/config.yaml"]
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import prestart, spec, state
-from oci_gpu_hook.toolkit import launcher, prefilter
+from oci_gpu_hook.toolkit import prefilter
 
 DEFERRED = 42  # the recording stand-in for the Python hook exits with this
 
@@ -143,11 +143,9 @@ def test_other_command_lines_go_to_python_untouched(built, argv):
 @pytest.fixture(scope="module")
 def fronting_python(tmp_path_factory, require_module):
     """The pre-filter in front of this checkout's real Python hook (a launcher of its own)."""
-    work = tmp_path_factory.mktemp("prefilter-real")
-    hook = work / "oci-gpu-hook.py"
-    hook.write_text(launcher.for_this_install())
-    hook.chmod(0o755)
-    return prefilter.build(str(work / "oci-gpu-hook"), str(hook)), str(hook)
+    from hookcheck import prefilter_for_this_checkout
+
+    return prefilter_for_this_checkout(tmp_path_factory.mktemp("prefilter-real"))
 
 
 @pytest.mark.parametrize("case", ["bad-state", "missing-bundle", "oversized-config", "bad-config", "gpu-error"])

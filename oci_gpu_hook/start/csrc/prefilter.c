@@ -211,6 +211,15 @@ static int parse_string(struct parser *ps, const char **text, size_t *length) {
 
 static int digit(const unsigned char *p, const unsigned char *end) { return p < end && *p >= '0' && *p <= '9'; }
 
+/* Past one or more digits, or NULL where there is none. */
+static const unsigned char *digits_after(const unsigned char *p, const unsigned char *end) {
+    if (!digit(p, end))
+        return NULL;
+    while (digit(p, end))
+        p++;
+    return p;
+}
+
 /* Python's number grammar: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][-+]?[0-9]+)?; NaN and Infinity,
  * which Python also takes, are left to it. */
 static int parse_number(struct parser *ps, struct value *v) {
@@ -229,21 +238,16 @@ static int parse_number(struct parser *ps, struct value *v) {
     size_t ndigits = (size_t)(p - digits);
     int integral = 1;
     if (p < ps->end && *p == '.') {
-        p++;
-        if (!digit(p, ps->end))
+        if (!(p = digits_after(p + 1, ps->end)))
             return 0;
-        while (digit(p, ps->end))
-            p++;
         integral = 0;
     }
     if (p < ps->end && (*p == 'e' || *p == 'E')) {
         p++;
         if (p < ps->end && (*p == '+' || *p == '-'))
             p++;
-        if (!digit(p, ps->end))
+        if (!(p = digits_after(p, ps->end)))
             return 0;
-        while (digit(p, ps->end))
-            p++;
         integral = 0;
     }
     v->kind = integral ? J_INT : J_NUMBER;
