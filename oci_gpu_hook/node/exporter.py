@@ -27,7 +27,7 @@ def log(message: str) -> None:
 def parse_listen(value: str) -> tuple[str, int]:
     """HOST:PORT, :PORT or [IPv6]:PORT -> (host, port); an empty host means every IPv4 address."""
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise UsageError(f"--listen {value!r}: expected HOST:PORT or :PORT (port 1-65535)")
     return host.strip("[]"), int(port)
 

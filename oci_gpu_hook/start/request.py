@@ -14,15 +14,19 @@ import os
 from oci_gpu_hook.errors import RequestError, printable
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import driver
+from oci_gpu_hook.start.prestart import RULE
 from oci_gpu_hook.start.requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
 from oci_gpu_hook.start.settings import Settings
 from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR, Spec, volume_mount_device
 
-VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+# The names the hook's first test (prestart.may_ask_for_gpus, and the pre-filter) reads, from there.
+VISIBLE_DEVICES = RULE["VISIBLE_DEVICES"]
+NO_DEVICES = RULE["NO_DEVICES"]
+LEGACY_VARIABLE = RULE["LEGACY_VARIABLE"]
+CDI_ANNOTATION_PREFIX = RULE["ANNOTATION_PREFIX"]
 DRIVER_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
 MIG_CONFIG_DEVICES = "NVIDIA_MIG_CONFIG_DEVICES"
 MIG_MONITOR_DEVICES = "NVIDIA_MIG_MONITOR_DEVICES"
-CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 PRIVILEGED_CAPABILITY = "CAP_SYS_ADMIN"
 MAX_VALUE_LENGTH = 64 << 10
 MAX_DEVICE_IDS = 1024
@@ -130,7 +134,7 @@ def parse_device_list(value: str, name: str) -> tuple[str, ...] | None:
     _bounded(name, value)
     entries = [entry.strip() for entry in value.split(",")]
     entries = [entry for entry in entries if entry]  # empty entries are tolerated, as by NVIDIA
-    if not entries or "void" in entries:
+    if not entries or NO_DEVICES in entries:
         return None
     for position, entry in enumerate(entries):
         if entry.lower() == ALL:
@@ -238,15 +242,15 @@ def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
     env = spec.env
     privileged = PRIVILEGED_CAPABILITY in spec.bounding_capabilities
     # Images built before NVIDIA_REQUIRE_CUDA existed carry only CUDA_VERSION.
-    legacy = "CUDA_VERSION" in env and not env.get("NVIDIA_REQUIRE_CUDA")
+    legacy = LEGACY_VARIABLE in env and not env.get("NVIDIA_REQUIRE_CUDA")
     devices, source = select_devices(spec, settings, privileged, legacy)
     if devices is None:
         return None
     requirements = parse_requirements(env)
-    if legacy and env["CUDA_VERSION"]:
+    if legacy and env[LEGACY_VARIABLE]:
         requirements = parse_requirements(
             {
-                "NVIDIA_REQUIRE_CUDA": legacy_cuda_requirement(env["CUDA_VERSION"]),
+                "NVIDIA_REQUIRE_CUDA": legacy_cuda_requirement(env[LEGACY_VARIABLE]),
                 **{k: v for k, v in env.items() if k != "NVIDIA_REQUIRE_CUDA"},
             }
         )

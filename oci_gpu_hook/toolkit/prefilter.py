@@ -108,14 +108,11 @@ def build(output: str, python_hook: str, launcher_options=(), cc: str | None = N
     with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-prefilter-") as work:
         with open(os.path.join(work, "prefilter_rule.h"), "w") as f:
             f.write(header(python_hook, launcher_options))
-        built = os.path.join(work, "prefilter")
-        done = subprocess.run([cc, *CFLAGS, "-I", work, "-o", built, SOURCE], capture_output=True, text=True,
+        done = subprocess.run([cc, *CFLAGS, "-I", work, "-o", output, SOURCE], capture_output=True, text=True,
                               stdin=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                                              "LC_ALL": "C"})  # fmt: skip
         if done.returncode != 0:
             first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
             raise PrefilterError(f"{cc}: cannot build the pre-filter: {first[:300]}")
-        os.chmod(built, 0o755)
-        shutil.copyfile(built, output)
-        os.chmod(output, 0o755)
+    os.chmod(output, 0o755)
     return output
