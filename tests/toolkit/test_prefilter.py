@@ -5,38 +5,69 @@ Python rule, on one corpus (prefilter_corpus.py) and on seeded random edits of i
 - everything else goes to the Python hook with the same arguments and the same state bytes;
 - a bad state, a missing bundle and an oversized config get the Python hook's line and status;
 - it opens nothing but config.json and runs nothing but the Python hook.
-The runtimes run it in tests/e2e/test_prefilter_runtimes.py.
+The corpus and the random edits run twice: through the build install makes (with -Werror here, so
+that a new warning fails the suite and not a host's install), and through the same main built with
+AddressSanitizer and UBSan, every check on, alignment included, stopping at the first report. Only
+the real main's layout shows how the arena sits in its mapping (issue 36, item 5); a harness with
+an arena of its own cannot. The runtimes run it in tests/e2e/test_prefilter_runtimes.py.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 
+import hookcheck
 import prefilter_corpus
 import pytest
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import prestart, spec, state
-from oci_gpu_hook.toolkit import prefilter
+from oci_gpu_hook.toolkit import install, launcher, prefilter
 
 DEFERRED = 42  # the recording stand-in for the Python hook exits with this
+STRICT = ("-Werror",)
+# gcc's -fsanitize=undefined has the alignment check; the float checks and bounds-strict are not
+# in it. -U_FORTIFY_SOURCE: the fortified string functions would go around ASan's own.
+SANITIZERS = ("-fsanitize=address,undefined,float-divide-by-zero,float-cast-overflow,bounds-strict",
+              "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g", "-U_FORTIFY_SOURCE")  # fmt: skip
+SANITIZER_ENV = {"UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+                 "ASAN_OPTIONS": "halt_on_error=1:abort_on_error=0:detect_leaks=1:strict_string_checks=1:"
+                                 "detect_stack_use_after_return=1:check_initialization_order=1"}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, require_module):
-    """(the pre-filter, its recording Python hook, the shared bundle)."""
-    work = tmp_path_factory.mktemp("prefilter")
+def build_recorded(work, flags) -> tuple:
+    """(the pre-filter built with flags, its directory, a bundle of its own), in front of a
+    recording stand-in for the Python hook."""
     recorder = work / "python-hook"
     recorder.write_text(
         '#!/bin/sh\nfor a; do printf "%s\\n" "$a"; done > "$RECORD.argv"\ncat > "$RECORD.stdin"\nexit 42\n'
     )
     recorder.chmod(0o755)
-    program = prefilter.build(str(work / "prefilter"), str(recorder))
+    program = prefilter.build(str(work / "prefilter"), str(recorder), flags=flags)
     bundle = work / "bundle"
     bundle.mkdir()
     return program, work, str(bundle)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, require_module):
+    """(the pre-filter, its recording Python hook, the shared bundle)."""
+    return build_recorded(tmp_path_factory.mktemp("prefilter"), STRICT)
+
+
+@pytest.fixture(scope="module")
+def sanitized(tmp_path_factory, require_module):
+    """The same, built with ASan and UBSan: any report ends it with a status run() refuses."""
+    return build_recorded(tmp_path_factory.mktemp("prefilter-sanitized"), STRICT + SANITIZERS)
+
+
+@pytest.fixture(params=["built", "sanitized"])
+def each_build(request):
+    return request.getfixturevalue(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +92,7 @@ def run(program: str, work, data: bytes, argv=("prestart",)) -> tuple:
         if os.path.exists(record + suffix):
             os.unlink(record + suffix)
     done = subprocess.run([program, *argv], input=data, capture_output=True, timeout=30,
-                          env={"RECORD": record, "PATH": "/usr/bin:/bin"})  # fmt: skip
+                          env={"RECORD": record, "PATH": "/usr/bin:/bin", **SANITIZER_ENV})  # fmt: skip
     if done.returncode == 0:
         assert not os.path.exists(record + ".argv") and done.stderr == b"", done.stderr
         return "skip", None, None
@@ -98,15 +129,16 @@ CORPUS = prefilter_corpus.cases(lambda name: "%BUNDLE%")
 
 
 @pytest.mark.parametrize("index", range(len(CORPUS)), ids=[c[0] for c in CORPUS])
-def test_agrees_with_the_python_rule_on_the_corpus(built, index):
-    name, data, doc, exact = prefilter_corpus.cases(lambda _: built[2])[index]
-    check_case(built, name, data, doc, exact)
+def test_agrees_with_the_python_rule_on_the_corpus(each_build, index):
+    name, data, doc, exact = prefilter_corpus.cases(lambda _: each_build[2])[index]
+    check_case(each_build, name, data, doc, exact)
 
 
-def test_never_skips_where_python_would_not_on_random_edits(built):
+def test_never_skips_where_python_would_not_on_random_edits(each_build):
     """600 seeded edits of the corpus (bytes flipped, dropped, repeated, cut): whatever the input,
     an exit 0 of its own is one Python would give too."""
-    decided = [check_case(built, *case) for case in prefilter_corpus.mutations(29, 600, lambda _: built[2])]
+    bundle = each_build[2]
+    decided = [check_case(each_build, *case) for case in prefilter_corpus.mutations(29, 600, lambda _: bundle)]
     assert "skip" in decided and "defer" in decided  # both ways were taken
 
 
@@ -212,3 +244,63 @@ def test_no_compiler_says_so_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler-here")
     with pytest.raises(prefilter.PrefilterError, match="no C compiler"):
         prefilter.build(str(tmp_path / "p"), "/x")
+
+
+def compiler_wrapper(directory, *options) -> str:
+    """A directory whose cc is the real gcc with options added after the build's own (what
+    compiler() finds first on PATH): a compiler that is there but differs from the suite's."""
+    os.makedirs(directory, exist_ok=True)
+    cc = os.path.join(str(directory), "cc")
+    with open(cc, "w") as f:
+        f.write(f'#!/bin/sh\nexec {shutil.which("gcc")} "$@" {" ".join(options)}\n')
+    os.chmod(cc, 0o755)
+    return str(directory)
+
+
+def test_a_new_warning_does_not_fail_the_install_build(tmp_path, require):
+    """A newer compiler warns where this one does not (here -Wpadded, on struct value): install's
+    build still succeeds; only the suite's strict build makes warnings fatal."""
+    require("gcc")
+    cc = os.path.join(compiler_wrapper(tmp_path / "bin", "-Wpadded"), "cc")
+    with pytest.raises(prefilter.PrefilterError, match="Werror=padded"):
+        prefilter.build(str(tmp_path / "strict"), "/x", cc=cc, flags=STRICT)  # the warning is there
+    assert prefilter.is_prefilter(prefilter.build(str(tmp_path / "p"), "/x", cc=cc))
+
+
+@pytest.fixture
+def broken_compiler(tmp_path, require):
+    """(a --root tree, the CLI's environment): the first cc on PATH cannot find the C library's
+    headers (gcc -nostdinc), as on a host with gcc but no libc development package."""
+    require("gcc")
+    assert install.hook_command() == [launcher.LAUNCHER], "an installed /usr/bin/oci-gpu-hook: no build to try"
+    root = tmp_path / "root"
+    (root / "etc/containers").mkdir(parents=True)
+    path = compiler_wrapper(tmp_path / "bin", "-nostdinc") + ":" + os.environ.get("PATH", "/usr/bin:/bin")
+    env = {k: v for k, v in os.environ.items() if k != "CC"}
+    return str(root), dict(env, PATH=path, LC_ALL="C")
+
+
+def test_install_falls_back_to_the_launcher_where_the_compiler_cannot_build(broken_compiler, hook_cli):
+    """Asked for nothing (no --prefilter, no --no-prefilter): the launcher where runtimes run the
+    hook, one warning line, exit 0."""
+    root, env = broken_compiler
+    done = hook_cli("install", "--root", root, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("oci-gpu-hook: warning: the pre-filter could not be built (")
+    assert "errno.h" in done.stderr and done.stderr.endswith("): runtimes run the launcher\n"), done.stderr
+    assert launcher.is_launcher(root + launcher.LAUNCHER) and not os.path.lexists(root + launcher.PYTHON_LAUNCHER)
+    with open(os.path.join(root, install.HOOKS_D_FILE.lstrip("/"))) as f:
+        assert json.load(f)["hook"]["path"] == launcher.LAUNCHER
+    assert f"wrote {root}{launcher.LAUNCHER}" in done.stdout.splitlines()
+
+
+def test_install_prefilter_fails_in_one_line_and_writes_nothing(broken_compiler, hook_cli):
+    """--prefilter asks for it: the same compiler is a one-line error, and the tree is unchanged."""
+    root, env = broken_compiler
+    before = hookcheck.tree(root, contents=True, times=True)
+    done = hook_cli("install", "--prefilter", "--root", root, env=env)
+    assert done.returncode != 0 and done.stdout == "", done.stdout
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "cannot build the pre-filter" in done.stderr and "errno.h" in done.stderr, done.stderr
+    assert hookcheck.tree(root, contents=True, times=True) == before

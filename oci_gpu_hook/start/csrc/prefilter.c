@@ -53,13 +53,26 @@ struct value {
     struct value *first, *next;
 };
 
+/* Every region carved from the one mapping, and every block the arena hands out, starts at a
+ * multiple of this, so that anything C may store there (a struct value above all) is aligned as it
+ * requires. The inputs' rooms are one byte over a power of two: laid end to end unrounded, they put
+ * the arena, and so every value, 2 bytes past a multiple of 8 (issue 36). */
+#define ALIGNMENT _Alignof(max_align_t)
+_Static_assert((ALIGNMENT & (ALIGNMENT - 1)) == 0, "an alignment is a power of two");
+_Static_assert(_Alignof(struct value) <= ALIGNMENT, "a value fits the arena's alignment");
+
+/* n rounded up to ALIGNMENT; n is bounded by the mapping's size, far from overflowing. */
+static size_t aligned(size_t n) { return (n + ALIGNMENT - 1) & ~(size_t)(ALIGNMENT - 1); }
+
 struct arena {
-    char *base;
+    char *base; /* aligned: the mapping's start plus aligned rooms */
     size_t used, size;
 };
 
 static void *take(struct arena *a, size_t n) {
-    n = (n + 15) & ~(size_t)15;
+    if (n > a->size - a->used) /* before rounding: n stays small, so aligned(n) cannot wrap */
+        return NULL;
+    n = aligned(n);
     if (n > a->size - a->used)
         return NULL;
     void *p = a->base + a->used;
@@ -618,8 +631,9 @@ int main(int argc, char **argv) {
     /* Everything below lives in one mapping of a fixed size, touched only as far as it is used:
      * the two inputs, and the values parsed from them. A document whose values do not fit (far
      * more nodes per byte than any runtime writes) goes to Python whole. */
-    size_t state_room = RULE_MAX_STATE_BYTES + 1, config_room = RULE_MAX_CONFIG_BYTES + 1;
-    size_t values = 2 * (state_room + config_room) + (1 << 20);
+    /* Each room rounded up, so each region starts aligned (mmap's start is page-aligned). */
+    size_t state_room = aligned(RULE_MAX_STATE_BYTES + 1), config_room = aligned(RULE_MAX_CONFIG_BYTES + 1);
+    size_t values = aligned(2 * (state_room + config_room) + (1 << 20));
     size_t size = state_room + config_room + values;
     void *map = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (map == MAP_FAILED)
