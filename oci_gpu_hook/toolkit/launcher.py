@@ -11,7 +11,9 @@ on every container start), imports re, and Docker's program would add a shell in
 - The package's directory is appended, after the standard library, so that nothing installed
   beside the package can stand in for a standard module.
 - Everything the launched process loads must be root's alone: it runs as root on every
-  container start, so whoever can change any of it runs code as root (`check_trusted`).
+  container start, so whoever can change any of it runs code as root (`check_trusted`). That
+  includes what the dynamic loader maps: an interpreter built with --enable-shared maps
+  libpython from its RUNPATH, extension modules map their own libraries (ldso.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 
 from oci_gpu_hook.errors import Exit, HookError, printable
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
+from oci_gpu_hook.toolkit import ldso
 
 MARKER = "# oci-gpu-hook launcher"
 # Where install puts the launcher when no RPM's /usr/bin/oci-gpu-hook is one: a directory of its
@@ -86,12 +89,16 @@ def check_trusted(interpreter: str | None = None, parent: str | None = None) -> 
     """Refuse a launcher whose process could load anything that anyone but root could change.
 
     The process runs as root on every container start (and as the node services), and loads:
-    the interpreter; the venv's pyvenv.cfg, whose `home` names the standard library (-I and -S
-    do not stop that); the standard library; the package; and, once site runs for the CLI and
-    for a changed configuration, every directory site puts on sys.path and the .pth files there.
+    the interpreter and what the dynamic loader maps for it (its loader, the libraries it NEEDs,
+    libpython for an --enable-shared build, each found as the loader finds it); the venv's
+    pyvenv.cfg, whose `home` names the standard library (-I and -S do not stop that); the
+    standard library; the package; and, once site runs for the CLI and for a changed
+    configuration, every directory site puts on sys.path and the .pth files there; the
+    extension modules in all of these, and what the loader maps for each of them.
     Each is checked as the hook checks its mount sources (HostSources: every directory on the way
     root's and not writable by others), and every file and directory in each importable tree must
-    be root's and writable by no one else."""
+    be root's and writable by no one else. Last, a start as a runtime makes it imports the hook
+    with the interpreter and every file its process maps is checked the same way."""
     interpreter = interpreter or sys.executable
     parent = parent or package_parent()
     sources = HostSources()
@@ -99,11 +106,55 @@ def check_trusted(interpreter: str | None = None, parent: str | None = None) -> 
         _trusted(sources, interpreter, "file")
         for config in _venv_configs(interpreter):
             _trusted(sources, config, "file")
+        # Before the interpreter first runs (to ask for its import path): read from the files,
+        # never by running it or the loader, since that would run a user's library as root.
+        loader = ldso.Loader(sources)
+        _checked(loader.program, interpreter)
         seen: set = set()
+        objects: list = []
         for entry in _import_path(interpreter) + [parent]:
-            _trusted_tree(sources, entry, seen)
+            _trusted_tree(sources, entry, seen, objects)
+        for path in objects:
+            _checked(loader.dlopen, path)
+        for path in _mapped_at_start(interpreter, parent):
+            _trusted(sources, path, "file")
     finally:
         sources.close()
+
+
+def _checked(follow, path: str) -> None:
+    """follow(path) (a Loader's), its refusals made the launcher's."""
+    try:
+        follow(path)
+    except UntrustedSource as e:
+        _refuse(e.path, e.why)
+    except OSError as e:
+        raise LauncherError(f"{e.filename or path}: {e.strerror}") from None
+
+
+def _mapped_at_start(interpreter: str, parent: str) -> list:
+    """The files the interpreter's process maps once it has imported the hook, as a runtime starts
+    it (-I -S, no environment), read from its own /proc/self/maps: the loader's truth on this host,
+    whatever the ELF files did not say (a library the hook's imports dlopen()). Run only once all
+    that the files say it loads was found root's."""
+    import subprocess
+
+    code = (f"import sys; sys.path.append({parent!r}); import oci_gpu_hook.hook; "
+            "sys.stdout.write(open('/proc/self/maps').read())")  # fmt: skip
+    try:
+        done = subprocess.run([interpreter, "-I", "-S", "-c", code], capture_output=True, env={}, cwd="/",
+                              timeout=60)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LauncherError(f"{interpreter}: cannot start it as a runtime does: {e}") from None
+    if done.returncode != 0:
+        raise LauncherError(f"{interpreter}: cannot import the hook as a runtime starts it: "
+                            f"{printable(done.stderr.decode(errors='replace').strip()[-200:])}")  # fmt: skip
+    paths = []
+    for line in done.stdout.decode("utf-8", "surrogateescape").splitlines():
+        fields = line.split(None, 5)  # address perms offset dev inode path
+        if len(fields) == 6 and fields[5].startswith("/") and not fields[5].endswith(" (deleted)"):
+            paths.append(fields[5])
+    return list(dict.fromkeys(paths))
 
 
 def _venv_configs(interpreter: str) -> list:
@@ -177,11 +228,17 @@ def _importable(name: str) -> bool:
     return name.split(".", 1)[0].isidentifier() or name.endswith(".pth")
 
 
-def _trusted_tree(sources: HostSources, top: str, seen: set) -> None:
+def _shared_object(name: str) -> bool:
+    """Whether a file in an importable tree may be one the loader maps (an extension module, a
+    library a wheel ships beside it): *.so, *.so.N."""
+    return name.endswith(".so") or ".so." in name
+
+
+def _trusted_tree(sources: HostSources, top: str, seen: set, objects: list) -> None:
     """top (a sys.path entry: a directory, or a zip file) and every importable entry under it:
     root's and writable by no one else; a symlink's target is checked from its own path. An entry
     that does not exist (python311.zip, usually) must stay so: its nearest existing directory
-    must be one only root can change."""
+    must be one only root can change. objects: gets the shared objects found, for the loader."""
     if not os.path.lexists(top):
         _trusted(sources, top, "dir", place=True)
         return
@@ -197,6 +254,7 @@ def _trusted_tree(sources: HostSources, top: str, seen: set) -> None:
         if directory == top:  # in a sys.path directory only what can be imported (not .git, .venv)
             dirs[:] = [d for d in dirs if _importable(d)]
             names = [n for n in names if _importable(n)]
+        objects.extend(os.path.join(directory, n) for n in names if _shared_object(n))
         for name in dirs + names:
             path = os.path.join(directory, name)
             st = os.lstat(path)
@@ -204,7 +262,7 @@ def _trusted_tree(sources: HostSources, top: str, seen: set) -> None:
                 target = os.path.isdir(path)
                 _trusted(sources, path, "dir" if target else "file")
                 if target:
-                    _trusted_tree(sources, path, seen)
+                    _trusted_tree(sources, path, seen, objects)
             elif st.st_uid != 0:
                 _refuse(path, f"owned by uid {st.st_uid}, not root")
             elif st.st_mode & 0o022:

@@ -3,6 +3,7 @@ gcc links here (64- and 32-bit) and files that are not what they claim."""
 
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -34,7 +35,16 @@ def test_a_32_bit_library(tmp_path, require):
     assert soname == "libx32.so.1" and "libc.so.6" in needed
 
 
-@pytest.mark.parametrize("content", [b"", b"#!/bin/sh\n", b"\x7fELF" + b"\x00" * 10, b"\x7fELF\x02\x01" + b"\xff" * 58])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"#!/bin/sh\n",
+        b"\x7fELF" + b"\x00" * 10,
+        b"\x7fELF\x02\x01" + b"\xff" * 58,
+        b"\x7fELF\x02\x01" + b"\x00" * 50,
+    ],
+)
 def test_what_is_not_a_library_is_refused(tmp_path, content):
     path = tmp_path / "lib.so"
     path.write_bytes(content)
@@ -50,3 +60,34 @@ def test_a_program_has_no_soname(tmp_path, require):
     subprocess.run(["gcc", "-o", program, str(source)], check=True)
     soname, needed = elf.read_dynamic(program)
     assert soname is None and "libc.so.6" in needed and os.path.exists(program)
+
+
+def _readelf(path, option, marker):
+    out = subprocess.run(["readelf", option, path], capture_output=True, text=True, check=True).stdout
+    return [line.split("[", 1)[1].rsplit("]", 1)[0] for line in out.splitlines() if marker in line]
+
+
+def test_search_paths_and_the_loader_as_the_linker_wrote_them(tmp_path, require):
+    """RUNPATH (--enable-new-dtags) and RPATH (--disable-new-dtags), $ORIGIN left as written, and a
+    program's PT_INTERP: what install's trust check follows (toolkit/ldso.py)."""
+    require("gcc", "readelf")
+    new = _link(tmp_path, "libnew.so", "-Wl,--enable-new-dtags,-rpath,$ORIGIN/../lib:/opt/x")
+    old = _link(tmp_path, "libold.so", "-Wl,--disable-new-dtags,-rpath,$ORIGIN")
+    plain = _link(tmp_path, "libplain.so")
+    found = elf.read(new)
+    assert (found.runpath, found.rpath) == ("$ORIGIN/../lib:/opt/x", None) == (*_readelf(new, "-d", "(RUNPATH)"), None)
+    assert (elf.read(old).rpath, elf.read(old).runpath) == ("$ORIGIN", None) == (*_readelf(old, "-d", "(RPATH)"), None)
+    assert (elf.read(plain).rpath, elf.read(plain).runpath, elf.read(plain).interpreter) == (None, None, None)
+    assert found.wide and found.machine == elf.read(sys.executable).machine
+    source = tmp_path / "main.c"
+    source.write_text("int main(void) { return 0; }\n")
+    program = str(tmp_path / "main")
+    subprocess.run(["gcc", "-o", program, str(source)], check=True)
+    assert elf.read(program).interpreter == _readelf(program, "-l", "Requesting program interpreter")[0].split(": ")[1]
+
+
+def test_a_32_bit_program_s_search_path(tmp_path, require):
+    require("gcc-m32")
+    library = _link(tmp_path, "libx32r.so", "-m32", "-Wl,--enable-new-dtags,-rpath,$ORIGIN/lib32")
+    found = elf.read(library)
+    assert not found.wide and found.runpath == "$ORIGIN/lib32"

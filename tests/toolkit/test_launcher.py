@@ -2,8 +2,10 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -204,3 +206,146 @@ def test_what_check_trusted_walks_is_what_the_interpreter_imports_from(venv):
     entries = launcher._import_path(str(path / "bin" / "python"))
     assert str(site_packages) in entries and str(path / "extra") in entries
     assert str(path / "bin") not in entries
+
+
+# An interpreter built with --enable-shared (pyenv, conda, most source builds): Python's own
+# main linked against libpython, which the loader finds through the program's RUNPATH. It also
+# NEEDs a small library whose constructor leaves a mark: the mark says that the interpreter ran.
+SHARED_MAIN = """int Py_BytesMain(int argc, char **argv);
+void ran(void);
+int main(int argc, char **argv) { ran(); return Py_BytesMain(argc, argv); }
+"""
+MARKING_LIBRARY = """#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void mark(void) {
+    int fd = open(MARK, O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) { (void)!write(fd, "x", 1); close(fd); }
+}
+void ran(void) {}
+"""
+
+
+@pytest.fixture
+def shared_venv(venv, require, tmp_path):
+    """The venv with its bin/python replaced by a real --enable-shared interpreter: RUNPATH
+    $ORIGIN/../early (empty), $ORIGIN/../opt/lib (opt empty), $ORIGIN/../lib, where libpython (a
+    copy of the system's) and libmark are; all root's."""
+    require("gcc")
+    path, site_packages = venv
+    libpython = os.path.join(sysconfig.get_config_var("LIBDIR") or "", sysconfig.get_config_var("INSTSONAME") or "")
+    if not os.path.isfile(libpython):
+        require(libpython)  # Debian's libpython3.x (python3-dev), Fedora's python3-libs
+    lib = path / "lib"
+    shutil.copy(libpython, lib / os.path.basename(libpython))
+    mark = tmp_path / "mark"
+    (tmp_path / "mark.c").write_text(f'#define MARK "{mark}"\n' + MARKING_LIBRARY)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(lib / "libmark.so"), str(tmp_path / "mark.c")], check=True)
+    (tmp_path / "main.c").write_text(SHARED_MAIN)
+    for name in ("python", "python3", f"python3.{sys.version_info[1]}"):
+        if os.path.lexists(path / "bin" / name):
+            os.unlink(path / "bin" / name)
+    python = str(path / "bin" / "python")
+    subprocess.run(["gcc", "-o", python, str(tmp_path / "main.c"), "-Wl,--no-as-needed", str(lib / "libmark.so"),
+                    str(lib / os.path.basename(libpython)), "-Wl,--enable-new-dtags",
+                    "-Wl,-rpath,$ORIGIN/../early:$ORIGIN/../opt/lib:$ORIGIN/../lib"], check=True)  # fmt: skip
+    (path / "early").mkdir()
+    (path / "opt").mkdir()
+    ran = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
+                         env={}, cwd="/")  # fmt: skip
+    assert ran.stdout.strip() == str(path) and mark.exists(), ran.stderr  # it is a working interpreter
+    mark.unlink()
+    return path, python, lib / os.path.basename(libpython), mark
+
+
+@pytest.mark.parametrize(
+    "target, change",
+    [("libpython", "chown"),  # the issue's case: the one file, a local user's
+     ("libpython", "chmod"),
+     ("lib/libmark.so", "chown"),
+     ("lib", "chmod"),  # where the loader finds libpython
+     ("early", "chmod"),  # searched before lib: a user's libpython there would win
+     ("opt", "chown")],  # opt/lib does not exist yet: whoever owns opt can make it, ahead of lib
+    ids=["libpython-owner", "libpython-writable", "needed", "library-directory", "earlier-runpath",
+         "missing-runpath"],
+)  # fmt: skip
+def test_a_shared_interpreter_s_libraries_must_be_roots_alone(shared_venv, probe_package, target, change):
+    """Refused before the interpreter first runs: the mark of its library's constructor stays absent."""
+    path, python, libpython, mark = shared_venv
+    launcher.check_trusted(python, probe_package)  # root's alone: accepted
+    mark.unlink()
+    changed = str(libpython) if target == "libpython" else str(path / target)
+    if change == "chown":
+        os.chown(changed, 65534, 65534)
+        words = "owned by uid 65534"
+    else:
+        os.chmod(changed, os.stat(changed).st_mode | 0o002)
+        words = "others than root"
+    with pytest.raises(launcher.LauncherError) as e:
+        launcher.check_trusted(python, probe_package)
+    assert e.value.message.startswith(changed + ":") and words in e.value.message and "\n" not in e.value.message
+    assert "root's alone" in e.value.message
+    assert not mark.exists()  # nothing of it ran as root
+
+
+def test_install_refuses_a_shared_interpreter_whose_libpython_is_a_user_s(shared_venv, tmp_path, monkeypatch):
+    """install returns no success and writes nothing: the launcher would run a user's library as
+    root at the next GPU container start."""
+    path, python, libpython, mark = shared_venv
+    os.chown(libpython, 65534, 65534)
+    monkeypatch.setattr(sys, "executable", python)  # the interpreter install writes into the launcher
+    monkeypatch.setattr(install, "INSTALLED_PATH", str(tmp_path / "usr-bin-oci-gpu-hook"))
+    root = tmp_path / "root"
+    root.mkdir()
+    with pytest.raises(launcher.LauncherError, match=f"^{libpython}: owned by uid 65534"):
+        install.install(str(root), ("podman",), install.hook_command(), prefilter=False)
+    assert list(root.iterdir()) == [] and not mark.exists()
+
+
+@pytest.mark.parametrize("target", ["deps/libdep.so.1", "deps/libdeeper.so.1", "deps"],
+                         ids=["needed", "needed-of-needed", "directory"])  # fmt: skip
+def test_an_extension_module_s_libraries_must_be_roots_alone(venv, probe_package, require, tmp_path, target):
+    """conda's layout: an extension module in site-packages NEEDs a library from lib/, outside the
+    import path, through its RPATH $ORIGIN/../../deps; that library NEEDs another, found through
+    the extension's RPATH, which the loader passes on."""
+    require("gcc")
+    path, site_packages = venv
+    deps = path / "lib" / "deps"
+    deps.mkdir()
+    (tmp_path / "empty.c").write_text("int nothing;\n")
+
+    def link(out, *args):
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(out), str(tmp_path / "empty.c"), "-Wl,--no-as-needed",
+                        *args], check=True)  # fmt: skip
+
+    link(deps / "libdeeper.so.1", "-Wl,-soname,libdeeper.so.1")
+    link(deps / "libdep.so.1", "-Wl,-soname,libdep.so.1", str(deps / "libdeeper.so.1"))
+    extension = site_packages / f"ext{sysconfig.get_config_var('EXT_SUFFIX')}"
+    link(extension, str(deps / "libdep.so.1"), "-Wl,--disable-new-dtags", "-Wl,-rpath,$ORIGIN/../../deps")
+    python = str(path / "bin" / "python")
+    launcher.check_trusted(python, probe_package)  # root's alone: accepted
+    changed = str(path / "lib" / target)
+    if target == "deps":
+        os.chmod(changed, 0o777)
+    else:
+        os.chown(changed, 65534, 65534)
+    with pytest.raises(launcher.LauncherError) as e:
+        launcher.check_trusted(python, probe_package)
+    assert e.value.message.startswith(changed + ":") and "root's alone" in e.value.message
+
+
+def test_what_the_hook_s_start_maps_must_be_roots_alone(tmp_path, probe_package, require):
+    """What no ELF file names (a library the hook's imports dlopen() by path) is found in the maps
+    of a start as a runtime makes it: here root's library, in a directory anyone can write."""
+    require("root", "gcc")
+    os.chmod(tmp_path, 0o755)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (tmp_path / "empty.c").write_text("int nothing;\n")
+    library = shared / "libloaded.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(tmp_path / "empty.c")], check=True)
+    with open(os.path.join(probe_package, "oci_gpu_hook", "hook.py"), "a") as f:
+        f.write(f"import ctypes\nctypes.CDLL({str(library)!r})\n")
+    launcher.check_trusted(sys.executable, probe_package)  # root's alone: accepted
+    os.chmod(shared, 0o777)  # writable by all, not sticky: the file can be replaced
+    with pytest.raises(launcher.LauncherError, match=f"^{shared}: a directory that others than root can change"):
+        launcher.check_trusted(sys.executable, probe_package)
