@@ -112,7 +112,12 @@ def check_trusted(interpreter: str | None = None, parent: str | None = None) -> 
         _checked(loader.program, interpreter)
         seen: set = set()
         objects: list = []
-        for entry in _import_path(interpreter) + [parent]:
+        # Twice: without site first (the standard library, the site-packages directories and the
+        # .pth files there, none of which that run executes), so that site's own run below, which
+        # executes the .pth files as root, comes only once they were found root's alone.
+        for entry in _import_path(interpreter, site=False) + [parent]:
+            _trusted_tree(sources, entry, seen, objects)
+        for entry in _import_path(interpreter):
             _trusted_tree(sources, entry, seen, objects)
         for path in objects:
             _checked(loader.dlopen, path)
@@ -164,15 +169,29 @@ def _venv_configs(interpreter: str) -> list:
     return [c for c in candidates if os.path.lexists(c)]
 
 
-def _import_path(interpreter: str) -> list:
+def _import_path(interpreter: str, site: bool = True) -> list:
     """sys.path as the interpreter has it once site has run (what the CLI and the node services
-    import from), asked of the interpreter itself, as a runtime starts it: -I, no environment."""
+    import from), asked of the interpreter itself, as a runtime starts it: -I, no environment.
+    site=False: asked with -S, which runs no .pth file: sys.path then, with the directories site
+    would add (site.getsitepackages(), computed without running site.main())."""
     import json
     import subprocess
 
+    if site:
+        command = [interpreter, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"]
+    else:
+        # A venv's prefix is set by site.main(), which runs the .pth files: set it here as site
+        # would (Debian's getsitepackages picks its directories by whether sys.prefix is a venv).
+        venvs = [os.path.dirname(config) for config in _venv_configs(interpreter)]
+        code = ("import json, site, sys\n"
+                "found = sys.path + site.getsitepackages()\n"
+                "for venv in sys.argv[1:]:\n"
+                "    sys.prefix = sys.exec_prefix = venv\n"
+                "    found += site.getsitepackages([venv])\n"
+                "print(json.dumps(found))\n")  # fmt: skip
+        command = [interpreter, "-I", "-S", "-c", code, *venvs]
     try:
-        done = subprocess.run([interpreter, "-I", "-c", "import json, sys; print(json.dumps(sys.path))"],
-                              capture_output=True, env={}, cwd="/", timeout=60)  # fmt: skip
+        done = subprocess.run(command, capture_output=True, env={}, cwd="/", timeout=60)
         entries = json.loads(done.stdout) if done.returncode == 0 else None
     except (OSError, ValueError, subprocess.SubprocessError) as e:
         raise LauncherError(f"{interpreter}: cannot ask it for its import path: {e}") from None
@@ -180,7 +199,7 @@ def _import_path(interpreter: str) -> list:
         raise LauncherError(f"{interpreter}: cannot ask it for its import path: "
                             f"{printable(done.stderr.decode(errors='replace').strip()[-200:])}")  # fmt: skip
     # Path hooks (an editable install's finder) are names, not paths: their files are the package.
-    entries = [e for e in entries if isinstance(e, str) and e.startswith("/")]
+    entries = list(dict.fromkeys(e for e in entries if isinstance(e, str) and e.startswith("/")))
     return entries + [e for e in _pth_entries(entries) if e not in entries]
 
 

@@ -199,6 +199,24 @@ def test_everything_the_launched_process_loads_must_be_roots_alone(venv, probe_p
     assert "everything they import must be root's alone" in e.value.message
 
 
+@pytest.mark.parametrize("change", ["chown", "chmod"])
+def test_a_users_pth_file_never_runs_as_root_at_install(venv, probe_package, tmp_path, change):
+    """site executes a .pth file's `import` lines: asking the interpreter for its import path with
+    site must come only after the site-packages directories and their .pth files were checked."""
+    path, site_packages = venv
+    mark = tmp_path / "ran-as-root"
+    planted = site_packages / "zz-user.pth"
+    planted.write_text(f"import os; open({str(mark)!r}, 'w').close()\n")
+    if change == "chown":
+        os.chown(planted, 65534, 65534)
+    else:
+        os.chmod(planted, 0o666)
+    with pytest.raises(launcher.LauncherError) as e:
+        launcher.check_trusted(str(path / "bin" / "python"), probe_package)
+    assert e.value.message.startswith(str(planted))
+    assert not mark.exists()  # refused before site ran it
+
+
 def test_what_check_trusted_walks_is_what_the_interpreter_imports_from(venv):
     """The import path is asked of the interpreter (site run, as the CLI runs it): the venv's
     site-packages and the .pth file's directory are on it; the venv's bin/ is not."""
