@@ -24,7 +24,7 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
 @click.option("--prefilter/--no-prefilter", default=None,
               help="Put the compiled pre-filter where runtimes run the hook, so that containers that cannot "
                    "ask for a GPU start without Python (docs/performance.md). Default: where a C compiler "
-                   "is found.")  # fmt: skip
+                   "is found and builds it (one that cannot leaves the launcher, with a warning).")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
 def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter):
@@ -41,7 +41,7 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
     lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services, device_plugin,
-                                   prefilter)  # fmt: skip
+                                   prefilter, warn=_warn)  # fmt: skip
     for line in lines:
         click.echo(line)
     if not lines:
@@ -61,6 +61,10 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
                    + (f" && systemctl start {install_module.DEVICE_PLUGIN_SERVICE}" if device_plugin
                       else ""))  # fmt: skip
     return 0
+
+
+def _warn(line: str) -> None:
+    click.echo(f"oci-gpu-hook: warning: {line}", err=True)
 
 
 @click.command()

@@ -16,8 +16,14 @@ What install writes, under --root (default /):
 | /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
-The pre-filter (toolkit/prefilter.py) is compiled here, where a C compiler is found (--prefilter
-to require it, --no-prefilter never); without one, runtimes run the launcher itself.
+The pre-filter (toolkit/prefilter.py) is compiled here, where a C compiler is found and builds it
+(--prefilter to require it, --no-prefilter never); otherwise runtimes run the launcher itself.
+
+Every path under the root is resolved as the tree itself resolves it (toolkit/tree.py): a link in
+an image tree is followed inside it, never out of it into the build host's own directories.
+
+Every string written into a unit, a udev rule or CRI-O's TOML is escaped for that format, so that
+it reads back as itself and can never end its line or open a section of its own.
 
 Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
 the manifest lists, and only while each file still has the checksum install gave it (a file an
@@ -29,6 +35,8 @@ NVIDIA's nvidia-container-runtime-hook, and only with --replace-nvidia-hook: it 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -40,6 +48,7 @@ from oci_gpu_hook.start import files, settings
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 from oci_gpu_hook.toolkit import launcher
+from oci_gpu_hook.toolkit.tree import Tree, TreeError
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
 HOOKS_D_DIR = "/etc/containers/oci/hooks.d"
@@ -138,16 +147,42 @@ def write_hooks_dir(directory: str, argv_prefix) -> str:
 
 def crio_dropin_text(dirs, source) -> str:
     """The drop-in that adds the administrators' hooks directory to the list CRI-O reads now:
-    CRI-O's drop-ins replace lists, so it holds that whole list, in its order, with ours last."""
-    listed = ", ".join(f'"{d}"' for d in dirs)
+    CRI-O's drop-ins replace lists, so it holds that whole list, in its order, with ours last.
+    The list comes from the administrators' files, and an entry may hold any character (a quote,
+    a backslash, a newline): each is written as a TOML string that reads back as exactly itself,
+    and the source's name, a file name, is made printable for its comment line."""
+    from oci_gpu_hook.errors import printable
+
+    listed = ", ".join(toml_string(d) for d in dirs)
+    where = f"hooks_dir in {printable(source)}" if source else "CRI-O default"
     return (
         "# Written by `oci-gpu-hook install`: CRI-O's hooks_dir did not include the administrators'\n"
         "# directory, where the GPU hook's hooks.d file is. A drop-in's list replaces the list before\n"
-        f"# it, so this is that list ({f'hooks_dir in {source}' if source else 'CRI-O default'}) with it added.\n"
+        f"# it, so this is that list ({where}) with it added.\n"
         "# Removed by `oci-gpu-hook uninstall`.\n"
         "[crio.runtime]\n"
         f"hooks_dir = [{listed}]\n"
     )
+
+
+# TOML's short escapes; any other control character (and DEL) is written as \uXXXX.
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """text as a TOML basic string that reads back as exactly text: the quote and the backslash,
+    which would end the string or start an escape, and every control character and DEL, which
+    TOML does not allow raw (a newline would end the line: what follows could be a table of its
+    own), are escaped; everything else is written as it is (TOML files are UTF-8)."""
+    out = []
+    for c in text:
+        if c in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[c])
+        elif c < " " or c == "\x7f":
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
 
 
 def crio_dropin(root: str):
@@ -271,10 +306,28 @@ def node_service_text(argv_prefix, description: str, *args: str, flag: str = "--
     )
 
 
+_SYSTEMD_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-=:,+@")
+
+
 def _systemd_quote(arg: str) -> str:
-    if arg and all(c.isalnum() or c in "/._-=:,+@" for c in arg):
+    """arg as one word of a unit's command line that systemd reads back as exactly arg. Inside
+    quotes systemd still expands `%` (unit specifiers) and `$` (environment variables), so both are
+    doubled; it reads C escapes there, so the quote and the backslash are escaped; and a newline
+    would end the setting (what follows could be a setting or section of its own), so every
+    control character is written as \\xHH."""
+    if arg and all(c in _SYSTEMD_PLAIN for c in arg):
         return arg
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    out = []
+    for c in arg:
+        if c in '"\\':
+            out.append("\\" + c)
+        elif c in "%$":
+            out.append(c + c)
+        elif c < " " or c == "\x7f":
+            out.append(f"\\x{ord(c):02x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
 
 
 class Entry:
@@ -356,19 +409,34 @@ def _installable_paths() -> set:
     return {e.path for e in entries} | {CRIO_DROPIN, launcher.PYTHON_LAUNCHER}
 
 
-def _read_manifest(root: str) -> dict:
+MANIFEST_LIMIT = 1 << 20  # what install writes is a few KiB
+
+
+def _read_manifest(tree: Tree) -> dict:
     """The manifest, trusted only as far as install could have written it: uninstall removes and
     moves what it names, as root. So the file must be root's alone in directories only root can
     change (as install's destinations), and name only paths install writes, the directories
-    above them, and NVIDIA's program set aside; anything else is refused, with one line."""
-    path = host_path(root, MANIFEST)
+    above them, and NVIDIA's program set aside; anything else is refused, with one line. It is
+    the tree's own file (tree.entry: never reached through a link out of the tree), and a file:
+    install never writes it as a link, so a link there is refused rather than followed."""
+    path = tree.entry(MANIFEST)
     if not os.path.lexists(path):
         return {"format": 1, "files": {}, "directories": []}
+    if os.path.islink(path):
+        raise InstallError(f"{path}: a symlink, where install writes its manifest as a file; not trusted (remove "
+                           "it, and what it lists, by hand)")  # fmt: skip
     sources = HostSources()
     try:
-        os.close(sources.open(path, "file"))
-        with open(path) as f:
-            doc = json.load(f)
+        # path has no link in it (tree.entry, and its last component is none): the descriptor
+        # checked is the file read.
+        fd = sources.open(path, "file")
+        try:
+            data = files.read_bounded(f"/proc/self/fd/{fd}", MANIFEST_LIMIT)
+        finally:
+            os.close(fd)
+        if len(data) > MANIFEST_LIMIT:
+            raise ValueError(f"over {MANIFEST_LIMIT} bytes")
+        doc = json.loads(data)
     except FileNotFoundError:
         return {"format": 1, "files": {}, "directories": []}
     except UntrustedSource as e:
@@ -420,33 +488,43 @@ def _current(path: str):
         return "sha256:" + hashlib.sha256(f.read()).hexdigest()
 
 
-def _makedirs(root: str, directory: str, created: list) -> None:
-    """Create directory (a path inside root) and its missing parents, recording each one."""
+def _makedirs(tree: Tree, directory: str, created: list) -> None:
+    """Create directory (a path of the tree) and its missing parents, recording each one (by its
+    path in the tree). The missing ones are the last components of tree.directory's answer, which
+    has no link in it: nothing here is followed."""
     missing = []
-    current = directory
-    while not os.path.isdir(host_path(root, current)):
-        missing.append(current)
-        current = os.path.dirname(current)
-    for path in reversed(missing):
-        os.mkdir(host_path(root, path), 0o755)
-        os.chmod(host_path(root, path), 0o755)
+    place, current = tree.directory(directory), directory
+    while not os.path.isdir(place):
+        missing.append((place, current))
+        place, current = os.path.dirname(place), os.path.dirname(current)
+    for place, path in reversed(missing):
+        os.mkdir(place, 0o755)
+        os.chmod(place, 0o755)
         if path not in created:
             created.append(path)
 
 
-def _check_destinations(root: str, entries) -> None:
+def _check_destinations(tree: Tree, entries, directories=()) -> None:
     """Refuse, before writing anything, a destination that anyone but root could change: what
     install writes there is run as root (the launcher, Docker's program), or says what runs as
     root (hooks.d, units, CRI-O's drop-in, the configuration, the manifest uninstall trusts). So
     each directory it writes into, or the part of it that exists, and every directory above it
     must be root's and writable by no one else, checked as the hook checks its mount sources;
-    and a file already at a destination must be root's and writable by no one else."""
+    and a file already at a destination must be root's and writable by no one else.
+
+    Each directory is resolved inside the tree here, first (a link that leads out of it or
+    nowhere is refused: tree.py), and the directories checked are those resolved places, which
+    have no link in them: once they are root's alone, only root can change what the place
+    strings install then acts on (tree.entry, _makedirs) lead to. directories: the ones uninstall
+    removes, whose parents it acts in."""
     why = "install writes what runtimes run as root under it, so it and every directory above it"
+    places = {os.path.dirname(e.path) for e in entries} | {os.path.dirname(MANIFEST)}
+    places |= {os.path.dirname(d) for d in directories}
     with _root_only() as check:
-        for directory in sorted({os.path.dirname(e.path) for e in entries} | {os.path.dirname(MANIFEST)}):
-            check(host_path(root, directory), "dir", why)
+        for directory in sorted(places):
+            check(tree.directory(directory), "dir", why)
     for entry in entries:
-        path = host_path(root, entry.path)
+        path = tree.entry(entry.path)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -458,14 +536,25 @@ def _check_destinations(root: str, entries) -> None:
                            "and run install again")  # fmt: skip
 
 
-def _check_configuration(root: str, argv_prefix) -> None:
+def _check_configuration(tree: Tree, argv_prefix) -> None:
     """A --config that install writes into what runtimes run must name a file only root can
     change (or, while it does not exist yet, a place where only root can make it): whoever
-    changes it decides what containers get and which files the hook and node services write."""
+    changes it decides what containers get and which files the hook and node services write.
+    The file checked is the one the tree's programs will open (its links followed inside it)."""
     if "--config" in argv_prefix[:-1]:
         with _root_only() as check:
-            check(host_path(root, argv_prefix[argv_prefix.index("--config") + 1]), "file",
+            check(tree.resolve(argv_prefix[argv_prefix.index("--config") + 1]), "file",
                   "the configuration decides what containers get, so it and every directory above it")  # fmt: skip
+
+
+def _check_text(argv_prefix) -> None:
+    """Every argument goes into the hooks.d file, the units and the launcher: each must be text
+    that reads back as itself there (a file name that is not UTF-8 would not)."""
+    for arg in argv_prefix:
+        try:
+            arg.encode()
+        except UnicodeEncodeError:
+            raise InstallError(f"{arg}: not UTF-8 text; runtimes and systemd would read another name") from None
 
 
 class _root_only:
@@ -492,31 +581,67 @@ class _root_only:
 
 
 def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False, node_services: bool = False,
-            device_plugin: bool = False, prefilter: bool | None = None) -> list:  # fmt: skip
+            device_plugin: bool = False, prefilter: bool | None = None, warn=None) -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing.
     prefilter: put the compiled pre-filter where runtimes run the launcher (True: or fail; False:
-    never; None: where a C compiler is found)."""
+    never; None: where a C compiler is found and builds it, else the launcher, and warn(line), when
+    given, hears why)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
+    with _tree(root) as tree:
+        return _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
+                        warn)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _tree(root: str):
+    """The tree at root, whose paths install and uninstall resolve inside it (tree.py); a path
+    that does not resolve inside it is an InstallError, before anything is written."""
+    try:
+        tree = Tree(root)
+    except OSError as e:
+        raise InstallError(f"{root}: {e.strerror}") from None
+    try:
+        yield tree
+    except TreeError as e:
+        raise InstallError(str(e)) from None
+    finally:
+        tree.close()
+
+
+def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
+             warn) -> list:  # fmt: skip
+    root = tree.root
     argv_prefix = list(argv_prefix or hook_command())
-    manifest = _read_manifest(root)
+    _check_text(argv_prefix)
+    manifest = _read_manifest(tree)
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
     if prefilter is None:
         from oci_gpu_hook.toolkit import prefilter as prefilter_module
 
-        prefilter = prefilter_module.compiler() is not None
-    entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter)
+        # Asked for nothing: a compiler that is there but cannot build here (no C library headers,
+        # say) leaves the launcher, as no compiler does; the pre-filter only saves time, so that
+        # is a warning and never a failed install.
+        try:
+            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root,
+                              prefilter_module.compiler() is not None)  # fmt: skip
+        except prefilter_module.PrefilterError as e:
+            if warn is not None:
+                warn(f"the pre-filter could not be built ({e}): runtimes run the launcher")
+            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, False)
+    else:
+        entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter)
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
-    _check_destinations(root, entries)
-    _check_configuration(root, argv_prefix)
+    _check_destinations(tree, entries)
+    _check_configuration(tree, argv_prefix)
     # Refuse before writing anything: a file we did not write is the administrator's.
     for entry in entries:
-        path = host_path(root, entry.path)
+        path = tree.entry(entry.path)
         now = _current(path)
         if now is None or entry.only_if_absent or now == entry.checksum:
             continue
@@ -527,23 +652,23 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
                 raise InstallError(f"{path}: another {os.path.basename(path)} (NVIDIA's?) is installed; "
                                    "install --runtime docker --replace-nvidia-hook puts oci-gpu-hook's in its place "
                                    "(uninstall puts this one back)")  # fmt: skip
-            if os.path.lexists(host_path(root, entry.set_aside)):
-                raise InstallError(f"{host_path(root, entry.set_aside)}: exists; move it away first")
+            if os.path.lexists(tree.entry(entry.set_aside)):
+                raise InstallError(f"{tree.entry(entry.set_aside)}: exists; move it away first")
             continue
         raise InstallError(f"{path}: exists and was not written by oci-gpu-hook install; "
                            "move it away (or merge it by hand) and run install again")  # fmt: skip
     lines = []
     try:
         for entry in entries:
-            path = host_path(root, entry.path)
+            path = tree.entry(entry.path)
             now = _current(path)
             if now == entry.checksum:
                 continue
             if now is not None and entry.set_aside is not None and entry.path not in written:
                 # Another program's file (checked above: replacing it was asked for): aside.
-                os.rename(path, host_path(root, entry.set_aside))  # the same directory: atomic
+                os.rename(path, tree.entry(entry.set_aside))  # the same directory: atomic
                 manifest.setdefault("saved", {})[entry.path] = entry.set_aside
-                lines.append(f"moved {path} to {host_path(root, entry.set_aside)}")
+                lines.append(f"moved {path} to {tree.entry(entry.set_aside)}")
                 now = None
             if now is not None:
                 if entry.only_if_absent:
@@ -551,7 +676,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
                 if written.get(entry.path) != now:
                     lines.append(f"kept {path}: changed since install wrote it")
                     continue
-            _makedirs(root, os.path.dirname(entry.path), directories)
+            _makedirs(tree, os.path.dirname(entry.path), directories)
             if entry.link is not None:
                 if now is not None:
                     os.unlink(path)
@@ -562,22 +687,31 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
             lines.append(f"{'updated' if now is not None else 'wrote'} {path}")
     finally:
         if json.dumps(manifest, sort_keys=True) != before:
-            _makedirs(root, os.path.dirname(MANIFEST), directories)
-            _write_text(host_path(root, MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            _makedirs(tree, os.path.dirname(MANIFEST), directories)
+            _write_text(tree.entry(MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return lines
 
 
 def uninstall(root: str) -> list:
     root = os.path.abspath(root)
-    manifest_path = host_path(root, MANIFEST)
-    if not os.path.exists(manifest_path):
+    if not os.path.isdir(root):
         return []
-    manifest = _read_manifest(root)
-    # Each directory uninstall removes or moves entries in must be root's alone, as for install.
-    _check_destinations(root, [Entry(p) for p in list(manifest["files"]) + list(manifest.get("saved", {}))])
+    with _tree(root) as tree:
+        return _uninstall(tree)
+
+
+def _uninstall(tree: Tree) -> list:
+    manifest_path = tree.entry(MANIFEST)
+    if not os.path.lexists(manifest_path):
+        return []
+    manifest = _read_manifest(tree)
+    # Each directory uninstall removes or moves entries in must be root's alone, as for install;
+    # every place is resolved inside the tree there, before anything is removed.
+    _check_destinations(tree, [Entry(p) for p in list(manifest["files"]) + list(manifest.get("saved", {}))],
+                        manifest["directories"])  # fmt: skip
     lines = []
     for relative, checksum in sorted(manifest["files"].items(), key=lambda kv: kv[0], reverse=True):
-        path = host_path(root, relative)
+        path = tree.entry(relative)
         now = _current(path)
         if now is None:
             continue
@@ -587,7 +721,7 @@ def uninstall(root: str) -> list:
         os.unlink(path)
         lines.append(f"removed {path}")
     for relative, saved in sorted(manifest.get("saved", {}).items()):
-        path, saved_path = host_path(root, relative), host_path(root, saved)
+        path, saved_path = tree.entry(relative), tree.entry(saved)
         if not os.path.lexists(saved_path):
             continue
         if os.path.lexists(path):
@@ -597,10 +731,11 @@ def uninstall(root: str) -> list:
         lines.append(f"restored {path}")
     os.unlink(manifest_path)
     for relative in sorted(manifest["directories"], key=lambda p: p.count("/"), reverse=True):
+        place = tree.entry(relative)  # a link there (install never made one) is not followed: ENOTDIR
         try:
-            os.rmdir(host_path(root, relative))
+            os.rmdir(place)
         except FileNotFoundError:
             pass
-        except OSError:
-            lines.append(f"kept {host_path(root, relative)}: not empty")
+        except OSError as e:
+            lines.append(f"kept {place}: {'not empty' if e.errno == errno.ENOTEMPTY else e.strerror}")
     return lines

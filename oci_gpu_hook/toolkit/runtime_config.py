@@ -5,13 +5,18 @@ runtimes read them (TOML), so that install and doctor follow the runtime instead
 - CRI-O: `crio.runtime.hooks_dir` in crio.conf, then in each file below crio.conf.d in the order
   of their names (every file: CRI-O does not look at the suffix). CRI-O does not merge lists: the
   last file that sets hooks_dir gives the whole list, and with none, its built-in default holds.
+
+Under a root other than /, each file is the tree's own, found as the runtime in that image finds
+it (toolkit/tree.py: links followed inside the tree): a tree's link must not make install read,
+and so copy into a drop-in, the build host's configuration.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 
-from oci_gpu_hook.start.inventory import host_path
+from oci_gpu_hook.toolkit.tree import Tree
 
 PODMAN_CONF = "/etc/containers/containers.conf"
 PODMAN_DEFAULT_HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d", "/etc/containers/oci/hooks.d")
@@ -41,15 +46,29 @@ def load_toml(text: str) -> dict:
     return tomllib.loads(text)
 
 
-def toml_list(path: str, keys: tuple):
-    """The list of strings at `keys` (tables, then the key) in a TOML file, or None when the file
-    does not exist or does not set it. ConfigFileError when it is not valid TOML or the value is
-    not a list of strings: the runtime would refuse to start."""
+def _tree(root: str) -> Tree:
     try:
-        with open(path, "rb") as f:
-            text = f.read().decode("utf-8")
+        return Tree(root)
+    except OSError as e:
+        raise ConfigFileError(f"{root}: unreadable ({e.strerror})") from None
+
+
+def toml_list(tree: Tree, file: str, keys: tuple):
+    """The list of strings at `keys` (tables, then the key) in the tree's TOML file, or None when
+    the file does not exist or does not set it. ConfigFileError when it is not valid TOML or the
+    value is not a list of strings: the runtime would refuse to start."""
+    path = tree.shown(file)
+    try:
+        fd = tree.open(file, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO there cannot hang us
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as e:
+        raise ConfigFileError(f"{path}: unreadable ({e.strerror})") from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigFileError(f"{path}: not a regular file")
+            text = f.read().decode("utf-8")
     except OSError as e:
         raise ConfigFileError(f"{path}: unreadable ({e.strerror})") from None
     except UnicodeDecodeError as e:
@@ -68,25 +87,35 @@ def toml_list(path: str, keys: tuple):
 
 
 def podman_hooks_dirs(root: str) -> list:
-    configured = toml_list(host_path(root, PODMAN_CONF), ("engine", "hooks_dir"))
+    if not os.path.isdir(root):  # no tree (doctor --root of one to come): no file sets it
+        return list(PODMAN_DEFAULT_HOOKS_DIRS)
+    with _tree(root) as tree:
+        configured = toml_list(tree, PODMAN_CONF, ("engine", "hooks_dir"))
     return list(PODMAN_DEFAULT_HOOKS_DIRS) if configured is None else configured
 
 
-def crio_files(root: str) -> list:
-    """CRI-O's configuration files (paths on the host, as CRI-O sees them), in the order it reads
+def crio_files(tree: Tree) -> list:
+    """CRI-O's configuration files (paths in the tree, as CRI-O sees them), in the order it reads
     them: crio.conf, then every file below crio.conf.d, whatever its name, in the order of a
-    walk by name that enters each subdirectory where its name falls (CRI-O's filepath.Walk)."""
+    walk by name that enters each subdirectory where its name falls (CRI-O's filepath.Walk,
+    which enters no link)."""
     found = [CRIO_CONF]
 
     def walk(directory: str) -> None:
         try:
-            names = sorted(os.listdir(host_path(root, directory)))
+            fd = tree.open(directory, os.O_RDONLY | os.O_DIRECTORY)
         except (FileNotFoundError, NotADirectoryError):
             return
-        for name in names:
+        except OSError as e:
+            raise ConfigFileError(f"{tree.shown(directory)}: unreadable ({e.strerror})") from None
+        try:
+            with os.scandir(fd) as entries:
+                listed = sorted((e.name, e.is_dir(follow_symlinks=False)) for e in entries)
+        finally:
+            os.close(fd)
+        for name, is_directory in listed:
             path = f"{directory}/{name}"
-            on_host = host_path(root, path)
-            if os.path.isdir(on_host) and not os.path.islink(on_host):
+            if is_directory:
                 walk(path)
             else:
                 found.append(path)
@@ -99,10 +128,13 @@ def crio_hooks_dirs(root: str, without: str | None = None) -> tuple:
     """(hooks directories CRI-O reads, the file that set them or None for CRI-O's default), as if
     the file `without` (a drop-in) were not there."""
     dirs, source = list(CRIO_DEFAULT_HOOKS_DIRS), None
-    for path in crio_files(root):
-        if path == without:
-            continue
-        configured = toml_list(host_path(root, path), ("crio", "runtime", "hooks_dir"))
-        if configured is not None:
-            dirs, source = configured, path
+    if not os.path.isdir(root):
+        return dirs, source
+    with _tree(root) as tree:
+        for path in crio_files(tree):
+            if path == without:
+                continue
+            configured = toml_list(tree, path, ("crio", "runtime", "hooks_dir"))
+            if configured is not None:
+                dirs, source = configured, path
     return dirs, source

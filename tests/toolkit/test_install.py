@@ -360,6 +360,122 @@ def test_crio_s_built_in_hooks_dir_is_the_one_install_assumes(root, require):
     )
 
 
+# Entries an administrator's hooks_dir can hold (issue 36, 4): each must come back as itself.
+ODD_HOOKS_DIRS = ['/opt/"quoted"', "/opt/back\\slash", "/opt/new\nline", "/opt/tab\tand\u2028",
+                  '"]\n[crio.runtime.runtimes.evil]\nruntime_path = "/tmp/evil"\n#', "/opt/'''", "/opt/é"]  # fmt: skip
+# More that TOML allows only escaped (`crio config` prints these in Go's syntax, not TOML's, so
+# they are checked with tomllib alone).
+CONTROL_HOOKS_DIRS = ["/opt/del\x7f", "/opt/esc\x1b", "/opt/nul\x00"]
+ODD_SOURCE = "/etc/crio/crio.conf.d/10-a\nb]\n[crio.runtime.runtimes.evil]\nruntime_path = 'evil'\n#"
+
+
+def test_the_crio_drop_in_reads_back_as_the_list_it_was_given():
+    """TOML read as CRI-O reads it (tomllib, the same grammar): the list is exactly the entries
+    given, whatever they hold (a quote, a backslash, a newline, a table of their own), and the
+    source's name, written in a comment, can neither end the comment nor add anything."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    for source in (None, "/etc/crio/crio.conf", ODD_SOURCE, "/etc/crio/crio.conf.d/not-utf-8-\udcff"):
+        dirs = ODD_HOOKS_DIRS + CONTROL_HOOKS_DIRS + [ADMINS]
+        text = install.crio_dropin_text(dirs, source)
+        text.encode()  # what install writes: UTF-8
+        assert runtime_config.load_toml(text) == {"crio": {"runtime": {"hooks_dir": dirs}}}
+
+
+def test_crio_reads_back_every_hooks_dir_entry_through_the_drop_in(root, require):
+    """The real `crio config` merging crio.conf (hooks_dir entries with a quote, a backslash, a
+    newline, and one that would close the list and open [crio.runtime.runtimes.evil]), a drop-in of
+    that odd name which sets the list (its name goes into ours as a comment), and install's drop-in:
+    CRI-O reads exactly those entries plus ours, and no runtime of the entries' making."""
+    import criocheck
+
+    require("root")
+    _crio_file(root, "/etc/crio/crio.conf", ["/ignored/by/the/drop-in/below"])
+    _crio_file(root, ODD_SOURCE, ODD_HOOKS_DIRS)
+    assert criocheck.hooks_dirs(root) == ODD_HOOKS_DIRS  # CRI-O reads that file, name and all
+    install.install(root, ("crio",), PREFIX)
+    assert criocheck.hooks_dirs(root) == ODD_HOOKS_DIRS + [ADMINS]
+    assert "evil" not in criocheck.config(root)["crio"]["runtime"].get("runtimes", {})
+    os.unlink(root + ODD_SOURCE)  # now crio.conf's list, from the comment's other source
+    install.install(root, ("crio",), PREFIX)
+    assert criocheck.hooks_dirs(root) == ["/ignored/by/the/drop-in/below", ADMINS]
+
+
+def _systemd_commands(unit_text: str, tmp_path) -> dict:
+    """{setting: [argv, ...]} of every command systemd itself reads in a unit (ExecStart=, and any
+    other Exec*= a bad escape might have let in): systemd-analyze verify loads the unit and, at
+    debug level, dumps each command line with its words quoted in C style."""
+    import re
+
+    path = tmp_path / "oci-gpu-hook-quoting-test.service"
+    path.write_text(unit_text)
+    done = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True,
+                          env={**os.environ, "SYSTEMD_LOG_LEVEL": "debug"}, timeout=60)  # fmt: skip
+    commands, setting = {}, None
+    for line in (done.stdout + done.stderr).splitlines():
+        found = re.match(r"\s*-> (Exec\w+):$", line)
+        if found:
+            setting = found.group(1)
+        elif setting and line.strip().startswith("Command Line: "):
+            commands.setdefault(setting, []).append(_c_words(line.strip()[len("Command Line: ") :]))
+    return commands
+
+
+def _c_words(line: str) -> list:
+    """Words as systemd's dump writes them (bare, or in double quotes with C escapes), then as the
+    command runs: systemd replaces "$$" with "$" and "${NAME}" with the variable's value (shown
+    here as <$NAME>) when it starts the command."""
+    import re
+
+    escapes = {"a": "\a", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t", "v": "\v"}
+    words, i = [], 0
+    while i < len(line):
+        if line[i] == " ":
+            i += 1
+            continue
+        if line[i] != '"':
+            end = line.find(" ", i)
+            end = len(line) if end < 0 else end
+            words.append(line[i:end])
+            i = end
+            continue
+        i, word = i + 1, []
+        while line[i] != '"':
+            c = line[i]
+            if c == "\\":
+                c, i = line[i + 1], i + 1
+                if c in escapes:
+                    c = escapes[c]
+                elif c == "x":
+                    c, i = chr(int(line[i + 1 : i + 3], 16)), i + 2
+                elif c.isdigit():
+                    c, i = chr(int(line[i : i + 3], 8)), i + 2
+            word.append(c)
+            i += 1
+        words.append(re.sub(r"\$\$|\$\{(\w+)\}", lambda m: f"<${m.group(1)}>" if m.group(1) else "$", "".join(word)))
+        i += 1
+    return words
+
+
+@pytest.mark.parametrize(
+    "config",
+    ['/etc/gpu/a"b\\c\nExecStartPre=/bin/false\n[Install]\x01é\t;', "/etc/gpu/%n ${HOME} $$ $PATH.yaml"],
+    ids=["a-line-of-its-own", "specifiers-and-variables"],
+)
+@pytest.mark.parametrize("unit", ["refresh", "node-service"])
+def test_systemd_reads_back_every_word_of_a_units_command(tmp_path, require, unit, config):
+    """A --config path goes into the units' ExecStart=: whatever it holds (a quote, a backslash,
+    a newline followed by a setting of its own, systemd's % specifiers and $ variables), the
+    command systemd reads and runs is exactly the words install meant, and there is no other."""
+    require("systemd-analyze")
+    prefix = ["/usr/bin/oci-gpu-hook", "--config", config]
+    if unit == "refresh":
+        text, args = install.service_text(prefix), ["inventory", "refresh"]
+    else:
+        text, args = install.node_service_text(prefix, "d", "labels", "--watch", "60"), ["labels", "--watch", "60"]
+    assert _systemd_commands(text, tmp_path) == {"ExecStart": [prefix + args]}
+
+
 def _forge_manifest(root, doc, owner=0):
     path = os.path.join(root, install.MANIFEST.lstrip("/"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -421,3 +537,204 @@ def test_a_configuration_others_can_change_is_not_wired_in(root, tmp_path, requi
     os.chmod(config, 0o644)
     os.chmod(directory, 0o755)
     assert install.install(root, ("podman",), PREFIX + ["--config", "/etc/gpu/config.yaml"])  # root's alone
+
+
+# ---- --root: every path resolved inside the tree --------------------------------------------------
+
+# Each kind of directory install writes into, as a link an image layer unpacked by root can hold in
+# its place, and the runtimes that make install write there.
+TREE_DIRECTORIES = [
+    ("etc/systemd", ("podman",)),  # the units and their .wants links
+    ("etc/containers", ("podman",)),  # the hooks.d file
+    ("etc/crio", ("crio",)),  # CRI-O's drop-in (and crio.conf, which install reads)
+    ("etc/udev", ("podman",)),  # the udev rule
+    ("etc/oci-gpu-hook", ("podman",)),  # the default configuration
+    ("usr/local/libexec", ("podman",)),  # the launcher
+    ("var/lib", ("podman",)),  # the manifest
+    ("usr/bin", ("docker",)),  # Docker's program
+]
+
+
+def _host_stand_in(tmp_path, directory):
+    """A directory standing for the build host's own (the test never touches the real one), with
+    a file of its own in it: what install must leave exactly as it is."""
+    host = tmp_path / "host" / directory
+    host.mkdir(parents=True)
+    (host / "the-hosts-own").write_text("keep me\n")
+    return str(host)
+
+
+def _link(root, directory, target, relative=False):
+    """A link at root/directory (in place of what is there) to target."""
+    import shutil
+
+    path = os.path.join(root, directory)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    os.symlink(os.path.relpath(target, os.path.dirname(path)) if relative else target, path)
+    return path
+
+
+@pytest.mark.parametrize("form", ["absolute", "relative"])
+@pytest.mark.parametrize("directory, runtimes", TREE_DIRECTORIES, ids=[d for d, _ in TREE_DIRECTORIES])
+def test_install_never_follows_a_trees_link_out_of_it(root, tmp_path, hook_cli, require, directory, runtimes, form):
+    """Issue 36, 1: a root-owned link in an image tree (DIR/etc/systemd -> /etc/systemd, as any
+    layer unpacked by root may hold) made install write the build host's own hooks.d file, units
+    and .wants links. Every path is resolved inside the tree now: a link whose target is not in
+    the tree (an absolute one, or one that climbs out with ..) leads nowhere, and install refuses
+    with one line, writing nothing in the tree and nothing where the link points."""
+    require("root")
+    if directory == "usr/local/libexec":
+        assert install.hook_command() == [launcher.LAUNCHER]  # install writes the launcher there
+    host = _host_stand_in(tmp_path, directory)
+    link = _link(root, directory, host, relative=form == "relative")
+    before, host_before = snapshot(root), snapshot(str(tmp_path / "host"))
+    args = [a for r in runtimes for a in ("--runtime", r)]
+    out = hook_cli("install", "--root", root, *args, "--no-prefilter")
+    assert out.returncode == install.InstallError.exit_code, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"oci-gpu-hook: {link}: a symlink to "), out.stderr
+    assert "leads nowhere inside" in out.stderr
+    assert snapshot(str(tmp_path / "host")) == host_before and snapshot(root) == before
+
+
+def test_the_issues_own_tree_leaves_the_hosts_etc_alone(root, tmp_path, require):
+    """The tree of the report itself: DIR/etc/systemd -> /etc/systemd and DIR/etc/containers ->
+    /etc/containers. Inside the tree each link is its own path, a loop: install refuses with one
+    line. Run in a mount namespace of its own with an empty tmpfs over each of the host's two
+    directories, so that even an install that followed the links would write only there; what
+    it wrote there is listed before the namespace goes."""
+    require("root", "unshare")
+    targets = [d for d in ("/etc/systemd", "/etc/containers") if os.path.isdir(d)]
+    assert targets, "neither /etc/systemd nor /etc/containers on this host"
+    for target in targets:
+        _link(root, target.lstrip("/"), target)
+    before = snapshot(root)
+    listing = tmp_path / "written-on-the-host"
+    script = "; ".join(f"mount -t tmpfs -o mode=0755 oci-gpu-hook-test {t}" for t in targets) + (
+        '; "$0" -I -m oci_gpu_hook install --root "$1" --runtime podman --runtime crio --no-prefilter; rc=$?; '
+        f'find {" ".join(targets)} -mindepth 1 > "$2"; exit $rc'
+    )
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, sys.executable, root,
+                          str(listing)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == install.InstallError.exit_code, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and "too many levels of symbolic links" in out.stderr, out.stderr
+    assert listing.read_text() == "" and snapshot(root) == before
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("case", ["units-link-out", "manifest-directory-links-out", "manifest-is-a-link"])
+def test_uninstall_never_follows_a_trees_link_out_of_it(root, tmp_path, hook_cli, require, case):
+    """Issue 36, 1: uninstall trusted a tree's manifest (any layer's root 0644 file) and removed a
+    unit file outside the tree through DIR/etc/systemd -> /etc/systemd, then its directory. Now the
+    manifest is the tree's own file, and what it names is resolved inside the tree: a link out of
+    it is refused with one line, before anything is removed, in the tree or where it points."""
+    require("root")
+    unit = install.UNIT_DIR + "/" + install.SERVICE
+    doc = {"format": 1, "files": {unit: _sha256(b"keep me\n")}, "directories": [install.UNIT_DIR]}
+    if case == "units-link-out":
+        host = _host_stand_in(tmp_path, "etc/systemd")
+        os.makedirs(os.path.join(host, "system"))
+        with open(os.path.join(host, "system", install.SERVICE), "w") as f:
+            f.write("keep me\n")
+        link = _link(root, "etc/systemd", host)
+        _forge_manifest(root, doc)
+    else:
+        # The tree's own unit, which a manifest from outside the tree names.
+        os.makedirs(root + install.UNIT_DIR)
+        with open(root + unit, "w") as f:
+            f.write("keep me\n")
+        host = _host_stand_in(tmp_path, "var/lib/oci-gpu-hook")
+        with open(os.path.join(host, "install-manifest.json"), "w") as f:
+            json.dump(doc, f)
+        if case == "manifest-directory-links-out":
+            link = _link(root, "var/lib/oci-gpu-hook", host)
+        else:
+            os.makedirs(os.path.dirname(root + install.MANIFEST))
+            link = _link(root, install.MANIFEST.lstrip("/"), os.path.join(host, "install-manifest.json"))
+    before, host_before = snapshot(root), snapshot(str(tmp_path / "host"))
+    out = hook_cli("uninstall", "--root", root)
+    assert out.returncode == install.InstallError.exit_code, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith(f"oci-gpu-hook: {link}: a symlink"), out.stderr
+    assert snapshot(str(tmp_path / "host")) == host_before and snapshot(root) == before
+
+
+def test_install_reads_the_trees_crio_configuration_not_the_hosts(root, tmp_path, require):
+    """install copies the hooks_dir list CRI-O reads into its drop-in: a tree's crio.conf that
+    links out of the tree must not make it read (and so copy) the build host's. Inside the tree
+    that link leads nowhere, as CRI-O in the image would find: no crio.conf, CRI-O's default."""
+    import criocheck
+
+    require("root")
+    host = _host_stand_in(tmp_path, "etc/crio")
+    _crio_file(host, "/crio.conf", ["/the/hosts/own/hooks.d"])
+    os.makedirs(os.path.join(root, "etc/crio/crio.conf.d"))
+    _link(root, "etc/crio/crio.conf", os.path.join(host, "crio.conf"))
+    host_before = snapshot(str(tmp_path / "host"))
+    install.install(root, ("crio",), PREFIX)
+    with open(root + install.CRIO_DROPIN) as f:
+        assert "/the/hosts/own" not in f.read()
+    os.unlink(os.path.join(root, "etc/crio/crio.conf"))  # what CRI-O reads: the drop-in alone
+    assert criocheck.hooks_dirs(root) == ["/usr/share/containers/oci/hooks.d", ADMINS]
+    assert snapshot(str(tmp_path / "host")) == host_before
+
+
+def test_the_runtimes_configuration_is_read_inside_the_tree(root, tmp_path):
+    """What doctor and install read of podman's and CRI-O's configuration under a root: each file
+    as the image finds it, its links followed inside the tree, never to the build host's."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    host = _host_stand_in(tmp_path, "etc")
+    with open(os.path.join(host, "containers.conf"), "w") as f:
+        f.write('[engine]\nhooks_dir = ["/the/hosts/own"]\n')
+    _crio_file(host, "/crio.conf", ["/the/hosts/own"])
+    _link(root, "etc/containers/containers.conf", os.path.join(host, "containers.conf"))
+    _link(root, "etc/crio", host)
+    assert runtime_config.podman_hooks_dirs(root) == list(runtime_config.PODMAN_DEFAULT_HOOKS_DIRS)
+    assert runtime_config.crio_hooks_dirs(root) == (list(runtime_config.CRIO_DEFAULT_HOOKS_DIRS), None)
+    # A link that stays inside the tree, absolute as in the image, is followed there.
+    os.makedirs(os.path.join(root, "usr/share/crio"))
+    _crio_file(root, "/usr/share/crio/crio.conf", ["/the/images/own"])
+    os.unlink(os.path.join(root, "etc/crio"))
+    _link(root, "etc/crio/crio.conf", "/usr/share/crio/crio.conf")
+    assert runtime_config.crio_hooks_dirs(root) == (["/the/images/own"], "/etc/crio/crio.conf")
+
+
+@pytest.mark.parametrize("form", ["relative", "absolute"])
+def test_a_trees_links_that_stay_inside_it_keep_working(root, tmp_path, hook_cli, require, form):
+    """Links an image means (etc/systemd -> ../usr/lib/systemd; usr/local -> /opt/local, absolute
+    as the image reads it): install writes where the image will look, inside the tree, and
+    uninstall leaves the tree byte-identical. (Targets of names this host lacks: an install that
+    followed the absolute links on the host could not write there.)"""
+    require("root")
+    for directory in ("usr/lib/systemd-of-the-image", "opt/local-of-the-image", "usr/bin"):
+        os.makedirs(os.path.join(root, directory))
+    if form == "relative":
+        _link(root, "etc/systemd", os.path.join(root, "usr/lib/systemd-of-the-image"), relative=True)
+        _link(root, "usr/local", os.path.join(root, "opt/local-of-the-image"), relative=True)
+    else:
+        _link(root, "etc/systemd", "/usr/lib/systemd-of-the-image")
+        _link(root, "usr/local", "/opt/local-of-the-image")
+    _link(root, "bin", "usr/bin")
+    before = snapshot(root)
+    out = hook_cli("install", "--root", root, "--runtime", "podman", "--runtime", "crio", "--runtime", "docker",
+                   "--no-prefilter", "--node-services")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    units = os.path.realpath(os.path.join(root, "usr/lib/systemd-of-the-image/system"))
+    assert os.path.isfile(os.path.join(units, install.SERVICE)), out.stdout
+    assert os.readlink(os.path.join(units, "multi-user.target.wants", install.SERVICE)) == f"../{install.SERVICE}"
+    assert launcher.is_launcher(os.path.join(root, "opt/local-of-the-image/libexec/oci-gpu-hook/oci-gpu-hook"))
+    assert f"wrote {units}/{install.SERVICE}" in out.stdout.splitlines()
+    again = hook_cli("install", "--root", root, "--runtime", "podman", "--runtime", "crio", "--runtime", "docker",
+                     "--no-prefilter", "--node-services")  # fmt: skip
+    assert again.returncode == 0 and "nothing to do" in again.stdout, again.stdout + again.stderr
+    gone = hook_cli("uninstall", "--root", root)
+    assert gone.returncode == 0 and f"removed {units}/{install.SERVICE}" in gone.stdout, gone.stdout + gone.stderr
+    assert snapshot(root) == before

@@ -122,7 +122,7 @@ class Rootfs:
                     _openat2_works = False
                     break
         fd = self._walk(path)
-        if flags & ~(os.O_PATH | os.O_CLOEXEC | os.O_NOFOLLOW):
+        if not flags & os.O_PATH:  # O_RDONLY is 0: any open without O_PATH reads (or writes) the file
             try:
                 return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
             finally:
