@@ -181,12 +181,12 @@ def load(path: str | None, node_settings) -> PluginConfig:
     import yaml
 
     try:
-        doc = settings.load_yaml(text)
+        doc = settings.load_yaml(text, path)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f" (line {mark.line + 1})" if mark is not None else ""
         raise ConfigError(f"{path}: not valid YAML or JSON{line}: {getattr(e, 'problem', None) or e}") from None
-    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting past the stack
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; (a backstop) nesting
         raise ConfigError(f"{path}: not valid YAML or JSON: {settings.load_problem(e)}") from None
     settings.check_document_size(doc, path)
     return parse(doc, path)

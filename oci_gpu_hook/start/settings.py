@@ -4,9 +4,12 @@ Found at --config FILE, else $OCI_GPU_HOOK_CONFIG, else /etc/oci-gpu-hook/config
 absence means defaults). Checked against schemas/config.schema.json; every error names the file,
 the key and what is accepted.
 
-YAML and jsonschema cost the hook more than everything else it does (~100 ms of imports), so a
-validated file is also kept compiled, as JSON, under /run/oci-gpu-hook, keyed by the file's path,
-inode, size and modification time; the start path reads that while the file is unchanged.
+YAML and jsonschema cost the hook more than everything else it does (~100 ms of imports), so the
+hook (prestart, load(cache=True)) also keeps a validated file compiled, as JSON, under
+/run/oci-gpu-hook, keyed by the file's path, inode, size and modification time, and reads that
+while the file is unchanged. Only the hook: the commands people and services run read the file
+itself and leave /run/oci-gpu-hook alone, so that a command run with --config on a file of one's
+own leaves nothing on the host, where the hook may not even be installed.
 """
 
 from __future__ import annotations
@@ -152,11 +155,14 @@ def config_path(explicit: str | None, environ: dict) -> str | None:
     return DEFAULT_PATH if os.path.exists(DEFAULT_PATH) else None
 
 
-def load(explicit: str | None = None, environ: dict = os.environ) -> Settings:
+def load(explicit: str | None = None, environ: dict = os.environ, cache: bool = False) -> Settings:
+    """cache: read and keep the compiled copy under RUN_DIR; the hook's start path alone asks."""
     path = config_path(explicit, environ)
     if path is None:
         return Settings()
     path = os.path.abspath(path)
+    if not cache:
+        return Settings.from_mapping(parse_mapping(read_config_file(path), path), path)
     key = _file_key(path)
     compiled = _read_compiled(path, key)
     if compiled is not None:
@@ -255,39 +261,123 @@ def read_config_file(path: str, what: str = "the configuration file") -> str:
         raise ConfigError(f"{path}: {what} is not UTF-8 text") from None
 
 
-def load_yaml(text: str):
+def load_yaml(text: str, where: str = "the document", libyaml: bool = True):
     """A YAML (or JSON) document as JSON's types only: mappings, lists, strings, numbers, booleans
-    and null. Merge keys (<<) are refused, because older PyYAML expands them exponentially inside
-    the parser; so are the tags that build other types (binary, set, omap, pairs), and a timestamp
-    stays text. yaml.YAMLError for everything refused."""
+    and null. Refused while it is parsed, before it is built, with a ConfigError naming where: past
+    the bounds (check_document_size's, keys counted too, and mappings of at most MAX_LIST_ITEMS
+    keys), or a key a mapping already has, which would silently replace the first. Refused with
+    yaml.YAMLError: what is not YAML, merge keys (<<: older PyYAML expands them exponentially inside
+    the parser) and the tags that build other types (binary, set, omap, pairs). A timestamp stays
+    text.
+
+    Bounds on a built document come too late: PyYAML took 5 to 38 s to build a 1 MiB flow list of
+    half a million scalars. So each node is counted as it is composed, and the document stops
+    there; libyaml parses (in C) where PyYAML has it, else (and with libyaml False, for the tests)
+    PyYAML's own parser."""
     import yaml
 
-    return yaml.load(text, Loader=_json_loader())  # noqa: S506 - a SafeLoader, narrowed further
+    loader = _json_loader(libyaml)(text)
+    loader.where = where
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        # libyaml's own bound (1000 deep), met while it looks ahead for a key: past ours too.
+        if getattr(e, "problem", None) == "exceeded maximum nesting depth":
+            raise too_large(where, TOO_DEEP) from None
+        raise
+    finally:
+        loader.dispose()
 
 
-_LOADER = []
+_LOADERS = {}
 
 
-def _json_loader():
-    if _LOADER:
-        return _LOADER[0]
+def _json_loader(libyaml: bool):
+    if libyaml in _LOADERS:
+        return _LOADERS[libyaml]
     import yaml
+    from yaml.composer import Composer
     from yaml.constructor import ConstructorError
+    from yaml.events import AliasEvent
+    from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 
-    class JsonLoader(yaml.SafeLoader):
-        def flatten_mapping(self, node):
-            for key, _ in node.value:
-                if key.tag == "tag:yaml.org,2002:merge":
-                    raise ConstructorError(None, None, "merge keys (<<) are not accepted", key.start_mark)
-            super().flatten_mapping(node)
+    refused = {f"tag:yaml.org,2002:{name}": f"{name} values are not accepted"
+               for name in ("binary", "set", "omap", "pairs")}  # fmt: skip
+    refused["tag:yaml.org,2002:merge"] = "merge keys (<<) are not accepted"
+    parser = getattr(yaml, "CSafeLoader", yaml.SafeLoader) if libyaml else yaml.SafeLoader
+    # With libyaml, Composer comes first, so that the compose_node below (in Python) composes and
+    # not CParser's own, in C, which no bound can interrupt. SafeLoader is a Composer already.
+    bases = (parser,) if issubclass(parser, Composer) else (Composer, parser)
 
-    def refuse(loader, node):
-        raise ConstructorError(None, None, f"{node.tag.rpartition(':')[2]} values are not accepted", node.start_mark)
+    class JsonLoader(*bases):
+        def __init__(self, text):
+            parser.__init__(self, text)
+            Composer.__init__(self)
+            self.where = "the document"
+            self.values = 0  # nodes composed, an alias counted as the nodes its anchor stands for
+            self.depth = 0  # collections around the node being composed
+            self.deepest = 0  # the depth of the deepest node composed inside the current one
+            self.sizes = {}  # anchor: (nodes, height) of its node, once it is composed
+            self.path = []  # keys and indices down to the node, for messages
 
-    for tag in ("binary", "set", "omap", "pairs"):
-        JsonLoader.add_constructor(f"tag:yaml.org,2002:{tag}", refuse)
+        def count(self, nodes: int, height: int) -> None:
+            self.values += nodes
+            if self.values > MAX_DOCUMENT_VALUES:
+                raise too_large(self.where, TOO_MANY_VALUES)
+            if self.depth + height > MAX_DOCUMENT_DEPTH:
+                raise too_large(self.where, TOO_DEEP)
+            self.deepest = max(self.deepest, self.depth + height)
+
+        def compose_node(self, parent, index):
+            if isinstance(parent, SequenceNode) and index >= MAX_LIST_ITEMS:
+                raise too_large(self.where, TOO_LONG)
+            if isinstance(parent, MappingNode) and index is None and len(parent.value) >= MAX_LIST_ITEMS:
+                raise too_large(self.where, TOO_WIDE)
+            event = self.peek_event()
+            if isinstance(event, AliasEvent):
+                if event.anchor in self.anchors:  # else undefined, which the Composer reports
+                    # Not in sizes: its node is still being composed and holds itself, endlessly.
+                    self.count(*self.sizes.get(event.anchor, (MAX_DOCUMENT_VALUES + 1, 0)))
+                return super().compose_node(parent, index)
+            if event.tag in refused:  # refused before what it holds is composed: a bomb, maybe
+                raise ConstructorError(None, None, refused[event.tag], event.start_mark)
+            start, depth, deepest = self.values, self.depth, self.deepest
+            self.deepest = depth
+            self.count(1, 0)
+            if parent is not None:  # a list's index, a mapping's key (a key's own nodes: "?")
+                self.path.append(index if isinstance(parent, SequenceNode) else
+                                 index.value if isinstance(index, ScalarNode) else "?")  # fmt: skip
+            self.depth += 1
+            node = super().compose_node(parent, index)
+            self.depth = depth
+            if node.tag in refused:  # an implicit one: a plain << key
+                raise ConstructorError(None, None, refused[node.tag], node.start_mark)
+            if isinstance(node, MappingNode):
+                self.check_keys(node)
+            if parent is not None:
+                self.path.pop()
+            if event.anchor is not None:
+                self.sizes[event.anchor] = (self.values - start, self.deepest - depth)
+            self.deepest = max(deepest, self.deepest)
+            return node
+
+        def check_keys(self, node) -> None:
+            """Each key once, compared as the mapping will hold them (1, 1.0 and true are one)."""
+            seen = {}
+            for key_node, _ in node.value:
+                if not isinstance(key_node, ScalarNode):
+                    continue  # a list or mapping as a key is refused when it is built: unhashable
+                key = self.construct_object(key_node)
+                if key in seen:
+                    first, second = seen[key].start_mark.line + 1, key_node.start_mark.line + 1
+                    lines = f"lines {first} and {second}" if first != second else f"both on line {first}"
+                    name = key_path(self.path + [key_node.value])
+                    name = name if len(name) <= 80 else name[:80] + "..."
+                    raise ConfigError(f"{self.where}: key '{name}' appears twice ({lines})")
+                seen[key] = key_node
+
     JsonLoader.add_constructor("tag:yaml.org,2002:timestamp", lambda loader, node: loader.construct_scalar(node))
-    _LOADER.append(JsonLoader)
+    _LOADERS[libyaml] = JsonLoader
     return JsonLoader
 
 
@@ -303,13 +393,13 @@ def parse_mapping(text: str, path: str) -> dict:
     import yaml
 
     try:
-        data = load_yaml(text)
+        data = load_yaml(text, path)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or "invalid YAML"
         raise ConfigError(f"{path}: not valid YAML{where}: {problem}") from None
-    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; nesting past the stack
+    except (ValueError, RecursionError) as e:  # an integer of thousands of digits; (a backstop) nesting
         raise ConfigError(f"{path}: not valid YAML: {load_problem(e)}") from None
     check_document_size(data, path)
     if data is None:
@@ -320,12 +410,21 @@ def parse_mapping(text: str, path: str) -> dict:
     return data
 
 
-# A loaded configuration document is walked (with its YAML aliases expanded, as every later
-# check would walk it) only up to these bounds: a few hundred bytes of aliases can stand for
-# billions of values, and a deep nesting for more frames than the interpreter has.
+# A configuration document is composed (with its YAML aliases counted as often as they are used,
+# as every later check would walk them) only up to these bounds: a few hundred bytes of aliases can
+# stand for billions of values, a deep nesting for more frames than the interpreter has, and 1 MiB
+# of flow list for half a million values that take seconds to build.
 MAX_DOCUMENT_VALUES = 100_000
 MAX_DOCUMENT_DEPTH = 32
-MAX_LIST_ITEMS = 1024
+MAX_LIST_ITEMS = 1024  # a list's items, a mapping's keys
+TOO_MANY_VALUES = f"more than {MAX_DOCUMENT_VALUES} values (YAML aliases counted as often as they are used)"
+TOO_DEEP = f"nested more than {MAX_DOCUMENT_DEPTH} deep"
+TOO_LONG = f"a list of more than {MAX_LIST_ITEMS} items"
+TOO_WIDE = f"a mapping of more than {MAX_LIST_ITEMS} keys"
+
+
+def too_large(path: str, what: str) -> ConfigError:
+    return ConfigError(f"{path}: {what}; this is not a configuration")
 
 
 def load_problem(error: Exception) -> str:
@@ -335,24 +434,24 @@ def load_problem(error: Exception) -> str:
 
 
 def check_document_size(data: object, path: str) -> None:
-    """ConfigError when the document has more than MAX_DOCUMENT_VALUES values, a list of more than
-    MAX_LIST_ITEMS, is nested more than MAX_DOCUMENT_DEPTH deep, or holds anything but JSON's
-    types; an alias counts as often as it is used. Bounded time, before any check that could take
-    longer (jsonschema's uniqueItems compares every pair of items)."""
+    """ConfigError when the document has more than MAX_DOCUMENT_VALUES values, a list or mapping of
+    more than MAX_LIST_ITEMS, is nested more than MAX_DOCUMENT_DEPTH deep, or holds anything but
+    JSON's types; an alias counts as often as it is used. load_yaml has stopped at these bounds
+    already, while it parsed; this walks what it built, for what reaches here another way, before
+    any check that could take longer (jsonschema's uniqueItems compares every pair of items)."""
     stack, count = [(data, 0)], 0
     while stack:
         value, depth = stack.pop()
         count += 1
         if count > MAX_DOCUMENT_VALUES:
-            raise ConfigError(f"{path}: more than {MAX_DOCUMENT_VALUES} values (YAML aliases counted as often as "
-                              "they are used); this is not a configuration")  # fmt: skip
+            raise too_large(path, TOO_MANY_VALUES)
         if depth > MAX_DOCUMENT_DEPTH:
-            raise ConfigError(f"{path}: nested more than {MAX_DOCUMENT_DEPTH} deep; this is not a configuration")
+            raise too_large(path, TOO_DEEP)
+        if isinstance(value, (dict, list)) and len(value) > MAX_LIST_ITEMS:
+            raise too_large(path, TOO_LONG if isinstance(value, list) else TOO_WIDE)
         if isinstance(value, dict):
             stack.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
-            if len(value) > MAX_LIST_ITEMS:
-                raise ConfigError(f"{path}: a list of more than {MAX_LIST_ITEMS} items; this is not a configuration")
             stack.extend((v, depth + 1) for v in value)
         elif value is not None and not isinstance(value, (str, int, float)):
             raise ConfigError(f"{path}: a {type(value).__name__} value; only JSON's types are accepted")

@@ -22,6 +22,7 @@ from concurrent import futures
 from resource import RLIMIT_AS, setrlimit
 from types import SimpleNamespace
 
+import hookcheck
 import pytest
 
 from oci_gpu_hook.errors import Exit
@@ -586,13 +587,13 @@ def test_check_without_a_file_follows_the_node_settings(host, host_config, tmp_p
     assert p.returncode == 0, p.stderr
     assert p.stdout == "nvidia.com/gpu: 4 devices\n" + "".join(f"  {g['uuid']}\n" for g in host["gpus"])
     config = tmp_path / "config.yaml"
-    config.write_text(open(host_config).read() + "node:\n  mig_strategy: mixed\n  replicas: 2\n")
+    config.write_text(open(host_config).read().replace("node:\n", "node:\n  mig_strategy: mixed\n  replicas: 2\n"))
     p = run_cli("--config", str(config), "device-plugin", "--check")
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[0] == "nvidia.com/gpu: 6 devices"
     assert "nvidia.com/mig-1g.5gb: 1 device" in p.stdout.splitlines()
     single = tmp_path / "single.yaml"
-    single.write_text(open(host_config).read() + "node:\n  mig_strategy: single\n")
+    single.write_text(open(host_config).read().replace("node:\n", "node:\n  mig_strategy: single\n"))
     p = run_cli("--config", str(single), "device-plugin", "--check")
     assert p.returncode == Exit.CONFIG and len(p.stderr.splitlines()) == 1, p.stderr
     assert p.stderr.startswith("oci-gpu-hook: node settings (node.mig_strategy, node.replicas): flags.migStrategy "
@@ -617,16 +618,16 @@ HOSTILE_KEYS = {"version": "version: {}\n", "migStrategy": "flags:\n  migStrateg
                             "      replicas: {}\n"}  # fmt: skip
 
 
-def run_limited(args, memory=1 << 30):
+def run_limited(args, memory=1 << 30, timeout=60):
     """run_cli under an address-space limit: a configuration that grows without bound fails here."""
-    return run_cli(*args, timeout=60, preexec_fn=lambda: setrlimit(RLIMIT_AS, (memory, memory)))
+    return run_cli(*args, timeout=timeout, preexec_fn=lambda: setrlimit(RLIMIT_AS, (memory, memory)))
 
 
 @pytest.mark.parametrize("key", list(HOSTILE_KEYS))
 @pytest.mark.parametrize("value, words", [
     (alias_bomb(9), "more than 100000 values (YAML aliases counted as often as they are used)"),
     (alias_bomb(4), "a list"),  # within the bound: shown by its kind, never by repr()
-    ("[" * 5000 + "]" * 5000, "not valid YAML or JSON: nested too deeply"),
+    ("[" * 5000 + "]" * 5000, "nested more than 32 deep; this is not a configuration"),
     ("9" * 5000, "not valid YAML or JSON: Exceeds the limit (4300 digits)"),
     (f"!!pairs [[a, {alias_bomb(8)}]]", "pairs values are not accepted"),
     ("[&m0 {a: 1}, " + ", ".join(f"&m{i} {{<<: [*m{i - 1}, *m{i - 1}], k{i}: 1}}" for i in range(1, 41)) + "]",
@@ -642,6 +643,41 @@ def test_hostile_configuration_is_one_line_in_bounded_time_and_memory(host_confi
     # The same limit lets a good configuration through: it is the configuration that was bounded.
     good = run_limited(["--config", host_config, "device-plugin", "--check", "--config-file", plugin_file()])
     assert good.returncode == 0, good.stderr
+
+
+# Bounded in time, not only in the end (docs/security.md, attack round 4, class 7): each took PyYAML
+# 5 to 38 s to build before the bounds looked at it; the parser stops at a bound now, within a
+# second. The guard is generous, and yet shorter than building any of them took.
+BOUNDED_SECONDS = 5
+
+
+@pytest.mark.parametrize("kind", list(hookcheck.one_mib_documents("x")))
+def test_a_one_mib_configuration_is_refused_before_it_is_built(host_config, plugin_file, kind):
+    text, words = hookcheck.one_mib_documents("version")[kind]
+    path = plugin_file(text)
+    p = run_limited(["--config", host_config, "device-plugin", "--check", "--config-file", path],
+                    timeout=BOUNDED_SECONDS)  # fmt: skip
+    assert (p.returncode, p.stdout, p.stderr) == (Exit.CONFIG, "", f"oci-gpu-hook: {path}: {words}; this is not "
+                                                                    "a configuration\n")  # fmt: skip
+
+
+@pytest.mark.parametrize("change, key, lines", [
+    (lambda t: t + "flags:\n  migStrategy: none\n", "flags", "lines 2 and 11"),
+    (lambda t: t.replace("  migStrategy: mixed\n", "  migStrategy: mixed\n  migStrategy: none\n"),
+     "flags.migStrategy", "lines 3 and 4"),
+    (lambda t: t.replace("      replicas: 2\n", "      replicas: 2\n      replicas: 8\n"),
+     "sharing.timeSlicing.resources[0].replicas", "lines 9 and 10"),
+    (lambda t: "version: v1\nflags: {migStrategy: mixed, migStrategy: none}\n", "flags.migStrategy",
+     "both on line 2"),
+    (lambda t: t.replace("version: v1\n", "version: v1\n'version': v1\n"), "version", "lines 1 and 2"),
+], ids=["top-level", "nested", "in-a-list-item", "on-one-line", "written-differently"])  # fmt: skip
+def test_a_key_written_twice_is_refused(host_config, plugin_file, change, key, lines):
+    """A second key used to replace the first silently (attack round 4, class 8a): the plugin told
+    the kubelet what the key's second value said, whatever a reader saw first."""
+    path = plugin_file(change(MIXED_SHARED))
+    p = run_cli("--config", host_config, "device-plugin", "--check", "--config-file", path)
+    assert (p.returncode, p.stdout, p.stderr) == (Exit.CONFIG, "", f"oci-gpu-hook: {path}: key '{key}' appears "
+                                                                   f"twice ({lines})\n")  # fmt: skip
 
 
 def test_an_oversized_configuration_is_refused_not_cut(host_config, plugin_file):

@@ -5,6 +5,9 @@ from the code under test."""
 
 import os
 import stat
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -337,7 +340,9 @@ def test_cli_writes_the_file_once(host, hook_cli, tmp_path):
 
 def test_cli_with_settings_from_the_config_file(host, hook_cli, tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text(open(f"{host['root']}/config.yaml").read() + "node:\n  mig_strategy: mixed\n  replicas: 2\n")
+    config.write_text(
+        open(f"{host['root']}/config.yaml").read().replace("node:\n", "node:\n  mig_strategy: mixed\n  replicas: 2\n")
+    )
     p = hook_cli("--config", str(config), "labels", "--output", "-")
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
@@ -351,7 +356,7 @@ def test_cli_with_settings_from_the_config_file(host, hook_cli, tmp_path):
 @pytest.mark.parametrize("node", ["  mig_strategy: bogus\n", "  replicas: 0\n"])
 def test_cli_bad_config_is_one_line(host, hook_cli, tmp_path, node):
     config = tmp_path / "config.yaml"
-    config.write_text(open(f"{host['root']}/config.yaml").read() + "node:\n" + node)
+    config.write_text(open(f"{host['root']}/config.yaml").read().replace("node:\n", "node:\n" + node))
     p = hook_cli("--config", str(config), "labels", "--output", "-")
     assert p.returncode != 0
     assert p.stdout == ""
@@ -362,7 +367,7 @@ def test_cli_bad_config_is_one_line(host, hook_cli, tmp_path, node):
 
 def test_cli_single_strategy_error_is_one_line(host, hook_cli, tmp_path):
     config = tmp_path / "config.yaml"
-    config.write_text(open(f"{host['root']}/config.yaml").read() + "node:\n  mig_strategy: single\n")
+    config.write_text(open(f"{host['root']}/config.yaml").read().replace("node:\n", "node:\n  mig_strategy: single\n"))
     out = tmp_path / "features"
     p = hook_cli("--config", str(config), "labels", "--output", str(out))
     assert p.returncode != 0
@@ -394,3 +399,47 @@ def test_the_device_plugins_configuration_is_the_one_source(simulated_host, tmp_
 
     offered = plugin_devices.resources(inventory, plugin_config.load(str(plugin_file), settings.node), "plugin")
     assert [(r.name, len(r.devices), r.replicas) for r in offered] == [("nvidia.com/gpu", 2 * 4, 4)]
+
+
+def test_labels_need_no_capability(host, host_settings, tmp_path, require):
+    """The DaemonSet's labels container is not privileged: root's uid with every capability
+    dropped and no new privileges (deploy/kubernetes/30-daemonset.yaml). Run so, `labels --watch`
+    reads the inventory the other containers cache, writes the feature file into a directory of
+    root's (features.d, 0755), and beats after every round for its liveness probe."""
+    require("root", "setpriv")
+    features_d = tmp_path / "features.d"
+    features_d.mkdir(mode=0o755)
+    out = features_d / "oci-gpu-hook"
+    heartbeat = tmp_path / "beat"
+    inventory_cache.load(host_settings)  # the cache, as the pod's privileged containers keep it
+    labels = subprocess.Popen(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--",
+                               sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
+                               "labels", "--watch", "1", "--heartbeat", str(heartbeat), "--output", str(out)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60  # a hang guard only
+        while not heartbeat.exists():
+            assert labels.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with open(f"/proc/{labels.pid}/status") as f:
+            caps = dict(line.split(":\t", 1) for line in f.read().splitlines() if line.startswith("Cap"))
+        assert {k: v.strip() for k, v in caps.items() if k != "CapAmb"} == {
+            "CapInh": "0000000000000000", "CapPrm": "0000000000000000", "CapEff": "0000000000000000",
+            "CapBnd": "0000000000000000"}  # fmt: skip
+        first = heartbeat.stat().st_mtime_ns
+        while heartbeat.stat().st_mtime_ns == first:  # the next round beats too
+            assert labels.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        labels.terminate()
+        output = labels.communicate(timeout=60)[0]
+    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    assert out.read_text() == features.render(expected), output
+    assert f"{out}: labels written" in output and "Traceback" not in output
+
+
+def test_heartbeat_needs_watch(host, hook_cli, tmp_path):
+    p = hook_cli("--config", f"{host['root']}/config.yaml", "labels", "--heartbeat", str(tmp_path / "beat"))
+    assert p.returncode == 2 and p.stderr.strip().endswith("--heartbeat needs --watch: a single run has no rounds "
+                                                           "to beat"), p.stderr  # fmt: skip
+    assert not (tmp_path / "beat").exists()
