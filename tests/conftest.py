@@ -27,9 +27,23 @@ def _gcc_can_build_32bit() -> bool:
         return proc.returncode == 0
 
 
+@functools.cache
+def _has_ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def _available(name: str) -> bool:
     if name == "root":
         return os.geteuid() == 0
+    if name == "ipv6":
+        return _has_ipv6_loopback()
     if name == "gcc-m32":
         return _gcc_can_build_32bit()
     return bool(shutil.which(name)) or importlib.util.find_spec(name) is not None
@@ -39,10 +53,10 @@ def _available(name: str) -> bool:
 def require():
     """require(*names): skip the test unless every prerequisite is there.
 
-    A name is an executable on PATH or an importable module; "root" means running as uid 0 and
-    "gcc-m32" a gcc that can build 32-bit programs. With OCI_GPU_HOOK_REQUIRE_ALL=1 (CI, where
-    everything is meant to be installed) a missing one fails the test instead, so a broken
-    environment cannot pass by skipping.
+    A name is an executable on PATH or an importable module; "root" means running as uid 0,
+    "gcc-m32" a gcc that can build 32-bit programs and "ipv6" an IPv6 loopback address (::1).
+    With OCI_GPU_HOOK_REQUIRE_ALL=1 (CI, where everything is meant to be installed) a missing one
+    fails the test instead, so a broken environment cannot pass by skipping.
     """
 
     def check(*names: str) -> None:
@@ -206,17 +220,34 @@ def _compiled_settings_in_tmp(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _clean_compiled_settings_of_subprocesses():
+def _clean_compiled_settings_of_subprocesses(tmp_path_factory):
+    """The hooks this run starts as programs (runc's, CRI-O's, ...) keep compiled settings in the
+    host's /run/oci-gpu-hook: those of this run's configuration files (under its base temporary
+    directory) are removed, and nothing else there (another run's are its own)."""
+    base = str(tmp_path_factory.getbasetemp())
     yield
+    from hookcheck import remove_compiled_settings
+
     from oci_gpu_hook.start import settings
 
-    try:
-        names = os.listdir(settings.RUN_DIR)
-    except OSError:
-        return
-    for name in names:
-        if "pytest-of-" in name:
-            os.unlink(os.path.join(settings.RUN_DIR, name))
+    remove_compiled_settings(settings.RUN_DIR, base)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _host_dev_unchanged_by_module(request):
+    """The host's /dev is, after each module, what it was before (hostcheck.dev_entries: names,
+    types, device numbers, link targets); what a test, a harness or a program it ran made or
+    removed there is named in the module's last teardown. NVIDIA's real libraries, run as root
+    where /dev is the host's, make /dev/nvidiactl themselves. Left out: what the kernel makes
+    and removes with a device (a loop device attached, by this suite or anyone) and the contents
+    of the filesystems mounted below /dev (terminals, shared memory): hostcheck.dev_changes."""
+    from hostcheck import dev_changes, dev_entries
+
+    before = dev_entries()
+    yield
+    changes = dev_changes(before, dev_entries())
+    if changes:
+        pytest.fail(f"the host's /dev changed during {request.module.__name__}: {'; '.join(changes)}", pytrace=False)
 
 
 CGROUP_ROOT = "/sys/fs/cgroup/devices"

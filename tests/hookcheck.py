@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import io
+import json
 import os
 import shutil
 import stat
@@ -196,13 +197,67 @@ def prefilter_for_this_checkout(directory) -> tuple:
 
 
 def config_with(host: dict, tmp_path, extra: str) -> str:
-    """A configuration file of the test's own: the simulated host's, plus the YAML lines extra."""
+    """A configuration file of the test's own: the simulated host's, with the top-level keys of the
+    YAML lines extra added, each in place of the host's own if it has one (a key written twice is
+    refused: settings.load_yaml)."""
+    import yaml
+
     path = os.path.join(str(tmp_path), "config.yaml")
     with open(f"{host['root']}/config.yaml") as f:
-        text = f.read()
+        doc = yaml.safe_load(f)
+    doc.update(yaml.safe_load(extra) or {})
     with open(path, "w") as f:
-        f.write(text + extra)
+        yaml.safe_dump(doc, f, sort_keys=False)
     return path
+
+
+def one_mib_documents(key: str) -> dict:
+    """{name: (text, the words refusing it)}: configuration documents of 1 MiB, the most a file may
+    hold, each a value of key made of hundreds of thousands of short nodes. PyYAML took 5 to 38 s
+    to build any of them before a bound looked at what it had built (issue 36, item 7)."""
+    from oci_gpu_hook.start import settings
+
+    def filled(head: str, unit: str, tail: str) -> str:
+        return head + unit * ((settings.MAX_CONFIG_BYTES - len(head) - len(tail)) // len(unit)) + tail
+
+    row = "[" + ",".join(["a"] * 1000) + "]"  # within every bound by itself
+    return {
+        "flow-list": (filled(f"{key}: [", "0,", "0]\n"), settings.TOO_LONG),
+        "block-list": (filled(f"{key}:\n", "- a:\n", ""), settings.TOO_LONG),  # of one-key mappings
+        "flow-mapping": (filled(f"{key}: {{", "a,", "a}\n"), settings.TOO_WIDE),
+        "nested": (filled(f"{key}: [", row + ",", row + "]\n"), settings.TOO_MANY_VALUES),
+    }
+
+
+def remove_compiled_settings(run_dir: str, directory: str) -> list:
+    """Remove the compiled settings in run_dir (settings.compiled_path) that hooks kept for
+    configuration files under directory, and only those: what a test run may take from the host's
+    /run/oci-gpu-hook. Told by the source path each file records, not by its name (which does not
+    say where the path's directories end: pytest-12_x/ and pytest-12/x_ read alike); another
+    run's files, the host's own hook's and anything else stay. Returns the paths removed."""
+    from oci_gpu_hook.start import settings
+
+    inside = os.path.join(os.path.abspath(directory), "")
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return []
+    found = []
+    for name in sorted(names):
+        path = os.path.join(run_dir, name)
+        try:
+            doc = json.loads(settings.read_trusted(path, settings.MAX_CONFIG_BYTES))
+        except (OSError, ValueError):
+            continue
+        source = doc.get("path") if isinstance(doc, dict) else None
+        if (isinstance(source, str) and source.startswith(inside)
+                and os.path.basename(settings.compiled_path(source)) == name):  # fmt: skip
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                continue  # gone meanwhile
+            found.append(path)
+    return found
 
 
 def remove_cgroup(path: str, tries: int = 100) -> None:

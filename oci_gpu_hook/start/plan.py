@@ -271,8 +271,8 @@ class Plan(Record):
 # --- device selection ---------------------------------------------------------------------------
 
 
-def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
-    """One id of NVIDIA_VISIBLE_DEVICES -> the device, or RequestError '<id>: unknown device'."""
+def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice | None:
+    """One id of NVIDIA_VISIBLE_DEVICES -> the device, or None where this host has none."""
     gpus = inventory.gpus
     lowered = device_id.lower()
     index = device_index(device_id)
@@ -313,16 +313,62 @@ def resolve_device(device_id: str, inventory: Inventory) -> SelectedDevice:
         for gpu in gpus:
             if gpu.bus_id == bus_id:
                 return SelectedDevice(gpu)
-    raise RequestError(f"{device_id}: unknown device")
+    return None
+
+
+def _missing(device_id: str) -> str:
+    """What an id that valid_device_id passed asks for, in words: GPU 7, MIG device 1:2, ..."""
+    index = device_index(device_id)
+    if index is not None:
+        return f"GPU {index}"
+    gpu, colon, mig = device_id.partition(":")
+    if colon and device_index(gpu) is not None and device_index(mig) is not None:
+        return f"MIG device {device_index(gpu)}:{device_index(mig)}"
+    if device_id[:4].lower() == "mig-":
+        return f"MIG device {device_id}"
+    if device_id[:4].lower() == "gpu-":
+        return f"GPU {device_id}"
+    return f"GPU at PCI {device_id}"
+
+
+def _ranges(numbers, prefix: str = "") -> list[str]:
+    """0, 1, 2, 3, 5 -> ['0-3', '5']; prefix goes before each end ('1:' for GPU 1's MIG devices:
+    '1:0-1:2')."""
+    spans = []
+    for n in sorted(numbers):
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return [f"{prefix}{a}" if a == b else f"{prefix}{a}-{prefix}{b}" for a, b in spans]
+
+
+def host_devices(inventory: Inventory) -> str:
+    """What this host has, compactly: 'this host has GPUs 0-3 and MIG devices 1:0-1:2, 3:0-3:1'."""
+    gpus = _ranges(gpu.index for gpu in inventory.gpus)
+    if not gpus:
+        return "this host has no GPUs"
+    migs = [r for gpu in inventory.gpus for r in _ranges((mig.index for mig in gpu.mig), f"{gpu.index}:")]
+    text = f"this host has GPU{'s' if len(inventory.gpus) > 1 else ''} {', '.join(gpus)}"
+    if migs:
+        several = sum(len(gpu.mig) for gpu in inventory.gpus) > 1
+        text += f" and MIG device{'s' if several else ''} {', '.join(migs)}"
+    return text
 
 
 def select_devices(request: GpuRequest, inventory: Inventory) -> tuple[SelectedDevice, ...]:
-    """The devices in the order asked. "all" (last, see parse_device_list) adds every GPU and every
-    MIG device, as libnvidia-container does: an `all` container can use the MIG instances too."""
+    """The devices in the order asked. "all" (last, see read_device_list) adds every GPU and every
+    MIG device, as libnvidia-container does: an `all` container can use the MIG instances too.
+    An id the host lacks fails the start with what named it and what the host has."""
     selected: dict[tuple[int, int | None], SelectedDevice] = {}
     ids = request.devices[:-1] if request.all_devices else request.devices
     for device_id in ids:
-        device = resolve_device(device_id, inventory)
+        try:
+            device = resolve_device(device_id, inventory)
+        except RequestError as e:  # NVML's failure: said with what asked
+            raise RequestError(f"{request.asked_by(device_id)}: {e.message}") from None
+        if device is None:
+            raise RequestError(f"{request.asked_by(device_id)}: no {_missing(device_id)} ({host_devices(inventory)})")
         selected.setdefault((device.gpu.index, device.mig.index if device.mig else None), device)
     if request.all_devices:
         for gpu in inventory.gpus:
@@ -557,14 +603,40 @@ def decide(spec, settings, inventory_for) -> Plan | None:
     return plan
 
 
+def in_proc_driver(target: str) -> bool:
+    """Whether a target lies in the /proc/driver/nvidia mask, which has no CDI form."""
+    return target == PROC_NVIDIA or target.startswith(PROC_NVIDIA + "/")
+
+
 def applied_by_the_runtime(plan: Plan, spec) -> bool:
-    """Whether the runtime has already put this plan's driver files into the container: a runtime
-    that applies CDI (CRI-O; containerd 1.7+) resolves the same cdi.k8s.io annotations the hook
-    reads with accept_cdi_annotations, against the spec `cdi generate` wrote from the same plan,
-    and the hook would then find the runtime's mounts where its own go. Told by the sources: the
-    targets may differ (the spec's library layout is not the image's)."""
+    """Whether the runtime has already put this plan's devices and driver files into the
+    container: a runtime that applies CDI (CRI-O; containerd 1.7+) resolves the same cdi.k8s.io
+    annotations the hook reads with accept_cdi_annotations, against the spec `cdi generate` wrote
+    from the same plan, and the hook would then find the runtime's mounts where its own go.
+
+    All of it, never one path: every device node the plan makes is in linux.devices with its
+    path and numbers, and every driver file it binds is a mount source (told by the sources: the
+    targets may differ, as the spec's library layout is not the image's). A pod adds mounts of
+    its own (hostPath: the MPS pipe directory, a driver file, all of them), and a runtime without
+    CDI passes them on; linux.devices comes from the runtime alone. Where the runtime applied
+    only part, the hook does its job, so that the container gets what it asked for, with its
+    rules and its record, or fails with one line; standing down would leave it with whatever
+    part it has and no record. Left out, as CDI specs leave them out: the optional IPC endpoints (in a spec only
+    where they existed when it was written) and the /proc/driver/nvidia mask."""
+    nodes = {(d.path, "c" if d.type == "u" else d.type, d.major, d.minor) for d in spec.devices}
     mounted = {m.source for m in spec.mounts}
-    return any(isinstance(op, BindMount) and op.source in mounted for op in plan.operations)
+    wanted = 0
+    for op in plan.operations:
+        if isinstance(op, MountDevice):
+            present = (op.target, "c", op.major, op.minor) in nodes
+        elif isinstance(op, BindMount) and not op.optional and not in_proc_driver(op.target):
+            present = op.source in mounted
+        else:
+            continue
+        if not present:
+            return False
+        wanted += 1
+    return wanted > 0
 
 
 def decide_for(gpu_request: GpuRequest, inventory: Inventory, layout: LibraryLayout, settings, spec=None,

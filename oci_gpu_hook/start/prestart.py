@@ -11,30 +11,21 @@ import sys
 import time
 
 from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.start import rule
 from oci_gpu_hook.start import spec as spec_module
 from oci_gpu_hook.start import state as state_module
 
-# What can make a container ask for GPUs, as data: may_ask_for_gpus reads these, and the compiled
-# pre-filter (start/csrc/prefilter.c) is built with the same values (toolkit/prefilter.py writes
-# them into its header), so that the two rules cannot drift apart.
-RULE = {
-    "VISIBLE_DEVICES": "NVIDIA_VISIBLE_DEVICES",
-    "NO_DEVICES": "void",
-    "LEGACY_VARIABLE": "CUDA_VERSION",  # images from before NVIDIA_REQUIRE_CUDA
-    "ANNOTATION_PREFIX": "cdi.k8s.io/",
-    "VOLUME_MOUNT_DIR": spec_module.VOLUME_MOUNT_DIR,
-}
-
 
 def may_ask_for_gpus(spec) -> bool:
-    """False only when no setting could make this a GPU container."""
+    """False only when no setting could make this a GPU container. The compiled pre-filter
+    (start/csrc/prefilter.c) applies the same test, built with rule.py's values."""
     env = spec.env
-    visible = env.get(RULE["VISIBLE_DEVICES"])
-    if visible is not None and visible.strip() and RULE["NO_DEVICES"] not in [v.strip() for v in visible.split(",")]:
+    visible = env.get(rule.VISIBLE_DEVICES)
+    if visible is not None and visible.strip() and rule.NO_DEVICES not in [v.strip() for v in visible.split(",")]:
         return True
     return (
-        RULE["LEGACY_VARIABLE"] in env
-        or any(key.startswith(RULE["ANNOTATION_PREFIX"]) for key in spec.annotations)
+        rule.LEGACY_VARIABLE in env
+        or any(key.startswith(rule.CDI_ANNOTATION_PREFIX) for key in spec.annotations)
         or any(spec_module.volume_mount_device(m.destination) for m in spec.mounts)
     )
 
@@ -54,7 +45,7 @@ def run(config: str | None, stdin=None, since_process_start: bool = False) -> in
     settings = None
     try:
         clock = time.perf_counter()
-        settings = settings_module.load(config)
+        settings = settings_module.load(config, cache=True)  # the compiled copy is the hook's alone
         return _configure(container, spec, settings, started, {"settings": _since(clock)})
     except HookError as e:
         report.record(settings, container.id, "error", e.message, bundle=container.bundle)

@@ -1,8 +1,8 @@
 """The container's configuration (bundle/config.json): the parts the hook reads.
 
-Only data: rootfs location, environment, capabilities, mounts, annotations, SELinux mount label.
-Paths inside the rootfs are never resolved here (see rootfs.py); this module does no I/O except
-reading config.json itself.
+Only data: rootfs location, environment, capabilities, mounts, device nodes, annotations, SELinux
+mount label. Paths inside the rootfs are never resolved here (see rootfs.py); this module does no
+I/O except reading config.json itself.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import files
+from oci_gpu_hook.start.rule import VOLUME_MOUNT_DIR
 from oci_gpu_hook.start.state import StateError, load_json
 
 MAX_CONFIG_BYTES = 16 << 20
@@ -20,7 +21,14 @@ class Mount(Record):
     __slots__ = ("destination", "source", "type")
 
 
-VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
+class Device(Record):
+    """An entry of linux.devices: a node the runtime makes in the container."""
+
+    __slots__ = ("path", "type", "major", "minor")
+    path: str  # normalised
+    type: str
+    major: int
+    minor: int
 
 
 def name_under(destination: str, directory: str) -> str | None:
@@ -38,13 +46,15 @@ def volume_mount_device(destination: str) -> str | None:
 
 
 class Spec(Record):
-    __slots__ = ("rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label")
+    __slots__ = ("rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label", "devices")
+    _defaults = {"devices": ()}
     rootfs: str  # absolute host path of the container's root
     env: dict
     bounding_capabilities: frozenset
     mounts: tuple
     annotations: dict
     mount_label: str | None
+    devices: tuple  # Device
 
 
 def environment(entries) -> dict:
@@ -68,6 +78,23 @@ def _list(doc: dict, key: str) -> list:
     return value if isinstance(value, list) else []
 
 
+def _number(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _devices(linux: dict) -> tuple:
+    return tuple(
+        Device(os.path.normpath(d["path"]), d["type"], d["major"], d["minor"])
+        for d in _list(linux, "devices")
+        if isinstance(d, dict)
+        and isinstance(d.get("path"), str)
+        and d["path"]
+        and isinstance(d.get("type"), str)
+        and _number(d.get("major"))
+        and _number(d.get("minor"))
+    )
+
+
 def parse(doc, bundle: str) -> Spec:
     if not isinstance(doc, dict):
         raise StateError(f"{bundle}/config.json is not a JSON object")
@@ -85,7 +112,8 @@ def parse(doc, bundle: str) -> Spec:
         and isinstance(m.get("type", ""), str)
     )
     annotations = {k: v for k, v in _dict(doc, "annotations").items() if isinstance(k, str) and isinstance(v, str)}
-    label = _dict(doc, "linux").get("mountLabel")
+    linux = _dict(doc, "linux")
+    label = linux.get("mountLabel")
     return Spec(
         rootfs=os.path.normpath(os.path.join(bundle, root_path)),
         env=environment(_list(process, "env")),
@@ -95,6 +123,7 @@ def parse(doc, bundle: str) -> Spec:
         mounts=mounts,
         annotations=annotations,
         mount_label=label if isinstance(label, str) and label else None,
+        devices=_devices(linux),
     )
 
 

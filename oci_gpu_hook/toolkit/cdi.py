@@ -158,10 +158,9 @@ def _node(op) -> dict:
 
 
 def _is_proc_driver(op) -> bool:
-    from oci_gpu_hook.start.plan import PROC_NVIDIA
+    from oci_gpu_hook.start.plan import in_proc_driver
 
-    target = getattr(op, "target", "") or ""
-    return target == PROC_NVIDIA or target.startswith(PROC_NVIDIA + "/")
+    return in_proc_driver(getattr(op, "target", "") or "")
 
 
 def translate(plan, hook_prefix) -> dict:

@@ -107,7 +107,12 @@ config_docs = st.fixed_dictionaries(
             "source": _maybe(st.sampled_from(["/dev/null", "/x"])), "type": _maybe(st.just("bind"))}), max_size=3)),
         "annotations": _maybe(st.dictionaries(st.sampled_from(["cdi.k8s.io/gpu", "x"]) | st.text(max_size=8),
                                               cdi_values | json_values, max_size=2)),
-        "linux": _maybe(st.fixed_dictionaries({}, optional={"mountLabel": json_values})),
+        "linux": _maybe(st.fixed_dictionaries({}, optional={"mountLabel": json_values, "devices": _maybe(st.lists(
+            st.fixed_dictionaries({}, optional={"path": _maybe(st.sampled_from(["/dev/nvidia0", "", "/dev//x/"])),
+                                                "type": _maybe(st.sampled_from(["c", "u", "b"])),
+                                                "major": _maybe(st.sampled_from([195, True, -1, 1 << 70, 1.5])),
+                                                "minor": _maybe(st.sampled_from([0, 255, False, "0"]))}),
+            max_size=3))})),
     },
 )  # fmt: skip
 

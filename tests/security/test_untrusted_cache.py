@@ -171,13 +171,13 @@ def test_untrusted_compiled_settings_are_ignored(kind, tmp_path, require):
     require("root")
     path = tmp_path / "config.yaml"
     path.write_text("driver_root: /real\n")
-    assert settings.load(str(path), environ={}).driver_root == "/real"
+    assert settings.load(str(path), environ={}, cache=True).driver_root == "/real"
     compiled = settings.compiled_path(str(path))
     doc = json.load(open(compiled))
     doc["settings"]["driver_root"] = "/forged"
     os.unlink(compiled)
     plant(kind, compiled, json.dumps(doc).encode(), tmp_path)
-    loaded = call_bounded(lambda: settings.load(str(path), environ={}), compiled)
+    loaded = call_bounded(lambda: settings.load(str(path), environ={}, cache=True), compiled)
     assert loaded.driver_root == "/real"
 
 
@@ -186,10 +186,10 @@ def test_trusted_compiled_settings_are_used(tmp_path, require):
     require("root")
     path = tmp_path / "config.yaml"
     path.write_text("driver_root: /real\n")
-    settings.load(str(path), environ={})
+    settings.load(str(path), environ={}, cache=True)
     compiled = settings.compiled_path(str(path))
     doc = json.load(open(compiled))
     doc["settings"]["driver_root"] = "/forged"
     os.unlink(compiled)
     plant("trusted", compiled, json.dumps(doc).encode(), tmp_path)
-    assert settings.load(str(path), environ={}).driver_root == "/forged"
+    assert settings.load(str(path), environ={}, cache=True).driver_root == "/forged"

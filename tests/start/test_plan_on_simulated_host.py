@@ -159,7 +159,8 @@ def test_debian_rootfs_gets_multiarch_dirs_and_all_capabilities(hook_cli, host, 
 
 def test_unknown_device_is_one_line(hook_cli, host, tmp_path):
     out, _ = plan(hook_cli, host, tmp_path, {"NVIDIA_VISIBLE_DEVICES": "0,12"})
-    assert out.returncode == 5 and out.stderr == "oci-gpu-hook: 12: unknown device\n"
+    has = "this host has GPUs 0-7 and MIG devices 1:0-1:2"
+    assert out.returncode == 5 and out.stderr == f"oci-gpu-hook: NVIDIA_VISIBLE_DEVICES=0,12: no GPU 12 ({has})\n"
 
 
 def test_human_plan_is_readable(hook_cli, host, tmp_path):
@@ -190,30 +191,71 @@ def test_info_json_agrees_with_the_simulator(hook_cli, host):
     assert all(g["brand"] == "Tesla" and g["compute_capability"] == "8.0" for g in info["gpus"])
 
 
-def test_cdi_devices_the_runtime_applied_are_not_applied_again(host, tmp_path):
-    """With accept_cdi_annotations, the hook reads the cdi.k8s.io annotations a runtime that
-    applies CDI (CRI-O) has already applied from the spec `cdi generate` wrote: finding those
-    mounts in config.json, it stands down instead of failing on them."""
+# What config.json holds, by case, on a runtime with or without CDI: "mounts" and "devices" are what
+# a runtime that applied the spec `cdi generate` wrote puts there; the rest is what a pod's own
+# hostPath mounts (or a privileged pod's devices) put there on a runtime that only passes the
+# cdi.k8s.io annotations on.
+CDI_CASES = {
+    "a runtime without CDI": lambda t: ([], []),
+    "everything the CDI spec gives": lambda t: (t["mounts"], t["devices"]),
+    "the host's MPS pipe directory": lambda t: ([t["mps"]], []),
+    "one driver file": lambda t: (t["mounts"][:1], []),
+    "every driver file, no device node": lambda t: (t["mounts"], []),
+    "every device node, no driver file": lambda t: ([], t["devices"]),
+    "everything but the GPU's own node": lambda t: (t["mounts"], [d for d in t["devices"] if d != t["gpu_node"]]),
+    "everything but one driver file": lambda t: (t["mounts"][1:], t["devices"]),
+    "every node with other numbers": lambda t: (t["mounts"], [{**d, "minor": d["minor"] + 1} for d in t["devices"]]),
+    "an unrelated mount": lambda t: ([{"destination": "/etc/hosts", "source": "/etc/hosts", "type": "bind"}], []),
+}
+
+
+@pytest.mark.parametrize("case", CDI_CASES)
+def test_the_hook_stands_down_only_where_the_runtime_applied_every_cdi_edit(host, tmp_path, case):
+    """With accept_cdi_annotations, the hook reads the cdi.k8s.io annotations; a runtime that
+    applies CDI (CRI-O) has already applied them from the spec `cdi generate` wrote, and the hook
+    stands down rather than fail on the runtime's mounts. That is told by every device node and
+    every driver file the plan would give, in config.json's linux.devices and mounts, never by one
+    path: a legitimate MPS client that mounts the host's /tmp/nvidia-mps on a runtime without
+    CDI, or a pod that mounts driver files of its own, still gets its GPU node, its rule and its
+    record from the hook."""
     from hookcheck import config_with
 
     from oci_gpu_hook.start import inventory_cache
     from oci_gpu_hook.start import settings as settings_module
     from oci_gpu_hook.start import spec as spec_module
-    from oci_gpu_hook.start.plan import decide
+    from oci_gpu_hook.start.plan import BindMount, decide
     from oci_gpu_hook.toolkit import cdi
 
     settings = settings_module.load(config_with(host, tmp_path, "accept_cdi_annotations: true\n"))
     inventory = inventory_cache.load(settings)
-    gpu = host["gpus"][0]["uuid"]
-    edits = cdi.build_spec(inventory, settings)["containerEdits"]
-    applied = [{"destination": m["containerPath"], "source": m["hostPath"], "type": "bind"} for m in edits["mounts"]]
+    gpu = host["gpus"][0]
+    spec = cdi.build_spec(inventory, settings)
+    (own,) = [d["containerEdits"]["deviceNodes"] for d in spec["devices"] if d["name"] == gpu["uuid"]]
+    nodes = spec["containerEdits"]["deviceNodes"] + own
+    given = {
+        "mounts": [{"destination": m["containerPath"], "source": m["hostPath"], "type": "bind"}
+                   for m in spec["containerEdits"]["mounts"]],
+        # As the runtime writes a CDI device node into config.json (with its mode, uid and gid).
+        "devices": [{"path": n["path"], "type": n["type"], "major": n["major"], "minor": n["minor"],
+                     "fileMode": 0o666, "uid": 0, "gid": 0} for n in nodes],
+        "gpu_node": None,
+    }  # fmt: skip
+    (given["gpu_node"],) = [d for d in given["devices"] if d["path"] == f"/dev/nvidia{gpu['minor']}"]
 
-    def decided(mounts):
+    def decided(mounts, devices):
         doc = {"root": {"path": "rootfs"}, "process": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}, "mounts": mounts,
-               "annotations": {"cdi.k8s.io/oci-gpu-hook_nvidia.com_gpu": f"nvidia.com/gpu={gpu}"}}  # fmt: skip
+               "linux": {"devices": devices},
+               "annotations": {"cdi.k8s.io/oci-gpu-hook_nvidia.com_gpu": f"nvidia.com/gpu={gpu['uuid']}"}}  # fmt: skip
         return decide(spec_module.parse(doc, str(tmp_path)), settings, lambda: inventory)
 
-    assert [d.gpu.uuid for d in decided([]).devices] == [gpu]  # a runtime without CDI: the hook acts
-    assert decided(applied) is None  # the runtime did it: nothing to do again
-    unrelated = [{"destination": "/etc/hosts", "source": "/etc/hosts", "type": "bind"}]
-    assert [d.gpu.uuid for d in decided(unrelated).devices] == [gpu]
+    acting = decided([], [])
+    (mps,) = [op for op in acting.operations if isinstance(op, BindMount) and op.target == driver.MPS_PIPE_DIRECTORY]
+    given["mps"] = {"destination": mps.target, "source": mps.source, "type": "bind", "options": ["rbind"]}
+    assert len(given["mounts"]) > 1 and given["mps"]["source"] not in {m["source"] for m in given["mounts"]}
+
+    plan = decided(*CDI_CASES[case](given))
+    if case == "everything the CDI spec gives":
+        assert plan is None  # the runtime did it all: nothing to do again
+    else:  # the hook does its job: the GPU's node, its rule (and so its record)
+        assert plan is not None and [d.gpu.uuid for d in plan.devices] == [gpu["uuid"]]
+        assert plan == acting
