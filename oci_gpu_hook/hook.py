@@ -14,6 +14,7 @@ import os
 import sys
 
 from oci_gpu_hook.errors import Exit, HookError, printable
+from oci_gpu_hook.start.rule import LDCACHE_REFRESH, RUNTIME_COMMANDS
 
 PROG = "oci-gpu-hook"
 INTERNAL_ERROR_EXIT = Exit.INTERNAL
@@ -23,12 +24,6 @@ def report(message: str) -> None:
     # HookError messages are safe already; an internal error's text (any exception's) is not.
     sys.stderr.write(f"{PROG}: {printable(message)}\n")
     sys.stderr.flush()
-
-
-RUNTIME_COMMANDS = ("prestart", "createRuntime")
-# start/ldcache_refresh.COMMAND, written out: importing that module here would load it on every
-# container start. The CDI spec's createContainer hook runs it for each container too.
-LDCACHE_REFRESH = "ldcache-refresh"
 
 
 def _split_config(argv):

@@ -1,5 +1,6 @@
 """The folders are the budgets: the start path (start/, plus the shared errors.py and record.py)
-imports nothing from toolkit/, node/ or cli/, and nothing outside the standard library.
+imports nothing from toolkit/, node/ or cli/, and nothing outside the standard library. And no
+module of the package reaches itself again through its imports: each layer reads those below it.
 
 Read from the source (every import statement, at module level or inside a function), so a lazy
 import that a run never reaches is caught too.
@@ -34,31 +35,42 @@ def start_path_files():
     return sorted(files)
 
 
-def imports(path):
-    """(absolute module name, line) for each import in the file; relative ones resolved."""
-    relative = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].split(os.sep)
-    if relative[-1] == "__init__":
-        relative = relative[:-1]
-    else:
-        relative = relative[:-1]  # the module's package
+def module_name(path, package=PACKAGE):
+    """oci_gpu_hook.start.plan for .../oci_gpu_hook/start/plan.py; a package is its __init__.py."""
+    parts = os.path.relpath(path, os.path.dirname(package))[:-3].split(os.sep)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def statements(path, package=PACKAGE):
+    """(absolute module name, the names it imports or None for `import x`, line) for each import
+    statement in the file, anywhere in it; relative ones resolved."""
+    name = module_name(path, package)
+    inside = name.split(".") if path.endswith("__init__.py") else name.split(".")[:-1]
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, node.lineno
+                yield alias.name, None, node.lineno
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = relative[: len(relative) - (node.level - 1)]
+                base = inside[: len(inside) - (node.level - 1)]
                 module = ".".join(base + ([node.module] if node.module else []))
             else:
                 module = node.module
-            if module == "__future__":
-                continue
-            yield module, node.lineno
-            for alias in node.names:  # `from oci_gpu_hook import toolkit` names a subpackage
-                if module.startswith("oci_gpu_hook"):
-                    yield f"{module}.{alias.name}", node.lineno
+            if module != "__future__":
+                yield module, [alias.name for alias in node.names], node.lineno
+
+
+def imports(path):
+    """(absolute module name, line) for each import in the file. `from oci_gpu_hook.x import y`
+    gives both oci_gpu_hook.x and oci_gpu_hook.x.y, as y may name a subpackage (the budget check
+    errs on the side of refusing)."""
+    for module, names, line in statements(path):
+        yield module, line
+        for alias in names or ():
+            if module.startswith("oci_gpu_hook"):
+                yield f"{module}.{alias}", line
 
 
 def is_ours(module):
@@ -116,3 +128,128 @@ def test_the_entry_point_reaches_click_only_for_people():
     assert {m for m in ours - people if not allowed_ours(m)} == set()
     others = {m for m, _ in imports(path) if not is_ours(m)}
     assert all(is_stdlib(m) for m in others), others
+
+
+def package_modules(package=PACKAGE):
+    """{module name: path} for every module of the package."""
+    found = {}
+    for directory, _, names in os.walk(package):
+        for n in names:
+            if n.endswith(".py"):
+                path = os.path.join(directory, n)
+                found[module_name(path, package)] = path
+    return found
+
+
+def our_imports(path, modules, package=PACKAGE):
+    """{module of ours this file imports: first line}. `from oci_gpu_hook.x import y` is an import
+    of the submodule x.y where the package has one, else of x (y is a name defined there). A
+    package's own __init__.py, which Python runs before any of its submodules, is not counted
+    for them: it is no choice of the importing module's, and counting it would make every
+    package whose __init__ imports a child a circle."""
+    found = {}
+    for module, names, line in statements(path, package):
+        if not is_ours(module):
+            continue
+        targets = [module] if names is None else [f"{module}.{n}" if f"{module}.{n}" in modules else module
+                                                  for n in names]  # fmt: skip
+        for target in targets:
+            found.setdefault(target, line)
+    return found
+
+
+def import_graph(package=PACKAGE):
+    """({module: {module of ours it imports: line}}, {module: path}) for every module of the package."""
+    modules = package_modules(package)
+    return {name: our_imports(path, modules, package) for name, path in modules.items()}, modules
+
+
+def circles(graph):
+    """The strongly connected components of more than one module, or of one that imports itself
+    (Tarjan's algorithm, iterative), each sorted, the list sorted."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            for succ in edges:
+                if succ not in graph:
+                    continue  # an import of something the package lacks fails elsewhere
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1 or node in graph[node]:
+                        found.append(sorted(component))
+    return sorted(found)
+
+
+def describe(component, graph, modules):
+    """Each import that keeps the circle closed, as file:line: module."""
+    inside = set(component)
+    return [
+        f"{os.path.relpath(modules[a], PACKAGE)}:{line}: {b}"
+        for a in component
+        for b, line in sorted(graph[a].items())
+        if b in inside
+    ]
+
+
+def test_no_module_reaches_itself_through_its_imports():
+    """A circle makes the order of imports matter and ties layers that should read one way
+    (start/ <- toolkit/ <- cli/; pipeline stages in their order) together. Lazy imports count:
+    they only move the circle to run time."""
+    graph, modules = import_graph()
+    found = circles(graph)
+    assert not found, "import circles:\n" + "\n\n".join("\n".join(describe(c, graph, modules)) for c in found)
+
+
+def test_the_circle_check_sees_what_it_must_refuse(tmp_path):
+    """The graph's own check, on a package of files: a circle through a lazy, relative import and
+    a `from package import submodule`; one through a name a package's __init__.py defines; a
+    module importing itself. And none where a package's __init__.py imports a child that imports
+    a sibling (Python runs the package first; the child did not choose it)."""
+    root = tmp_path / "oci_gpu_hook"
+    (root / "p").mkdir(parents=True)
+    files = {
+        "__init__.py": "",
+        "a.py": "from oci_gpu_hook.p import b\n",  # the submodule p.b, not the package p
+        "p/__init__.py": "from oci_gpu_hook.p.c import NAME\n\ndef g():\n    from . import d\n",
+        "p/b.py": "def f():\n    from ..a import x\n",  # a name in a: an import of a
+        "p/c.py": "NAME = 1\nfrom oci_gpu_hook.p import f\n",  # the sibling p.f: no edge to p
+        "p/d.py": "import json\nfrom oci_gpu_hook.p import NAME\n",  # a name p defines: an edge to p
+        "p/f.py": "",
+        "e.py": "import oci_gpu_hook.e\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    graph = import_graph(str(root))[0]
+    assert graph["oci_gpu_hook.a"] == {"oci_gpu_hook.p.b": 1}
+    assert graph["oci_gpu_hook.p.c"] == {"oci_gpu_hook.p.f": 2}
+    assert graph["oci_gpu_hook.p.d"] == {"oci_gpu_hook.p": 2}
+    assert circles(graph) == [
+        ["oci_gpu_hook.a", "oci_gpu_hook.p.b"],
+        ["oci_gpu_hook.e"],
+        ["oci_gpu_hook.p", "oci_gpu_hook.p.d"],
+    ]

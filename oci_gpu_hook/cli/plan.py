@@ -16,21 +16,32 @@ def plan(obj, bundle, as_json, no_cache):
 
     The rootfs may be absent; libraries then go to /usr/lib64 (as for a non-Debian image).
     """
-    from oci_gpu_hook.errors import printable
+    from oci_gpu_hook.errors import ConfigError, printable
     from oci_gpu_hook.start import inventory_cache, spec
     from oci_gpu_hook.start.discover import discover
     from oci_gpu_hook.start.plan import decide
+    from oci_gpu_hook.start.prestart import may_ask_for_gpus
 
     container = spec.load(os.path.abspath(bundle))
+    if not may_ask_for_gpus(container):
+        # The hook lets this container start before it reads its configuration, so a broken one
+        # does not stop it: said so (exit 0, as the hook exits), and the configuration's error
+        # beside it, which every GPU container would fail on.
+        try:
+            settings, broken = obj.settings, None
+        except ConfigError as e:
+            settings, broken = None, e.message
+        why = ("nothing in it can ask for a GPU (NVIDIA_VISIBLE_DEVICES unset, empty or void; no CUDA_VERSION, "
+               "cdi.k8s.io/ annotation or device volume mount)")  # fmt: skip
+        _not_a_gpu_container(as_json, broken, why)
+        return
     settings = obj.settings
     # The hook's own decision (start/plan.decide): what it would refuse, this refuses alike.
     result = decide(container, settings, lambda: discover(settings) if no_cache else inventory_cache.load(settings))
     if result is None:
-        if as_json:
-            click.echo(json.dumps({"gpu_container": False, "operations": []}, indent=2))
-        else:
-            click.echo("not a GPU container for the hook (NVIDIA_VISIBLE_DEVICES unset, empty or void, or the "
-                       "runtime applied its CDI devices itself): the hook does nothing")  # fmt: skip
+        why = ("with this configuration nothing in it names a device for the hook (see accept_* and cdi_kind), "
+               "or the runtime applied its CDI devices itself")  # fmt: skip
+        _not_a_gpu_container(as_json, None, why)
         return
     if as_json:
         click.echo(json.dumps(result.to_json(), indent=2))  # ASCII: json escapes every control character
@@ -38,3 +49,14 @@ def plan(obj, bundle, as_json, no_cache):
         # One line per item whatever the image put in its env: the request and notes are escaped
         # where they are built; this keeps any later image text in the plan off the terminal too.
         click.echo("\n".join(printable(line) for line in result.describe().split("\n")))
+
+
+def _not_a_gpu_container(as_json: bool, broken: str | None, why: str) -> None:
+    """broken: the configuration's error, which the hook never meets for this container."""
+    if as_json:
+        click.echo(json.dumps({"gpu_container": False, "operations": [], "configuration_error": broken}, indent=2))
+    else:
+        click.echo(f"not a GPU container: {why}; the hook lets it start untouched")
+    if broken is not None:
+        click.echo(f"oci-gpu-hook: warning: the configuration is broken; this container does not need it, every "
+                   f"GPU container fails on it: {broken}", err=True)  # fmt: skip

@@ -214,8 +214,26 @@ class HostReader:
 def check_library(loaded: NvmlReader, new: NvmlReader) -> None:
     """DriverChanged when new's NVML library is not the one loaded: for every node service."""
     if loaded.changed_library(new):
-        versions = f"{loaded.inventory.driver_version} -> {new.inventory.driver_version}"
-        raise DriverChanged(f"the NVIDIA driver changed ({versions}, {new.path}): starting again to load its NVML")
+        change = library_change(loaded.inventory.driver_version, loaded.identity, new.inventory.driver_version,
+                                library_identity(new.path))  # fmt: skip
+        raise DriverChanged(f"{change}: starting again to load its NVML")
+
+
+def library_change(old_version, old, new_version, new) -> str:
+    """What changed, in words, between the NVML library a process loaded and the host's now, told
+    by what changed_library compares (the library's path and the file there: library_identity)
+    and by the driver's version: the same version at the same path is a reinstall, which says so
+    rather than '550.54.15 -> 550.54.15'."""
+    old_path, new_path = old[0], new[0]
+    if new_path is None:
+        return f"the NVIDIA driver's NVML library is gone ({old_version}, {old_path} is no longer in the inventory)"
+    if new[1] is None:
+        return f"the NVIDIA driver's NVML library is gone ({old_version}, {new_path} cannot be read)"
+    if old_version != new_version:
+        return f"the NVIDIA driver changed ({old_version} -> {new_version}, {new_path})"
+    if old_path != new_path:
+        return f"the NVIDIA driver's NVML library moved ({old_version}, {old_path} -> {new_path})"
+    return f"the NVIDIA driver was reinstalled ({old_version} again, {new_path} is another file)"
 
 
 def library_identity(path):

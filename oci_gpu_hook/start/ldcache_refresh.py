@@ -11,8 +11,7 @@ from __future__ import annotations
 import sys
 
 from oci_gpu_hook.errors import UsageError
-
-COMMAND = "ldcache-refresh"
+from oci_gpu_hook.start.rule import LDCACHE_REFRESH as COMMAND
 
 
 def parse_args(argv) -> tuple[list[str], list[tuple[str, str]]]:

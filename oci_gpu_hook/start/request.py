@@ -14,16 +14,11 @@ import os
 from oci_gpu_hook.errors import RequestError, printable
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import driver
-from oci_gpu_hook.start.prestart import RULE
 from oci_gpu_hook.start.requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
+from oci_gpu_hook.start.rule import CDI_ANNOTATION_PREFIX, LEGACY_VARIABLE, NO_DEVICES, VISIBLE_DEVICES
 from oci_gpu_hook.start.settings import Settings
 from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR, Spec, volume_mount_device
 
-# The names the hook's first test (prestart.may_ask_for_gpus, and the pre-filter) reads, from there.
-VISIBLE_DEVICES = RULE["VISIBLE_DEVICES"]
-NO_DEVICES = RULE["NO_DEVICES"]
-LEGACY_VARIABLE = RULE["LEGACY_VARIABLE"]
-CDI_ANNOTATION_PREFIX = RULE["ANNOTATION_PREFIX"]
 DRIVER_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
 MIG_CONFIG_DEVICES = "NVIDIA_MIG_CONFIG_DEVICES"
 MIG_MONITOR_DEVICES = "NVIDIA_MIG_MONITOR_DEVICES"
@@ -96,8 +91,9 @@ class GpuRequest(Record):
         "mig_monitor",
         "mps_pipe_directory",
         "notes",
+        "origins",
     )
-    _defaults = {"notes": ()}
+    _defaults = {"notes": (), "origins": ()}
     devices: tuple[str, ...]  # ("all",), () for none, or device ids in the order given
     source: str  # where the device list came from: env, volume-mounts, cdi-annotation, legacy-image
     capabilities: frozenset[str]
@@ -108,10 +104,19 @@ class GpuRequest(Record):
     mig_monitor: bool
     mps_pipe_directory: str | None  # host directory to share, None when the image's choice is not allowed
     notes: tuple[str, ...]  # what was ignored, for the log and the dry run
+    origins: tuple[tuple[str, str], ...]  # (device id, what named it), for messages: see asked_by
+
+    def asked_by(self, device_id: str) -> str:
+        """What in the container named device_id, as a message starts with it: the variable and
+        its value, the volume mount, or the annotation and its value."""
+        for name, where in self.origins:
+            if name == device_id:
+                return where
+        return self.source
 
     @property
     def all_devices(self) -> bool:
-        # "all" ends the list; ids before it must still name devices (see parse_device_list)
+        # "all" ends the list; ids before it must still name devices (see read_device_list)
         return bool(self.devices) and self.devices[-1] == ALL
 
     def describe(self) -> str:
@@ -129,41 +134,46 @@ def _bounded(name: str, value: str) -> str:
     return value
 
 
-def parse_device_list(value: str, name: str) -> tuple[str, ...] | None:
-    """A device list value -> None (not a GPU container), () (none), ("all",) or checked ids."""
-    _bounded(name, value)
-    entries = [entry.strip() for entry in value.split(",")]
-    entries = [entry for entry in entries if entry]  # empty entries are tolerated, as by NVIDIA
-    if not entries or NO_DEVICES in entries:
-        return None
-    for position, entry in enumerate(entries):
+def read_device_list(parts, name: str):
+    """The device list that parts make, read in order as one list. parts: (value, where) for each
+    place in the container that names devices (the variable, each volume mount, each annotation),
+    where saying it as a message starts with it; name: all of them, for the limits.
+    -> (None (not a GPU container), () (none), ("all",) or checked ids; origins: (id, where))."""
+    _bounded(name, ",".join(value for value, _ in parts))
+    entries = [(entry.strip(), where) for value, where in parts for entry in value.split(",")]
+    entries = [(entry, where) for entry, where in entries if entry]  # empty entries are tolerated, as by NVIDIA
+    if not entries or any(entry == NO_DEVICES for entry, _ in entries):
+        return None, ()
+    for position, (entry, where) in enumerate(entries):
         if entry.lower() == ALL:
             # As libnvidia-container reads the list: in order, and "all" (any case) ends it. The
             # ids before it must still name devices; those after it are not read.
-            entries = entries[:position] + [ALL]
+            entries = entries[:position] + [(ALL, where)]
             break
-    ids = [entry for entry in entries if entry not in ("none", ALL)]
+    ids = [(entry, where) for entry, where in entries if entry not in ("none", ALL)]
     if len(ids) > MAX_DEVICE_IDS:
         raise RequestError(f"{name}: {len(ids)} device ids; at most {MAX_DEVICE_IDS} are accepted")
-    for device_id in ids:
+    origins = {}
+    for device_id, where in ids:
         if not valid_device_id(device_id):
             shown = device_id if len(device_id) <= 80 else device_id[:80] + "..."
-            raise RequestError(f"{name}={_short(value)}: {shown}: unknown device (accepted: {ACCEPTED_DEVICES})")
-    if entries[-1] == ALL:
-        ids.append(ALL)
-    return tuple(dict.fromkeys(ids))  # duplicates collapse, order kept
+            raise RequestError(f"{where}: {shown}: unknown device (accepted: {ACCEPTED_DEVICES})")
+        origins.setdefault(device_id, where)  # duplicates collapse, order kept
+    devices = tuple(origins) + ((ALL,) if entries[-1][0] == ALL else ())
+    return devices, tuple(origins.items())
 
 
 def _short(value: str) -> str:
     return value if len(value) <= 120 else value[:120] + "..."
 
 
-def _volume_mount_devices(spec: Spec) -> tuple[str, ...]:
+def _volume_mount_devices(spec: Spec) -> tuple[tuple[str, str], ...]:
     named = ((m.source, volume_mount_device(m.destination)) for m in spec.mounts)
-    return tuple(name for source, name in named if source == "/dev/null" and name)
+    return tuple((name, f"volume mount {VOLUME_MOUNT_DIR}/{_short(name)}") for source, name in named
+                 if source == "/dev/null" and name)  # fmt: skip
 
 
-def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[str, ...]:
+def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[tuple[str, str], ...]:
     names = []
     for key in sorted(spec.annotations):
         if key.startswith(CDI_ANNOTATION_PREFIX):
@@ -171,28 +181,28 @@ def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[str, ...]:
             for device in value.split(","):
                 device_kind, sep, name = device.strip().partition("=")
                 if sep and device_kind == kind and name:
-                    names.append(name)
+                    names.append((name, f"annotation {_short(key)}={_short(value)}"))
     return tuple(names)
 
 
 def select_devices(spec: Spec, settings: Settings, privileged: bool, legacy: bool):
-    """(device list or None, its source)."""
+    """(device list or None, origins: what named each id, the list's source)."""
     if settings.accept_volume_mounts:
-        names = _volume_mount_devices(spec)
-        if names:
-            return parse_device_list(",".join(names), f"volume mounts under {VOLUME_MOUNT_DIR}"), "volume-mounts"
+        parts = _volume_mount_devices(spec)
+        if parts:
+            return (*read_device_list(parts, f"volume mounts under {VOLUME_MOUNT_DIR}"), "volume-mounts")
     if not (privileged or settings.accept_envvar_when_unprivileged):
         # The admin allows only the device plugin's mounts to pick GPUs for unprivileged
         # containers; the image's own env and the pod's annotations are ignored.
-        return None, "env"
+        return None, (), "env"
     if settings.accept_cdi_annotations:
-        names = _cdi_annotation_devices(spec, settings.cdi_kind)
-        if names:
-            return parse_device_list(",".join(names), f"{CDI_ANNOTATION_PREFIX}* annotations"), "cdi-annotation"
+        parts = _cdi_annotation_devices(spec, settings.cdi_kind)
+        if parts:
+            return (*read_device_list(parts, f"{CDI_ANNOTATION_PREFIX}* annotations"), "cdi-annotation")
     value = spec.env.get(VISIBLE_DEVICES)
     if value is None:
-        return ((ALL,), "legacy-image") if legacy else (None, "env")
-    return parse_device_list(value, VISIBLE_DEVICES), "env"
+        return ((ALL,), (), "legacy-image") if legacy else (None, (), "env")
+    return (*read_device_list(((value, f"{VISIBLE_DEVICES}={_short(value)}"),), VISIBLE_DEVICES), "env")
 
 
 def parse_capabilities(value: str | None, supported: tuple[str, ...], legacy: bool) -> frozenset[str]:
@@ -243,7 +253,7 @@ def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
     privileged = PRIVILEGED_CAPABILITY in spec.bounding_capabilities
     # Images built before NVIDIA_REQUIRE_CUDA existed carry only CUDA_VERSION.
     legacy = LEGACY_VARIABLE in env and not env.get("NVIDIA_REQUIRE_CUDA")
-    devices, source = select_devices(spec, settings, privileged, legacy)
+    devices, origins, source = select_devices(spec, settings, privileged, legacy)
     if devices is None:
         return None
     requirements = parse_requirements(env)
@@ -266,4 +276,5 @@ def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
         mig_monitor=_mig_flag(spec, MIG_MONITOR_DEVICES, privileged),
         mps_pipe_directory=mps_directory,
         notes=(mps_note,) if mps_note else (),
+        origins=origins,
     )

@@ -4,7 +4,7 @@ its build.
 The pre-filter takes the place of the launcher a runtime runs. It answers the containers that
 cannot ask for a GPU itself, without an interpreter, and execs the Python hook (the launcher, at
 another path) for every other one. Its rule is start/prestart.py's: the values come from
-prestart.RULE and the hook's limits through prefilter_rule.h, which header() writes at every build,
+start/rule.py and the hook's limits through prefilter_rule.h, which header() writes at every build,
 and tests/toolkit/test_prefilter.py runs both rules over one corpus. Nothing compiled is kept in the
 repository. Where no C compiler is found, or the one found cannot build it, install keeps the Python
 launcher (today's speed).
@@ -39,25 +39,23 @@ def _c_string(value: str) -> str:
 
 def header(python_hook: str, launcher_options=()) -> str:
     """prefilter_rule.h: the rule's values, the hook's input limits and the Python hook's path."""
-    from oci_gpu_hook import hook
-    from oci_gpu_hook.start import prestart, spec, state
+    from oci_gpu_hook.start import rule, spec, state
 
     if not os.path.isabs(python_hook):
         raise PrefilterError(f"{python_hook}: the Python hook's path must be absolute")
-    rule = prestart.RULE
     lines = [
-        "/* Written by oci_gpu_hook/toolkit/prefilter.py from start/prestart.py's RULE: do not edit. */",
+        "/* Written by oci_gpu_hook/toolkit/prefilter.py from start/rule.py: do not edit. */",
         f"#define PYTHON_HOOK {_c_string(python_hook)}",
-        f"#define RULE_VISIBLE_DEVICES {_c_string(rule['VISIBLE_DEVICES'])}",
-        f"#define RULE_NO_DEVICES {_c_string(rule['NO_DEVICES'])}",
-        f"#define RULE_LEGACY_VARIABLE {_c_string(rule['LEGACY_VARIABLE'])}",
-        f"#define RULE_ANNOTATION_PREFIX {_c_string(rule['ANNOTATION_PREFIX'])}",
+        f"#define RULE_VISIBLE_DEVICES {_c_string(rule.VISIBLE_DEVICES)}",
+        f"#define RULE_NO_DEVICES {_c_string(rule.NO_DEVICES)}",
+        f"#define RULE_LEGACY_VARIABLE {_c_string(rule.LEGACY_VARIABLE)}",
+        f"#define RULE_ANNOTATION_PREFIX {_c_string(rule.CDI_ANNOTATION_PREFIX)}",
         # The C side matches the directory's own name anywhere in a destination (a superset of
         # the normalised rule), so it needs only that name.
-        f"#define RULE_VOLUME_MOUNT_NAME {_c_string(os.path.basename(rule['VOLUME_MOUNT_DIR']))}",
+        f"#define RULE_VOLUME_MOUNT_NAME {_c_string(os.path.basename(rule.VOLUME_MOUNT_DIR))}",
         f"#define RULE_MAX_STATE_BYTES {state.MAX_STATE_BYTES}u",
         f"#define RULE_MAX_CONFIG_BYTES {spec.MAX_CONFIG_BYTES}u",
-        f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in hook.RUNTIME_COMMANDS)}, NULL}}",
+        f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in rule.RUNTIME_COMMANDS)}, NULL}}",
         f"#define RULE_LAUNCHER_OPTIONS {1 if launcher_options else 0}",
         f"#define RULE_MAX_INT_DIGITS {max_int_digits()}u",
         "",

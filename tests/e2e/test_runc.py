@@ -99,9 +99,10 @@ def test_cgroups_off_leaves_the_device_denied(tmp_path, host):
 def test_failure_reaches_the_user_as_one_line(tmp_path, host):
     out = run(tmp_path, host, "true", {"NVIDIA_VISIBLE_DEVICES": "7"})
     assert out.returncode != 0
-    assert "oci-gpu-hook: 7: unknown device" in out.stderr
+    refused = "NVIDIA_VISIBLE_DEVICES=7: no GPU 7 (this host has GPUs 0-3 and MIG devices 2:0-2:2)"
+    assert f"oci-gpu-hook: {refused}" in out.stderr
     records = [json.loads(line) for line in open(f"{host['root']}/hook.log")]
-    assert any(r["message"] == "7: unknown device" and r["container"].startswith("ocigpu-") for r in records)
+    assert any(r["message"] == refused and r["container"].startswith("ocigpu-") for r in records)
 
 
 def test_graphics_gets_the_application_profile_and_video_the_opticalflow_link(tmp_path, host):

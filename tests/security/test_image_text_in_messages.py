@@ -76,6 +76,8 @@ def log_records(tmp_path) -> list[dict]:
 CASES = {
     "visible-devices": ({"NVIDIA_VISIBLE_DEVICES": "0," + NASTY}, "unknown device"),
     "visible-devices-only-nasty": ({"NVIDIA_VISIBLE_DEVICES": NASTY}, "unknown device"),
+    # Read up to "all", so 7 is checked against the host, and the line quotes the whole value.
+    "visible-devices-after-all": ({"NVIDIA_VISIBLE_DEVICES": "7,all," + NASTY}, ": no GPU 7 (this host has"),
     "mig-config-devices": ({"NVIDIA_MIG_CONFIG_DEVICES": NASTY}, "NVIDIA_MIG_CONFIG_DEVICES="),
     "mig-monitor-devices": ({"NVIDIA_MIG_MONITOR_DEVICES": NASTY}, "NVIDIA_MIG_MONITOR_DEVICES="),
     "driver-capabilities": ({"NVIDIA_DRIVER_CAPABILITIES": "compute," + NASTY}, "unknown capability"),
@@ -101,6 +103,35 @@ def test_error_line_and_log_record_escape_image_text(name, host, tmp_path):
     # ... and so is the decoded message: the escaped form, as on stderr.
     assert_shown_safely(records[0]["message"], "the log record's message")
     assert "oci-gpu-hook: " + records[0]["message"] == line
+
+
+@pytest.mark.parametrize("where", ["annotation", "volume mount"])
+def test_the_line_naming_the_annotation_or_mount_that_asked_escapes_it(where, host, tmp_path):
+    """A device id the host lacks is refused with what named it: the pod's annotation (its key
+    and value) or the volume mount (its name under /var/run/nvidia-container-devices)."""
+    from hookcheck import config_with
+
+    config = config_with(host, tmp_path, f"accept_cdi_annotations: true\naccept_volume_mounts: true\n"
+                         f"logging: {{level: info, file: {tmp_path}/hook.log}}\n")  # fmt: skip
+    bundle = _bundle(tmp_path, {"NVIDIA_VISIBLE_DEVICES": "0"})
+    with open(f"{bundle}/config.json") as f:
+        doc = json.load(f)
+    if where == "annotation":
+        doc["annotations"] = {"cdi.k8s.io/" + NASTY: "nvidia.com/gpu=7"}
+        words = ": no GPU 7 (this host has"
+    else:
+        doc["mounts"].append({"destination": "/var/run/nvidia-container-devices/7" + NASTY, "source": "/dev/null",
+                              "type": "bind", "options": ["ro", "bind"]})  # fmt: skip
+        words = "volume mount /var/run/nvidia-container-devices/7"
+    with open(f"{bundle}/config.json", "w") as f:
+        json.dump(doc, f)
+    result = hookcheck.run_hook(config, _state(bundle), timeout=30)
+    assert result.returncode == REQUEST_ERROR, result.stderr
+    assert_clean_bytes(result.stderr, "the error line")
+    line = hookcheck.one_clear_line(result.stderr)
+    assert line.startswith(f"oci-gpu-hook: {where} ") and words in line and ESCAPED_ESC in line, line
+    (record,) = log_records(tmp_path)
+    assert "oci-gpu-hook: " + record["message"] == line
 
 
 def test_note_in_the_log_of_a_configured_container(host, tmp_path, live_container):

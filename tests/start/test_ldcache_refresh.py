@@ -44,11 +44,3 @@ def test_refused_before_reading_stdin(capsys):
     assert main(["ldcache-refresh", "--dir", "relative"]) == Exit.USAGE
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--dir 'relative'" in err
-
-
-def test_the_entry_point_names_the_command_as_the_module_does():
-    """hook.py spells the command out (importing the module would cost every start); the two agree."""
-    from oci_gpu_hook import hook
-    from oci_gpu_hook.start import ldcache_refresh
-
-    assert hook.LDCACHE_REFRESH == ldcache_refresh.COMMAND

@@ -40,11 +40,12 @@ from oci_gpu_hook.start.plan import (
     Symlink,
     WriteFile,
     build_plan,
+    host_devices,
     resolve_device,
 )
 from oci_gpu_hook.start.request import parse_request
 from oci_gpu_hook.start.settings import Settings
-from oci_gpu_hook.start.spec import Spec
+from oci_gpu_hook.start.spec import Mount, Spec
 
 VERSION = "550.54.15"
 CUDA = "12.4"
@@ -453,25 +454,67 @@ def test_duplicate_ids_give_one_device(value, same_as):
     assert lines(plan) == lines(plan_for(same_as))
 
 
+HAS = "this host has GPUs 0-2 and MIG devices 1:0-1:1"
+
+
 @pytest.mark.parametrize(
-    "value, unknown",
+    "value, missing",
     [
-        ("3", "3"),  # three GPUs: 0 to 2
-        ("0,7", "7"),
-        ("0:0", "0:0"),  # GPU 0 is not in MIG mode
-        ("1:2", "1:2"),  # GPU 1 has two MIG devices
-        ("GPU-0a2b3c4d-5e6f-4a8b-9c0d-ffffffffffff", "GPU-0a2b3c4d-5e6f-4a8b-9c0d-ffffffffffff"),
-        ("MIG-ffffffff-6e7f-5a8b-9c0d-e1f2a3b4c5e0", "MIG-ffffffff-6e7f-5a8b-9c0d-e1f2a3b4c5e0"),
-        (f"MIG-{gpu_uuid(1)}/3/0", f"MIG-{gpu_uuid(1)}/3/0"),
-        ("0000:99:00.0", "0000:99:00.0"),
-        ("99:00.0", "99:00.0"),
+        ("3", "GPU 3"),  # three GPUs: 0 to 2
+        ("0,7", "GPU 7"),
+        ("+07", "GPU 7"),
+        ("0:0", "MIG device 0:0"),  # GPU 0 is not in MIG mode
+        ("1:2", "MIG device 1:2"),  # GPU 1 has two MIG devices
+        ("GPU-0a2b3c4d-5e6f-4a8b-9c0d-ffffffffffff", "GPU GPU-0a2b3c4d-5e6f-4a8b-9c0d-ffffffffffff"),
+        ("MIG-ffffffff-6e7f-5a8b-9c0d-e1f2a3b4c5e0", "MIG device MIG-ffffffff-6e7f-5a8b-9c0d-e1f2a3b4c5e0"),
+        (f"MIG-{gpu_uuid(1)}/3/0", f"MIG device MIG-{gpu_uuid(1)}/3/0"),
+        ("0000:99:00.0", "GPU at PCI 0000:99:00.0"),
+        ("99:00.0", "GPU at PCI 99:00.0"),
     ],
 )
-def test_unknown_device_is_one_line(value, unknown):
+def test_unknown_device_names_what_asked_and_what_the_host_has(value, missing):
     with pytest.raises(RequestError) as caught:
         plan_for(value)
-    assert caught.value.message == f"{unknown}: unknown device"
+    assert caught.value.message == f"NVIDIA_VISIBLE_DEVICES={value}: no {missing} ({HAS})"
     assert caught.value.exit_code == Exit.REQUEST and not isinstance(caught.value, RequirementError)
+
+
+def test_unknown_device_names_the_volume_mount_or_the_annotation_that_asked():
+    """Each source of a device list is named as the container has it: the one volume mount, the
+    one annotation with its value (of several, in order), the variable with its whole value."""
+    settings = Settings(accept_volume_mounts=True, accept_cdi_annotations=True)
+    mounts = (Mount("/var/run/nvidia-container-devices/0", "/dev/null", "bind"),
+              Mount("/var/run/./nvidia-container-devices/1:5", "/dev/null", "bind"))  # fmt: skip
+    annotations = {"cdi.k8s.io/a": "nvidia.com/gpu=0", "cdi.k8s.io/b": "example.com/x=1,nvidia.com/gpu=GPU-ab12"}
+    cases = [
+        ({"mounts": mounts}, f"volume mount /var/run/nvidia-container-devices/1:5: no MIG device 1:5 ({HAS})"),
+        ({"annotations": annotations},
+         f"annotation cdi.k8s.io/b=example.com/x=1,nvidia.com/gpu=GPU-ab12: no GPU GPU-ab12 ({HAS})"),
+        ({}, f"NVIDIA_VISIBLE_DEVICES=0, 4 ,all: no GPU 4 ({HAS})"),
+    ]  # fmt: skip
+    for parts, message in cases:
+        spec = container({"NVIDIA_VISIBLE_DEVICES": "0, 4 ,all"}).replace(**parts)
+        with no_file_system(), pytest.raises(RequestError) as caught:
+            build_plan(parse_request(spec, settings), HOST, RHEL)
+        assert caught.value.message == message
+
+
+@pytest.mark.parametrize(
+    "gpus, mig_gpu, has",
+    [
+        (0, None, "this host has no GPUs"),
+        (1, None, "this host has GPU 0"),
+        (1, 0, "this host has GPU 0 and MIG devices 0:0-0:1"),
+        (4, None, "this host has GPUs 0-3"),
+        (4, 3, "this host has GPUs 0-3 and MIG devices 3:0-3:1"),
+    ],
+)
+def test_what_the_host_has_is_said_in_ranges(gpus, mig_gpu, has):
+    assert host_devices(make_host(gpus=gpus, mig_gpu=mig_gpu)) == has
+    one_mig = HOST.replace(gpus=(HOST.gpus[0], HOST.gpus[1].replace(mig=HOST.gpus[1].mig[1:]), HOST.gpus[2]))
+    assert host_devices(one_mig) == "this host has GPUs 0-2 and MIG device 1:1"
+    gaps = HOST.replace(gpus=(HOST.gpus[0], HOST.gpus[2], HOST.gpus[1].replace(index=5)))
+    assert host_devices(gaps) == "this host has GPUs 0, 2, 5 and MIG devices 5:0-5:1"
 
 
 def test_resolve_device_names_the_device():
@@ -786,7 +829,7 @@ def test_host_without_gpus_still_plans_none_and_rejects_an_index():
     host = make_host(gpus=0, mig_gpu=None)
     assert lines(plan_for("none", host=host)) == lines(plan_for("none"))
     assert plan_for("all", host=host).devices == ()
-    with pytest.raises(RequestError, match=r"^0: unknown device$"):
+    with pytest.raises(RequestError, match=r"^NVIDIA_VISIBLE_DEVICES=0: no GPU 0 \(this host has no GPUs\)$"):
         plan_for("0", host=host)
 
 
@@ -954,5 +997,7 @@ def test_a_mig_uuid_while_nvml_fails_names_the_cause_and_the_way_that_works():
         assert "known by UUID only through NVML, which failed (NVML (/usr/lib64/libnvidia-ml.so.1): Driver Not " \
                "Loaded); the NVIDIA kernel module is not loaded" in e.value.message  # fmt: skip
         assert "name the MIG device by index (GPU:MIG, e.g. 0:1)" in e.value.message
+        mig = "MIG-5b8a7c1f-0000-5000-8000-000000000000"
+        assert e.value.message.startswith(f"NVIDIA_VISIBLE_DEVICES={mig}: {mig}: MIG devices are known by UUID")
         by_index = parse_request(container({"NVIDIA_VISIBLE_DEVICES": "1:0"}), Settings())
         assert selected(build_plan(by_index, host, RHEL)) == [(1, 0)]

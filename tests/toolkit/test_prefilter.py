@@ -25,7 +25,7 @@ import prefilter_corpus
 import pytest
 
 from oci_gpu_hook.errors import HookError
-from oci_gpu_hook.start import prestart, spec, state
+from oci_gpu_hook.start import prestart, rule, spec, state
 from oci_gpu_hook.toolkit import install, launcher, prefilter
 
 DEFERRED = 42  # the recording stand-in for the Python hook exits with this
@@ -229,8 +229,9 @@ def test_opens_nothing_but_config_json_and_runs_nothing(built, require):
 
 def test_header_is_written_from_the_python_rule():
     text = prefilter.header("/usr/libexec/oci-gpu-hook/python-hook")
-    for value in prestart.RULE.values():
-        assert f'"{os.path.basename(value) if value.startswith("/") else value}"' in text
+    for value in (rule.VISIBLE_DEVICES, rule.NO_DEVICES, rule.LEGACY_VARIABLE, rule.CDI_ANNOTATION_PREFIX,
+                  os.path.basename(rule.VOLUME_MOUNT_DIR), *rule.RUNTIME_COMMANDS):  # fmt: skip
+        assert f'"{value}"' in text
     assert f"RULE_MAX_STATE_BYTES {state.MAX_STATE_BYTES}u" in text
     assert f"RULE_MAX_CONFIG_BYTES {spec.MAX_CONFIG_BYTES}u" in text
     with pytest.raises(prefilter.PrefilterError):

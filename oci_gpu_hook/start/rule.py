@@ -1,0 +1,20 @@
+"""The hook's first test, as data: the commands by which a runtime runs the hook, and the names in
+a container's configuration that can make it ask for GPUs.
+
+A leaf that imports nothing, so that every side reads it and none reads another through it:
+hook.py dispatches on the commands, prestart.may_ask_for_gpus tests the names, request.py reads
+the request by the same names, and toolkit/prefilter.py writes all of it into the compiled
+pre-filter's header (prefilter_rule.h), so that the Python and C rules cannot drift apart.
+"""
+
+# The hook itself (the OCI prestart and createRuntime hooks).
+RUNTIME_COMMANDS = ("prestart", "createRuntime")
+# The CDI spec's createContainer hook (ldcache_refresh.py): it runs for each container too.
+LDCACHE_REFRESH = "ldcache-refresh"
+
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+NO_DEVICES = "void"  # in the device list: not a GPU container, whatever else it names
+LEGACY_VARIABLE = "CUDA_VERSION"  # images from before NVIDIA_REQUIRE_CUDA
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+# NVIDIA's volume-mount device list: /dev/null mounted at VOLUME_MOUNT_DIR/<id> (spec.py reads it).
+VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
