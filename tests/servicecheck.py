@@ -19,9 +19,11 @@ def free_port() -> int:
 
 
 class Exporter:
-    def __init__(self, config: str, tmp_path, open_files: int | None = None):
-        """open_files: the exporter's RLIMIT_NOFILE (soft and hard), to run it short of descriptors."""
+    def __init__(self, config: str, tmp_path, open_files: int | None = None, listen: str = "127.0.0.1"):
+        """open_files: the exporter's RLIMIT_NOFILE (soft and hard), to run it short of descriptors;
+        listen: the host part of --listen ("" for every address); the tests connect to 127.0.0.1."""
         self.port = free_port()
+        self.last_reply = None  # when the last page came: text() asks again only REUSE_SECONDS later
         self.log = open(tmp_path / f"exporter-{self.port}.log", "w+")
 
         def limit():
@@ -30,7 +32,7 @@ class Exporter:
 
         self.proc = subprocess.Popen(
             [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "exporter", "--listen",
-             f"127.0.0.1:{self.port}"], stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+             f"{listen}:{self.port}"], stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
             preexec_fn=limit,
         )  # fmt: skip
         deadline = time.monotonic() + 60
@@ -45,9 +47,18 @@ class Exporter:
                 time.sleep(0.1)
 
     def text(self) -> str:
+        """The page, rendered after the last page this read came: a page answers every GET for
+        REUSE_SECONDS after its render began, so this asks again only that long after the last
+        (as Prometheus, which scrapes every 10 s or more, always does)."""
+        from oci_gpu_hook.node.scrape_server import REUSE_SECONDS
+
+        if self.last_reply is not None:
+            time.sleep(max(0.0, self.last_reply + REUSE_SECONDS - time.monotonic()))
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-            return r.read().decode()
+            text = r.read().decode()
+        self.last_reply = time.monotonic()
+        return text
 
     def scrape(self) -> list:
         """[(name, labels, value)], through prometheus_client's own parser (the format is checked)."""

@@ -24,17 +24,20 @@ def exporter(obj, listen):
 @click.option("--output", metavar="FILE", help="Feature file to write (default: node.features_file); - prints.")
 @click.option("--watch", metavar="SECONDS", type=click.FloatRange(min=1.0),
               help="Keep running: rewrite the file whenever the driver or GPUs change.")  # fmt: skip
+@click.option("--heartbeat", metavar="FILE",
+              help="With --watch: touch FILE after every round, for a liveness probe.")  # fmt: skip
 @click.pass_obj
-def labels(obj, output, watch):
+def labels(obj, output, watch, heartbeat):
     """Write the node's GPU labels (GPU feature discovery names) for NFD's local source."""
+    from oci_gpu_hook.errors import UsageError
     from oci_gpu_hook.node import features
     from oci_gpu_hook.start import inventory_cache
 
     settings = obj.settings
     if output == "-" and watch:
-        from oci_gpu_hook.errors import UsageError
-
         raise UsageError("--watch writes a file: it cannot be used with --output -")
+    if heartbeat and not watch:
+        raise UsageError("--heartbeat needs --watch: a single run has no rounds to beat")
     if output == "-":
         inventory = inventory_cache.load(settings)
         click.echo(features.render(features.for_node(settings, inventory)), nl=False)
@@ -43,7 +46,7 @@ def labels(obj, output, watch):
     if watch:
         from oci_gpu_hook.node import say
 
-        features.watch(settings, output, watch, lambda m: say("labels", m))
+        features.watch(settings, output, watch, lambda m: say("labels", m), heartbeat=heartbeat)
         return 0
     changed = features.refresh(settings, output)
     click.echo(f"{output}: {'written' if changed else 'unchanged'}")
@@ -61,8 +64,9 @@ def labels(obj, output, watch):
                    "(default: node.watchdog_grace).")  # fmt: skip
 @click.option("--dry-run", is_flag=True, help="Say what would be killed; kill nothing.")
 @click.option("--once", is_flag=True, help="Scan once and exit.")
+@click.option("--heartbeat", metavar="FILE", help="Touch FILE after every scan, for a liveness probe.")
 @click.pass_obj
-def watchdog(obj, interval, policy, grace, dry_run, once):
+def watchdog(obj, interval, policy, grace, dry_run, once, heartbeat):
     """Enforce GPU memory limits on shared GPUs: kill (or report) the GPU processes of a container
     that uses more than its limit (docs/watchdog.md). Runs until stopped."""
     from oci_gpu_hook.node import watchdog as watchdog_module
@@ -70,7 +74,8 @@ def watchdog(obj, interval, policy, grace, dry_run, once):
     node = obj.settings.node
     interval = interval if interval is not None else node.watchdog_interval
     grace = grace if grace is not None else node.watchdog_grace
-    return watchdog_module.run(obj.settings, interval, policy or node.watchdog_policy, grace, dry_run, once)
+    return watchdog_module.run(obj.settings, interval, policy or node.watchdog_policy, grace, dry_run, once,
+                               heartbeat)  # fmt: skip
 
 
 @click.command("device-plugin")

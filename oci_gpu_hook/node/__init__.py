@@ -14,3 +14,28 @@ def say(service: str, message: str) -> None:
 
     sys.stderr.write(f"oci-gpu-hook {service}: {printable(message)}\n")
     sys.stderr.flush()
+
+
+_unwritable: set = set()  # heartbeat files already said to be unwritable
+
+
+def beat(service: str, path: str | None) -> None:
+    """The service's loop went round: path's modification time is now. A liveness probe reads it
+    (deploy/kubernetes/30-daemonset.yaml): a loop stuck in NVML stops beating, while its process
+    still runs and the kubelet would see nothing wrong. A file that cannot be written is said
+    once; the service goes on, and the probe that reads it restarts the container."""
+    import os
+
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
+        _unwritable.discard(path)
+    except OSError as e:
+        if path not in _unwritable:
+            say(service, f"cannot write the heartbeat {path}: {e.strerror or e}")
+        _unwritable.add(path)

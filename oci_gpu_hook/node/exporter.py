@@ -16,7 +16,7 @@ import time
 from oci_gpu_hook.errors import HookError, NvmlError, UsageError
 from oci_gpu_hook.node import attribution, metrics, say, watchdog
 from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged
-from oci_gpu_hook.node.scrape_server import ScrapeServer
+from oci_gpu_hook.node.scrape_server import REUSE_SECONDS, ScrapeServer
 from oci_gpu_hook.start import container_record
 
 
@@ -25,7 +25,8 @@ def log(message: str) -> None:
 
 
 def parse_listen(value: str) -> tuple[str, int]:
-    """HOST:PORT, :PORT or [IPv6]:PORT -> (host, port); an empty host means every IPv4 address."""
+    """HOST:PORT, :PORT or [IPv6]:PORT -> (host, port); an empty host means every address, IPv6 and
+    IPv4 (IPv4 alone on a host without IPv6)."""
     host, sep, port = value.rpartition(":")
     if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise UsageError(f"--listen {value!r}: expected HOST:PORT or :PORT (port 1-65535)")
@@ -41,6 +42,7 @@ class Exporter:
         self.counters = metrics.StartCounters()
         self.samples = ()
         self.stale = False
+        self.renders = 0  # pages rendered: what clients can make the exporter do (NVML, records)
         self.garbage_seen = set()
         self.warned_namespace = False
         self.records = attribution.Records(records_directory, log)
@@ -48,6 +50,7 @@ class Exporter:
 
     def scrape(self) -> str:
         with self.lock:
+            self.renders += 1
             records = self.records.read() or {}
             if not attribution.sees_host_processes(self.proc):
                 # In a PID namespace of its own (a pod without hostPID) every container's pid looks
@@ -80,14 +83,21 @@ class Exporter:
             )  # fmt: skip
             for action, count in sorted(watchdog.read_counters(self.records_directory).items()):
                 actions.add({"action": action}, count)
+            renders = metrics.Family(
+                "oci_gpu_hook_exporter_renders_total", "counter",
+                "Pages this exporter rendered (each reads NVML and the records), this one included, since it "
+                f"started; a page answers every GET for {REUSE_SECONDS:g} s after its render began.",
+            )  # fmt: skip
+            renders.add({}, self.renders)
             return metrics.render(self.samples, attribution.holders(live), memory, self.counters, self.stale,
-                                  len(live), self.hostname, [actions])  # fmt: skip
+                                  len(live), self.hostname, [actions, renders])  # fmt: skip
 
 
 def responder(exporter: Exporter):
     """respond(path, head) for the scrape server: the page, or the index, or 404. HEAD answers with
     the last page rendered and renders none: anyone who can reach the port can ask, and only a
-    GET may make the exporter read NVML (the server renders once for all the GETs it has at once)."""
+    GET may make the exporter read NVML (the server reuses a page for every GET of its path within
+    scrape_server.REUSE_SECONDS). The page depends on the path alone: no query string is read."""
     last = [b""]
 
     def respond(path: str, head: bool = False):
@@ -111,7 +121,7 @@ def responder(exporter: Exporter):
 def serve(exporter: Exporter, listen: str, ready=None) -> None:
     host, port = parse_listen(listen)
     try:
-        server = ScrapeServer(host or "0.0.0.0", port, responder(exporter), log)
+        server = ScrapeServer(host, port, responder(exporter), log)  # "": every address, IPv6 and IPv4
     except OSError as e:
         raise HookError(f"cannot listen on {listen}: {e.strerror or e}") from None
     log(f"serving /metrics on {listen} (records: {exporter.records_directory})")

@@ -195,8 +195,11 @@ def refresh(settings, output: str) -> bool:
         raise LabelError(f"{output}: {e.strerror or e}") from None
 
 
-def watch(settings, output: str, interval: float, log, rounds: int | None = None) -> None:
-    """refresh() every interval seconds; an error is logged once until it clears."""
+def watch(settings, output: str, interval: float, log, rounds: int | None = None, heartbeat: str | None = None) -> None:
+    """refresh() every interval seconds; an error is logged once until it clears. heartbeat: a
+    file touched after every round, failed or not (node.beat)."""
+    from oci_gpu_hook.node import beat
+
     last_error = None
     while rounds is None or rounds > 0:
         try:
@@ -207,6 +210,7 @@ def watch(settings, output: str, interval: float, log, rounds: int | None = None
             if e.message != last_error:
                 log(e.message)
             last_error = e.message
+        beat("labels", heartbeat)
         if rounds is not None:
             rounds -= 1
             if rounds == 0:

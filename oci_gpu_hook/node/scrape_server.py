@@ -13,10 +13,18 @@ answering and the accept loop spun on EMFILE. Here instead:
   make room, and with none to close the listener rests for a moment rather than spin;
 - each connection gets one reply and is closed (Connection: close), so nothing is kept alive.
 
-The reply is built by respond(path, head) -> (status, content type, body bytes), in this thread,
-once for all the requests for one path that came in by one turn of the loop: a flood of scrapes
-costs one render per turn, and a real scrape among them waits for one render, not for all of
-theirs. Clients meanwhile wait in the kernel's backlog, not in memory here.
+The reply is built by respond(path, head) -> (status, content type, body bytes), in this thread.
+Each request is checked on its own (its size, its line, its method): a bad request's error is its
+own and never another client's reply. What is shared is only a rendered page (a 200 to a GET),
+and it is keyed by what a page depends on: the path, without the query string (respond never
+sees one). A page is reused for REUSE_SECONDS after its render began, for every GET of its path,
+so renders are bounded per second however many clients ask, with whatever query strings: a flood
+costs at most one render a second, and a real scrape among it waits for at most one render.
+Clients meanwhile wait in the kernel's backlog, not in memory here. A render that fails (500) is
+the answer of the requests of that turn for its path, and is never kept: the next turn renders.
+
+An empty host listens on every address: IPv6 and IPv4 on one socket (IPV6_V6ONLY off, as DCGM's
+exporter does), or IPv4 alone where the host has no IPv6.
 """
 
 from __future__ import annotations
@@ -33,8 +41,14 @@ MAX_CONNECTIONS = 64
 RESERVED_DESCRIPTORS = 32
 REQUEST_TIMEOUT = 10.0
 MAX_REQUEST_BYTES = 8192
+# How long a rendered page answers GETs of its path: Prometheus scrapes every 10 s or more, and a
+# render reads NVML and every container record, so no client may ask for more than one a second.
+REUSE_SECONDS = 1.0
 REST_SECONDS = 0.1  # how long the listener rests when no descriptor can be freed
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+# What an empty host falls back from, to IPv4 alone: a kernel without IPv6 (ipv6.disable=1), or
+# one where :: cannot be bound.
+_NO_IPV6 = (errno.EAFNOSUPPORT, errno.EPROTONOSUPPORT, errno.EADDRNOTAVAIL)
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             431: "Request Header Fields Too Large", 500: "Internal Server Error"}  # fmt: skip
 
@@ -54,28 +68,45 @@ def reply(status: int, kind: str, body: bytes, head_only: bool = False) -> bytes
     return head.encode("ascii") + (b"" if head_only else body)
 
 
+def _listen(family: int, host: str, port: int, dual_stack: bool = False) -> socket.socket:
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if dual_stack:  # whatever net.ipv6.bindv6only says: IPv4 clients arrive as ::ffff:a.b.c.d
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+        listener.setblocking(False)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
 class ScrapeServer:
     def __init__(self, host: str, port: int, respond, log, max_connections: int = MAX_CONNECTIONS,
                  timeout: float = REQUEST_TIMEOUT, clock=time.monotonic):  # fmt: skip
+        """host: an address, or "" for every address (IPv6 and IPv4 where the host has IPv6)."""
         self.respond, self.log, self.clock = respond, log, clock
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         if soft != resource.RLIM_INFINITY:
             max_connections = max(1, min(max_connections, soft - RESERVED_DESCRIPTORS))
         self.max_connections, self.timeout = max_connections, timeout
-        self.listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self.listener.bind((host, port))
-            self.listener.listen(128)
-            self.listener.setblocking(False)
-        except BaseException:
-            self.listener.close()
-            raise
+        if host:
+            self.listener = _listen(socket.AF_INET6 if ":" in host else socket.AF_INET, host, port)
+        else:
+            try:
+                self.listener = _listen(socket.AF_INET6, "::", port, dual_stack=True)
+            except OSError as e:
+                if e.errno not in _NO_IPV6:
+                    raise
+                self.listener = _listen(socket.AF_INET, "0.0.0.0", port)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.connections: dict = {}  # socket -> _Connection, oldest first
         self.resting_until = None  # the listener is unregistered until then
         self.full = False  # said once per episode of evictions
+        self.pages: dict = {}  # path -> (when its render began, the 200 reply): rendered pages only
 
     def close(self) -> None:
         for conn in list(self.connections.values()):
@@ -100,13 +131,13 @@ class ScrapeServer:
                 self._read(key.data, complete)
             else:
                 self._write(key.data)
-        replies: dict = {}  # one reply per request line on this turn
+        turn = self.clock()  # every request answered below came in by now
+        # Pages rendered REUSE_SECONDS before this turn are done with (and the table stays small).
+        self.pages = {path: page for path, page in self.pages.items() if turn - page[0] < REUSE_SECONDS}
+        failed: dict = {}  # path -> the 500 of a render that failed on this turn
         for conn, head in complete:
             if conn.sock in self.connections:  # not closed meanwhile to make room
-                line = head.split(b"\n", 1)[0].strip()
-                if line not in replies:
-                    replies[line] = self._reply_to(head)
-                self._answer(conn, replies[line])
+                self._answer(conn, self._reply_to(head, failed))
         now = self.clock()
         for conn in [c for c in self.connections.values() if c.deadline <= now]:
             self._drop(conn)
@@ -182,21 +213,41 @@ class ScrapeServer:
         self.selector.unregister(conn.sock)  # nothing more is read: it gets its reply after this turn
         complete.append((conn, conn.inbox[:end]))
 
-    def _reply_to(self, head: bytes) -> bytes:
+    def _reply_to(self, head: bytes, failed: dict) -> bytes:
+        """This request's reply. Its own checks first, so that nothing about one client's request
+        (its size, its line, its method) reaches another's reply; then a page rendered for its
+        path within REUSE_SECONDS, else a render. failed: this turn's failed renders, by path."""
         if len(head) > MAX_REQUEST_BYTES:
             return reply(431, "text/plain", b"request too large\n")
         parts = head.split(b"\n", 1)[0].strip().split(b" ")
         if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
             return reply(400, "text/plain", b"bad request\n")
-        method, target = parts[0], parts[1].split(b"?", 1)[0]
+        method = parts[0]
+        # The query string is dropped: respond() is given the path alone, so no page depends on it.
+        path = parts[1].split(b"?", 1)[0].decode("ascii", "replace")
         if method not in (b"GET", b"HEAD"):
             return reply(405, "text/plain", b"only GET and HEAD\n")
+        if method == b"HEAD":  # renders nothing (respond's contract), so nothing to share
+            return reply(*self._respond(path, True), head_only=True)
+        if path in self.pages:
+            return self.pages[path][1]
+        if path in failed:
+            return failed[path]
+        began = self.clock()
+        status, kind, body = self._respond(path, False)
+        answer = reply(status, kind, body)
+        if status == 200:
+            self.pages[path] = (began, answer)
+        elif status >= 500:
+            failed[path] = answer  # not rendered again for this turn's other requests
+        return answer
+
+    def _respond(self, path: str, head: bool) -> tuple:
         try:
-            status, kind, body = self.respond(target.decode("ascii", "replace"), method == b"HEAD")
+            return self.respond(path, head)
         except Exception as e:  # one bad scrape must not stop the endpoint; the next may succeed
             self.log(f"internal error answering a request: {type(e).__name__}: {e}")
-            status, kind, body = 500, "text/plain", b"internal error\n"
-        return reply(status, kind, body, head_only=method == b"HEAD")
+            return 500, "text/plain", b"internal error\n"
 
     def _answer(self, conn: _Connection, data: bytes) -> None:
         conn.outbox = memoryview(data)

@@ -23,7 +23,7 @@ import sys
 import time
 
 from oci_gpu_hook.errors import NvmlError
-from oci_gpu_hook.node import attribution
+from oci_gpu_hook.node import attribution, beat
 from oci_gpu_hook.node import say as node_say
 from oci_gpu_hook.start import container_record, pids
 from oci_gpu_hook.start.linux import cgroups
@@ -197,7 +197,8 @@ def read_counters(records_directory: str) -> dict:
     return {}
 
 
-def run(settings, interval: float, policy: str, grace: float, dry_run: bool, once: bool = False) -> int:
+def run(settings, interval: float, policy: str, grace: float, dry_run: bool, once: bool = False,
+        heartbeat: str | None = None) -> int:  # fmt: skip
     from oci_gpu_hook.errors import PrerequisiteError
     from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged, HostReader
 
@@ -219,4 +220,5 @@ def run(settings, interval: float, policy: str, grace: float, dry_run: bool, onc
             return RESTART
         if once:
             return 0
+        beat("watchdog", heartbeat)
         time.sleep(max(0.0, interval - (time.monotonic() - started)))

@@ -3,19 +3,25 @@ offline, it is imported into the cluster's containerd (tests/kubecheck.py), and 
 deploy/kubernetes/ are applied with kubectl. For the simulated host the test changes only what
 names the host: the image's configuration (the simulated driver root, the hook's records
 directory), hostPath volumes for those two, a port of its own for the exporter, no NFD
-nodeSelector (NFD is not here), and no HostToContainer propagation (this machine's / is not a
-shared mount: it has no systemd). Then, through the API:
-- the DaemonSet's pod runs on the node, all four services in it;
+nodeSelector (NFD is not here: the test makes the features.d directory NFD would), and no
+HostToContainer propagation (this machine's / is not a shared mount: it has no systemd). The
+hook on the node accepts the device plugin's volume-mounts answer and not the variable from
+unprivileged containers, as docs/deploy.md says to set it. Then, through the API:
+- the DaemonSet's pod runs on the node, all four services in it, ready; the labels container
+  without any capability writes the feature file; the exporter answers on IPv6 and IPv4;
 - the device plugin registers from inside the pod: the node offers nvidia.com/gpu, and no plugin
   runs on the host;
 - a GPU pod is scheduled through it and sees exactly its GPU;
 - the exporter answers through its Service (the API server's service proxy), naming that pod;
+- no container was restarted by its liveness probe meanwhile;
 - deleting the DaemonSet takes the GPUs off the node's allocatable resources.
+(tests/deploy/test_manifests.py checks the manifests themselves without a cluster.)
 """
 
 import glob
 import os
 import re
+import urllib.request
 
 import hookcheck
 import kubecheck
@@ -36,7 +42,9 @@ def deployed(host, tmp_path_factory):
     kubecheck.programs()
     tmp = tmp_path_factory.mktemp("deploy")
     records = tmp / "run" / "containers"
-    hook_config = config_with(host, tmp, f"records_directory: {records}\n")
+    # What docs/deploy.md says the host's hook needs for the shipped volume-mounts answer.
+    hook_config = config_with(host, tmp, f"records_directory: {records}\naccept_volume_mounts: true\n"
+                                         "accept_envvar_when_unprivileged: false\n")  # fmt: skip
     before = kubecheck.host_state()
     cluster = kubecheck.Cluster(tmp / "node", hook_config)
     try:
@@ -44,7 +52,7 @@ def deployed(host, tmp_path_factory):
         image = build_image(tmp)
         cluster.ctr("images", "import", image)
         cluster.apply(*manifests(host, tmp, str(records)))
-        yield cluster, host
+        yield cluster, host, tmp
     finally:
         cluster.close()
     assert kubecheck.host_state() == before
@@ -71,7 +79,8 @@ def manifests(host, tmp, records: str) -> list:
         if doc["kind"] == "ConfigMap":
             config = yaml.safe_load(doc["data"]["config.yaml"])
             config.update(driver_root=root, dev_root=root, proc_root=root, records_directory=records)
-            config["node"].update(exporter_listen=f":{PORT}", features_file=str(tmp / "features" / "oci-gpu-hook"))
+            # features_file stays the manifest's: the features volume below puts it under tmp.
+            config["node"].update(exporter_listen=f":{PORT}")
             doc["data"]["config.yaml"] = yaml.safe_dump(config)
         elif doc["kind"] == "DaemonSet":
             spec = doc["spec"]["template"]["spec"]
@@ -80,8 +89,7 @@ def manifests(host, tmp, records: str) -> list:
                      str(tmp / "features")}  # fmt: skip
             for volume in spec["volumes"]:
                 if "hostPath" in volume and volume["hostPath"]["path"] in moved:
-                    volume["hostPath"]["path"] = moved[volume["hostPath"]["path"]]
-                    volume["hostPath"]["type"] = "DirectoryOrCreate"
+                    volume["hostPath"]["path"] = moved[volume["hostPath"]["path"]]  # the type stays
             spec["volumes"].append({"name": "simulated-host", "hostPath": {"path": root, "type": "Directory"}})
             spec["volumes"].append({"name": "records", "hostPath": {"path": str(tmp / "run"), "type": "Directory"}})
             for container in spec["containers"]:
@@ -94,6 +102,7 @@ def manifests(host, tmp, records: str) -> list:
                 for port in container.get("ports", []):
                     port["containerPort"] = PORT
     (tmp / "run").mkdir(exist_ok=True)
+    (tmp / "features").mkdir(mode=0o755, exist_ok=True)  # NFD's worker makes features.d
     return docs
 
 
@@ -106,7 +115,7 @@ def allocatable(cluster) -> str | None:
 
 
 def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
-    cluster, host = deployed
+    cluster, host, tmp = deployed
 
     def running():
         pods = cluster.get("pods", "-n", NS)["items"]
@@ -124,10 +133,22 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
     for pid in plugins:
         with open(f"/proc/{pid}/cgroup") as f:
             assert f"pod{pod['metadata']['uid']}" in f.read(), pid
+    # labels: no capability, no new privileges, and still its file in features.d.
+    (labels,) = [pid for pid, argv in hookcheck.command_lines().items() if b"labels" in argv and b"--heartbeat" in argv]
+    with open(f"/proc/{labels}/status") as f:
+        status = dict(line.split(":", 1) for line in f.read().splitlines())
+    assert [status[k].strip() for k in ("CapEff", "CapPrm", "CapBnd", "NoNewPrivs")] == ["0000000000000000"] * 3 + ["1"]
+    features = tmp / "features" / "oci-gpu-hook"
+    cluster.wait_until(features.exists, 60, "the labels container to write the feature file")
+    assert "nvidia.com/gpu.count=3\n" in features.read_text()
+    # The exporter on every address (hostNetwork: the node's): IPv6 and IPv4.
+    for address in ("[::1]", "127.0.0.1"):
+        with urllib.request.urlopen(f"http://{address}:{PORT}/", timeout=30) as r:
+            assert r.status == 200, address
 
 
 def test_a_gpu_pod_and_the_exporter_through_its_service(deployed):
-    cluster, host = deployed
+    cluster, host, _ = deployed
     cluster.wait_until(lambda: allocatable(cluster) == "3", 120, "the pod's plugin to offer three GPUs")
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cuda", "labels": {"app": "cuda"}},
            "spec": {"hostNetwork": True, "automountServiceAccountToken": False, "restartPolicy": "Never",
@@ -168,8 +189,12 @@ def test_a_gpu_pod_and_the_exporter_through_its_service(deployed):
 
 
 def test_deleting_the_daemonset_takes_the_gpus_off_the_node(deployed):
-    cluster, host = deployed
+    cluster, host, _ = deployed
     cluster.wait_until(lambda: allocatable(cluster) == "3", 120, "the pod's plugin to offer three GPUs")
+    # The probes held all along (a liveness probe that failed would have restarted its container).
+    (pod,) = cluster.get("pods", "-n", NS)["items"]
+    restarts = {s["name"]: s["restartCount"] for s in pod["status"]["containerStatuses"]}
+    assert restarts == dict.fromkeys(("device-plugin", "exporter", "labels", "watchdog"), 0), restarts
     cluster.kubectl("delete", "-n", NS, "daemonset/oci-gpu-hook-node", "--wait=true", "--timeout=60s")
     cluster.wait_until(lambda: allocatable(cluster) == "0", 60, "the node to offer no GPU")
     assert cluster.get("pods", "-n", NS)["items"] == []

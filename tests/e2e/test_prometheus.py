@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 from servicecheck import Exporter, free_port
 
+from oci_gpu_hook.node.scrape_server import REUSE_SECONDS
 from oci_gpu_hook.toolkit import containers
 from oci_gpu_hook.toolkit.simulate import control
 
@@ -110,8 +111,9 @@ def test_framebuffer_used_by_pod_from_a_real_prometheus(stack, tmp_path):
 
     containers.runc_delete(b)
     deleted = time.time()
-    # The first scrape that starts after the deletion already lacks pod-b's labels.
-    prometheus.wait_for(f'timestamp(up{{job="gpu"}}) > {deleted + 0.05}')
+    # The first scrape that starts once a page rendered before the deletion can no longer be
+    # reused (scrape_server.REUSE_SECONDS) already lacks pod-b's labels.
+    prometheus.wait_for(f'timestamp(up{{job="gpu"}}) > {deleted + REUSE_SECONDS + 0.05}')
     assert prometheus.query('DCGM_FI_DEV_FB_USED{pod="pod-b"}') == []
     (series,) = prometheus.query('DCGM_FI_DEV_FB_USED{gpu="1"}')
     assert "pod" not in series["metric"] and float(series["value"][1]) == 2222

@@ -39,8 +39,8 @@ def _fresh_nvml_values(host):
 def exporter(host, tmp_path):
     started = []
 
-    def start(config=None, open_files=None):
-        e = Exporter(config or f"{host['root']}/config.yaml", tmp_path, open_files)
+    def start(config=None, open_files=None, listen="127.0.0.1"):
+        e = Exporter(config or f"{host['root']}/config.yaml", tmp_path, open_files, listen)
         started.append(e)
         return e
 
@@ -165,10 +165,9 @@ def test_failing_nvml_keeps_the_endpoint_serving_marked_stale(host, exporter):
 
 
 def test_missing_nvml_keeps_the_endpoint_serving(host, exporter, tmp_path):
-    config = hookcheck.config_with(host, tmp_path, "")
-    text = open(config).read().replace(f'proc_root: "{host["root"]}"', f'proc_root: "{tmp_path}/no-driver"')
-    text = text.replace("inventory-cache.json", "no-driver-cache.json")
-    open(config, "w").write(text)
+    config = hookcheck.config_with(
+        host, tmp_path, f'proc_root: "{tmp_path}/no-driver"\ninventory_cache: "{tmp_path}/no-driver-cache.json"\n'
+    )
     e = exporter(config)
     samples = e.scrape()
     assert values(samples, "oci_gpu_hook_gpu_facts_stale") == [1]
@@ -333,3 +332,107 @@ def test_a_changed_host_is_noticed(tmp_path, require):
         assert len(values(again.scrape(), "DCGM_FI_DEV_GPU_TEMP")) == 3
     finally:
         again.stop()
+
+
+def _ask(port: int, request: bytes, host: str = "127.0.0.1") -> tuple:
+    """Send one request and read the whole reply: (status line, head, body)."""
+    with socket.create_connection((host, port), timeout=60) as client:
+        client.sendall(request)
+        data = b""
+        while chunk := client.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n", 1)[0], head, body
+
+
+def _send_all(port: int, requests: list) -> list:
+    """Every request on a connection of its own, all sent before any reply is read (so that they
+    reach the server together), then each whole reply: [(status line, head, body)]."""
+    clients = []
+    try:
+        for request in requests:
+            client = socket.create_connection(("127.0.0.1", port), timeout=60)
+            clients.append(client)
+            client.sendall(request)
+        replies = []
+        for client in clients:
+            data = b""
+            while chunk := client.recv(65536):
+                data += chunk
+            head, _, body = data.partition(b"\r\n\r\n")
+            replies.append((head.split(b"\r\n", 1)[0], head, body))
+        return replies
+    finally:
+        for client in clients:
+            client.close()
+
+
+def _whole_page(reply) -> bool:
+    status, head, body = reply
+    return (status.startswith(b"HTTP/1.1 200 ") and f"Content-Length: {len(body)}".encode() in head
+            and b"DCGM_FI_DEV_FB_USED" in body and body.endswith(b"\n"))  # fmt: skip
+
+
+def test_a_clients_bad_request_never_becomes_anothers_reply(host, exporter):
+    """Round 4, class 3 (poisoning): the reply was shared by request line, but it depended on the
+    headers too. Clients sending Prometheus's own line with an 8.3 KB header got 431, and so did
+    the real scrapes that completed in the same turn. Now every request is checked on its own and
+    only a rendered page is shared: each real scrape gets the whole page, each oversized one 431."""
+    from oci_gpu_hook.node import scrape_server
+
+    e = exporter()
+    pad = b"a" * (scrape_server.MAX_REQUEST_BYTES + 100 - 40)
+    oversized = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: " + pad + b"\r\n\r\n"
+    assert scrape_server.MAX_REQUEST_BYTES < len(oversized) < 2 * scrape_server.MAX_REQUEST_BYTES
+    scrape = b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: text/plain\r\n\r\n"
+    for _ in range(3):
+        # Each oversized request is read over three turns of the server's loop, a real scrape in
+        # one: spread out so that each turn completes some of both.
+        requests = [oversized if i % 2 else scrape for i in range(96)]
+        replies = _send_all(e.port, requests)
+        scrapes = [r for q, r in zip(requests, replies) if q is scrape]
+        refused = [r for q, r in zip(requests, replies) if q is oversized]
+        assert [r[0] for r in scrapes if not _whole_page(r)] == []
+        assert {r[0] for r in refused} == {b"HTTP/1.1 431 Request Header Fields Too Large"}
+    assert "Traceback" not in e.output()
+
+
+def _renders(e) -> float:
+    (count,) = values(e.scrape(), "oci_gpu_hook_exporter_renders_total")
+    return count
+
+
+def test_query_strings_cannot_make_the_exporter_render_more(host, exporter):
+    """Round 4, class 3 (amplification): a query string made every request a render of its own
+    (`GET /metrics?<n>`: a real scrape's median went from 37 ms to 390 ms). The page does not
+    depend on the query string, so it is not part of the key; and a rendered page is reused for
+    REUSE_SECONDS, so renders are bounded per second whatever the requests. Counted with the
+    exporter's own counter of renders; the bound follows from the elapsed time (k renders are at
+    least REUSE_SECONDS apart), so a slow machine loosens it and never fails it."""
+    from oci_gpu_hook.node import scrape_server
+
+    e = exporter()
+    started = time.monotonic()
+    before = _renders(e)
+    n = 0
+    for _ in range(15):
+        requests = [f"GET /metrics?{n + i} HTTP/1.1\r\nHost: x\r\n\r\n".encode() for i in range(10)]
+        requests.append(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")  # a real scrape among them
+        n += 10
+        replies = _send_all(e.port, requests)
+        assert [r[0] for r in replies if not _whole_page(r)] == []
+    after = _renders(e)
+    elapsed = time.monotonic() - started
+    assert 1 <= after - before <= elapsed / scrape_server.REUSE_SECONDS + 1, (after - before, elapsed)
+
+
+def test_every_address_is_ipv6_and_ipv4(host, exporter, require):
+    """Round 4, class 9: `:PORT` (the default, `:9400`) listened on every IPv4 address only, unlike
+    DCGM's exporter: a node reached over IPv6 could not be scraped. An empty host is now one IPv6
+    socket with IPV6_V6ONLY off, whatever net.ipv6.bindv6only says: both families answer."""
+    require("ipv6")
+    e = exporter(listen="")
+    for address in ("127.0.0.1", "::1"):
+        reply = _ask(e.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", address)
+        assert _whole_page(reply), (address, reply[0])
+    assert f"serving /metrics on :{e.port}" in e.output()

@@ -244,3 +244,30 @@ def test_records_in_a_directory_others_can_change_are_not_acted_on(host, shared_
     assert f"{directory}: the container records directory is not root's alone" in done.stderr
     assert all(alive(pid) for pid in shared_gpu.values())
     assert [json.loads(line)["action"] for line in watchdog(host, "--once").stdout.splitlines()] == ["kill"]
+
+
+def test_the_daemon_beats_after_every_scan(host, tmp_path):
+    """--heartbeat FILE: the DaemonSet's liveness probe reads FILE's age, since a scan stuck in
+    NVML leaves the process running and the kubelet seeing nothing wrong. FILE is touched after
+    every scan; one that cannot be written is said once, and the daemon goes on scanning."""
+    beats = tmp_path / "heartbeats"
+    heartbeat = beats / "watchdog"
+    log_path = tmp_path / "watchdog.log"
+    with open(log_path, "w+") as log:
+        daemon = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config",
+                                   f"{host['root']}/config.yaml", "watchdog", "--interval", "0.2", "--heartbeat",
+                                   str(heartbeat)], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        try:
+            said = "cannot write the heartbeat"
+            wait_until(lambda: said in log_path.read_text(), "the unwritable heartbeat said")
+            time.sleep(1)  # a few more scans, each failing to beat
+            beats.mkdir()
+            wait_until(heartbeat.exists, "the first beat once it can be written")
+            first = heartbeat.stat().st_mtime_ns
+            wait_until(lambda: heartbeat.stat().st_mtime_ns != first, "a later scan's beat")
+            assert daemon.poll() is None
+        finally:
+            daemon.terminate()
+            daemon.wait()
+    lines = [line for line in log_path.read_text().splitlines() if said in line]
+    assert lines == [f"oci-gpu-hook watchdog: {said} {heartbeat}: No such file or directory"]
