@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 
+import hostcheck
 import kubeletcheck
 from kubeletcheck import shared_tool
 
@@ -79,11 +80,14 @@ exec /usr/bin/runc "$@"
     return path
 
 
-class Node:
+class CrioDaemon:
     """A CRI-O of its own, as an OpenShift node runs it (hooks.d, runc, cgroupfs), driven by crictl:
     private storage, sockets, state and cgroup parent; a busybox image imported with podman (no
     registry), which is the pause image too; host networking (no CNI). stop() removes the pods,
-    stops CRI-O by its pid and leaves no mount, process or cgroup behind."""
+    stops CRI-O by its pid, then undoes what its hostcheck.Footprint holds: CRI-O runs in a cgroup
+    of its own, with its conmons (however they daemonize), the containers in its cgroup parent;
+    those processes are killed by pid, the mounts under its base unmounted without detaching (a
+    busy one is raised with what holds it) and the cgroups removed. It raises for anything left."""
 
     def __init__(self, base: str, hooks_dir: str | None = None, config_dir: str | None = None,
                  etc_containers: str | None = None):  # fmt: skip
@@ -99,6 +103,8 @@ class Node:
         self.base = base
         self.bin = programs()
         self.parent = f"oci-gpu-hook-{os.path.basename(base)}"  # unique: two may run at once
+        self.footprint = hostcheck.Footprint("crio", directories=[base])
+        self.footprint.own_cgroup_parent(self.parent)
         d = {k: os.path.join(base, k) for k in ("root", "runroot", "runcroot", "log", "ns", "exits", "attach", "cni",
                                                  "conf.d", "pods", "rootfs", "cdi")}  # fmt: skip
         for path in d.values():
@@ -140,11 +146,15 @@ class Node:
             # runc and the hook only; it goes when the last of them exits.
             mount = 'mount -t overlay oci-gpu-hook-etc -o "lowerdir=$0:/etc/containers" /etc/containers && exec "$@"'
             argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, etc_containers, *argv]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = self.footprint.popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
-        while not os.path.exists(self.socket):
-            assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
-            time.sleep(0.05)
+        try:
+            while not os.path.exists(self.socket):
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log()
+                time.sleep(0.05)
+        except BaseException:
+            self.footprint.close()
+            raise
         self.pods = 0
 
     IMAGE = "localhost/oci-gpu-hook-crio:1"
@@ -235,46 +245,28 @@ class Node:
 
     def stop(self) -> None:
         import shutil
-        import time
 
         try:
             self.remove_pods()
         finally:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            kubeletcheck._stop(self.proc, timeout=30)
             runc = ["runc", "--root", self.dirs["runcroot"]]
             for cid in subprocess.run([*runc, "list", "-q"], capture_output=True, text=True).stdout.split():
                 subprocess.run([*runc, "delete", "-f", cid], capture_output=True)
-            subprocess.run(["pkill", "-f", f"conmon -b {self.base}/"], capture_output=True)
-            time.sleep(0.2)
-            with open("/proc/self/mountinfo") as f:
-                mounts = [
-                    line.split()[4] for line in f if f" {self.base}/" in line or line.split()[4].startswith(self.base)
-                ]
-            for mount in sorted(mounts, key=len, reverse=True):
-                subprocess.run(["umount", "-l", mount], capture_output=True)
-            from hookcheck import remove_cgroup  # raises for a cgroup it cannot remove
-
-            for controller in os.listdir("/sys/fs/cgroup"):
-                top = os.path.join("/sys/fs/cgroup", controller, self.parent)
-                for directory, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
-                    remove_cgroup(directory)
-            shutil.rmtree(self.base, ignore_errors=True)
+            self.footprint.close()  # raises for what it could not undo: the base is then kept, to look at
+            shutil.rmtree(self.base)
 
 
-class KubeletNode(kubeletcheck.Node):
-    """The OpenShift node's path: the kubelet (standalone, as kubeletcheck.Node runs it) on a CRI-O
-    of its own (Node, with the hooks.d file install writes), which runs runc, which runs the hook.
-    CDI specs for CRI-O go in cdi_dir. close() stops the kubelet, then CRI-O (Node.stop), and undoes
-    what the kubelet changed on the host as kubeletcheck.Node does."""
+class CrioKubelet(kubeletcheck.ContainerdKubelet):
+    """The OpenShift node's path: the kubelet (standalone, as kubeletcheck.ContainerdKubelet runs it)
+    on a CRI-O of its own (CrioDaemon, with the hooks.d file install writes) in place of containerd,
+    which runs runc, which runs the hook. CDI specs for CRI-O go in cdi_dir. close() stops the
+    kubelet, then CRI-O (CrioDaemon.stop), and undoes what the kubelet changed on the host as
+    kubeletcheck.ContainerdKubelet does."""
 
     def __init__(self, workdir, hook_config: str, **options):
         super().__init__(workdir, hook_config, **options)
-        self.crio: Node | None = None
+        self.crio: CrioDaemon | None = None
         self.runtime_log = self.cdi_dir = ""  # known once CRI-O's base is made
 
     def _start_runtime(self, timeout: float) -> None:
@@ -286,7 +278,7 @@ class KubeletNode(kubeletcheck.Node):
         # Short: podman refuses a run root of over 50 characters.
         base = tempfile.mkdtemp(prefix="oci-gpu-hook-crio-", dir="/var/tmp")
         self.runtime_log, self.cdi_dir = os.path.join(base, "crio.log"), os.path.join(base, "cdi")
-        self.crio = Node(base, hooks)
+        self.crio = CrioDaemon(base, hooks)
         self.address = self.crio.socket
         self.crio.import_archive(kubeletcheck.write_image_archive(os.path.join(self.workdir, "image.tar"),
                                                                   self.workdir))  # fmt: skip

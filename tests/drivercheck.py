@@ -9,6 +9,11 @@
 
 Every layout is a driver root other than / (links must resolve inside it), with its ld.so.cache
 made by the host's ldconfig -r. Device nodes and /proc/driver/nvidia come from the simulator.
+
+NVIDIA's libraries, run as root, make the device nodes they miss themselves: NVML's init, with no
+kernel module, mknods /dev/nvidiactl (char 195:255) in the /dev it sees. Anything that may run
+them (runc, whose prestart hook asks NVML; info, plan, cdi generate) runs through
+run_with_private_dev, where /dev is a tmpfs of its own; never where /dev is the host's.
 """
 
 from __future__ import annotations
@@ -149,6 +154,35 @@ def make_layout(kind: str, root: str) -> str:
     else:
         _run_layout(source, root, absolute_links=kind == "container", rhel_names=kind == "rhel")
     return root
+
+
+# What a program may need of /dev, with the numbers every Linux gives them (devices.txt).
+PRIVATE_DEV_NODES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9),
+                     "tty": (5, 0)}  # fmt: skip
+
+
+def run_with_private_dev(argv, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(argv) in a mount namespace of its own (private propagation: nothing mounted
+    there reaches the host's) where /dev is a new tmpfs holding only PRIVATE_DEV_NODES and the
+    /proc/self/fd links: whatever argv makes in /dev goes with the namespace."""
+    nodes = " && ".join(f"mknod -m 666 /dev/{name} c {major} {minor}"
+                        for name, (major, minor) in PRIVATE_DEV_NODES.items())  # fmt: skip
+    setup = (
+        f"mount -t tmpfs -o mode=755,nosuid oci-gpu-hook-dev /dev && {nodes} && ln -s /proc/self/fd /dev/fd"
+        ' && ln -s fd/0 /dev/stdin && ln -s fd/1 /dev/stdout && ln -s fd/2 /dev/stderr && exec "$@"'
+    )
+    return subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", setup, "sh", *argv],
+                          **kwargs)  # fmt: skip
+
+
+def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`runc run` of the bundle (its prestart hook included) where /dev is private, then `runc delete`."""
+    runc = shutil.which("runc")
+    try:
+        return run_with_private_dev([runc, "run", "--bundle", bundle, container_id], capture_output=True, text=True,
+                                    timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    finally:
+        subprocess.run([runc, "delete", "--force", container_id], capture_output=True)
 
 
 def config_text(driver_root: str, host_root: str, state: str) -> str:

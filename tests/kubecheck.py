@@ -1,14 +1,16 @@
 """A one-node Kubernetes cluster of the test's own (issue 28): etcd, kube-apiserver,
 kube-controller-manager, kube-scheduler and the kubelet that ../shared/tools/kube/build.sh builds
 (Kubernetes 1.36, cached per machine), on Debian's containerd with the hook in its base runtime
-spec (kubeletcheck.Node's containerd, image and host bookkeeping). Driven the way a user drives a
-cluster: kubectl against the API server.
+spec (kubeletcheck.ContainerdKubelet's containerd, image and host bookkeeping). Driven the way a
+user drives a cluster: kubectl against the API server.
 
 Everything listens on loopback at ports of its own; certificates, etcd's data, the components'
-state and the kubelet's --root-dir live under the test's directory. What the kubelet cannot be
-told to keep there (the device-plugin directory, /var/log/pods, kubepods cgroups, six sysctls)
-is undone by close(), as kubeletcheck.Node does, and host_state() adds the iptables rules to what
-a test compares. Only one cluster runs at a time (the device-plugin directory is fixed).
+state and the kubelet's --root-dir live under the test's directory. The control plane runs in the
+node's cgroup of its own (hostcheck.Footprint), with containerd and the kubelet. What the kubelet
+cannot be told to keep there (the device-plugin directory, /var/log/pods, kubepods cgroups, six
+sysctls) is undone by close(), as kubeletcheck.ContainerdKubelet does; the footprint compares the
+iptables chains named KUBE-* too. Only one cluster runs at a time (the ports and the
+device-plugin directory are fixed).
 
 Facts this is built around (../shared/tools/kube/README.md): `kubectl apply` needs
 --validate=false with this build (its OpenAPI handler fails), and `kubectl logs`/`exec` cannot
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 
 import kubeletcheck
@@ -41,7 +42,7 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, stdin=subprocess.DEVNULL)
 
 
-class Cluster(kubeletcheck.Node):
+class Cluster(kubeletcheck.ContainerdKubelet):
     """The control plane and a kubelet on containerd, started by start() (or `with`), stopped and
     undone by close(). hook_config: the hook's --config in containerd's base spec."""
 
@@ -112,7 +113,7 @@ class Cluster(kubeletcheck.Node):
     def _spawn(self, name: str, argv: list) -> None:
         log_path = os.path.join(self.workdir, f"{name}.log")
         log = open(log_path, "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        proc = self.footprint.popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
         self.control.append((proc, name, log_path))
 
@@ -285,20 +286,6 @@ class Cluster(kubeletcheck.Node):
 
 
 def host_state() -> dict:
-    """kubeletcheck.host_state, the control plane's programs and the host's iptables rules."""
-    state = kubeletcheck.host_state()
-    programs = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/comm") as f:
-                    comm = f.read().strip()
-            except OSError:
-                continue
-            if comm.startswith(("kube-", "kcp-etcd")):
-                programs.append(comm)
-    state["control_plane"] = sorted(programs)
-    if shutil.which("iptables-save"):
-        out = subprocess.run(["iptables-save"], capture_output=True, text=True).stdout
-        state["iptables"] = [line for line in out.splitlines() if not line.startswith("#")]
-    return state
+    """kubeletcheck.host_state: the control plane's processes and the KUBE-* chains are among what
+    the cluster's footprint holds."""
+    return kubeletcheck.host_state()

@@ -6,11 +6,14 @@ with the hook installed would. The image comes from no registry: a docker archiv
 busybox-static (containers.make_rootfs) and imported with ctr. The kubelet is the one
 ../shared/tools/kubelet/build.sh builds (its README holds the facts this module is designed around).
 
-Host side effects are owned and undone by Node.close(): containerd's root, state, socket and runc
-state live under the test's directory; the kubelet's --root-dir too, except what this kubelet
-hard-codes (the device-plugin directory, /var/log/pods, kubepods cgroups, six sysctls). Processes
-are stopped by pid, and only mounts, cgroups and log entries that were not there before are removed.
-Only one Node can run at a time: the kubelet's ports and the device-plugin directory are fixed.
+Host side effects are owned and undone by ContainerdKubelet.close(): containerd's root, state,
+socket and runc state live under the test's directory; the kubelet's --root-dir too, except what
+this kubelet hard-codes (the device-plugin directory, /var/log/pods, kubepods cgroups, six
+sysctls). Its processes, mounts and cgroups are what its hostcheck.Footprint holds: the daemons run
+in a cgroup of its own (the shims too, however they daemonize), the pods in the kubepods cgroups it
+made, the mounts under its directory; they are killed by pid, unmounted without detaching and
+removed, and close() raises for any left. Only log entries that were not there before are removed.
+Only one node can run at a time: the kubelet's ports and the device-plugin directory are fixed.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterable, Sequence
 
-import hookcheck
+import hostcheck
 import pytest
 
 from oci_gpu_hook.toolkit import containers, install
@@ -54,7 +57,6 @@ CONTAINER_LOGS_DIR = "/var/log/containers"
 # What the kubelet's setupKernelTunables rewrites on start (vm.overcommit_memory=1, kernel.panic=10, ...).
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "vm/panic_on_oom", "kernel/panic", "kernel/panic_on_oops",
                    "kernel/keys/root_maxkeys", "kernel/keys/root_maxbytes")  # fmt: skip
-CGROUP_ROOT = "/sys/fs/cgroup"
 # Annotation prefixes containerd passes from the CRI request into the OCI spec (the hook reads them).
 DEFAULT_ANNOTATIONS = ("oci-gpu-hook.io/*", "cdi.k8s.io/*")
 NAMESPACE = "default"
@@ -153,25 +155,6 @@ def write_sysctls(values: dict[str, str]) -> None:
             f.write(value)
 
 
-def mount_points() -> list[str]:
-    """Mount points in /proc/self/mountinfo order (a point mounted over twice appears twice)."""
-    from oci_gpu_hook.start.linux import mountinfo
-
-    with open("/proc/self/mountinfo") as f:
-        return [mountinfo.unescape(line.split()[4]) for line in f.read().splitlines()]
-
-
-def _kubepods_cgroups() -> list[str]:
-    return [path for path in (os.path.join(CGROUP_ROOT, c, "kubepods") for c in sorted(os.listdir(CGROUP_ROOT)))
-            if os.path.isdir(path)]  # fmt: skip
-
-
-def processes_using(address: str) -> list[int]:
-    """Pids of containerd, its shims and the kubelet that name this socket on their command line."""
-    named = address.encode()
-    return [pid for pid, argv in hookcheck.command_lines().items() if any(named in arg for arg in argv)]
-
-
 def _stop(proc: subprocess.Popen | None, timeout: float = 15) -> None:
     if proc is None or proc.poll() is not None:
         return
@@ -200,7 +183,7 @@ def _tail(path: str, lines: int = 40) -> str:
         return f"({e})"
 
 
-class Node:
+class ContainerdKubelet:
     """containerd and a standalone kubelet, started by start() (or `with`), stopped by close().
 
     workdir: the test's directory (its path names sockets, so it must stay short: tmp_path is).
@@ -229,10 +212,12 @@ class Node:
         self._kubelet_log_start = 0  # where the running kubelet's own lines begin in its log
         self._uids: dict[str, str] = {}
         self._before: dict | None = None
+        # The kubelet's iptables chains are named KUBE-* (it is told to make none: compared).
+        self.footprint = hostcheck.Footprint("kubelet", directories=[self.workdir], chains=("KUBE-",))
 
     # --- life cycle ----------------------------------------------------------------------------
 
-    def __enter__(self) -> Node:
+    def __enter__(self) -> ContainerdKubelet:
         self.start()
         return self
 
@@ -241,17 +226,17 @@ class Node:
             sys.stderr.write(self.diagnostics() + "\n")
         self.close()
 
-    def start(self, timeout: float = 60) -> Node:
+    def start(self, timeout: float = 60) -> ContainerdKubelet:
         kubelet = self._kubelet_program()
         if len(self.address) > 100:
             raise ValueError(f"{self.workdir}: too long a path for the sockets under it")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", self.read_only_port)) == 0:
                 pytest.fail(f"port {self.read_only_port} is in use: a kubelet left running?", pytrace=False)
+        # The kubelet's pods go under kubepods, in every hierarchy: its own where it makes it.
+        self.footprint.own_cgroup_parent("kubepods", only_new=True)
         self._before = {
             "sysctls": read_sysctls(),
-            "mounts": mount_points(),
-            "kubepods": _kubepods_cgroups(),
             "pod_logs": set(os.listdir(POD_LOGS_DIR)) if os.path.isdir(POD_LOGS_DIR) else None,
             "container_logs": set(os.listdir(CONTAINER_LOGS_DIR)) if os.path.isdir(CONTAINER_LOGS_DIR) else None,
             "var_lib_kubelet": os.path.exists("/var/lib/kubelet"),
@@ -277,8 +262,8 @@ class Node:
         with open(config, "w") as f:
             f.write(self._containerd_config())
         log = open(self.containerd_log, "ab")
-        self.containerd = subprocess.Popen(["containerd", "--config", config], stdout=log, stderr=log,
-                                           stdin=subprocess.DEVNULL)  # fmt: skip
+        self.containerd = self.footprint.popen(["containerd", "--config", config], stdout=log, stderr=log,
+                                               stdin=subprocess.DEVNULL)  # fmt: skip
         log.close()
         self._wait(lambda: self.ctr("version", check=False).returncode == 0, timeout, "containerd to serve")
         self.ctr("images", "import", write_image_archive(os.path.join(self.workdir, "image.tar"), self.workdir))
@@ -371,7 +356,7 @@ class Node:
         old_socket = _identity(self.kubelet_socket)
         log = open(self.kubelet_log, "ab")
         self._kubelet_log_start = log.tell()
-        self.kubelet = subprocess.Popen(self._kubelet_argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
+        self.kubelet = self.footprint.popen(self._kubelet_argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
 
         def ready():
@@ -443,9 +428,11 @@ class Node:
             attempt(self._wait_for_no_pods, 20)
         attempt(_stop, self.kubelet)
         self._stop_runtime(attempt)
+        for proc, _ in reversed(self._daemons()):  # by pid, each given its time to end
+            attempt(_stop, proc)
+        # What is left of its processes killed by pid, its mounts unmounted, its cgroups removed.
+        attempt(self.footprint.close)
         if self._before is not None:
-            attempt(self._unmount_new)
-            attempt(self._remove_new_cgroups)
             attempt(self._remove_new_logs)
             attempt(self._remove_device_plugin_state)
             attempt(self._remove_new_run_dirs)
@@ -480,53 +467,14 @@ class Node:
             self.ctr("containers", "delete", container_id, check=False)
 
     def _kill_leftover_containers(self) -> None:
-        """What survived containerd: runc containers in our runc root, and shims serving our address."""
+        """What survived containerd: runc containers in our runc root (the processes left in the
+        footprint's cgroups, shims among them, are killed by its close())."""
         if os.path.isdir(self.runc_root):
             for namespace in os.listdir(self.runc_root):
                 root = os.path.join(self.runc_root, namespace)
                 listing = subprocess.run(["runc", "--root", root, "list", "--quiet"], capture_output=True, text=True)
                 for container_id in listing.stdout.split():
                     subprocess.run(["runc", "--root", root, "delete", "--force", container_id], capture_output=True)
-        for pid in processes_using(self.address):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while processes_using(self.address):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"processes still using {self.address}: {processes_using(self.address)}")
-            time.sleep(0.1)
-
-    def _unmount_new(self) -> None:
-        """Unmount mount points that were not there before, under our directories or /var/lib/kubelet,
-        deepest (then latest) first; lazily where still busy."""
-        mine = (self.workdir + "/", "/var/lib/kubelet/", "/run/containerd/", "/run/crio/")
-        for _ in range(100):
-            before = list(self._before["mounts"])
-            new = []
-            for point in mount_points():
-                if point in before:
-                    before.remove(point)  # as many times as it was mounted before
-                elif point.startswith(mine) or point + "/" in mine:
-                    new.append(point)
-            if not new:
-                return
-            target = max(reversed(new), key=lambda p: p.count("/"))
-            if subprocess.run(["umount", target], capture_output=True).returncode != 0:
-                proc = subprocess.run(["umount", "-l", target], capture_output=True, text=True)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"umount -l {target}: {proc.stderr.strip()}")
-        raise RuntimeError("mounts keep appearing under the node's directories")
-
-    def _remove_new_cgroups(self) -> None:
-        from hookcheck import remove_cgroup
-
-        for top in _kubepods_cgroups():
-            if top in self._before["kubepods"]:
-                continue
-            for directory, _dirs, _files in sorted(os.walk(top), key=lambda w: -w[0].count("/")):
-                remove_cgroup(directory)
 
     def _remove_new_logs(self) -> None:
         for directory, key in ((POD_LOGS_DIR, "pod_logs"), (CONTAINER_LOGS_DIR, "container_logs")):
@@ -866,20 +814,9 @@ def cri_log(path: str) -> str:
 
 
 def host_state() -> dict:
-    """What a node must leave as it found it: mounts, sysctls, kubepods cgroups, and whether any
-    containerd, shim, CRI-O, conmon or kubelet process runs. Zombies do not count: the shims are orphans once
-    containerd stops, and this machine's PID 1 reaps orphans seconds late."""
-    with open("/proc/self/mountinfo") as f:
-        mount_count = len(f.read().splitlines())
-    programs = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    comm, state = re.match(r"\d+ \((.*)\) (\S)", f.read()).groups()
-            except (OSError, AttributeError):
-                continue
-            if comm.startswith(("containerd", "kubelet", "crio", "conmon")) and state != "Z":
-                programs.append(comm)
-    return {"mounts": mount_count, "sysctls": read_sysctls(), "kubepods": _kubepods_cgroups(),
-            "programs": sorted(programs)}  # fmt: skip
+    """What a node must leave as it found it: the six sysctls its kubelet rewrites, and what every
+    harness of this process has on the host (hostcheck.owned_state: the processes in its cgroups,
+    zombies left out; the mounts under its directories; its cgroups; its iptables chains' changes),
+    which is nothing before one starts and after it is closed. Nothing of another user's: a
+    program named like ours, a mount or a chain elsewhere, is theirs."""
+    return {"sysctls": read_sysctls(), **hostcheck.owned_state()}

@@ -24,7 +24,7 @@ def test_pods_run_survive_a_kubelet_restart_and_leave_nothing_behind(tmp_path, s
     if runtime == "crio":
         require("podman", "conmon")
         criocheck.programs()
-    node = {"containerd": kubeletcheck.Node, "crio": criocheck.KubeletNode}[runtime](
+    node = {"containerd": kubeletcheck.ContainerdKubelet, "crio": criocheck.CrioKubelet}[runtime](
         tmp_path / "node", config_with(host, tmp_path, "")
     )
     with node:

@@ -47,7 +47,7 @@ def cluster(simulated_host, require, tmp_path_factory):
     records = tmp / "records"
     hook_config = hook_settings(host, tmp, records, "")
     before = kubeletcheck.host_state()
-    node = kubeletcheck.Node(tmp / "node", hook_config)
+    node = kubeletcheck.ContainerdKubelet(tmp / "node", hook_config)
     node.start()
     try:
         yield node, host, hook_config, str(records), tmp

@@ -38,7 +38,7 @@ def node(simulated_host, require, tmp_path_factory):
     records = tmp / "records"
     hook_config = config_with(host, tmp, f"records_directory: {records}\n{SETTINGS}")
     before = kubeletcheck.host_state()
-    node = criocheck.KubeletNode(tmp / "node", hook_config)
+    node = criocheck.CrioKubelet(tmp / "node", hook_config)
     node.start()
     try:
         yield node, host, hook_config, str(records), tmp

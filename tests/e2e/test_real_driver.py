@@ -4,7 +4,8 @@ every mounted driver library finds the driver libraries it needs, the real libcu
 cuDriverGetVersion and cuInit, the real nvidia-smi fails as it does without a kernel module, and
 each capability brings its configuration and data files. info, plan and cdi generate list exactly
 the driver's files. No GPU and no kernel module: NVML answers "Driver Not Loaded", and the hook
-works from procfs and the device nodes (issue 26)."""
+works from procfs and the device nodes (issue 26). Everything that may run NVIDIA's code runs where
+/dev is private (drivercheck.run_with_private_dev): the real NVML makes /dev/nvidiactl itself."""
 
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def run_in_container(tmp_path, config, capabilities, layout, probe):
     )
     env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": capabilities}
     containers.write_config(bundle, args=["sh", "-c", script], config_file=config, env=env)
-    return containers.runc_run(bundle, f"ocigpu-real-{os.getpid()}-{layout}"), libdir
+    return drivercheck.runc_run(bundle, f"ocigpu-real-{os.getpid()}-{layout}"), libdir
 
 
 def _sections(stdout: str) -> dict:
@@ -125,6 +126,22 @@ def _sections(stdout: str) -> dict:
         elif name is not None:
             sections[name].append(line)
     return sections
+
+
+def test_the_real_nvml_makes_its_control_node_where_it_runs_and_the_host_dev_stays(require):
+    """Why everything here runs with a private /dev: NVML's init, as root and with no kernel module,
+    mknods /dev/nvidiactl (char 195:255) in the /dev it sees; run where /dev is private, the node
+    is made there and goes with it, and the host's /dev is as it was."""
+    import hostcheck
+
+    require("root", "unshare", "pynvml")
+    library = f"{drivercheck.tree()}/{drivercheck.MULTIARCH}/nvidia/current/libnvidia-ml.so.1"
+    before = hostcheck.dev_entries()
+    script = f"{sys.executable} -I -m oci_gpu_hook.start.nvml {library}; ls -ln /dev/nvidiactl"
+    done = drivercheck.run_with_private_dev(["sh", "-c", script], capture_output=True, text=True, timeout=120)
+    assert "Driver Not Loaded" in done.stderr, done.stderr
+    assert re.fullmatch(r"crw-rw-rw- +1 0 +0 +195, +255 .* /dev/nvidiactl", done.stdout.strip()), done.stdout
+    assert hostcheck.dev_changes(before, hostcheck.dev_entries()) == []
 
 
 @pytest.mark.parametrize("capabilities", CAPABILITIES)
@@ -165,19 +182,20 @@ def test_info_plan_and_cdi_list_exactly_the_real_drivers_files(tmp_path, real, r
     files, _ = real_names
     expected = files - {"libnvidia-api.so.1"}
     run = [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", real[layout]]
-    info = json.loads(subprocess.run(run + ["info", "--json"], capture_output=True, text=True, check=True).stdout)
+    private = drivercheck.run_with_private_dev  # NVML runs in each of these
+    info = json.loads(private(run + ["info", "--json"], capture_output=True, text=True, check=True).stdout)
     listed = {os.path.basename(f["path"]) for f in info["files"] if f["kind"] == "library"}
     assert listed == expected
     assert info["nvml"] is False and "Driver Not Loaded" in info["nvml_error"]
     env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "all"}
     bundle = containers.make_bundle(str(tmp_path / "b"), args=["true"], config_file=None, env=env)
-    planned = subprocess.run(run + ["plan", "--json", "--bundle", bundle], capture_output=True, text=True)
+    planned = private(run + ["plan", "--json", "--bundle", bundle], capture_output=True, text=True)
     assert planned.returncode == 0, planned.stderr
     binds = [op for op in json.loads(planned.stdout)["operations"] if op.get("op") == "BindMount"]
     assert {os.path.basename(op["target"]) for op in binds if ".so" in op["target"]} == expected
     spec = tmp_path / "spec.json"
-    cdi = subprocess.run(run + ["cdi", "generate", "--capabilities", "all", "--output", str(spec)],
-                         capture_output=True, text=True)  # fmt: skip
+    cdi = private(run + ["cdi", "generate", "--capabilities", "all", "--output", str(spec)], capture_output=True,
+                  text=True)  # fmt: skip
     assert cdi.returncode == 0, cdi.stderr
     mounts = [m for d in [json.loads(spec.read_text())["containerEdits"]] for m in d.get("mounts", [])]
     assert {os.path.basename(m["containerPath"]) for m in mounts if ".so" in m["containerPath"]} == expected
