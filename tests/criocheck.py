@@ -15,7 +15,7 @@ from oci_gpu_hook.toolkit import runtime_config
 
 def programs() -> str:
     """The directory holding crio, pinns and crictl."""
-    return shared_tool("crio", os.environ.get("CRIO_CACHE") or "/var/cache/oci-gpu-hook-crio")
+    return shared_tool("crio")
 
 
 def config(root: str, *options: str) -> dict:

@@ -32,8 +32,7 @@ LAYOUTS = ("rhel", "debian", "container")
 
 def tree() -> str:
     """The extracted packages (Debian's layout, no maintainer scripts run)."""
-    cache = os.environ.get("NVIDIA_DRIVER_CACHE") or "/var/cache/oci-gpu-hook-nvidia-driver"  # fetch.sh's default
-    return shared_tool("nvidia-driver", cache, "fetch.sh")
+    return shared_tool("nvidia-driver")
 
 
 def _place(source: str, target: str) -> None:

@@ -34,7 +34,7 @@ NAMESPACE = "default"
 def programs() -> dict:
     """{name: path} of the six programs, built on first use (about 5 to 16 minutes on 2 cores)."""
     kubeletcheck.kubelet_binary()  # the same prerequisites (containerd, runc, busybox, root)
-    out = kubeletcheck.shared_tool("kube", os.environ.get("KUBE_CACHE") or "/var/cache/oci-gpu-hook-kube")
+    out = kubeletcheck.shared_tool("kube")
     return {os.path.basename(path): path for path in out.split("\n") if path}
 
 

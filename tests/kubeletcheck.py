@@ -19,7 +19,6 @@ Only one node can run at a time: the kubelet's ports and the device-plugin direc
 from __future__ import annotations
 
 import base64
-import fcntl
 import json
 import os
 import re
@@ -35,6 +34,7 @@ from collections.abc import Iterable, Sequence
 
 import hostcheck
 import pytest
+import toolbuild
 
 from oci_gpu_hook.toolkit import containers, install
 
@@ -79,46 +79,23 @@ def kubelet_binary() -> str:
     absent = [name for name in PROGRAMS if not shutil.which(name)]
     if absent:
         missing(f"needs {', '.join(absent)} for a Kubernetes node, not available here")
-    return shared_tool("kubelet", os.environ.get("KUBELET_CACHE") or "/var/cache/oci-gpu-hook-kubelet")
+    return shared_tool("kubelet")
 
 
-def shared_tool(tool: str, cache: str, script_name: str = "build.sh") -> str:
-    """What ../shared/tools/<tool>/build.sh (or script_name) prints (the built program, the
-    directory of several, a fetched tree), making it on first use into cache (the script's own
-    default, passed here to hold its lock)."""
-    script = os.path.join(REPO, "..", "shared", "tools", tool, script_name)
+def shared_tool(tool: str) -> str:
+    """What ../shared/tools/<tool>'s script prints (the built program, the directory of several, a
+    fetched tree), made on first use into its cache (toolbuild.py, which `make test` also runs in
+    the background from the start)."""
+    script = toolbuild.script(tool)
     if os.geteuid() != 0:
         missing(f"needs root for {tool}")
     if not os.path.exists(script):
-        missing(f"{os.path.normpath(script)} is missing (the shared {tool} tools)")
-    # build.sh has no lock of its own, and two builds at once would double what it needs: wait
-    # for one started by hand (or by setup) to finish, and take a lock against other tests.
-    deadline = time.monotonic() + 1200
-    while _builds_running(tool, script_name) and time.monotonic() < deadline:
-        time.sleep(2)
-    os.makedirs(cache, exist_ok=True)
-    with open(os.path.join(cache, "build.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        proc = subprocess.run(["sh", script, cache], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        missing(f"{script} is missing (the shared {tool} tools)")
+    proc = toolbuild.build(tool)
     made = proc.stdout.split("\n")  # a path a line (several, for a tool that builds several programs)
     if proc.returncode != 0 or not proc.stdout.strip() or not all(os.path.exists(p) for p in made if p):
         pytest.fail(f"{script} failed ({proc.returncode}): {proc.stderr[-3000:]}", pytrace=False)
     return proc.stdout.strip()
-
-
-def _builds_running(tool: str, script_name: str = "build.sh") -> list[int]:
-    """Pids of other runs of tool's script (any checkout's: they share the cache)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if any(arg.endswith(f"tools/{tool}/{script_name}".encode()) for arg in argv[:3]):
-                found.append(int(entry))
-    return found
 
 
 # --- the image ------------------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""The shared tools the end-to-end suites run (../shared/tools: a kubelet, a Kubernetes control
+plane, CRI-O, NVIDIA's driver files), built or fetched once per machine into their caches.
+
+One place for where each is cached and for the lock that keeps two builds of one tool apart, used
+by the harnesses (kubeletcheck.shared_tool) and by `make test`, which starts
+`python3 tests/toolbuild.py` in the background: a cold machine then builds them (about 12 minutes
+on 2 cores) while the suites that need none of them run, instead of before the first test that
+does (issue 40, item 9). A harness that needs a tool the background build is still making waits
+on the same lock, then finds it cached. The scripts write only into their caches.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# tool: (the variable that names its cache, the script's own default cache, the script), in the
+# order the suite first needs them (tests/e2e, by module name: the kubelet and CRI-O come before
+# the cluster, whose apiserver is the longest build).
+TOOLS = {
+    "nvidia-driver": ("NVIDIA_DRIVER_CACHE", "/var/cache/oci-gpu-hook-nvidia-driver", "fetch.sh"),
+    "kubelet": ("KUBELET_CACHE", "/var/cache/oci-gpu-hook-kubelet", "build.sh"),
+    "crio": ("CRIO_CACHE", "/var/cache/oci-gpu-hook-crio", "build.sh"),
+    "kube": ("KUBE_CACHE", "/var/cache/oci-gpu-hook-kube", "build.sh"),
+}
+WAIT_FOR_OTHERS = 1200  # seconds: a build started by hand, outside the lock
+
+
+def script(tool: str) -> str:
+    return os.path.normpath(os.path.join(REPO, "..", "shared", "tools", tool, TOOLS[tool][2]))
+
+
+def cache(tool: str) -> str:
+    variable, default, _ = TOOLS[tool]
+    return os.environ.get(variable) or default
+
+
+def build(tool: str) -> subprocess.CompletedProcess:
+    """Run the tool's script into its cache under the cache's lock; what it printed is what it made
+    (a path a line). The scripts have no lock of their own, and two builds at once would double
+    what they need: wait for one started by hand too."""
+    deadline = time.monotonic() + WAIT_FOR_OTHERS
+    while _runs_of(tool) and time.monotonic() < deadline:
+        time.sleep(2)
+    os.makedirs(cache(tool), exist_ok=True)
+    with open(os.path.join(cache(tool), "build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return subprocess.run(["sh", script(tool), cache(tool)], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def _runs_of(tool: str) -> list[int]:
+    """Pids of other runs of tool's script (any checkout's: they share the cache)."""
+    name = f"tools/{tool}/{TOOLS[tool][2]}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue
+            if any(arg.endswith(name) for arg in argv[:3]):
+                found.append(int(entry))
+    return found
+
+
+def main() -> int:
+    """Build every tool that is there to build, in turn, saying how long each took. Failures are
+    only reported: the test that needs the tool runs the script again and fails with its output."""
+    if os.geteuid() != 0:
+        print("toolbuild: not root: the tools are built by the tests that need them, if they can", flush=True)
+        return 0
+    for tool in TOOLS:
+        if not os.path.exists(script(tool)):
+            print(f"toolbuild: {script(tool)}: missing", flush=True)
+            continue
+        started = time.monotonic()
+        done = build(tool)
+        took = time.monotonic() - started
+        if done.returncode == 0:
+            print(f"toolbuild: {tool}: ready in {took:.0f} s", flush=True)
+        else:
+            why = done.stderr[-2000:]
+            print(f"toolbuild: {tool}: failed ({done.returncode}) after {took:.0f} s: {why}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
