@@ -39,6 +39,7 @@ class Exit:
     CDI = 13
     INSTALL = 14
     INTERNAL = 70  # EX_SOFTWARE: a bug
+    RESTART = 75  # EX_TEMPFAIL: not 0, so that systemd (Restart=on-failure) and Kubernetes start it again
     INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
     MEANINGS = {
@@ -58,6 +59,7 @@ class Exit:
         CDI: "CDI spec generation",
         INSTALL: "install or uninstall",
         INTERNAL: "internal error: a bug (OCI_GPU_HOOK_DEBUG=1 shows the traceback)",
+        RESTART: "a node service stops to be started again: the NVIDIA driver's NVML library changed",
         INTERRUPTED: "interrupted (Ctrl-C)",
     }
 

@@ -32,3 +32,12 @@ def test_every_error_class_exits_with_a_status_of_the_table():
     assert len(errors) >= 14
     for cls in errors:
         assert cls.exit_code in Exit.MEANINGS and cls.exit_code not in (Exit.SUCCESS, Exit.INTERNAL), cls
+
+
+def test_the_node_services_restart_status_is_in_the_table():
+    """The exporter, the watchdog and the device plugin exit 75 when the driver's NVML library
+    changed under them (nvml_reader.RESTART): a status the program uses, so it is in the table
+    and in docs/cli.md with the others."""
+    from oci_gpu_hook.node.nvml_reader import RESTART
+
+    assert Exit.MEANINGS.get(RESTART, "").startswith("a node service stops to be started again")

@@ -9,7 +9,7 @@ read starts NVML afresh, so a driver that comes back is picked up without a rest
 
 from __future__ import annotations
 
-from oci_gpu_hook.errors import NvmlError
+from oci_gpu_hook.errors import Exit, NvmlError
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start.nvml import text
 
@@ -173,7 +173,7 @@ class NvmlReader:
 
 # The exit status of a node service that stops because the driver changed: not 0, so that systemd
 # (Restart=on-failure) and Kubernetes start it again, with the new driver's NVML.
-RESTART = 75  # EX_TEMPFAIL
+RESTART = Exit.RESTART
 
 
 class DriverChanged(Exception):
