@@ -9,12 +9,14 @@ DEMO_DIR ?= /tmp/oci-gpu-hook-demo
 
 setup: $(VENV)/.installed
 
-# The whole suite's packages and Python dependencies (`make test`, `make bench`, `make lint`).
-$(VENV)/.installed: pyproject.toml scripts/setup-host.sh
+# The whole suite's packages and Python dependencies (`make test`, `make bench`, `make lint`); the
+# image's at the versions it locks, so that the suite's builds of the image (tests/deploy,
+# tests/e2e/test_deploy.py) are `make image`'s.
+$(VENV)/.installed: pyproject.toml scripts/setup-host.sh deploy/image-requirements.txt
 	./scripts/setup-host.sh test
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c deploy/image-requirements.txt -e '.[test]'
 	touch $@
 
 # The demo's only: no test tools, no container daemons (docker.io, containerd and prometheus
@@ -64,8 +66,17 @@ RPM_TOPDIR ?= $(CURDIR)/build/rpm
 RPM_SOURCES := README.md pyproject.toml oci_gpu_hook selinux rpm hooks.d docs
 
 # `make image`: the node services' image (deploy/build-image.py), built offline from this machine's
-# python3 and libraries, as a docker-archive in build/ (docs/deploy.md, "The node services").
-image: setup
+# python3 and libraries and the locked Python packages (deploy/image-requirements.txt), as a
+# docker-archive in build/, the same bytes every time (docs/deploy.md, "The node services"). It
+# installs what the build needs and nothing of the test suite's.
+$(VENV)/.installed-image: scripts/setup-host.sh deploy/image-requirements.txt
+	./scripts/setup-host.sh image
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r deploy/image-requirements.txt
+	touch $@
+
+image: $(VENV)/.installed-image
 	$(PY) deploy/build-image.py --output build/oci-gpu-hook-node.tar
 
 rpm:

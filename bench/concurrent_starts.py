@@ -12,9 +12,7 @@ import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
-from hookcheck import remove_cgroup
-
-from oci_gpu_hook.toolkit import containers
+from hookcheck import remove_cgroup, runc_delete
 
 CONTAINERS = 50
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -22,7 +20,7 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 
 def _remove(ids) -> None:
     for container_id in ids:
-        containers.runc_delete(container_id)
+        runc_delete(container_id)
     # runc puts a container's cgroups under its own, in every hierarchy: look for them by name.
     names = set(ids)
     left = [os.path.join(top, d) for top, dirs, _ in os.walk(CGROUP_ROOT) for d in dirs if d in names]

@@ -42,6 +42,7 @@ sys.path.insert(1, os.path.join(REPO, "tests"))  # tests/dockercheck.py runs doc
 import breakdown  # noqa: E402
 import concurrent_starts  # noqa: E402
 import docker  # noqa: E402
+import hookcheck  # noqa: E402
 import install_ways  # noqa: E402
 import node  # noqa: E402
 
@@ -111,7 +112,7 @@ class LiveContainer:
         """case: in the container's id, so that the hook's log records can be told apart by case."""
         self.cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-bench-{os.getpid()}-{n}")
         os.mkdir(self.cgroup)
-        self.proc = containers.hold_namespace(os.path.join(bundle, "rootfs"), 60)
+        self.proc = hookcheck.hold_namespace(os.path.join(bundle, "rootfs"), 60)
         with open(os.path.join(self.cgroup, "cgroup.procs"), "w") as f:
             f.write(str(self.proc.pid))
         with open(os.path.join(self.cgroup, "devices.deny"), "w") as f:

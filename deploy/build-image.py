@@ -2,14 +2,21 @@
 """Build the node services' container image offline, from this machine's own files:
 `make image`, or `deploy/build-image.py [--output FILE] [--name NAME]`.
 
-No registry and no base image. The root is assembled from what is installed here:
-- the host's python3 and its standard library (no tests, IDLE, tkinter or ensurepip);
-- this project and its dependencies (with the `kubernetes` extra: grpcio, protobuf), installed
-  by pip with `--target` into /usr/lib/oci-gpu-hook, from the index pip is configured with (a
-  local one on the build machines);
+No registry, no base image and no network. The root is assembled from what is installed here:
+- the host's python3 and the part of its standard library the services can load (STDLIB_LEFT_OUT
+  and EXTENSIONS_LEFT_OUT say what is left out, and why);
+- this project's package, from this tree (its Python files and schemas);
+- its dependencies (with the `kubernetes` extra: grpcio, protobuf) at exactly the versions
+  deploy/image-requirements.txt locks, copied from the environment this script runs in, which
+  must hold those versions (`make image` installs them; `--lock` writes the file anew);
 - every shared library the interpreter and the extension modules need, as ldd resolves them on
   this machine, at the same paths;
 - /usr/bin/oci-gpu-hook, the project's launcher (`python3 -IS`, the package's directory appended).
+No compiled bytecode: Python compiles what it imports.
+
+Reproducible: the same tree, lock and machine give the same archive, byte for byte. Every entry's
+time is SOURCE_DATE_EPOCH (default 0), its owner root, its mode fixed by kind (directories 0755,
+/tmp 1777, files 0755 when executable, else 0644), the entries in name order.
 
 The result is a docker-archive tarball (`ctr images import`, `podman load`, `docker load`) named
 localhost/oci-gpu-hook-node:<version>. Build it on the distribution and architecture the nodes
@@ -21,20 +28,43 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from oci_gpu_hook.toolkit import containers, launcher  # noqa: E402
+from oci_gpu_hook.toolkit import launcher  # noqa: E402
 
 SITE = "/usr/lib/oci-gpu-hook"
-SKIP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3", "site-packages",
-        "dist-packages", "__phello__"}  # fmt: skip
+LOCK = os.path.join(HERE, "image-requirements.txt")
+EXTRAS = ("kubernetes",)  # the device plugin's gRPC
+# The standard library's parts that no node service loads: tests, IDLE and Tk (and with _tkinter
+# Tcl, Tk and X11 themselves), curses, the DBM and SQLite databases, packaging and build tools
+# (distutils, ensurepip, venv, lib2to3), pydoc's topics, and config-*: the static libpython, its
+# objects and Makefile, for building extensions. Compiled bytecode is left out everywhere.
+STDLIB_LEFT_OUT = {"test", "idlelib", "tkinter", "turtledemo", "turtle.py", "curses", "dbm", "sqlite3", "distutils",
+                   "ensurepip", "venv", "lib2to3", "pydoc_data", "site-packages", "dist-packages", "__phello__",
+                   "__pycache__"}  # fmt: skip
+EXTENSIONS_LEFT_OUT = {"_tkinter", "_curses", "_curses_panel", "readline", "_dbm", "_gdbm", "_sqlite3", "nis", "_crypt",
+                       "ossaudiodev", "_ctypes_test", "_testbuffer", "_testcapi", "_testclinic", "_testimportmultiple",
+                       "_testinternalcapi", "_testmultiphase", "_testsinglephase", "_xxtestfuzz", "xxlimited",
+                       "xxlimited_35", "xxsubtype"}  # fmt: skip
+PACKAGE_FILES = (".py", ".json")  # the package's modules and its schemas (no C sources, no .proto)
+# What pip writes about one install (which files, whether asked for by name, by which installer,
+# from where), not what the distribution is: left out, so that any venv holding the lock's
+# versions (`make image`'s, the test suite's) gives the same image.
+INSTALL_RECORDS = {"RECORD", "REQUESTED", "INSTALLER", "direct_url.json"}
+
+
+class BuildError(Exception):
+    pass
 
 
 def version() -> str:
@@ -48,6 +78,13 @@ def python_paths(python: str) -> tuple:
              "print(sysconfig.get_paths()['stdlib']); print(sysconfig.get_config_var('DESTSHARED'))")  # fmt: skip
     out = subprocess.run([python, "-I", "-c", probe], capture_output=True, text=True, check=True).stdout.split("\n")
     return os.path.realpath(out[0]), out[1], out[2], out[3]
+
+
+def left_out_of_stdlib(directory: str, names: list) -> list:
+    """copytree's ignore: STDLIB_LEFT_OUT by name, config-* (at the top), EXTENSIONS_LEFT_OUT by
+    module name (_tkinter.cpython-311-x86_64-linux-gnu.so is _tkinter), any .pyc."""
+    return [n for n in names if n in STDLIB_LEFT_OUT or n.startswith("config-") or n.endswith(".pyc")
+            or (".so" in n and n.split(".")[0] in EXTENSIONS_LEFT_OUT)]  # fmt: skip
 
 
 def copy(source: str, root: str, target: str | None = None) -> None:
@@ -70,26 +107,230 @@ def needed_libraries(path: str) -> set:
     return found
 
 
-def build(output: str, name: str, python: str) -> str:
+# ---- the locked dependencies ---------------------------------------------------------------------
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _packaging():
+    """packaging's Requirement, from packaging or, where it is not installed, pip's own copy."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        from pip._vendor.packaging.requirements import Requirement
+    return Requirement
+
+
+def _applies(requirement, extras) -> bool:
+    if requirement.marker is None:
+        return True
+    return any(requirement.marker.evaluate({"extra": extra}) for extra in ("", *extras))
+
+
+def project_requirements() -> list:
+    """The project's run-time requirements with EXTRAS, from pyproject.toml (not from an installed
+    copy's metadata, which may be older than this tree)."""
+    try:
+        import tomllib  # novermin (before Python 3.11: pip's tomli below)
+    except ImportError:  # Python < 3.11: pip's own copy of tomli (the image's venv holds pip)
+        from pip._vendor import tomli as tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    texts = list(project["dependencies"])
+    for extra in EXTRAS:
+        texts += project["optional-dependencies"][extra]
+    return texts
+
+
+def installed_closure() -> dict:
+    """{canonical name: version} of every distribution the project needs at run time, as this
+    environment has them; BuildError when one is missing or outside what its dependant asks."""
+    import importlib.metadata as metadata
+
+    Requirement = _packaging()
+    found = {}
+    pending = [(Requirement(text), "pyproject.toml") for text in project_requirements()]
+    while pending:
+        requirement, wanted_by = pending.pop()
+        if not _applies(requirement, ()):
+            continue
+        name = canonical(requirement.name)
+        if name == "oci-gpu-hook":
+            continue  # the project itself comes from this tree
+        try:
+            distribution = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            raise BuildError(f"{name} (needed by {wanted_by}) is not installed in {sys.prefix}: "
+                             "`make image` installs deploy/image-requirements.txt") from None  # fmt: skip
+        if not requirement.specifier.contains(distribution.version, prereleases=True):
+            raise BuildError(f"{name} {distribution.version} is installed, but {wanted_by} needs {requirement}")
+        if name in found:
+            continue
+        found[name] = distribution.version
+        for text in distribution.requires or ():
+            needed = Requirement(text)
+            if _applies(needed, requirement.extras):
+                pending.append((needed, name))
+    return found
+
+
+def read_lock(path: str = LOCK) -> dict:
+    """{canonical name: version} of the lock's lines that apply to this interpreter."""
+    Requirement = _packaging()
+    locked = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            try:
+                requirement = Requirement(text)
+            except ValueError as e:  # packaging's InvalidRequirement
+                raise BuildError(f"{path}:{number}: {text!r}: {str(e).splitlines()[0]}") from None
+            pinned = [s.version for s in requirement.specifier if s.operator == "=="]
+            if len(pinned) != 1 or len(requirement.specifier) != 1:
+                raise BuildError(f"{path}:{number}: {text!r} is not one exact version (name==version)")
+            if _applies(requirement, ()):
+                locked[canonical(requirement.name)] = pinned[0]
+    return locked
+
+
+def check_lock(installed: dict, locked: dict, lock: str) -> None:
+    problems = [f"{n} {installed[n]} installed, {locked[n]} locked" for n in sorted(set(installed) & set(locked))
+                if installed[n] != locked[n]]  # fmt: skip
+    problems += [f"{n} needed, not locked" for n in sorted(set(installed) - set(locked))]
+    problems += [f"{n} locked, not needed" for n in sorted(set(locked) - set(installed))]
+    if problems:
+        raise BuildError(f"{lock} does not match this environment ({'; '.join(problems)}): "
+                         "`make image` installs the locked versions; after changing the dependencies, "
+                         "`deploy/build-image.py --lock` writes the lock")  # fmt: skip
+
+
+def write_lock(installed: dict, lock: str = LOCK) -> None:
+    """The lock from this environment; lines for other interpreters (with a marker that does not
+    apply here) are kept as they are."""
+    Requirement = _packaging()
+    kept, head = [], []
+    if os.path.exists(lock):
+        with open(lock) as f:
+            for line in f:
+                text = line.split("#", 1)[0].strip()
+                if not text:
+                    if not kept and line.startswith("#"):
+                        head.append(line)
+                elif not _applies(Requirement(text), ()):
+                    kept.append(line)
+    lines = [f"{name}=={installed[name]}\n" for name in installed] + kept
+    with open(lock, "w") as f:
+        f.writelines(head + sorted(lines, key=lambda line: canonical(re.split(r"[=<>!~; ]", line, maxsplit=1)[0])))
+
+
+def copy_distribution(name: str, site: str) -> None:
+    """The distribution's files as its RECORD lists them, under site: its modules and metadata,
+    no scripts (outside site-packages), no bytecode and none of INSTALL_RECORDS."""
+    import importlib.metadata as metadata
+
+    distribution = metadata.distribution(name)
+    for file in distribution.files or ():
+        if file.parts[0] == ".." or "__pycache__" in file.parts or file.suffix == ".pyc":
+            continue
+        if file.parts[0].endswith(".dist-info") and file.name in INSTALL_RECORDS:
+            continue
+        source = str(distribution.locate_file(file))
+        if not os.path.isfile(source):
+            raise BuildError(f"{source}: listed in {name}'s RECORD, and not there (reinstall {name})")
+        copy(source, site, str(file))
+
+
+# ---- the image -----------------------------------------------------------------------------------
+
+
+def normalise(root: str) -> None:
+    """Modes by kind, whatever the umask and the copies' sources: directories 0755 (/tmp 1777),
+    files 0755 when anyone may execute them, else 0644. Links stay links."""
+    for directory, _, files in os.walk(root):
+        os.chmod(directory, 0o1777 if directory == os.path.join(root, "tmp") else 0o755)
+        for name in files:
+            path = os.path.join(directory, name)
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode):
+                os.chmod(path, 0o755 if st.st_mode & 0o111 else 0o644)
+
+
+def write_archive(root: str, output: str, name: str, command: list, epoch: int) -> None:
+    """root as a docker-archive (manifest.json, the image's configuration, one layer), named name,
+    running command: what `ctr images import`, `podman load` and `docker load` take. The same
+    tree gives the same bytes: every entry's time is epoch (an int: a float would add a PAX
+    header), its owner root, entries in name order (tarfile adds a directory's sorted)."""
+    import hashlib
+    import io
+    import json
+    import platform
+    import tarfile
+
+    def fixed(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        info.mtime = epoch
+        return info
+
+    def member(archive: tarfile.TarFile, path: str, data: bytes) -> None:
+        info = fixed(tarfile.TarInfo(path))
+        info.size, info.mode = len(data), 0o644
+        archive.addfile(info, io.BytesIO(data))
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for entry in sorted(os.listdir(root)):
+            tar.add(os.path.join(root, entry), arcname=entry, filter=fixed)
+    digest = hashlib.sha256(layer.getvalue()).hexdigest()
+    machine = platform.machine()
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+    config = json.dumps({
+        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine),
+        "os": "linux",
+        "created": created,
+        "config": {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": command, "WorkingDir": "/"},
+        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{digest}"]},
+        "history": [{"created": created, "created_by": "deploy/build-image.py"}],
+    }).encode()  # fmt: skip
+    config_name = hashlib.sha256(config).hexdigest() + ".json"
+    manifest = json.dumps([{"Config": config_name, "RepoTags": [name], "Layers": [f"{digest}/layer.tar"]}])
+    with tarfile.open(output, "w", format=tarfile.PAX_FORMAT) as archive:
+        member(archive, config_name, config)
+        member(archive, f"{digest}/layer.tar", layer.getvalue())
+        member(archive, "manifest.json", manifest.encode())
+
+
+def build(output: str, name: str, python: str, epoch: int, lock: str = LOCK) -> str:
     interpreter, short, stdlib, dynload = python_paths(python)
     running = "{}.{}".format(*sys.version_info[:2])
     if short != running:
-        raise SystemExit(f"{python} is Python {short}, but pip runs on {running}: run this with {python}")
+        raise BuildError(f"{python} is Python {short}, but this runs on {running} (whose packages the image takes): "
+                         f"run this with a {short} environment")  # fmt: skip
+    installed = installed_closure()
+    check_lock(installed, read_lock(lock), lock)
     with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-image-") as work:
         root = os.path.join(work, "rootfs")
         for directory in ("etc", "tmp", "usr/bin", "proc", "sys", "dev", "run", "var/cache"):
             os.makedirs(os.path.join(root, directory), exist_ok=True)
-        os.chmod(os.path.join(root, "tmp"), 0o1777)
         copy(interpreter, root, "/usr/bin/python3")
-        shutil.copytree(stdlib, os.path.join(root, stdlib.lstrip("/")), symlinks=True,
-                        ignore=lambda d, names: [n for n in names if n in SKIP])  # fmt: skip
+        shutil.copytree(stdlib, os.path.join(root, stdlib.lstrip("/")), symlinks=True, ignore=left_out_of_stdlib)
         if not os.path.isdir(os.path.join(root, dynload.lstrip("/"))):
-            shutil.copytree(dynload, os.path.join(root, dynload.lstrip("/")))
+            shutil.copytree(dynload, os.path.join(root, dynload.lstrip("/")), ignore=left_out_of_stdlib)
         site = os.path.join(root, SITE.lstrip("/"))
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        "--target", site, f"{REPO}[kubernetes]"], check=True)  # fmt: skip
-        programs = [interpreter] + [os.path.join(d, f) for top in (os.path.join(root, SITE.lstrip("/")),
-                                                                    os.path.join(root, dynload.lstrip("/")))
+        package = os.path.join(REPO, "oci_gpu_hook")
+        for directory, names, files in os.walk(package):
+            names[:] = [n for n in names if n != "__pycache__"]
+            for file in files:
+                if file.endswith(PACKAGE_FILES):
+                    source = os.path.join(directory, file)
+                    copy(source, site, os.path.relpath(source, REPO))
+        for distribution in sorted(installed):
+            copy_distribution(distribution, site)
+        programs = [interpreter] + [os.path.join(d, f) for top in (site, os.path.join(root, dynload.lstrip("/")))
                                     for d, _, files in os.walk(top) for f in files if ".so" in f]  # fmt: skip
         libraries = set()
         for program in programs:
@@ -103,9 +344,17 @@ def build(output: str, name: str, python: str) -> str:
             f.write("root:x:0:0:root:/:/usr/sbin/nologin\n")
         with open(os.path.join(root, "etc/group"), "w") as f:
             f.write("root:x:0:\n")
+        normalise(root)
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-        containers.docker_archive(root, output, name, ["/usr/bin/oci-gpu-hook", "--help"])
+        write_archive(root, output, name, ["/usr/bin/oci-gpu-hook", "--help"], epoch)
     return output
+
+
+def source_date_epoch() -> int:
+    text = os.environ.get("SOURCE_DATE_EPOCH", "0")
+    if not text.isdigit():
+        raise BuildError(f"SOURCE_DATE_EPOCH={text!r}: expected seconds since 1970 (digits)")
+    return int(text)
 
 
 def main() -> int:
@@ -113,8 +362,24 @@ def main() -> int:
     parser.add_argument("--output", default=os.path.join(REPO, "build", "oci-gpu-hook-node.tar"))
     parser.add_argument("--name", default=f"localhost/oci-gpu-hook-node:{version()}")
     parser.add_argument("--python", default="/usr/bin/python3", help="the interpreter the image runs")
+    parser.add_argument(
+        "--requirements",
+        metavar="FILE",
+        default=LOCK,
+        help="the lock to build with (default: deploy/image-requirements.txt)",
+    )
+    parser.add_argument("--lock", action="store_true",
+                        help="write the lock from this environment's versions; build nothing")  # fmt: skip
     args = parser.parse_args()
-    print(build(args.output, args.name, args.python))
+    try:
+        if args.lock:
+            write_lock(installed_closure(), args.requirements)
+            print(args.requirements)
+            return 0
+        print(build(args.output, args.name, args.python, source_date_epoch(), args.requirements))
+    except BuildError as e:
+        sys.stderr.write(f"build-image: {e}\n")
+        return 1
     return 0
 
 

@@ -2,6 +2,8 @@
 # Install the Debian packages oci-gpu-hook needs; a no-op when all are there.
 #   setup-host.sh demo   what `make demo` needs: Python, a C compiler (the simulated host's
 #                        libraries), runc and busybox (the demo's container). No daemon.
+#   setup-host.sh image  what `make image` needs: Python and its venv (the image's interpreter,
+#                        the locked Python packages it copies). ldd is libc-bin's, always there.
 #   setup-host.sh        (or `test`) what the whole test suite needs, the demo's included.
 # Recommends are installed too: the suite was verified with them (podman's, for one).
 # RHEL 9 equivalent: dnf install python3 gcc glibc-devel glibc-devel.i686 runc podman busybox libcap-devel
@@ -12,8 +14,9 @@ set -eu
 demo="python3 python3-venv python3-dev gcc libc6-dev make runc busybox-static"
 case "${1:-test}" in
     demo) packages="$demo" ;;
+    image) packages="python3 python3-venv" ;;
     test) packages="$demo gcc-multilib libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus strace openssl" ;;
-    *) echo "usage: setup-host.sh [demo|test]" >&2; exit 2 ;;
+    *) echo "usage: setup-host.sh [demo|image|test]" >&2; exit 2 ;;
 esac
 missing=""
 for p in $packages; do

@@ -172,10 +172,11 @@ def run_as_nobody(require):
 @pytest.fixture
 def hook_cli():
     """Run the real console entry point in a subprocess; returns CompletedProcess with text."""
+    from oci_gpu_hook.toolkit.containers import hook_command
 
     def run(*args, env=None, input=None):
         return subprocess.run(
-            [sys.executable, "-I", "-m", "oci_gpu_hook", *args],
+            [*hook_command(), *args],
             capture_output=True,
             text=True,
             env=env,
@@ -269,6 +270,8 @@ def live_container(tmp_path, simulated_host, require):
     require("root", "unshare", "busybox", "gcc")
     if not os.path.isdir(CGROUP_ROOT):
         pytest.fail("the cgroup v1 devices hierarchy is not mounted at /sys/fs/cgroup/devices")
+    from hookcheck import hold_namespace
+
     from oci_gpu_hook.toolkit import containers
 
     started = []
@@ -284,7 +287,7 @@ def live_container(tmp_path, simulated_host, require):
             mount_label=mount_label,
         )
         # The holder first: if it cannot start, no cgroup is left behind.
-        proc = containers.hold_namespace(os.path.join(bundle, "rootfs"))
+        proc = hold_namespace(os.path.join(bundle, "rootfs"))
         cgroup = os.path.join(CGROUP_ROOT, f"ocigpu-test-{os.getpid()}-{time.monotonic_ns()}")
         os.mkdir(cgroup)
         started.append((proc, cgroup))

@@ -5,20 +5,30 @@ Every check compares two Observations taken around one run of the hook against a
 tree, its device cgroup, the host's mounts, a canary tree on the host that hostile links point at,
 the simulated host's files and a few real host directories a hook that followed a link to '/'
 would write into. Importable from any test (pytest puts tests/ on sys.path for its conftest.py).
+
+Also what the suite and the bench share for running containers and reading what they saw: a
+process holding a mount namespace (hold_namespace), a detached runc container (runc_detached), a
+CDI spec where podman reads it (cdi_spec_in_etc), the UUIDs `nvidia-smi -L` printed (listed_uuids).
+The hook and the CLI run as containers.hook_command() gives them: this interpreter, this checkout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import time
+
+from oci_gpu_hook.toolkit.containers import hook_command
 
 HOOK_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}  # what hooks.d gives the hook
 
@@ -51,7 +61,7 @@ def run_hook(config: str, state, env=None, timeout: float = 60, preexec_fn=None)
     """The hook as a runtime runs it: the real entry point, state on stdin, a fixed environment."""
     data = state.encode() if isinstance(state, str) else state
     return subprocess.run(
-        [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"],
+        [*hook_command(config), "prestart"],
         input=data, capture_output=True, env=HOOK_ENV if env is None else env, timeout=timeout,
         preexec_fn=preexec_fn,
     )  # fmt: skip
@@ -92,6 +102,12 @@ def one_clear_line(stderr) -> str:
     assert "internal error" not in lines[0] and "Traceback" not in text, lines[0]
     assert len(lines[0]) < 2000, f"an unbounded error line ({len(lines[0])} characters)"
     return lines[0]
+
+
+def listed_uuids(text: str, kinds=("GPU", "MIG")) -> list:
+    """The UUIDs `nvidia-smi -L` printed in text, in its order: those of GPUs and MIG devices, or
+    of the kinds named ("GPU" alone leaves out a MIG-enabled GPU's MIG devices)."""
+    return re.findall(rf"UUID: ((?:{'|'.join(kinds)})-[0-9a-f-]+)\)", text)
 
 
 # --- observations -------------------------------------------------------------------------------
@@ -209,6 +225,45 @@ def config_with(host: dict, tmp_path, extra: str) -> str:
     with open(path, "w") as f:
         yaml.safe_dump(doc, f, sort_keys=False)
     return path
+
+
+# GPU feature discovery's family name of each simulated model's compute capability, and the
+# models that can run MIG (A100, H100): the labels' expected values come from here and from the
+# simulated host's description, never from the code under test.
+GFD_FAMILIES = {(7, 5): "turing", (8, 0): "ampere", (8, 9): "ada-lovelace", (9, 0): "hopper"}
+MIG_CAPABLE = {(8, 0), (9, 0)}
+
+
+def expected_labels(host: dict, mig_strategy: str = "none", replicas: int = 1) -> dict:
+    """The node labels `oci-gpu-hook labels` must write for the simulated host (its description:
+    simulated-host.json, what the `host` fixture returns), with GFD's names and values, for the
+    strategy none or mixed and replicas of each full GPU."""
+    if mig_strategy not in ("none", "mixed"):
+        raise ValueError(f"expected_labels: strategy {mig_strategy!r} (none or mixed)")
+    gpus = host["gpus"]
+    driver = host["driver_version"].split(".")
+    cuda_major, cuda_minor = host["cuda_version"].split(".")
+    capable = any(g["mig"] or tuple(g["model"]["compute_capability"]) in MIG_CAPABLE for g in gpus)
+    labels = {"cuda.driver.major": driver[0], "cuda.driver.minor": driver[1],
+              "cuda.driver.rev": driver[2] if len(driver) > 2 else "", "cuda.runtime.major": cuda_major,
+              "cuda.runtime.minor": cuda_minor, "mig.capable": str(capable).lower(), "mig.strategy": mig_strategy,
+              "gpu.count": "0"}  # fmt: skip
+    full = [g for g in gpus if not g["mig"]] if mig_strategy == "mixed" else gpus
+    if full:
+        model = full[0]["model"]
+        major, minor = model["compute_capability"]
+        labels.update({"gpu.count": str(len(full)), "gpu.replicas": str(replicas),
+                       "gpu.product": "-".join(model["name"].split()) + ("-SHARED" if replicas > 1 else ""),
+                       "gpu.memory": str(model["memory_total"] >> 20), "gpu.family": GFD_FAMILIES[(major, minor)],
+                       "gpu.compute.major": str(major), "gpu.compute.minor": str(minor)})  # fmt: skip
+    migs = [m for g in gpus for m in g["mig"]] if mig_strategy == "mixed" else []
+    for profile in sorted({m["profile"] for m in migs}):
+        devices = [m for m in migs if m["profile"] == profile]
+        slices = profile.split("g.")[0]  # 3g.20gb: three slices, one GPU instance with one compute instance
+        labels.update({f"mig-{profile}.count": str(len(devices)), f"mig-{profile}.slices.gi": slices,
+                       f"mig-{profile}.slices.ci": slices,
+                       f"mig-{profile}.memory": str(devices[0]["memory_total"] >> 20)})  # fmt: skip
+    return {f"nvidia.com/{key}": value for key, value in labels.items()}
 
 
 def one_mib_documents(key: str) -> dict:
@@ -354,6 +409,62 @@ def make_canary(path: str, host: dict) -> str:
     library = f"usr/lib64/libcuda.so.{version}"
     shutil.copy2(f"{host['root']}/{library}", os.path.join(path, library))
     return path
+
+
+# --- containers ---------------------------------------------------------------------------------
+
+
+def hold_namespace(rootfs: str, seconds: int = 600) -> subprocess.Popen:
+    """A process standing for a container at prestart, as runc leaves it: its own mount namespace
+    (private propagation) in which the rootfs is bind-mounted onto itself; returned once ready."""
+    script = 'mount --bind "$1" "$1" && echo ready && exec sleep "$2"'
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", rootfs,
+                             str(seconds)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)  # fmt: skip
+    if proc.stdout.readline() != b"ready\n":
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"cannot make a mount namespace holding {rootfs} (unshare, mount)")
+    return proc
+
+
+def runc_detached(bundle: str, container_id: str, timeout: float = 60) -> int:
+    """Start a container that keeps running (`runc run --detach`); returns its init pid. The caller
+    removes it with runc_delete."""
+    # The container inherits runc's stdio: a pipe there would stay open as long as it runs.
+    with tempfile.TemporaryFile() as errors:
+        argv = ["runc", "run", "--detach", "--bundle", bundle, container_id]
+        proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=errors, timeout=timeout, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            runc_delete(container_id)
+            errors.seek(0)
+            message = errors.read().decode(errors="replace").strip()
+            raise RuntimeError(f"runc run --detach {container_id}: {message}")
+    state = subprocess.run(["runc", "state", container_id], capture_output=True, text=True, timeout=timeout)
+    return json.loads(state.stdout)["pid"]
+
+
+def runc_delete(container_id: str) -> None:
+    subprocess.run(["runc", "delete", "--force", container_id], capture_output=True, timeout=60)
+
+
+@contextlib.contextmanager
+def cdi_spec_in_etc(host: dict, name: str, *options: str):
+    """The path of the spec `cdi generate OPTIONS` writes for the simulated host as /etc/cdi/NAME:
+    podman 4.3 reads specs from /etc/cdi and /var/run/cdi only, so a file of the test's own goes
+    there. Removed after the block, and /etc/cdi with it where this made it and it is empty."""
+    created_dir = not os.path.isdir("/etc/cdi")
+    path = f"/etc/cdi/{name}"
+    config = f"{host['root']}/config.yaml"
+    generate = [*hook_command(config), "cdi", "generate", *options, "--parents", "--output", path]
+    try:  # /etc/cdi is the host's: the spec goes whatever fails
+        out = subprocess.run(generate, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        yield path
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+        if created_dir and os.path.isdir("/etc/cdi") and not os.listdir("/etc/cdi"):
+            os.rmdir("/etc/cdi")
 
 
 # --- acting in the container's mount namespace ---------------------------------------------------

@@ -19,11 +19,13 @@ reach a kubelet on 127.0.0.1, so logs are read from the files under /var/log/pod
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 
 import kubeletcheck
+from hookcheck import config_with
 
 ETCD_PORT, ETCD_PEER_PORT, API_PORT = 12379, 12380, 16443
 CONTROLLER_MANAGER_PORT, SCHEDULER_PORT = 10357, 10359
@@ -289,3 +291,13 @@ def host_state() -> dict:
     """kubeletcheck.host_state: the control plane's processes and the KUBE-* chains are among what
     the cluster's footprint holds."""
     return kubeletcheck.host_state()
+
+
+@contextlib.contextmanager
+def cluster_on(host: dict, tmp, hook_settings: str):
+    """A started Cluster under tmp whose node's hook reads the simulated host's configuration with
+    the YAML lines hook_settings added (hookcheck.config_with); closed after the block, the host
+    then checked (kubeletcheck.running). The set-up of the cluster and DaemonSet tests."""
+    programs()
+    with kubeletcheck.running(Cluster(tmp / "node", config_with(host, tmp, hook_settings))) as cluster:
+        yield cluster

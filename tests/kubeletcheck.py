@@ -19,6 +19,7 @@ Only one node can run at a time: the kubelet's ports and the device-plugin direc
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import re
@@ -110,8 +111,49 @@ def write_image_archive(path: str, workdir: str, name: str = IMAGE) -> str:
         link = os.path.join(rootfs, "bin", applet)
         if not os.path.lexists(link):
             os.symlink("busybox", link)
-    containers.docker_archive(rootfs, path, name, SANDBOX_COMMAND)
+    docker_archive(rootfs, path, name, SANDBOX_COMMAND)
     shutil.rmtree(rootfs)
+    return path
+
+
+def docker_archive(rootfs: str, path: str, name: str, cmd: Sequence[str]) -> str:
+    """A docker-archive tarball (manifest.json, the image's config, one layer) of rootfs, files
+    owned by root, named name, running cmd: what `ctr images import` and `podman load` take, so
+    that no registry is needed. Returns path."""
+    import hashlib
+    import io
+    import platform
+    import tarfile
+
+    def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
+        info.uid = info.gid = 0
+        info.uname = info.gname = "root"
+        return info
+
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        for entry in sorted(os.listdir(rootfs)):
+            tar.add(os.path.join(rootfs, entry), arcname=entry, filter=as_root)
+    layer_bytes = layer.getvalue()
+    diff_id = hashlib.sha256(layer_bytes).hexdigest()
+    machine = platform.machine()
+    config = {
+        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine),
+        "os": "linux",
+        "config": {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"], "Cmd": list(cmd), "WorkingDir": "/"},
+        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
+        "history": [{"created_by": "tests/kubeletcheck.py docker_archive"}],
+    }
+    config_bytes = json.dumps(config).encode()
+    config_name = hashlib.sha256(config_bytes).hexdigest() + ".json"
+    manifest = [{"Config": config_name, "RepoTags": [name], "Layers": [f"{diff_id}/layer.tar"]}]
+    with tarfile.open(path, "w") as archive:
+        for member, data in ((config_name, config_bytes), (f"{diff_id}/layer.tar", layer_bytes),
+                             ("manifest.json", json.dumps(manifest).encode())):  # fmt: skip
+            info = tarfile.TarInfo(member)
+            info.size = len(data)
+            info.mode = 0o644
+            archive.addfile(info, io.BytesIO(data))
     return path
 
 
@@ -743,8 +785,8 @@ class DevicePlugin:
         self.log_path = tmp_path / f"{name}.log"
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", hook_config, "device-plugin", "--config-file",
-             str(self.config_file), "--socket-dir", node.device_plugin_dir, "--interval", "0.3"],
+            [*containers.hook_command(hook_config), "device-plugin", "--config-file", str(self.config_file),
+             "--socket-dir", node.device_plugin_dir, "--interval", "0.3"],
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
         )  # fmt: skip
 
@@ -797,3 +839,13 @@ def host_state() -> dict:
     which is nothing before one starts and after it is closed. Nothing of another user's: a
     program named like ours, a mount or a chain elsewhere, is theirs."""
     return {"sysctls": read_sysctls(), **hostcheck.owned_state()}
+
+
+@contextlib.contextmanager
+def running(node):
+    """node (a ContainerdKubelet, a CrioKubelet, a kubecheck.Cluster) started for the block and
+    closed after it, the host then compared with what host_state said before it started."""
+    before = host_state()
+    with node:
+        yield node
+    assert host_state() == before

@@ -5,11 +5,12 @@ from __future__ import annotations
 import resource
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 
 import pytest
+
+from oci_gpu_hook.toolkit.containers import hook_command
 
 
 def free_port() -> int:
@@ -31,8 +32,8 @@ class Exporter:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "exporter", "--listen",
-             f"{listen}:{self.port}"], stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+            [*hook_command(config), "exporter", "--listen", f"{listen}:{self.port}"],
+            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
             preexec_fn=limit,
         )  # fmt: skip
         deadline = time.monotonic() + 60

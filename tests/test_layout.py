@@ -1,6 +1,7 @@
 """The folders are the budgets: the start path (start/, plus the shared errors.py and record.py)
 imports nothing from toolkit/, node/ or cli/, and nothing outside the standard library. And no
 module of the package reaches itself again through its imports: each layer reads those below it.
+And the package ships no helper that only the tests and the bench use: those live in tests/.
 
 Read from the source (every import statement, at module level or inside a function), so a lazy
 import that a run never reaches is caught too.
@@ -9,6 +10,7 @@ import that a run never reaches is caught too.
 import ast
 import importlib.util
 import os
+import re
 import sysconfig
 
 import pytest
@@ -253,3 +255,84 @@ def test_the_circle_check_sees_what_it_must_refuse(tmp_path):
         ["oci_gpu_hook.e"],
         ["oci_gpu_hook.p", "oci_gpu_hook.p.d"],
     ]
+
+
+# --- what the package ships -----------------------------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Where the product names what it runs besides its own code: its console script, the RPM's %check.
+PRODUCT_FILES = ("pyproject.toml", "rpm/oci-gpu-hook.spec")
+
+
+def python_files(top: str):
+    for directory, dirs, files in os.walk(top):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        yield from (os.path.join(directory, f) for f in sorted(files) if f.endswith(".py"))
+
+
+def names_used(paths, strings: bool) -> set:
+    """Every name the files use: variables, attributes, imported names (and, with strings, string
+    constants that are identifiers: getattr and the like)."""
+    used = set()
+    for path in paths:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                used.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                used.add(node.attr)
+            elif isinstance(node, ast.alias):
+                used.add(node.name.rsplit(".", 1)[-1])
+            elif strings and isinstance(node, ast.Constant) and isinstance(node.value, str):
+                used.update(w for w in node.value.split() if w.isidentifier())
+    return used
+
+
+def helpers_only_tests_use(package: str, users, product_files=()) -> list:
+    """module:name of each public function or class at a module's top level that nothing of the
+    package (nor its product files) names but the tests or the bench do. A decorated definition is
+    used by its decorator (a click command); generated gRPC stubs are left out."""
+    modules = [p for p in python_files(package) if "_pb2" not in os.path.basename(p)]
+    in_package = names_used(modules, strings=True)
+    for path in product_files:
+        with open(path) as f:
+            in_package.update(re.findall(r"\w+", f.read()))
+    in_users = names_used([p for top in users for p in python_files(top)], strings=False)
+    found = []
+    for path in modules:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+        for node in tree.body:
+            if (isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_")
+                    and not node.decorator_list and node.name not in in_package and node.name in in_users):  # fmt: skip
+                found.append(f"{os.path.relpath(path, os.path.dirname(package))}:{node.name}")
+    return found
+
+
+def test_the_package_ships_no_helper_only_tests_use():
+    """Issue 40, item 8: ldconfig.build_cache, containers.runc_detached and hold_namespace shipped
+    in the package and ran only in tests. A test helper belongs with the tests' (hookcheck.py,
+    kubeletcheck.py, ...; the bench imports those too)."""
+    found = helpers_only_tests_use(PACKAGE, [os.path.join(REPO, "tests"), os.path.join(REPO, "bench")],
+                         [os.path.join(REPO, p) for p in PRODUCT_FILES])  # fmt: skip
+    assert not found, "used by tests alone, yet shipped in the package: " + ", ".join(found)
+
+
+def test_the_helper_check_sees_what_it_must_refuse(tmp_path):
+    """A function only a test calls is found; one the package calls, a click command (decorated),
+    one that a product file names, a private one and a class the package names are not."""
+    package, tests = tmp_path / "oci_gpu_hook", tmp_path / "tests"
+    package.mkdir()
+    tests.mkdir()
+    (package / "m.py").write_text(
+        "import click\n\ndef for_tests(): pass\ndef used(): pass\ndef checked(): pass\ndef _private(): pass\n"
+        "class Named: pass\n\n@click.command()\ndef command(): used()\n"
+    )
+    (package / "n.py").write_text("from oci_gpu_hook.m import Named\n")
+    (tmp_path / "spec").write_text("%check\npython3 -c 'from oci_gpu_hook import m; m.checked()'\n")
+    (tests / "test_m.py").write_text(
+        "from oci_gpu_hook import m\n\nm.for_tests(); m.used(); m.checked(); m._private(); m.command(); m.Named()\n"
+    )
+    found = helpers_only_tests_use(str(package), [str(tests)], [str(tmp_path / "spec")])
+    assert found == ["oci_gpu_hook/m.py:for_tests"]

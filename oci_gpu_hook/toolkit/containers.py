@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Sequence
 
 from oci_gpu_hook.errors import PrerequisiteError
@@ -60,47 +59,6 @@ def make_rootfs(path: str, debian: bool = False) -> str:
             f.write("12.0\n")
     with open(os.path.join(path, "etc/passwd"), "w") as f:
         f.write("root:x:0:0:root:/:/bin/sh\n")
-    return path
-
-
-def docker_archive(rootfs: str, path: str, name: str, cmd: Sequence[str], env: Sequence[str] = ()) -> str:
-    """A docker-archive tarball (manifest.json, the image's config, one layer) of rootfs, files
-    owned by root, named name, running cmd: what `ctr images import` and `podman load` take, so
-    that no registry is needed. Returns path."""
-    import hashlib
-    import io
-    import platform
-    import tarfile
-
-    def as_root(info: tarfile.TarInfo) -> tarfile.TarInfo:
-        info.uid = info.gid = 0
-        info.uname = info.gname = "root"
-        return info
-
-    layer = io.BytesIO()
-    with tarfile.open(fileobj=layer, mode="w") as tar:
-        for entry in sorted(os.listdir(rootfs)):
-            tar.add(os.path.join(rootfs, entry), arcname=entry, filter=as_root)
-    layer_bytes = layer.getvalue()
-    diff_id = hashlib.sha256(layer_bytes).hexdigest()
-    machine = platform.machine()
-    config = {
-        "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(machine, machine),
-        "os": "linux",
-        "config": {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", *env], "Cmd": list(cmd), "WorkingDir": "/"},
-        "rootfs": {"type": "layers", "diff_ids": [f"sha256:{diff_id}"]},
-        "history": [{"created_by": "oci_gpu_hook.toolkit.containers.docker_archive"}],
-    }
-    config_bytes = json.dumps(config).encode()
-    config_name = hashlib.sha256(config_bytes).hexdigest() + ".json"
-    manifest = [{"Config": config_name, "RepoTags": [name], "Layers": [f"{diff_id}/layer.tar"]}]
-    with tarfile.open(path, "w") as archive:
-        for member, data in ((config_name, config_bytes), (f"{diff_id}/layer.tar", layer_bytes),
-                             ("manifest.json", json.dumps(manifest).encode())):  # fmt: skip
-            info = tarfile.TarInfo(member)
-            info.size = len(data)
-            info.mode = 0o644
-            archive.addfile(info, io.BytesIO(data))
     return path
 
 
@@ -189,19 +147,6 @@ def write_config(bundle: str, **config_options) -> None:
         json.dump(make_config(**config_options), f, indent=2)
 
 
-def hold_namespace(rootfs: str, seconds: int = 600) -> subprocess.Popen:
-    """A process standing for a container at prestart, as runc leaves it: its own mount namespace
-    (private propagation) in which the rootfs is bind-mounted onto itself; returned once ready."""
-    script = 'mount --bind "$1" "$1" && echo ready && exec sleep "$2"'
-    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", rootfs,
-                             str(seconds)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)  # fmt: skip
-    if proc.stdout.readline() != b"ready\n":
-        proc.kill()
-        proc.wait()
-        raise PrerequisiteError(f"cannot make a mount namespace holding {rootfs} (unshare, mount)")
-    return proc
-
-
 def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.CompletedProcess:
     runc = shutil.which("runc")
     if runc is None:
@@ -211,29 +156,6 @@ def runc_run(bundle: str, container_id: str, timeout: float = 60) -> subprocess.
                               timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
     finally:
         subprocess.run([runc, "delete", "--force", container_id], capture_output=True)
-
-
-def runc_detached(bundle: str, container_id: str, timeout: float = 60) -> int:
-    """Start a container that keeps running (`runc run --detach`); returns its init pid. The caller
-    removes it with runc_delete."""
-    runc = shutil.which("runc")
-    if runc is None:
-        raise PrerequisiteError("runc is not installed (on Debian: apt-get install runc)")
-    # The container inherits runc's stdio: a pipe there would stay open as long as it runs.
-    with tempfile.TemporaryFile() as errors:
-        proc = subprocess.run([runc, "run", "--detach", "--bundle", bundle, container_id], stdout=subprocess.DEVNULL,
-                              stderr=errors, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
-        if proc.returncode != 0:
-            runc_delete(container_id)
-            errors.seek(0)
-            message = errors.read().decode(errors="replace").strip()
-            raise PrerequisiteError(f"runc run --detach {container_id}: {message}")
-    state = subprocess.run([runc, "state", container_id], capture_output=True, text=True, timeout=timeout)
-    return json.loads(state.stdout)["pid"]
-
-
-def runc_delete(container_id: str) -> None:
-    subprocess.run(["runc", "delete", "--force", container_id], capture_output=True, timeout=60)
 
 
 # podman run options besides the image: limits of the container's own (some hosts' and sandboxes'

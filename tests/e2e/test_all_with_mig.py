@@ -9,11 +9,10 @@ hook applies (`plan --json`, the same code) shows the access files.
 
 import json
 import os
-import re
 import subprocess
-import sys
 
 import pytest
+from hookcheck import cdi_spec_in_etc, listed_uuids
 
 from oci_gpu_hook.toolkit import containers
 
@@ -34,7 +33,7 @@ def test_runc_all_gives_every_mig_device(tmp_path, host, hook_cli):
                                     env={"NVIDIA_VISIBLE_DEVICES": "all"}, config_file=config)  # fmt: skip
     out = containers.runc_run(bundle, f"ocigpu-{os.getpid()}-allmig")
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", out.stdout) == everything(host)
+    assert listed_uuids(out.stdout) == everything(host)
     assert cap_nodes(host) <= set(out.stdout.split()) and len(cap_nodes(host)) == 6
 
     plan = hook_cli("--config", config, "plan", "--bundle", bundle, "--json")
@@ -49,28 +48,19 @@ def test_runc_all_gives_every_mig_device(tmp_path, host, hook_cli):
 def test_cdi_all_gives_every_mig_device(tmp_path, host, require):
     require("podman")
     kind = "oci-gpu-hook.test/migall"
-    path = f"/etc/cdi/oci-gpu-hook-test-migall-{os.getpid()}.json"
-    created_dir = not os.path.isdir("/etc/cdi")
-    generate = [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                "cdi", "generate", "--vendor-class", kind, "--parents", "--output", path]  # fmt: skip
     image = f"localhost/ocigpu-migall-{os.getpid()}:latest"
-    try:  # /etc/cdi is the host's: the spec goes whatever fails
-        out = subprocess.run(generate, capture_output=True, text=True)
-        assert out.returncode == 0, out.stderr
+    with cdi_spec_in_etc(host, f"oci-gpu-hook-test-migall-{os.getpid()}.json", "--vendor-class", kind) as path:
         spec = json.load(open(path))
         (all_device,) = [d for d in spec["devices"] if d["name"] == "all"]
         minors = {n["minor"] for n in all_device["containerEdits"]["deviceNodes"]}
         assert {int(n[len("nvidia-cap") :]) for n in cap_nodes(host)} <= minors
-        containers.podman_image(containers.make_rootfs(str(tmp_path / "rootfs")), image)
-        argv = ["podman", "run", "--rm", *containers.PODMAN_OPTIONS, "--device", f"{kind}=all", image,
-                "sh", "-c", "nvidia-smi -L; ls /dev/nvidia-caps"]  # fmt: skip
-        run = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-        assert run.returncode == 0, run.stderr
-        assert re.findall(r"UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", run.stdout) == everything(host)
-        assert cap_nodes(host) <= set(run.stdout.split())
-    finally:
-        subprocess.run(["podman", "rmi", "-f", image], capture_output=True)
-        if os.path.exists(path):
-            os.unlink(path)
-        if created_dir and os.path.isdir("/etc/cdi") and not os.listdir("/etc/cdi"):
-            os.rmdir("/etc/cdi")
+        try:
+            containers.podman_image(containers.make_rootfs(str(tmp_path / "rootfs")), image)
+            argv = ["podman", "run", "--rm", *containers.PODMAN_OPTIONS, "--device", f"{kind}=all", image,
+                    "sh", "-c", "nvidia-smi -L; ls /dev/nvidia-caps"]  # fmt: skip
+            run = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+            assert run.returncode == 0, run.stderr
+            assert listed_uuids(run.stdout) == everything(host)
+            assert cap_nodes(host) <= set(run.stdout.split())
+        finally:
+            subprocess.run(["podman", "rmi", "-f", image], capture_output=True)

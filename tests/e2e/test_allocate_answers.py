@@ -13,10 +13,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 
 import pytest
-from hookcheck import config_with
+from hookcheck import cdi_spec_in_etc, config_with, listed_uuids, runc_delete, runc_detached
 
 from oci_gpu_hook.toolkit import containers
 
@@ -74,7 +73,7 @@ def run(bundle, name):
 
 def got(host, stdout):
     """(UUIDs nvidia-smi lists, GPU indices whose nodes are in /dev)."""
-    listed = re.findall(r"UUID: (GPU-[0-9a-f-]+)\)", stdout)
+    listed = listed_uuids(stdout, ("GPU",))
     minors = {int(m) for m in re.findall(r"^nvidia(\d+)$", stdout, re.M)}
     return listed, sorted(g["index"] for g in host["gpus"] if g["minor"] in minors)
 
@@ -207,13 +206,13 @@ def test_our_plugins_memory_limit_reaches_the_record_and_a_pods_own_value_cannot
     config["process"]["env"].append("OCI_GPU_HOOK_GPU_MEMORY_LIMIT=100%")
     json.dump(config, open(path, "w"))
     container_id = f"ocigpu-{os.getpid()}-dp-limit"
-    pid = containers.runc_detached(bundle, container_id)
+    pid = runc_detached(bundle, container_id)
     try:
         (record,) = [r for r in container_record.read_all(str(records)).values() if r and r["id"] == container_id]
         assert record["pid"] == pid
         assert record["gpu_memory_limit"] == {unit.uuid: unit.memory_total // 4}
     finally:
-        containers.runc_delete(container_id)
+        runc_delete(container_id)
 
 
 def test_our_plugins_cdi_names_give_exactly_the_allocated_gpus_through_podman(tmp_path, host, require):
@@ -222,28 +221,16 @@ def test_our_plugins_cdi_names_give_exactly_the_allocated_gpus_through_podman(tm
     require("podman")
     answer, units = our_answer(host, open(f"{host['root']}/config.yaml").read(), "cdi-cri", "uuid", [0, 2])
     assert answer.envs == {"NVIDIA_VISIBLE_DEVICES": "void"} and not answer.mounts
-    # podman 4.3 reads specs from /etc/cdi and /var/run/cdi only: a file of the test's own there.
-    created_dir = not os.path.isdir("/etc/cdi")
-    spec = f"/etc/cdi/oci-gpu-hook-dp-test-{os.getpid()}.yaml"
-    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                          "cdi", "generate", "--parents", "--output", spec], capture_output=True,
-                         text=True)  # fmt: skip
-    image = None
-    try:
-        assert out.returncode == 0, out.stderr
-        image = containers.podman_image(containers.make_rootfs(str(tmp_path / "rootfs")),
-                                        f"localhost/ocigpu-dp-cdi-{os.getpid()}:latest")  # fmt: skip
-        argv = ["podman", "run", "--rm", *containers.PODMAN_OPTIONS]
-        for name in answer.cdi_devices:
-            argv += ["--device", name]
-        out = subprocess.run(argv + ["-e", "NVIDIA_VISIBLE_DEVICES=void", image, "nvidia-smi", "-L"],
-                             capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [u.uuid for u in units]
-    finally:
-        if image:
+    image = f"localhost/ocigpu-dp-cdi-{os.getpid()}:latest"
+    with cdi_spec_in_etc(host, f"oci-gpu-hook-dp-test-{os.getpid()}.yaml"):
+        try:
+            containers.podman_image(containers.make_rootfs(str(tmp_path / "rootfs")), image)
+            argv = ["podman", "run", "--rm", *containers.PODMAN_OPTIONS]
+            for name in answer.cdi_devices:
+                argv += ["--device", name]
+            out = subprocess.run(argv + ["-e", "NVIDIA_VISIBLE_DEVICES=void", image, "nvidia-smi", "-L"],
+                                 capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)  # fmt: skip
+            assert out.returncode == 0, out.stderr
+            assert listed_uuids(out.stdout, ("GPU",)) == [u.uuid for u in units]
+        finally:
             subprocess.run(["podman", "rmi", "-f", image], capture_output=True)
-        if os.path.exists(spec):
-            os.unlink(spec)
-        if created_dir and os.path.isdir("/etc/cdi"):
-            os.rmdir("/etc/cdi")

@@ -147,8 +147,7 @@ def test_what_every_process_of_the_hook_imports_on_v2(container, tmp_path):
     # Warm caches first, as on a node that has run a GPU container: the inventory cache and the
     # compiled settings (a cold start may load json and NVML's child by design). Only the hook
     # keeps compiled settings, so they are made as its first start makes them.
-    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "inventory", "refresh"],
-                         capture_output=True, text=True)  # fmt: skip
+    out = subprocess.run([*containers.hook_command(config), "inventory", "refresh"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     warm = "import sys; from oci_gpu_hook.start import settings; settings.load(sys.argv[1], cache=True)"
     out = subprocess.run([sys.executable, "-I", "-c", warm, config], capture_output=True, text=True)

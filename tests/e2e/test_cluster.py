@@ -8,23 +8,27 @@ kubectl sees it:
 - one request too many stays Pending with the scheduler's reason, and runs once a GPU is freed,
   on the freed GPU;
 - a pod asking for a MIG profile gets that MIG device;
-- the node labels `oci-gpu-hook labels` writes reach the node (put there with kubectl, as NFD's
-  local source would: NFD is not here), and a nodeSelector on nvidia.com/gpu.product places a pod;
+- the node labels `oci-gpu-hook labels` writes, from the plugin's own configuration file as the
+  DaemonSet's labels read it, are the simulated host's (mixed: its three full GPUs and one label
+  set per MIG profile); they reach the node (put there with kubectl, as NFD's local source would:
+  NFD is not here), and a nodeSelector on nvidia.com/gpu.product places a pod;
 - the exporter names each GPU process's pod, namespace and container as the API does;
 - with time-slicing, the watchdog kills the pod over its memory share: the API shows its restart
   and why, and the other pod on the same GPU keeps running.
 The host is checked afterwards: no process, mount, cgroup, sysctl or iptables rule left changed.
+Every expected GPU, MIG device and label comes from the simulated host's description (the `host`
+fixture), never from the code under test.
 """
 
 import json
-import re
 import subprocess
-import sys
 
 import kubecheck
 import kubeletcheck
 import pytest
-from hookcheck import config_with
+from hookcheck import config_with, expected_labels, listed_uuids
+
+from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(
     gpus=4, mig=[3], needs=("runc", "busybox", "containerd", "ctr", "openssl", "pynvml", "prometheus_client")
@@ -37,32 +41,30 @@ PLUGIN = {"flags": {"migStrategy": "mixed", "plugin": {"deviceListStrategy": "en
 @pytest.fixture(scope="module")
 def cluster(host, tmp_path_factory):
     """(cluster, plugin, {resource: [units]}), the host checked after tear-down."""
-    kubecheck.programs()
     tmp = tmp_path_factory.mktemp("cluster")
-    hook_config = config_with(host, tmp, f"records_directory: {tmp / 'records'}\n")
-    before = kubecheck.host_state()
-    cluster = kubecheck.Cluster(tmp / "node", hook_config)
-    plugin = None
-    try:
-        cluster.start()
-        plugin = kubeletcheck.DevicePlugin(hook_config, cluster, tmp, PLUGIN, "plugin")
-        cluster.hook_config, cluster.tmp, cluster.host = hook_config, tmp, host
-        yield cluster, plugin, units(hook_config)
-    finally:
-        if plugin is not None:
+    with kubecheck.cluster_on(host, tmp, f"records_directory: {tmp / 'records'}\n") as cluster:
+        plugin = kubeletcheck.DevicePlugin(cluster.hook_config, cluster, tmp, PLUGIN, "plugin")
+        try:
+            cluster.tmp, cluster.host = tmp, host
+            yield cluster, plugin, expected_units(host)
+        finally:
             plugin.stop()
-        cluster.close()
-    assert kubecheck.host_state() == before
 
 
-def units(hook_config) -> dict:
-    from oci_gpu_hook.node import plugin_config, plugin_devices
-    from oci_gpu_hook.start import inventory_cache
-    from oci_gpu_hook.start import settings as settings_module
-
-    settings = settings_module.load(hook_config)
-    resources = plugin_devices.resources(inventory_cache.load(settings), plugin_config.parse(PLUGIN, "test"))
-    return {r.name: [d.unit for d in r.devices] for r in resources}
+def expected_units(host: dict) -> dict:
+    """{resource: [{"uuid", "memory_total", "gpu": its GPU's UUID}]}: what the mixed strategy must
+    offer on the simulated host, from its description: each GPU without MIG as nvidia.com/gpu,
+    each MIG device as nvidia.com/mig-<profile> (NVIDIA's device plugin's names)."""
+    assert PLUGIN["flags"]["migStrategy"] == "mixed"
+    units = {"nvidia.com/gpu": []}
+    for gpu in host["gpus"]:
+        if not gpu["mig"]:
+            units["nvidia.com/gpu"].append({"uuid": gpu["uuid"], "memory_total": gpu["model"]["memory_total"],
+                                            "gpu": gpu["uuid"]})  # fmt: skip
+        for mig in gpu["mig"]:
+            units.setdefault(f"nvidia.com/mig-{mig['profile']}", []).append(
+                {"uuid": mig["uuid"], "memory_total": mig["memory_total"], "gpu": gpu["uuid"]})  # fmt: skip
+    return units
 
 
 def pod_spec(limits: dict) -> dict:
@@ -82,10 +84,6 @@ def pod(name: str, limits: dict, restart: str = "Never", **spec) -> dict:
             "spec": {**pod_spec(limits), "restartPolicy": restart, **spec}}  # fmt: skip
 
 
-def listed(text: str) -> list:
-    return re.findall(r"UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", text)
-
-
 def running_with_uuids(cluster, selector: str, count: int, timeout: float = 90) -> dict:
     """{pod name: the UUIDs its container listed}, once count pods of selector run and said so."""
     seen = {}
@@ -94,7 +92,7 @@ def running_with_uuids(cluster, selector: str, count: int, timeout: float = 90) 
         pods = [p for p in cluster.pods_of(selector) if p["status"].get("phase") == "Running"
                 and not p["metadata"].get("deletionTimestamp")]  # fmt: skip
         seen.clear()
-        seen.update({p["metadata"]["name"]: listed(cluster.log_of(p)) for p in pods})
+        seen.update({p["metadata"]["name"]: listed_uuids(cluster.log_of(p)) for p in pods})
         return len(seen) == count and all(seen.values())
 
     cluster.wait_until(ready, timeout, f"{count} running pods of {selector} that listed their GPUs")
@@ -116,7 +114,7 @@ def test_the_node_offers_the_gpus_through_the_api(cluster):
 
 def test_a_deployment_one_too_many_and_a_freed_gpu(cluster):
     cluster, plugin, resources = cluster
-    gpus = {u.uuid for u in resources["nvidia.com/gpu"]}
+    gpus = {u["uuid"] for u in resources["nvidia.com/gpu"]}
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -153,19 +151,28 @@ def test_a_mig_pod_gets_its_mig_device(cluster):
     unit = resources[mig][0]
     cluster.apply(pod("mig", {mig: 1}))
     (uuids,) = running_with_uuids(cluster, "app=mig", 1).values()
-    assert uuids[-1] == unit.uuid and [u for u in uuids if u.startswith("GPU-")] == [unit.gpu.uuid]
+    assert uuids[-1] == unit["uuid"] and [u for u in uuids if u.startswith("GPU-")] == [unit["gpu"]]
     cluster.kubectl("delete", "pod/mig", "--wait=true", "--timeout=60s")
 
 
 def test_node_labels_reach_the_node_and_steer_a_pod(cluster):
     """`labels` writes NFD's local-source feature file; NFD is not here, so the test puts the
-    file's labels on the node with kubectl, which is what NFD's master would do with them."""
+    file's labels on the node with kubectl, which is what NFD's master would do with them. Its
+    configuration names the running plugin's file (node.device_plugin_config), as the DaemonSet's
+    does: the MIG strategy and the replicas are the plugin's, and the labels must say mixed."""
     cluster, plugin, resources = cluster
     features = cluster.tmp / "features"
-    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", cluster.hook_config, "labels",
-                          "--output", str(features)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    (cluster.tmp / "labels").mkdir()
+    config = config_with(cluster.host, cluster.tmp / "labels", f"node: {{device_plugin_config: {plugin.config_file}}}")
+    out = subprocess.run([*hook_command(config), "labels", "--output", str(features)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     labels = dict(line.split("=", 1) for line in features.read_text().splitlines())
+    assert labels == expected_labels(cluster.host, PLUGIN["flags"]["migStrategy"])
+    # The literal values of a 4-GPU host with GPU 3 in MIG mode, so that a wrong description
+    # cannot make the test agree with itself.
+    assert (labels["nvidia.com/gpu.count"], labels["nvidia.com/mig.strategy"]) == ("3", "mixed")
+    assert labels["nvidia.com/mig-3g.20gb.count"] == "1"
     product = labels["nvidia.com/gpu.product"]
     cluster.kubectl("label", "node", cluster.node_name, "--overwrite", *[f"{k}={v}" for k, v in labels.items()])
     on_node = cluster.node()["metadata"]["labels"]
@@ -235,12 +242,12 @@ def test_the_watchdog_kills_the_pod_over_its_share_and_the_api_says_so(cluster):
         uuid = next(u for u in held.values() if list(held.values()).count(u) == 2)
         over, under = [n for n in names if held[n] == uuid]
         pids = {n: cluster.container_pid(n) for n in (over, under)}
-        unit = next(u for u in resources["nvidia.com/gpu"] if u.uuid == uuid)
-        share = unit.memory_total // 2
+        unit = next(u for u in resources["nvidia.com/gpu"] if u["uuid"] == uuid)
+        share = unit["memory_total"] // 2
         control.write(cluster.host["root"], processes=[(uuid, pids[over], share + (64 << 20)),
                                                        (uuid, pids[under], share // 2)])  # fmt: skip
-        out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", cluster.hook_config,
-                              "watchdog", "--once"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        out = subprocess.run([*hook_command(cluster.hook_config), "watchdog", "--once"], capture_output=True,
+                             text=True, timeout=60)  # fmt: skip
         assert out.returncode == 0, out.stderr
         control.clear(cluster.host["root"])
 

@@ -14,6 +14,7 @@ import tempfile
 import criocheck
 import hookcheck
 import pytest
+from hookcheck import listed_uuids
 
 from oci_gpu_hook.start import container_record
 from oci_gpu_hook.toolkit import containers
@@ -37,10 +38,6 @@ def mounts_of(node) -> list:
     return node.footprint.mounts()
 
 
-def uuids(text: str) -> list:
-    return re.findall(r"UUID: (GPU-[0-9a-f-]+)\)", text)
-
-
 @pytest.mark.parametrize(
     "env, expected",
     [({"NVIDIA_VISIBLE_DEVICES": "0"}, [0]), ({"NVIDIA_VISIBLE_DEVICES": "all"}, [0, 1]),
@@ -53,7 +50,7 @@ def test_each_container_gets_exactly_its_gpus(node, host, env, expected):
     nodes = {n for n in text.split() if re.fullmatch(r"nvidia\d+", n)}
     assert nodes == {f"nvidia{host['gpus'][i]['minor']}" for i in expected}, text
     if expected:
-        assert uuids(text) == [host["gpus"][i]["uuid"] for i in expected], text
+        assert listed_uuids(text) == [host["gpus"][i]["uuid"] for i in expected], text
     node.remove_pods()
 
 
@@ -61,8 +58,8 @@ def test_two_gpu_containers_in_one_pod_and_the_infra_container(node, host):
     out = node.run_pod({"first": ({"NVIDIA_VISIBLE_DEVICES": "0"}, ["nvidia-smi", "-L"]),
                         "second": ({"NVIDIA_VISIBLE_DEVICES": "1"}, ["nvidia-smi", "-L"])},
                        pod_name="two-gpus", namespace="ml")  # fmt: skip
-    assert uuids(out["first"][0]) == [host["gpus"][0]["uuid"]]
-    assert uuids(out["second"][0]) == [host["gpus"][1]["uuid"]]
+    assert listed_uuids(out["first"][0]) == [host["gpus"][0]["uuid"]]
+    assert listed_uuids(out["second"][0]) == [host["gpus"][1]["uuid"]]
     # The pause container: CRI-O applies hooks.d files to app containers only.
     pid = node.crictl("inspectp", "-o", "go-template", "--template", "{{.info.pid}}", node.pod_id).stdout.strip()
     with open(f"/proc/{pid}/mountinfo") as f:
@@ -95,7 +92,7 @@ def test_a_container_restarted_in_its_pod_gets_its_gpu_again(node, host):
     for attempt in (0, 1):
         cid, error = node.start_container("cuda", {"NVIDIA_VISIBLE_DEVICES": "0"}, ["nvidia-smi", "-L"], attempt)
         assert error is None, error
-        assert uuids(node.wait_log("cuda", cid, attempt)) == [gpu0]
+        assert listed_uuids(node.wait_log("cuda", cid, attempt)) == [gpu0]
         ids.append(cid)
     records = {r["id"]: r for r in container_record.read_all(f"{host['root']}/containers").values() if r}
     assert all(records[i]["kubernetes"]["pod"] == "restarts" for i in ids)
@@ -175,7 +172,7 @@ def test_crio_reads_what_install_writes_and_uninstall_puts_it_back(host, tmp_pat
             crio.stop()
 
     (text, _) = run("installed")["installed"]
-    assert uuids(text) == [host["gpus"][0]["uuid"]], text
+    assert listed_uuids(text) == [host["gpus"][0]["uuid"]], text
     assert install.uninstall(root)
     assert criocheck.config(root) == before
     (text, _) = run("uninstalled")["uninstalled"]

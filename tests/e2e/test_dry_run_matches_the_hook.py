@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import hookcheck
 import pytest
 
 from oci_gpu_hook.start import container_record
 from oci_gpu_hook.start.memory_limit import ENV
+from oci_gpu_hook.toolkit.containers import hook_command
 
 CASES = {
     "one-gpu": {"NVIDIA_VISIBLE_DEVICES": "0"},
@@ -32,8 +32,8 @@ CASES = {
 def test_plan_decides_as_the_hook_does(live_container, case):
     state, bundle, pid, cgroup, host = live_container(CASES[case])
     config = f"{host['root']}/config.yaml"
-    dry = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "plan", "--json",
-                          "--bundle", bundle], capture_output=True, text=True, timeout=120)  # fmt: skip
+    dry = subprocess.run([*hook_command(config), "plan", "--json", "--bundle", bundle], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
     hook = hookcheck.run_hook(config, state)
     assert dry.returncode == hook.returncode, (dry.stderr, hook.stderr)
     if hook.returncode != 0:

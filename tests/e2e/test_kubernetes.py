@@ -15,11 +15,9 @@ Two plugin configurations, one node:
   the device manager's admission refusals, volume-mount lists.)
 """
 
-import re
-
 import kubeletcheck
 import pytest
-from hookcheck import config_with
+from hookcheck import config_with, listed_uuids
 
 from oci_gpu_hook.start import container_record
 from oci_gpu_hook.toolkit.simulate import control
@@ -46,25 +44,16 @@ def cluster(simulated_host, require, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k8s")
     records = tmp / "records"
     hook_config = hook_settings(host, tmp, records, "")
-    before = kubeletcheck.host_state()
-    node = kubeletcheck.ContainerdKubelet(tmp / "node", hook_config)
-    node.start()
-    try:
-        yield node, host, hook_config, str(records), tmp
-    finally:
-        control.clear(host["root"])
-        node.close()
-    assert kubeletcheck.host_state() == before
+    with kubeletcheck.running(kubeletcheck.ContainerdKubelet(tmp / "node", hook_config)) as node:
+        try:
+            yield node, host, hook_config, str(records), tmp
+        finally:
+            control.clear(host["root"])
 
 
 def hook_settings(host, tmp, records, extra: str) -> str:
     """The hook's configuration file (one path: containerd's base spec names it), rewritten."""
     return config_with(host, tmp, f"records_directory: {records}\n" + extra)
-
-
-def listed(text: str) -> list:
-    """The GPU and MIG UUIDs nvidia-smi -L printed."""
-    return re.findall(r"UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", text)
 
 
 def inventory_units(hook_config, doc):
@@ -94,7 +83,7 @@ def test_whole_gpus_mig_devices_and_a_kubelet_restart(cluster):
         seen = {}
         for name in ("gpu-a", "gpu-b", "gpu-c", "mig"):
             node.wait_for_phase(name, "Running")
-            seen[name] = listed(node.wait_for_log(name, "UUID"))
+            seen[name] = listed_uuids(node.wait_for_log(name, "UUID"))
         # Each whole-GPU pod: exactly one GPU, a distinct one, never the MIG GPU.
         assert all(len(seen[n]) == 1 for n in ("gpu-a", "gpu-b", "gpu-c")), seen
         assert {seen[n][0] for n in ("gpu-a", "gpu-b", "gpu-c")} == gpus
@@ -112,7 +101,7 @@ def test_whole_gpus_mig_devices_and_a_kubelet_restart(cluster):
             assert node.wait_for_phase(name, "Running")["status"]["phase"] == "Running"
             assert node.container_pid(name) == pid
             again = node.exec(name, ["nvidia-smi", "-L"])
-            assert again.returncode == 0 and listed(again.stdout) == seen[name], again.stderr
+            assert again.returncode == 0 and listed_uuids(again.stdout) == seen[name], again.stderr
             # The kubelet accounts to each pod the device its container has.
             (ids,) = node.allocated_devices(name).values()
             assert ids == seen[name][-1:], (name, ids, seen[name])
@@ -144,7 +133,7 @@ def test_time_sliced_gpus_through_volume_mounts_and_a_refusal(cluster):
         holder = {}
         for name in names:
             node.wait_for_phase(name, "Running")  # none of the five is refused
-            (uuid,) = listed(node.wait_for_log(name, "UUID"))
+            (uuid,) = listed_uuids(node.wait_for_log(name, "UUID"))
             holder[name] = uuid
         assert set(holder.values()) == set(by_uuid)  # spread over the three GPUs: shared, not piled up
         shared_uuid = next(u for u in by_uuid if list(holder.values()).count(u) >= 2)

@@ -13,14 +13,14 @@ on a simulated host with 3 GPUs. Pods ask for `nvidia.com/gpu`:
 import os
 import re
 import subprocess
-import sys
 
 import criocheck
 import kubeletcheck
 import pytest
-from hookcheck import config_with
+from hookcheck import config_with, listed_uuids
 
 from oci_gpu_hook.start import container_record
+from oci_gpu_hook.toolkit.containers import hook_command
 
 SHOW = "nvidia-smi -L; ls /dev; cat /proc/self/mountinfo; sleep 3600"
 # The volume-mounts answer is read only with this; the other answers do not need it.
@@ -37,18 +37,8 @@ def node(simulated_host, require, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("k8s-crio")
     records = tmp / "records"
     hook_config = config_with(host, tmp, f"records_directory: {records}\n{SETTINGS}")
-    before = kubeletcheck.host_state()
-    node = criocheck.CrioKubelet(tmp / "node", hook_config)
-    node.start()
-    try:
+    with kubeletcheck.running(criocheck.CrioKubelet(tmp / "node", hook_config)) as node:
         yield node, host, hook_config, str(records), tmp
-    finally:
-        node.close()
-    assert kubeletcheck.host_state() == before
-
-
-def listed(text: str) -> list:
-    return re.findall(r"UUID: (GPU-[0-9a-f-]+)\)", text)
 
 
 def nodes(text: str) -> set:
@@ -64,7 +54,7 @@ def plugin_config(strategy: str, replicas: int = 1) -> dict:
 
 def seen(node, name: str) -> list:
     node.wait_for_phase(name, "Running")
-    return listed(node.wait_for_log(name, "UUID"))
+    return listed_uuids(node.wait_for_log(name, "UUID"))
 
 
 def record_of(records: str, container_id: str):
@@ -123,9 +113,9 @@ def test_time_sliced_pods_share_a_gpu(node):
 
 
 def generate_cdi_spec(node, hook_config) -> None:
-    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", hook_config, "cdi", "generate",
-                          "--output", os.path.join(node.cdi_dir, "oci-gpu-hook.yaml")], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run([*hook_command(hook_config), "cdi", "generate", "--output",
+                          os.path.join(node.cdi_dir, "oci-gpu-hook.yaml")], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
 
 

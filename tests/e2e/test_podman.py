@@ -1,9 +1,9 @@
 """podman (with runc) runs the hook through our hooks.d file (root, podman, runc, busybox, gcc)."""
 
 import os
-import re
 
 import pytest
+from hookcheck import listed_uuids
 
 from oci_gpu_hook.toolkit import containers
 
@@ -26,7 +26,7 @@ def test_hooks_dir_gives_exactly_one_gpu(setup):
     host, hooks_dir, image = setup
     out = containers.podman_run(hooks_dir, image, ["nvidia-smi", "-L"], {"NVIDIA_VISIBLE_DEVICES": "0"})
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [host["gpus"][0]["uuid"]]
+    assert listed_uuids(out.stdout, ("GPU",)) == [host["gpus"][0]["uuid"]]
 
 
 def test_container_without_the_variable_is_untouched(setup):

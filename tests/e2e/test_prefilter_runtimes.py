@@ -14,6 +14,7 @@ import tempfile
 import criocheck
 import hookcheck
 import pytest
+from hookcheck import listed_uuids
 
 from oci_gpu_hook.toolkit import containers, install
 
@@ -26,10 +27,6 @@ def program(host, tmp_path_factory):
     """(the pre-filter, the argv prefix runtimes run it with)."""
     built, _ = hookcheck.prefilter_for_this_checkout(tmp_path_factory.mktemp("prefilter-e2e"))
     return built, [built, "--config", f"{host['root']}/config.yaml"]
-
-
-def uuids(text: str) -> list:
-    return re.findall(r"UUID: (GPU-[0-9a-f-]+)\)", text)
 
 
 CASES = {"none": ({}, []), "gpu": ({"NVIDIA_VISIBLE_DEVICES": "1"}, [1])}
@@ -52,7 +49,7 @@ def test_runc(host, program, tmp_path, case):
     env, expected = CASES[case]
     out = containers.runc_run(runc_bundle(tmp_path, case, env, program[1]), f"ocigpu-{os.getpid()}-pf-{case}")
     assert out.returncode == 0, out.stderr
-    assert uuids(out.stdout) == [host["gpus"][i]["uuid"] for i in expected]
+    assert listed_uuids(out.stdout) == [host["gpus"][i]["uuid"] for i in expected]
     assert {n for n in out.stdout.split() if re.fullmatch(r"nvidia\d+", n)} == {
         f"nvidia{host['gpus'][i]['minor']}" for i in expected
     }
@@ -97,7 +94,7 @@ def test_podman(host, program, podman_image, tmp_path, case):
         assert out.returncode != 0 and NO_GPU_7 in out.stderr, out.stderr
     else:
         assert out.returncode == 0, out.stderr
-        assert uuids(out.stdout) == [host["gpus"][i]["uuid"] for i in expected]
+        assert listed_uuids(out.stdout) == [host["gpus"][i]["uuid"] for i in expected]
 
 
 def test_crio(host, program, tmp_path):
@@ -111,5 +108,5 @@ def test_crio(host, program, tmp_path):
                             "bad": ({"NVIDIA_VISIBLE_DEVICES": "7"}, ["true"])})  # fmt: skip
     finally:
         node.stop()  # raises for a process, mount or cgroup of its own left
-    assert uuids(out["none"][0]) == [] and uuids(out["gpu"][0]) == [host["gpus"][1]["uuid"]]
+    assert listed_uuids(out["none"][0]) == [] and listed_uuids(out["gpu"][0]) == [host["gpus"][1]["uuid"]]
     assert NO_GPU_7 in out["bad"][0], out["bad"]

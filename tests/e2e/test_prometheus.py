@@ -11,6 +11,7 @@ import urllib.parse
 import urllib.request
 
 import pytest
+from hookcheck import runc_delete, runc_detached
 from servicecheck import Exporter, free_port
 
 from oci_gpu_hook.node.scrape_server import REUSE_SECONDS
@@ -75,7 +76,7 @@ def stack(simulated_host, require, tmp_path):
     started = []
     yield host, prometheus, started
     for name in started:
-        containers.runc_delete(name)
+        runc_delete(name)
     prometheus.stop()
     exporter.stop()
     control.clear(host["root"])
@@ -90,7 +91,7 @@ def pod(tmp_path, host, started, name: str, gpu: int) -> str:
                      "io.kubernetes.cri.container-name": "trainer"},
     )  # fmt: skip
     started.append(container_id)
-    containers.runc_detached(bundle, container_id)
+    runc_detached(bundle, container_id)
     return container_id
 
 
@@ -109,7 +110,7 @@ def test_framebuffer_used_by_pod_from_a_real_prometheus(stack, tmp_path):
     (series,) = prometheus.wait_for('DCGM_FI_DEV_FB_USED{pod="pod-a"}')
     assert float(series["value"][1]) == 1111 and series["metric"]["UUID"] == gpu0["uuid"]
 
-    containers.runc_delete(b)
+    runc_delete(b)
     deleted = time.time()
     # The first scrape that starts once a page rendered before the deletion can no longer be
     # reused (scrape_server.REUSE_SECONDS) already lacks pod-b's labels.

@@ -181,7 +181,7 @@ def test_info_plan_and_cdi_list_exactly_the_real_drivers_files(tmp_path, real, r
     invented (libnvidia-api.so.1 is a library no capability lists: NVAPI, for Wine)."""
     files, _ = real_names
     expected = files - {"libnvidia-api.so.1"}
-    run = [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", real[layout]]
+    run = containers.hook_command(real[layout])
     private = drivercheck.run_with_private_dev  # NVML runs in each of these
     info = json.loads(private(run + ["info", "--json"], capture_output=True, text=True, check=True).stdout)
     listed = {os.path.basename(f["path"]) for f in info["files"] if f["kind"] == "library"}

@@ -8,10 +8,11 @@ kept alive after the failure so the namespace and the cgroup can be inspected.
 import json
 import os
 import subprocess
-import sys
 
 import hookcheck
 import pytest
+
+from oci_gpu_hook.toolkit.containers import hook_command
 
 
 def host_files(tree):
@@ -25,8 +26,8 @@ def hook(config, state, fault=None):
     env = {"PATH": "/usr/bin:/bin"}
     if fault is not None:
         env["OCI_GPU_HOOK_FAULT_AT"] = str(fault)
-    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"],
-                          input=state, capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
+    return subprocess.run([*hook_command(config), "prestart"], input=state, capture_output=True, text=True,
+                          env=env, timeout=60)  # fmt: skip
 
 
 def mounts_of(pid):
@@ -47,8 +48,8 @@ def container(live_container):
 def test_every_operation_failing_rolls_everything_back(container, tmp_path):
     state, bundle, pid, cgroup, host = container
     config = f"{host['root']}/config.yaml"
-    planned = subprocess.run([sys.executable, "-m", "oci_gpu_hook", "--config", config, "plan", "--bundle", bundle,
-                              "--json"], capture_output=True, text=True, check=True)  # fmt: skip
+    planned = subprocess.run([*hook_command(config), "plan", "--bundle", bundle, "--json"], capture_output=True,
+                             text=True, check=True)  # fmt: skip
     count = len(json.loads(planned.stdout)["operations"])
     assert count > 40
     before = (mounts_of(pid), hookcheck.tree(bundle), hookcheck.tree(host["root"]), device_rules(cgroup))

@@ -5,7 +5,7 @@ import os
 import re
 
 import pytest
-from hookcheck import config_with
+from hookcheck import config_with, listed_uuids
 
 from oci_gpu_hook.toolkit import containers
 
@@ -18,10 +18,6 @@ def run(tmp_path, host, script, env, debian=False, config=None, with_hook=True, 
         config_file=config or f"{host['root']}/config.yaml", with_hook=with_hook,
     )  # fmt: skip
     return containers.runc_run(bundle, f"ocigpu-{os.getpid()}-{name}")
-
-
-def listed_uuids(stdout):
-    return re.findall(r"UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", stdout)
 
 
 def gpu(host, i):

@@ -26,6 +26,7 @@ import hookcheck
 import pytest
 
 from oci_gpu_hook.errors import Exit
+from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(gpus=4, mig=[3], model="h100", needs=("pynvml",))  # changed and restored here
 
@@ -139,10 +140,12 @@ class Plugin:
         self.socket_dir = socket_dir
         self.log = open(log_dir / f"device-plugin-{time.monotonic_ns()}.log", "w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", host_config, "device-plugin", "--socket-dir",
+            [*hook_command(host_config), "device-plugin", "--socket-dir",
              socket_dir, "--config-file", config_file, "--interval", INTERVAL],
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
-            preexec_fn=None if umask is None else lambda: os.umask(umask),
+            # Popen's own umask (set in the child by C code): a preexec_fn would run Python in a
+            # child forked while this process's gRPC threads (the fake kubelet) were busy.
+            umask=-1 if umask is None else umask,
         )  # fmt: skip
 
     def output(self) -> str:
@@ -521,8 +524,8 @@ def test_sigterm_exits_zero_and_removes_its_sockets(api, host, kubelet, start, w
 
 
 def run_cli(*args, timeout=120, preexec_fn=None):
-    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", *args], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout, preexec_fn=preexec_fn)  # fmt: skip
+    return subprocess.run([*hook_command(), *args], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=timeout, preexec_fn=preexec_fn)  # fmt: skip
 
 
 UNKNOWN_PROFILE = MIXED_SHARED + "    - name: nvidia.com/mig-7g.80gb\n      replicas: 2\n"

@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import hookcheck
@@ -15,9 +14,11 @@ import pytest
 from servicecheck import Exporter
 
 from oci_gpu_hook.start import container_record, pids
+from oci_gpu_hook.toolkit.containers import hook_command
 from oci_gpu_hook.toolkit.simulate import control
 
-pytestmark = pytest.mark.host(gpus=2, mig=[1], needs=("pynvml", "prometheus_client"))
+pytestmark = [pytest.mark.host(gpus=2, mig=[1], needs=("pynvml", "prometheus_client")),
+              pytest.mark.usefixtures("fresh_nvml_values")]  # fmt: skip
 
 MIB = 1 << 20
 ANNOTATIONS = {"io.kubernetes.cri.sandbox-name": "pod-a", "io.kubernetes.cri.sandbox-namespace": "team",
@@ -26,13 +27,6 @@ ANNOTATIONS = {"io.kubernetes.cri.sandbox-name": "pod-a", "io.kubernetes.cri.san
 
 def values(samples, name, **labels) -> list:
     return [v for n, ls, v in samples if n == name and all(ls.get(k) == w for k, w in labels.items())]
-
-
-@pytest.fixture(autouse=True)
-def _fresh_nvml_values(host):
-    """The tests here set the host's live NVML values: cleared after each."""
-    yield
-    control.clear(host["root"])
 
 
 @pytest.fixture
@@ -195,9 +189,8 @@ def test_a_port_in_use_is_one_line_and_an_exit(host):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        done = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                               "exporter", "--listen", f"127.0.0.1:{port}"], capture_output=True, text=True,
-                              timeout=60)  # fmt: skip
+        argv = [*hook_command(f"{host['root']}/config.yaml"), "exporter", "--listen", f"127.0.0.1:{port}"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     assert done.stderr.splitlines()[-1] == f"oci-gpu-hook: cannot listen on 127.0.0.1:{port}: Address already in use"
     assert "Traceback" not in done.stderr
@@ -205,8 +198,8 @@ def test_a_port_in_use_is_one_line_and_an_exit(host):
 
 @pytest.mark.parametrize("listen", ["9400", "host:", ":0", ":70000", "a:b"])
 def test_a_bad_listen_address_is_one_line(host, listen):
-    done = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                           "exporter", "--listen", listen], capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run([*hook_command(f"{host['root']}/config.yaml"), "exporter", "--listen", listen],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "--listen" in done.stderr
 
 

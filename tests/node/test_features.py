@@ -6,7 +6,6 @@ from the code under test."""
 import os
 import stat
 import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.node import features
 from oci_gpu_hook.start import inventory_cache
 from oci_gpu_hook.start import settings as settings_module
+from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(gpus=8, mig=[2], needs=("pynvml",))
 
@@ -413,8 +413,8 @@ def test_labels_need_no_capability(host, host_settings, tmp_path, require):
     heartbeat = tmp_path / "beat"
     inventory_cache.load(host_settings)  # the cache, as the pod's privileged containers keep it
     labels = subprocess.Popen(["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--",
-                               sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                               "labels", "--watch", "1", "--heartbeat", str(heartbeat), "--output", str(out)],
+                               *hook_command(f"{host['root']}/config.yaml"), "labels", "--watch", "1", "--heartbeat",
+                               str(heartbeat), "--output", str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 60  # a hang guard only

@@ -6,7 +6,6 @@ pid was reused gets no process killed; a bad limit stops the start with nothing 
 import json
 import os
 import subprocess
-import sys
 import time
 
 import hookcheck
@@ -18,16 +17,10 @@ from oci_gpu_hook.start.memory_limit import ENV
 from oci_gpu_hook.toolkit import containers
 from oci_gpu_hook.toolkit.simulate import control
 
-pytestmark = pytest.mark.host(gpus=2, mig=[], needs=("runc", "busybox", "pynvml"))
+pytestmark = [pytest.mark.host(gpus=2, mig=[], needs=("runc", "busybox", "pynvml")),
+              pytest.mark.usefixtures("fresh_nvml_values")]  # fmt: skip
 
 GIB, MIB = 1 << 30, 1 << 20
-
-
-@pytest.fixture(autouse=True)
-def _fresh_nvml_values(host):
-    """The tests here set the host's live NVML values: cleared after each."""
-    yield
-    control.clear(host["root"])
 
 
 @pytest.fixture
@@ -44,12 +37,12 @@ def shared_gpu(host, tmp_path):
             bundle = containers.make_bundle(str(tmp_path / name), args=["busybox", "sleep", "600"], env=env,
                                             config_file=f"{host['root']}/config.yaml")  # fmt: skip
             names.append(container_id)
-            running[name] = containers.runc_detached(bundle, container_id)
+            running[name] = hookcheck.runc_detached(bundle, container_id)
         running["host"] = host_process.pid
         yield running
     finally:
         for container_id in names:
-            containers.runc_delete(container_id)
+            hookcheck.runc_delete(container_id)
         host_process.kill()
         host_process.wait()
 
@@ -65,8 +58,8 @@ def use(host, running, over_by=1, fail=None):
 
 
 def watchdog(host, *args, timeout=60):
-    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                           "watchdog", *args], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    return subprocess.run([*containers.hook_command(f"{host['root']}/config.yaml"), "watchdog", *args],
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
 def alive(pid) -> bool:
@@ -121,9 +114,8 @@ def test_the_daemon_scans_again_and_kills_once_the_use_goes_over(host, shared_gp
 
     use(host, shared_gpu, over_by=0, fail=999)  # NVML_ERROR_UNKNOWN until the daemon has scanned once
     with open(log_path, "w+") as log:
-        daemon = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config",
-                                   f"{host['root']}/config.yaml", "watchdog", "--interval", "0.5"],
-                                  stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        daemon = subprocess.Popen([*containers.hook_command(f"{host['root']}/config.yaml"), "watchdog", "--interval",
+                                   "0.5"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
         try:
             wait_until(lambda: any("no action until NVML answers" in line for line in lines()), "a failed scan")
             use(host, shared_gpu, over_by=0)  # at the limit, not over it: nothing happens
@@ -218,7 +210,7 @@ def test_a_container_cannot_escape_its_limit_through_its_annotations(host, tmp_p
                                     env={"NVIDIA_VISIBLE_DEVICES": "0", ENV: "1GiB"}, annotations=annotations,
                                     config_file=f"{host['root']}/config.yaml")  # fmt: skip
     try:
-        pid = containers.runc_detached(bundle, container_id)
+        pid = hookcheck.runc_detached(bundle, container_id)
         control.write(host["root"], processes=[(host["gpus"][0]["uuid"], pid, GIB + MIB)])
         done = watchdog(host, "--once")
         assert done.returncode == 0, done.stderr
@@ -227,7 +219,7 @@ def test_a_container_cannot_escape_its_limit_through_its_annotations(host, tmp_p
         assert entry["pod"] == "p" * container_record.MAX_KUBERNETES_NAME and entry["namespace"] == "ns\\ud800"
         wait_until(lambda: not alive(pid), "the container over its limit is gone")
     finally:
-        containers.runc_delete(container_id)
+        hookcheck.runc_delete(container_id)
 
 
 def test_records_in_a_directory_others_can_change_are_not_acted_on(host, shared_gpu):
@@ -254,9 +246,9 @@ def test_the_daemon_beats_after_every_scan(host, tmp_path):
     heartbeat = beats / "watchdog"
     log_path = tmp_path / "watchdog.log"
     with open(log_path, "w+") as log:
-        daemon = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config",
-                                   f"{host['root']}/config.yaml", "watchdog", "--interval", "0.2", "--heartbeat",
-                                   str(heartbeat)], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        daemon = subprocess.Popen([*containers.hook_command(f"{host['root']}/config.yaml"), "watchdog", "--interval",
+                                   "0.2", "--heartbeat", str(heartbeat)], stdout=log,
+                                  stderr=subprocess.STDOUT)  # fmt: skip
         try:
             said = "cannot write the heartbeat"
             wait_until(lambda: said in log_path.read_text(), "the unwritable heartbeat said")

@@ -174,21 +174,25 @@ def test_no_ldconfig_on_the_host(container, monkeypatch, capsys):
     fails_cleanly(container, LDCONFIG, "the host has no ldconfig", in_process=capsys)
 
 
+def fill_a_tmpfs_over(container, directory: str, options: str, fill: str) -> None:
+    """A full filesystem at the rootfs' directory, in the container's mount namespace: a tmpfs of
+    `options` mounted over it, then filled by the shell command fill ($1: the directory)."""
+    state, bundle, pid, cgroup, host = container
+    path = os.path.join(bundle, "rootfs", directory)
+    hookcheck.in_container(pid, "mount", "-t", "tmpfs", "-o", options, "tmpfs", path)
+    hookcheck.in_container(pid, "sh", "-c", fill, "sh", path)
+
+
 def test_library_directory_out_of_inodes(container):
     """A full filesystem at the library directory: no room for the empty files mounts need."""
-    state, bundle, pid, cgroup, host = container
-    lib64 = os.path.join(bundle, "rootfs/usr/lib64")
-    hookcheck.in_container(pid, "mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=16", "tmpfs", lib64)
-    hookcheck.in_container(pid, "sh", "-c", f"i=0; while touch {lib64}/fill$i 2>/dev/null; do i=$((i+1)); done")
+    every_inode = 'i=0; while touch "$1/fill$i" 2>/dev/null; do i=$((i+1)); done'
+    fill_a_tmpfs_over(container, "usr/lib64", "size=64k,nr_inodes=16", every_inode)
     fails_cleanly(container, APPLY, "No space left on device")
 
 
 def test_etc_out_of_space_for_the_ld_cache(container):
     """A full /etc: every mount is made, then the new ld.so.cache does not fit; all is undone."""
-    state, bundle, pid, cgroup, host = container
-    etc = os.path.join(bundle, "rootfs/etc")
-    hookcheck.in_container(pid, "mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", etc)
-    hookcheck.in_container(pid, "sh", "-c", f"cat /dev/zero > {etc}/fill 2>/dev/null; true")
+    fill_a_tmpfs_over(container, "etc", "size=8k", 'cat /dev/zero > "$1/fill" 2>/dev/null; true')
     fails_cleanly(container, LDCONFIG, "cannot install /etc/ld.so.cache in the container: No space left on device")
 
 

@@ -11,7 +11,6 @@ import hookcheck
 import pytest
 
 from oci_gpu_hook.start.apply import FAULT_ENV
-from oci_gpu_hook.toolkit import containers
 
 ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"}
 
@@ -36,7 +35,7 @@ def test_the_next_start_removes_what_a_killed_hook_made(live_container, kill_at)
 
     # The runtime gives up on that container; the same rootfs is started again (a new namespace),
     # and this start fails at its first operation: all that remains is what recovery did.
-    holder = containers.hold_namespace(rootfs, 60)
+    holder = hookcheck.hold_namespace(rootfs, 60)
     try:
         again = hookcheck.run_hook(config, state_for(bundle, holder.pid, "again"),
                                    env={**hookcheck.HOOK_ENV, FAULT_ENV: "1"})  # fmt: skip

@@ -10,14 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hookcheck import listed_uuids
 
 from oci_gpu_hook.start.inventory_cache import FORMAT
 
@@ -78,7 +77,7 @@ def test_50_concurrent_containers_each_see_exactly_their_gpus(host, tmp_path, ho
 
     stop, seen = threading.Event(), {"whole": 0, "torn": 0, "missing": 0}
     reader = threading.Thread(target=cache_reader, args=(cache, stop, seen))
-    refresh = [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "inventory", "refresh"]
+    refresh = [*containers.hook_command(config), "inventory", "refresh"]
     rounds = " && ".join([" ".join(refresh)] * REFRESH_ROUNDS)
     refreshers = [subprocess.Popen(["sh", "-c", rounds], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                   for _ in range(REFRESHERS)]  # fmt: skip
@@ -103,7 +102,7 @@ def test_50_concurrent_containers_each_see_exactly_their_gpus(host, tmp_path, ho
     failed = [(i, r.returncode, r.stderr.strip()[-300:]) for i, r in enumerate(results) if r.returncode != 0]
     assert not failed, f"{len(failed)} of {CONTAINERS} containers did not start: {failed[:3]}"
     for i, (gpus, result) in enumerate(zip(sets, results)):
-        listed = re.findall(r"UUID: (GPU-[0-9a-f-]+)\)", result.stdout)
+        listed = listed_uuids(result.stdout, ("GPU",))
         assert listed == [host["gpus"][g]["uuid"] for g in gpus], f"container {i} ({sets[i]}): {result.stdout}"
     assert all(p.returncode == 0 for p in refreshers), refresh_errors
     assert seen["torn"] == 0 and seen["missing"] == 0, seen

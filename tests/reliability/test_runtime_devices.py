@@ -5,10 +5,10 @@ target is what the hook wanted anyway: it is kept (and mounted over); anything e
 
 import json
 import os
-import re
 import subprocess
 
 import pytest
+from hookcheck import listed_uuids
 
 from oci_gpu_hook.toolkit import containers
 
@@ -33,7 +33,7 @@ def test_runc_linux_devices_node_with_the_right_numbers_is_kept(tmp_path, host):
     bundle = bundle_with_device(tmp_path, host, f"/dev/nvidia{gpu0['minor']}", gpu0["minor"], "right")
     out = containers.runc_run(bundle, f"ocigpu-{os.getpid()}-devright")
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [gpu0["uuid"]]
+    assert listed_uuids(out.stdout, ("GPU",)) == [gpu0["uuid"]]
 
 
 def test_runc_linux_devices_node_with_other_numbers_is_refused(tmp_path, host):
@@ -58,4 +58,4 @@ def test_podman_device_flag(tmp_path, host, require):
     finally:
         subprocess.run(["podman", "rmi", "-f", tag], capture_output=True)
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [gpu0["uuid"]]
+    assert listed_uuids(out.stdout, ("GPU",)) == [gpu0["uuid"]]

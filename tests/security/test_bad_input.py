@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 
 import hookcheck
 import pytest
+
+from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(gpus=2, mig=[1])
 
@@ -41,9 +42,8 @@ def run_bounded(config: str, stdin_path: str, tmp_path, hang_seconds: float = HA
     hung = threading.Event()
 
     with open(stdin_path, "rb") as stdin, open(err_path, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"],
-                                stdin=stdin, stdout=subprocess.DEVNULL, stderr=err, env=hookcheck.HOOK_ENV,
-                                preexec_fn=_limits)  # fmt: skip
+        proc = subprocess.Popen([*hook_command(config), "prestart"], stdin=stdin, stdout=subprocess.DEVNULL,
+                                stderr=err, env=hookcheck.HOOK_ENV, preexec_fn=_limits)  # fmt: skip
 
         def kill():
             hung.set()

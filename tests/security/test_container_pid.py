@@ -76,7 +76,7 @@ def test_the_container_of_another_bundle(setup, tmp_path):
 
 def test_the_real_container_is_accepted(setup):
     bundle, config, start = setup
-    proc_pid = containers.hold_namespace(os.path.join(bundle, "rootfs"), 60)
+    proc_pid = hookcheck.hold_namespace(os.path.join(bundle, "rootfs"), 60)
     try:
         state = json.dumps({"ociVersion": "1.0.2", "id": "it", "status": "creating", "pid": proc_pid.pid,
                             "bundle": bundle})  # fmt: skip

@@ -45,7 +45,7 @@ def setup(tmp_path, simulated_host, require):
         pytest.fail(f"the cgroup v1 devices hierarchy is not mounted at {ROOT}")
     host = simulated_host(gpus=2, mig=[1])
     bundle = containers.make_bundle(str(tmp_path / "bundle"), args=["true"], env=ENV, config_file=None)
-    holder = containers.hold_namespace(os.path.join(bundle, "rootfs"))
+    holder = hookcheck.hold_namespace(os.path.join(bundle, "rootfs"))
     with open(os.path.join(ROOT, "cgroup.procs"), "w") as f:
         f.write(str(holder.pid))  # the root devices cgroup, whichever cgroup pytest runs in
     state = json.dumps({"ociVersion": "1.0.2", "id": "rootcg", "status": "creating", "pid": holder.pid,

@@ -12,10 +12,11 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 
 import hookcheck
 import pytest
+
+from oci_gpu_hook.toolkit.containers import hook_command
 
 ENV = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"}
 HOST = {"gpus": 3}  # a host of its own: the cases change its files
@@ -36,8 +37,7 @@ def case(live_container, tmp_path):
             planted.append(root + path)
         craft(root)
         config = f"{root}/config.yaml"
-        subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "inventory", "refresh"],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run([*hook_command(config), "inventory", "refresh"], check=True, capture_output=True)
         log = f"{root}/hook.log"
         if os.path.exists(log):
             os.unlink(log)
@@ -166,8 +166,7 @@ def test_persistenced_socket_swapped_for_a_symlink_after_discovery(live_containe
     make_socket(root + SOCKET)
     config = f"{root}/config.yaml"
     try:
-        subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "inventory", "refresh"],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run([*hook_command(config), "inventory", "refresh"], check=True, capture_output=True)
         os.unlink(root + SOCKET)
         os.symlink("/etc/shadow", root + SOCKET)
         out = hookcheck.run_hook(config, state)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import hookcheck
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from oci_gpu_hook import errors, hook
 from oci_gpu_hook.start import report
 from oci_gpu_hook.start.settings import LoggingSettings, Settings
+from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(gpus=2, mig=[1])
 
@@ -152,16 +152,15 @@ def test_plan_output_escapes_image_text(host, tmp_path, hook_cli):
     env = {"NVIDIA_VISIBLE_DEVICES": "0", "CUDA_MPS_PIPE_DIRECTORY": "/tmp/" + NASTY,
            "NVIDIA_REQUIRE_" + NASTY: "cuda>=1.0"}  # fmt: skip
     bundle = _bundle(tmp_path, env)
-    out = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", _config(tmp_path, host), "plan",
-                          "--bundle", bundle], capture_output=True, env=hookcheck.HOOK_ENV, timeout=60)  # fmt: skip
+    out = subprocess.run([*hook_command(_config(tmp_path, host)), "plan", "--bundle", bundle], capture_output=True,
+                         env=hookcheck.HOOK_ENV, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert_clean_bytes(out.stdout, "plan's output")
     text = out.stdout.decode()
     assert "note: CUDA_MPS_PIPE_DIRECTORY=/tmp/" + ESCAPED_ESC in text
     assert "requirements: NVIDIA_REQUIRE_" + ESCAPED_ESC in text
-    as_json = subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", _config(tmp_path, host),
-                              "plan", "--bundle", bundle, "--json"], capture_output=True, env=hookcheck.HOOK_ENV,
-                             timeout=60)  # fmt: skip
+    as_json = subprocess.run([*hook_command(_config(tmp_path, host)), "plan", "--bundle", bundle, "--json"],
+                             capture_output=True, env=hookcheck.HOOK_ENV, timeout=60)  # fmt: skip
     assert as_json.returncode == 0, as_json.stderr
     assert all(0x20 <= b < 0x7F or b == 0x0A for b in as_json.stdout), as_json.stdout[:300]
     assert_shown_safely(" ".join(json.loads(as_json.stdout)["notes"]), "plan --json's notes")

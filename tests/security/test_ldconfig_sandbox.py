@@ -330,7 +330,7 @@ def test_a_compromised_ldconfig_reaches_nothing(tmp_path, monkeypatch, disk, req
     leaked = open(tmp_path / "an-open-host-file", "w")  # must not be inherited
     rootfs = Rootfs(str(root))
     try:
-        report = ldconfig.build_cache(rootfs.fd, "", [str(port), str(canary)], timeout=20)
+        report = ldconfig.Sandbox(rootfs.fd, "", [str(port), str(canary)], timeout=20).result()
     finally:
         rootfs.close()
         leaked.close()
@@ -364,9 +364,9 @@ def test_a_dynamic_or_foreign_ldconfig_is_refused(tmp_path, monkeypatch, require
     rootfs = Rootfs(str(root))
     try:
         with pytest.raises(ldconfig.LdconfigError, match="dynamically linked"):
-            ldconfig.build_cache(rootfs.fd, "", [])
+            ldconfig.Sandbox(rootfs.fd, "", [])
         os.chmod(fake, 0o777)
         with pytest.raises(ldconfig.LdconfigError, match="writable by others than root: refusing to run it"):
-            ldconfig.build_cache(rootfs.fd, "", [])
+            ldconfig.Sandbox(rootfs.fd, "", [])
     finally:
         rootfs.close()

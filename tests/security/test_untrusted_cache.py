@@ -14,13 +14,13 @@ import json
 import os
 import stat
 import subprocess
-import sys
 import threading
 
 import hookcheck
 import pytest
 
 from oci_gpu_hook.start import inventory_cache, settings
+from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(gpus=2, mig=[1])
 
@@ -88,7 +88,7 @@ def plant(kind: str, path: str, forged: bytes, tmp_path) -> None:
 def plan(config: str, bundle: str, planted: str = "trusted"):
     """The plan JSON of `oci-gpu-hook plan --bundle --json`, as root runs it. A run still going
     after 60 s (a generous bound: a blocked open of a FIFO never returns) fails the test."""
-    argv = [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "plan", "--bundle", bundle, "--json"]
+    argv = [*hook_command(config), "plan", "--bundle", bundle, "--json"]
     try:
         out = subprocess.run(argv, capture_output=True, env=hookcheck.HOOK_ENV, timeout=60)
     except subprocess.TimeoutExpired:

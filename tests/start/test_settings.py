@@ -141,6 +141,8 @@ def test_compiled_settings_writable_by_others_are_ignored(tmp_path):
 IN_A_PRIVATE_RUN = r"""
 import hashlib, json, os, shutil, subprocess, sys
 
+from oci_gpu_hook.toolkit.containers import hook_command
+
 config, plan_bundle, work, first, second, forged_log = sys.argv[1:]
 subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "oci-gpu-hook-test-run", "/run"], check=True)
 RUN = "/run/oci-gpu-hook"
@@ -161,8 +163,7 @@ def snapshot():
 
 
 def cli(args, stdin=None):
-    return subprocess.run([sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, *args],
-                          stdin=stdin, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*hook_command(config), *args], stdin=stdin, capture_output=True, text=True, timeout=300)
 
 
 report = {"changed": [], "failed": []}
@@ -182,7 +183,7 @@ for setup in ("no run directory", "a run directory with another run's file"):
         if changed:
             report["changed"].append([setup, args, changed])
 
-hook = [sys.executable, "-I", "-m", "oci_gpu_hook", "--config", config, "prestart"]
+hook = [*hook_command(config), "prestart"]
 before = set(os.listdir(RUN))
 report["first_start"] = subprocess.run(hook, input=first, capture_output=True, text=True).returncode
 report["kept"] = sorted(set(os.listdir(RUN)) - before)

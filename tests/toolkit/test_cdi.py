@@ -2,12 +2,12 @@
 
 import json
 import os
-import re
 import subprocess
 
 import jsonschema
 import pytest
 import yaml
+from hookcheck import cdi_spec_in_etc, listed_uuids
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.start import inventory_cache, settings
@@ -170,22 +170,14 @@ def podman_spec(host, require, tmp_path_factory):
     require("root", "podman", "runc", "busybox", "gcc")
     from oci_gpu_hook.cli import main  # noqa: F401 - the CLI must import cleanly
 
-    created_dir = not os.path.isdir("/etc/cdi")
-    path = f"/etc/cdi/oci-gpu-hook-test-{os.getpid()}.yaml"
-    out = subprocess.run([os.sys.executable, "-I", "-m", "oci_gpu_hook", "--config", f"{host['root']}/config.yaml",
-                          "cdi", "generate", "--parents", "--output", path], capture_output=True,
-                         text=True)  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    work = tmp_path_factory.mktemp("cdi")
-    rootfs = containers.make_rootfs(str(work / "rootfs"))
-    image = containers.podman_image(rootfs, f"localhost/ocigpu-cdi-{os.getpid()}:latest")
-    try:
-        yield path, image
-    finally:
-        subprocess.run(["podman", "rmi", "-f", image], capture_output=True)
-        os.unlink(path)
-        if created_dir:
-            os.rmdir("/etc/cdi")
+    with cdi_spec_in_etc(host, f"oci-gpu-hook-test-{os.getpid()}.yaml") as path:
+        work = tmp_path_factory.mktemp("cdi")
+        rootfs = containers.make_rootfs(str(work / "rootfs"))
+        image = containers.podman_image(rootfs, f"localhost/ocigpu-cdi-{os.getpid()}:latest")
+        try:
+            yield path, image
+        finally:
+            subprocess.run(["podman", "rmi", "-f", image], capture_output=True)
 
 
 def podman_device(image, device, *args):
@@ -198,14 +190,14 @@ def test_podman_runs_the_spec_for_one_gpu(host, podman_spec):
     cdi.validate(yaml.safe_load(open(path)))
     out = podman_device(image, "nvidia.com/gpu=1", "nvidia-smi", "-L")
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [host["gpus"][1]["uuid"]]
+    assert listed_uuids(out.stdout, ("GPU",)) == [host["gpus"][1]["uuid"]]
 
 
 def test_podman_runs_the_spec_for_all_gpus(host, podman_spec):
     _, image = podman_spec
     out = podman_device(image, "nvidia.com/gpu=all", "nvidia-smi", "-L")
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [g["uuid"] for g in host["gpus"]]
+    assert listed_uuids(out.stdout, ("GPU",)) == [g["uuid"] for g in host["gpus"]]
 
 
 def test_podman_all_gives_the_mig_capability_nodes(host, podman_spec):
@@ -215,7 +207,7 @@ def test_podman_all_gives_the_mig_capability_nodes(host, podman_spec):
     migs = [m for g in host["gpus"] for m in g["mig"]]
     expected = {f"nvidia-cap{m[k]}" for m in migs for k in ("gi_cap_minor", "ci_cap_minor")}
     assert expected and expected <= set(out.stdout.split())
-    assert set(re.findall(r"UUID: (MIG-[0-9a-f-]+)", out.stdout)) == {m["uuid"] for m in migs}
+    assert set(listed_uuids(out.stdout, ("MIG",))) == {m["uuid"] for m in migs}
 
 
 def test_podman_spec_by_uuid_and_mig_and_the_hooks_work(host, podman_spec):
@@ -225,12 +217,12 @@ def test_podman_spec_by_uuid_and_mig_and_the_hooks_work(host, podman_spec):
                         "nvidia-smi -L; readlink /usr/lib64/libcuda.so; readlink /usr/lib64/libnvidia-ml.so.1; "
                         "grep -c libnvidia-ml.so.1 /etc/ld.so.cache; echo $NVIDIA_VISIBLE_DEVICES")  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: (GPU-[0-9a-f-]+)", out.stdout) == [gpu["uuid"]]
+    assert listed_uuids(out.stdout, ("GPU",)) == [gpu["uuid"]]
     assert out.stdout.split("\n")[-5:] == ["libcuda.so.1", f"libnvidia-ml.so.{host['driver_version']}", "1", "void", ""]
     mig = host["gpus"][2]["mig"][1]
     out = podman_device(image, "nvidia.com/gpu=2:1", "nvidia-smi", "-L")
     assert out.returncode == 0, out.stderr
-    assert re.findall(r"UUID: (MIG-[0-9a-f-]+)", out.stdout) == [mig["uuid"]]
+    assert listed_uuids(out.stdout, ("MIG",)) == [mig["uuid"]]
 
 
 def test_a_higher_version_than_needed_would_lock_out_podman_4_3(podman_spec):

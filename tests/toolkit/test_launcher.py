@@ -187,16 +187,24 @@ def test_everything_the_launched_process_loads_must_be_roots_alone(venv, probe_p
     launcher.check_trusted(python, probe_package)  # root's alone: accepted
     inside, _, rest = target.partition("/")
     changed = str(site_packages / rest) if inside == "site-packages" else str(path / target)
+    message = refused_once_not_roots_alone(python, probe_package, changed, change)
+    assert "everything they import must be root's alone" in message
+
+
+def refused_once_not_roots_alone(python: str, probe_package, changed: str, change: str) -> str:
+    """check_trusted's one-line refusal, naming the path first, once `changed` is made another
+    user's (chown) or writable by all (chmod)."""
     if change == "chown":
         os.chown(changed, 65534, 65534)
         words = "owned by uid 65534"
     else:
         os.chmod(changed, os.stat(changed).st_mode | 0o002)
-        words = "writable by others than root"
+        words = "others than root"  # "writable by ...", or of a directory "... can change"
     with pytest.raises(launcher.LauncherError) as e:
         launcher.check_trusted(python, probe_package)
-    assert e.value.message.startswith(changed) and words in e.value.message and "\n" not in e.value.message
-    assert "everything they import must be root's alone" in e.value.message
+    message = e.value.message
+    assert message.startswith(changed + ":") and words in message and "\n" not in message
+    return message
 
 
 @pytest.mark.parametrize("change", ["chown", "chmod"])
@@ -292,16 +300,8 @@ def test_a_shared_interpreter_s_libraries_must_be_roots_alone(shared_venv, probe
     launcher.check_trusted(python, probe_package)  # root's alone: accepted
     mark.unlink()
     changed = str(libpython) if target == "libpython" else str(path / target)
-    if change == "chown":
-        os.chown(changed, 65534, 65534)
-        words = "owned by uid 65534"
-    else:
-        os.chmod(changed, os.stat(changed).st_mode | 0o002)
-        words = "others than root"
-    with pytest.raises(launcher.LauncherError) as e:
-        launcher.check_trusted(python, probe_package)
-    assert e.value.message.startswith(changed + ":") and words in e.value.message and "\n" not in e.value.message
-    assert "root's alone" in e.value.message
+    message = refused_once_not_roots_alone(python, probe_package, changed, change)
+    assert "root's alone" in message
     assert not mark.exists()  # nothing of it ran as root
 
 

@@ -236,12 +236,6 @@ def flatten_conf(rootfs) -> tuple[str, list[str]]:
 # --- the sandbox -------------------------------------------------------------------------------
 
 
-def build_cache(rootfs_fd: int, conf: str, directories, timeout: float = 20.0, sources=None) -> bytes:
-    """Run the host's ldconfig in the sandbox over the rootfs open at rootfs_fd; returns the new
-    ld.so.cache."""
-    return Sandbox(rootfs_fd, conf, directories, timeout, sources).result()
-
-
 class Sandbox:
     """The host's ldconfig running in the sandbox over the rootfs open at rootfs_fd, started at
     construction: the caller may do other work (mount what ldconfig does not read) and collect

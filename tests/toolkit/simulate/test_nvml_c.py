@@ -124,6 +124,9 @@ def err(fn, *args):
         return e.value
     return 0
 
+def mig_handles(gpu):  # the MIG devices in gpu's first three slots (the host's GPU 1 has three)
+    return [N.nvmlDeviceGetMigDeviceHandleByIndex(gpu, i) for i in range(3)]
+
 r = {}
 s = lambda v: v.decode() if isinstance(v, bytes) else v  # pynvml decodes some char arrays itself
 """
@@ -308,8 +311,7 @@ def test_mig_instances_as_nvidias_cdi_generator_asks(host, nv):
         N.nvmlInit()
         gpu = N.nvmlDeviceGetHandleByIndex(1)
         r["migs"] = []
-        for i in range(3):
-            m = N.nvmlDeviceGetMigDeviceHandleByIndex(gpu, i)
+        for m in mig_handles(gpu):
             a = N.nvmlDeviceGetAttributes(m)
             gi = N.nvmlDeviceGetGpuInstanceById(gpu, N.nvmlDeviceGetGpuInstanceId(m))
             gi_info = N.nvmlGpuInstanceGetInfo(gi)
@@ -745,7 +747,7 @@ class V1(Structure):  # nvmlProcessInfo_v1_t
 N.nvmlInit()
 g0 = N.nvmlDeviceGetHandleByIndex(0)
 g1 = N.nvmlDeviceGetHandleByIndex(1)
-migs = [N.nvmlDeviceGetMigDeviceHandleByIndex(g1, i) for i in range(3)]
+migs = mig_handles(g1)
 
 def procs(fn, h):
     return sorted([p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId] for p in fn(h))
@@ -919,14 +921,10 @@ def test_mig_handles_have_no_board_sensors(live, nv, host):
         """
         N.nvmlInit()
         g1 = N.nvmlDeviceGetHandleByIndex(1)
-        r["mig"] = []
-        for i in range(3):
-            m = N.nvmlDeviceGetMigDeviceHandleByIndex(g1, i)
-            r["mig"].append([err(N.nvmlDeviceGetTemperature, m, N.NVML_TEMPERATURE_GPU),
-                             err(N.nvmlDeviceGetPowerUsage, m),
-                             err(N.nvmlDeviceGetClockInfo, m, N.NVML_CLOCK_SM),
-                             err(N.nvmlDeviceGetClockInfo, m, N.NVML_CLOCK_MEM),
-                             err(N.nvmlDeviceGetTotalEnergyConsumption, m)])
+        r["mig"] = [[err(N.nvmlDeviceGetTemperature, m, N.NVML_TEMPERATURE_GPU), err(N.nvmlDeviceGetPowerUsage, m),
+                     err(N.nvmlDeviceGetClockInfo, m, N.NVML_CLOCK_SM),
+                     err(N.nvmlDeviceGetClockInfo, m, N.NVML_CLOCK_MEM),
+                     err(N.nvmlDeviceGetTotalEnergyConsumption, m)] for m in mig_handles(g1)]
         try:
             N.nvmlDeviceGetTemperature(N.nvmlDeviceGetMigDeviceHandleByIndex(g1, 0), N.NVML_TEMPERATURE_GPU)
         except N.NVMLError_NotSupported as e:

@@ -108,6 +108,22 @@ static int open_devices(unsigned *count)
     return *count == 0 ? no_devices() : 0;
 }
 
+/* The walk of every command that shows GPUs: visit(index, handle, arg) for each in index order. An
+ * NVML error, from the handle or the visit, ends it as the real tool ends (fail). Returns 0 once
+ * every GPU was visited (NVML still up), else the exit status. */
+static int each_gpu(unsigned count, nvmlReturn_t (*visit)(unsigned, nvmlDevice_t, void *), void *arg)
+{
+    for (unsigned i = 0; i < count; i++) {
+        nvmlDevice_t dev;
+        nvmlReturn_t ret = nvmlDeviceGetHandleByIndex_v2(i, &dev);
+        if (ret == NVML_SUCCESS)
+            ret = visit(i, dev, arg);
+        if (ret != NVML_SUCCESS)
+            return fail(ret);
+    }
+    return 0;
+}
+
 static int cmd_version(void)
 {
     int rc = init_or_die();
@@ -129,38 +145,41 @@ static int cmd_version(void)
     return 0;
 }
 
+/* -L: the GPU's line, then one for each of its MIG devices. */
+static nvmlReturn_t list_gpu(unsigned i, nvmlDevice_t dev, void *unused)
+{
+    (void)unused;
+    char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE], uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    nvmlReturn_t ret;
+    if ((ret = nvmlDeviceGetName(dev, name, sizeof name)) != NVML_SUCCESS ||
+        (ret = nvmlDeviceGetUUID(dev, uuid, sizeof uuid)) != NVML_SUCCESS)
+        return ret;
+    printf("GPU %u: %s (UUID: %s)\n", i, name, uuid);
+
+    unsigned current = 0, pending = 0, max = 0;
+    if (nvmlDeviceGetMigMode(dev, &current, &pending) != NVML_SUCCESS ||
+        current != NVML_DEVICE_MIG_ENABLE ||
+        nvmlDeviceGetMaxMigDeviceCount(dev, &max) != NVML_SUCCESS)
+        return NVML_SUCCESS;
+    for (unsigned m = 0; m < max; m++) {
+        nvmlDevice_t mig;
+        /* Unpopulated slots answer NOT_FOUND; they are simply skipped. */
+        if (nvmlDeviceGetMigDeviceHandleByIndex(dev, m, &mig) != NVML_SUCCESS)
+            continue;
+        if (nvmlDeviceGetName(mig, name, sizeof name) != NVML_SUCCESS ||
+            nvmlDeviceGetUUID(mig, uuid, sizeof uuid) != NVML_SUCCESS)
+            continue;
+        printf("  MIG %-11s Device %2u: (UUID: %s)\n", mig_profile(name), m, uuid);
+    }
+    return NVML_SUCCESS;
+}
+
 static int cmd_list(void)
 {
     unsigned count = 0;
     int rc = open_devices(&count);
-    if (rc)
+    if (rc || (rc = each_gpu(count, list_gpu, NULL)))
         return rc;
-    nvmlReturn_t ret;
-    for (unsigned i = 0; i < count; i++) {
-        nvmlDevice_t dev;
-        char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE], uuid[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
-        if ((ret = nvmlDeviceGetHandleByIndex_v2(i, &dev)) != NVML_SUCCESS ||
-            (ret = nvmlDeviceGetName(dev, name, sizeof name)) != NVML_SUCCESS ||
-            (ret = nvmlDeviceGetUUID(dev, uuid, sizeof uuid)) != NVML_SUCCESS)
-            return fail(ret);
-        printf("GPU %u: %s (UUID: %s)\n", i, name, uuid);
-
-        unsigned current = 0, pending = 0, max = 0;
-        if (nvmlDeviceGetMigMode(dev, &current, &pending) != NVML_SUCCESS ||
-            current != NVML_DEVICE_MIG_ENABLE ||
-            nvmlDeviceGetMaxMigDeviceCount(dev, &max) != NVML_SUCCESS)
-            continue;
-        for (unsigned m = 0; m < max; m++) {
-            nvmlDevice_t mig;
-            /* Unpopulated slots answer NOT_FOUND; they are simply skipped. */
-            if (nvmlDeviceGetMigDeviceHandleByIndex(dev, m, &mig) != NVML_SUCCESS)
-                continue;
-            if (nvmlDeviceGetName(mig, name, sizeof name) != NVML_SUCCESS ||
-                nvmlDeviceGetUUID(mig, uuid, sizeof uuid) != NVML_SUCCESS)
-                continue;
-            printf("  MIG %-11s Device %2u: (UUID: %s)\n", mig_profile(name), m, uuid);
-        }
-    }
     nvmlShutdown();
     return 0;
 }
@@ -206,6 +225,28 @@ static const int W_FULL[] = {89};
 static const int W_GPU[] = {41, 24, 22};
 static const int W_MIG[] = {18, 34, 11, 23};
 
+/* A table's header: rows of n fixed texts (row after row in texts), each cell padded to its width. */
+static void header_rows(const int *widths, int n, int rows, const char *const *texts)
+{
+    char c[4][128];
+    for (int r = 0; r < rows; r++) {
+        for (int i = 0; i < n; i++)
+            cell(c[i], widths[i], "%s", texts[r * n + i]);
+        row(n, c);
+    }
+}
+
+static const char *const GPU_HEADER[] = {
+    " GPU  Name                 Persistence-M ", " Bus-Id          Disp.A ", " Volatile Uncorr. ECC ",
+    " Fan  Temp   Perf          Pwr:Usage/Cap ", "           Memory-Usage ", " GPU-Util  Compute M. ",
+    "", "", "               MIG M. ",
+};
+static const char *const MIG_HEADER[] = {
+    " GPU  GI  CI  MIG ", "                     Memory-Usage ", "        Vol", "        Shared         ",
+    "      ID  ID  Dev ", "                       BAR1-Usage ", " SM     Unc", " CE ENC  DEC  OFA  JPG ",
+    "", "", "        ECC", "",
+};
+
 static void full_line(const char *fmt, ...)
 {
     char buf[256], c[1][128];
@@ -217,8 +258,9 @@ static void full_line(const char *fmt, ...)
     row(1, c);
 }
 
-static void print_gpu(unsigned i, nvmlDevice_t dev)
+static nvmlReturn_t print_gpu(unsigned i, nvmlDevice_t dev, void *unused)
 {
+    (void)unused;
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE] = "N/A";
     char util[16] = "N/A", mig_mode[16] = "N/A";
     nvmlPciInfo_t pci;
@@ -252,6 +294,7 @@ static void print_gpu(unsigned i, nvmlDevice_t dev)
     cell(c[2], W_GPU[2], " %20s ", mig_mode);
     row(3, c);
     rule('+', W_GPU, 3, '-', '+', '+');
+    return NVML_SUCCESS;
 }
 
 static void print_migs(unsigned count)
@@ -279,21 +322,7 @@ static void print_migs(unsigned count)
                 rule('+', W_FULL, 1, '-', '+', '+');
                 full_line("MIG devices:");
                 rule('+', W_MIG, 4, '-', '+', '+');
-                cell(c[0], W_MIG[0], " GPU  GI  CI  MIG ");
-                cell(c[1], W_MIG[1], " %32s ", "Memory-Usage");
-                cell(c[2], W_MIG[2], "        Vol");
-                cell(c[3], W_MIG[3], "        Shared         ");
-                row(4, c);
-                cell(c[0], W_MIG[0], "      ID  ID  Dev ");
-                cell(c[1], W_MIG[1], " %32s ", "BAR1-Usage");
-                cell(c[2], W_MIG[2], " SM     Unc");
-                cell(c[3], W_MIG[3], " CE ENC  DEC  OFA  JPG ");
-                row(4, c);
-                cell(c[0], W_MIG[0], "");
-                cell(c[1], W_MIG[1], "");
-                cell(c[2], W_MIG[2], "        ECC");
-                cell(c[3], W_MIG[3], "");
-                row(4, c);
+                header_rows(W_MIG, 4, 3, MIG_HEADER);
                 rule('|', W_MIG, 4, '=', '+', '|');
             }
             cell(c[0], W_MIG[0], " %3u %3u %3u %3u  ", i, gi, ci, m);
@@ -314,9 +343,8 @@ static int cmd_table(void)
     int rc = open_devices(&count);
     if (rc)
         return rc;
-    nvmlReturn_t ret;
 
-    char drv[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE] = "N/A", cuda[32], stamp[64], c[3][128];
+    char drv[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE] = "N/A", cuda[32], stamp[64];
     nvmlSystemGetDriverVersion(drv, sizeof drv);
     cuda_version(cuda, sizeof cuda);
     time_t now = time(NULL);
@@ -330,26 +358,11 @@ static int cmd_table(void)
     snprintf(d, sizeof d, "CUDA Version: %s", cuda);
     full_line("%-33s %-30s %-22s", a, b, d);
     rule('|', W_GPU, 3, '-', '+', '+');
-    cell(c[0], W_GPU[0], " GPU  Name                 Persistence-M ");
-    cell(c[1], W_GPU[1], " Bus-Id          Disp.A ");
-    cell(c[2], W_GPU[2], " Volatile Uncorr. ECC ");
-    row(3, c);
-    cell(c[0], W_GPU[0], " Fan  Temp   Perf          Pwr:Usage/Cap ");
-    cell(c[1], W_GPU[1], "           Memory-Usage ");
-    cell(c[2], W_GPU[2], " GPU-Util  Compute M. ");
-    row(3, c);
-    cell(c[0], W_GPU[0], "");
-    cell(c[1], W_GPU[1], "");
-    cell(c[2], W_GPU[2], "               MIG M. ");
-    row(3, c);
+    header_rows(W_GPU, 3, 3, GPU_HEADER);
     rule('|', W_GPU, 3, '=', '+', '|');
 
-    for (unsigned i = 0; i < count; i++) {
-        nvmlDevice_t dev;
-        if ((ret = nvmlDeviceGetHandleByIndex_v2(i, &dev)) != NVML_SUCCESS)
-            return fail(ret);
-        print_gpu(i, dev);
-    }
+    if ((rc = each_gpu(count, print_gpu, NULL)))
+        return rc;
     print_migs(count);
 
     printf("\n");
@@ -368,6 +381,8 @@ static int cmd_table(void)
 
 struct query_opts {
     int header, units;
+    char **names; /* the fields asked for, n of them */
+    int n;
 };
 
 static const char *const FIELDS[] = {
@@ -445,9 +460,23 @@ static const char *header_name(const char *field)
     return "";
 }
 
+/* --query-gpu: the GPU's line of fields (arg: the query_opts). */
+static nvmlReturn_t query_gpu(unsigned i, nvmlDevice_t dev, void *arg)
+{
+    const struct query_opts *o = arg;
+    char value[256];
+    for (int k = 0; k < o->n; k++) {
+        query_field(o->names[k], i, dev, o, value, sizeof value);
+        printf("%s%s", k ? ", " : "", value);
+    }
+    printf("\n");
+    return NVML_SUCCESS;
+}
+
 static int cmd_query(char *fields, const char *format)
 {
-    struct query_opts o = {1, 1};
+    char *names[64];
+    struct query_opts o = {1, 1, names, 0};
     if (format == NULL || strncmp(format, "csv", 3) != 0)
         return bad_args();
     if (strstr(format, "noheader"))
@@ -455,17 +484,15 @@ static int cmd_query(char *fields, const char *format)
     if (strstr(format, "nounits"))
         o.units = 0;
 
-    char *names[64];
-    int n = 0;
-    for (char *save = NULL, *f = strtok_r(fields, ",", &save); f && n < 64;
+    for (char *save = NULL, *f = strtok_r(fields, ",", &save); f && o.n < 64;
          f = strtok_r(NULL, ",", &save)) {
         while (*f == ' ')
             f++;
-        names[n++] = f;
+        names[o.n++] = f;
     }
-    if (n == 0)
+    if (o.n == 0)
         return bad_args();
-    for (int k = 0; k < n; k++) {
+    for (int k = 0; k < o.n; k++) {
         if (!valid_field(names[k])) {
             printf("Field \"%s\" is not a valid field to query.\n\n", names[k]);
             return 2;
@@ -475,23 +502,13 @@ static int cmd_query(char *fields, const char *format)
     int rc = open_devices(&count);
     if (rc)
         return rc;
-    nvmlReturn_t ret;
-    char value[256];
     if (o.header) {
-        for (int k = 0; k < n; k++)
+        for (int k = 0; k < o.n; k++)
             printf("%s%s%s", k ? ", " : "", names[k], header_name(names[k]));
         printf("\n");
     }
-    for (unsigned i = 0; i < count; i++) {
-        nvmlDevice_t dev;
-        if ((ret = nvmlDeviceGetHandleByIndex_v2(i, &dev)) != NVML_SUCCESS)
-            return fail(ret);
-        for (int k = 0; k < n; k++) {
-            query_field(names[k], i, dev, &o, value, sizeof value);
-            printf("%s%s", k ? ", " : "", value);
-        }
-        printf("\n");
-    }
+    if ((rc = each_gpu(count, query_gpu, &o)))
+        return rc;
     nvmlShutdown();
     return 0;
 }

@@ -1094,13 +1094,18 @@ EXPORT nvmlReturn_t nvmlComputeInstanceGetInfo(nvmlComputeInstance_t computeInst
     return nvmlComputeInstanceGetInfo_v2(computeInstance, info);
 }
 
-static nvmlReturn_t gi_profile(nvmlDevice_t device, unsigned int profile, const struct sim_gi_profile **out)
+/* The profile a GPU instance profile query asks about; info, the struct it fills, is checked last,
+ * as NVML orders its checks. */
+static nvmlReturn_t gi_profile(nvmlDevice_t device, unsigned int profile, const void *info,
+                               const struct sim_gi_profile **out)
 {
     TRY(check(device));
     if (device->mig != NULL)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!mig_capable(device->gpu) || profile >= N_GI_PROFILES)
         return NVML_ERROR_NOT_SUPPORTED; /* past 7 slices: the *_REV1 and other parts' profiles */
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
     *out = &GI_PROFILES[profile];
     return NVML_SUCCESS;
 }
@@ -1125,9 +1130,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t device, uns
                                                         nvmlGpuInstanceProfileInfo_t *info)
 {
     const struct sim_gi_profile *p = NULL;
-    TRY(gi_profile(device, profile, &p));
-    if (info == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    TRY(gi_profile(device, profile, info, &p));
     FILL_GI_PROFILE(info, p);
     return NVML_SUCCESS;
 }
@@ -1136,9 +1139,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, un
                                                          nvmlGpuInstanceProfileInfo_v2_t *info)
 {
     const struct sim_gi_profile *p = NULL;
-    TRY(gi_profile(device, profile, &p));
-    if (info == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    TRY(gi_profile(device, profile, info, &p));
     if (info->version != nvmlGpuInstanceProfileInfo_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     FILL_GI_PROFILE(info, p);
@@ -1146,8 +1147,10 @@ EXPORT nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t device, un
     return NVML_SUCCESS;
 }
 
+/* The GPU instance and slice count a compute instance profile query asks about; info as in
+ * gi_profile. */
 static nvmlReturn_t ci_profile(nvmlGpuInstance_t gpuInstance, unsigned int profile, unsigned int engProfile,
-                               const struct sim_gi_profile **gi, unsigned *slices)
+                               const void *info, const struct sim_gi_profile **gi, unsigned *slices)
 {
     nvmlDevice_t mig = NULL;
     TRY(check_instance(gpuInstance, &mig, gi));
@@ -1155,6 +1158,8 @@ static nvmlReturn_t ci_profile(nvmlGpuInstance_t gpuInstance, unsigned int profi
         return NVML_ERROR_NOT_SUPPORTED;
     if (profile >= N_GI_PROFILES || GI_PROFILES[profile].slices > (*gi)->slices)
         return NVML_ERROR_NOT_SUPPORTED;
+    if (info == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
     *slices = GI_PROFILES[profile].slices;
     return NVML_SUCCESS;
 }
@@ -1178,9 +1183,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(nvmlGpuInstance
 {
     const struct sim_gi_profile *gi = NULL;
     unsigned slices = 0;
-    TRY(ci_profile(gpuInstance, profile, engProfile, &gi, &slices));
-    if (info == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    TRY(ci_profile(gpuInstance, profile, engProfile, info, &gi, &slices));
     FILL_CI_PROFILE(info, profile, slices, gi);
     return NVML_SUCCESS;
 }
@@ -1191,9 +1194,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstanc
 {
     const struct sim_gi_profile *gi = NULL;
     unsigned slices = 0;
-    TRY(ci_profile(gpuInstance, profile, engProfile, &gi, &slices));
-    if (info == NULL)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    TRY(ci_profile(gpuInstance, profile, engProfile, info, &gi, &slices));
     if (info->version != nvmlComputeInstanceProfileInfo_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     FILL_CI_PROFILE(info, profile, slices, gi);

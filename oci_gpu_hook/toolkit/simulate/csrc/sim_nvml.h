@@ -250,24 +250,16 @@ nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power);
 nvmlReturn_t nvmlDeviceGetClockInfo(nvmlDevice_t device, int type, unsigned int *clock);
 nvmlReturn_t nvmlDeviceGetTotalEnergyConsumption(nvmlDevice_t device, unsigned long long *energy);
 nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t device, nvmlEnableState_t *mode);
-nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
-                                                  nvmlProcessInfo_v1_t *infos);
-nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
-                                                     nvmlProcessInfo_t *infos);
-nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
-                                                     nvmlProcessInfo_t *infos);
-nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
-                                                   nvmlProcessInfo_v1_t *infos);
-nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
-                                                      nvmlProcessInfo_t *infos);
-nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
-                                                      nvmlProcessInfo_t *infos);
-nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t device, unsigned int *infoCount,
-                                                     nvmlProcessInfo_v1_t *infos);
-nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *infoCount,
-                                                        nvmlProcessInfo_t *infos);
-nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *infoCount,
-                                                        nvmlProcessInfo_t *infos);
+/* Each kind of process query in its three versions: the first fills the v1 struct, _v2 and _v3
+ * the current one. */
+#define SIM_PROCESS_QUERIES(fn)                                                                  \
+    nvmlReturn_t fn(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_v1_t *infos);   \
+    nvmlReturn_t fn##_v2(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos); \
+    nvmlReturn_t fn##_v3(nvmlDevice_t device, unsigned int *infoCount, nvmlProcessInfo_t *infos);
+SIM_PROCESS_QUERIES(nvmlDeviceGetComputeRunningProcesses)
+SIM_PROCESS_QUERIES(nvmlDeviceGetGraphicsRunningProcesses)
+SIM_PROCESS_QUERIES(nvmlDeviceGetMPSComputeRunningProcesses)
+#undef SIM_PROCESS_QUERIES
 
 nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
                                   unsigned int *pendingMode);
