@@ -1,6 +1,7 @@
-"""A dockerd of its own (Debian's docker.io), for tests/e2e/test_docker.py and the bench (bench/docker.py).
+"""A dockerd of its own (Debian's docker.io): HostDockerd (at the end) for the tests, as a host runs
+it after `oci-gpu-hook install --runtime docker`, and Dockerd for the bench (bench/docker.py).
 
-dockerd registers GPU support when it finds `nvidia-container-runtime-hook` on its PATH at start;
+Dockerd: dockerd registers GPU support when it finds `nvidia-container-runtime-hook` on its PATH at start;
 `oci-gpu-hook install --runtime docker` writes that program (under a --root of the caller's own,
 whose usr/bin the caller puts first on dockerd's PATH). The daemon gets its own socket, data root,
 exec root, pid file and cgroup parent, the vfs storage driver, and no iptables, masquerading or
@@ -181,3 +182,76 @@ class Dockerd:
             remove_cgroup(directory)
         assert sysctls() == before["sysctls"]
         assert not cgroup_dirs(self.parent)
+
+
+class HostDockerd:
+    """dockerd as a host runs it, after `oci-gpu-hook install --runtime docker` as a user runs it,
+    without touching the host: a private mount namespace (privatehost.Session) with overlays over
+    /etc, /usr/bin, /usr/local, /var/lib and /run; install (cli: the CLI's argv prefix, its
+    --config) writes /usr/bin/nvidia-container-runtime-hook there, and dockerd starts with no flags
+    and its own PATH, its settings (the socket, roots, cgroup parent of work's own, no iptables or
+    bridge, vfs) in /etc/docker/daemon.json, where it reads them. The image (rootfs, as tag) is
+    imported; client: its Docker, from outside the namespace (the socket is under work). Leaving
+    the `with` stops dockerd, runs `oci-gpu-hook uninstall` and puts back what dockerd changed
+    outside the namespace (net sysctls, its cgroups). before/after: the steps' results (install's,
+    trees of TREES) before dockerd starts and after uninstall."""
+
+    TREES = ["/etc", "/usr/local", "/var/lib/oci-gpu-hook"]
+
+    def __init__(self, work: str, cli: list, rootfs: str, tag: str):
+        from privatehost import Session
+
+        os.makedirs(work, exist_ok=True)
+        # The socket dockerd's containerd makes under exec/ must fit a socket address (108 bytes).
+        assert len(f"{work}/exec/containerd/containerd.sock.ttrpc") < 108, f"{work}: too long for its sockets"
+        self.client, self.tag = Docker(work), tag
+        self.parent = f"ocigpu-docker-{os.getpid()}-{os.path.basename(work)}"
+        settings = {"hosts": [f"unix://{self.client.socket}"], "data-root": f"{work}/data",
+                    "exec-root": f"{work}/exec", "pidfile": f"{work}/docker.pid", "iptables": False,
+                    "ip-masq": False, "bridge": "none", "storage-driver": "vfs",
+                    "cgroup-parent": f"/{self.parent}"}  # fmt: skip
+        import json
+
+        trees = [{"tree": self.TREES}, {"tree": ["/usr/bin"], "contents": False}]
+        steps = [{"write": "/etc/docker/daemon.json", "text": json.dumps(settings)}, *trees,
+                 {"run": [*cli, "install", "--runtime", "docker"]},
+                 {"daemon": [DOCKERD], "ready": self.client.argv("version")},
+                 {"run": ["sh", "-c", 'tar -C "$0" -cf - . | "$@"', rootfs,
+                          *self.client.argv("import", "-", tag)]}]  # fmt: skip
+        final = [{"run": [*cli, "uninstall"]}, *trees]
+        self.session = Session(work, ["/etc", "/usr/bin", "/usr/local", "/var/lib", "/run"], steps, final)
+        self.before = self.after = None
+
+    def __enter__(self) -> HostDockerd:
+        self._sysctls = sysctls()
+        try:
+            self.session.__enter__()
+        except BaseException:
+            self._put_back()
+            raise
+        _, tree, usr_bin, installed, started, imported = self.session.ready
+        assert started["rc"] == 0 and imported["rc"] == 0, (started, imported)
+        self.before = {"install": installed, "tree": tree, "usr/bin": usr_bin}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.client("rmi", "-f", self.tag)
+            self.session.__exit__(*exc)
+        finally:
+            self._put_back()
+        uninstalled, tree, usr_bin = self.session.results[-3:]
+        self.after = {"uninstall": uninstalled, "tree": tree, "usr/bin": usr_bin}
+
+    def _put_back(self) -> None:
+        for path, value in self._sysctls.items():  # dockerd sets some (ip_forward)
+            with open(path) as f:
+                now = f.read()
+            if now != value:
+                with open(path, "w") as f:
+                    f.write(value)
+        for directory in sorted(cgroup_dirs(self.parent), key=len, reverse=True):
+            for sub in sorted((e.path for e in os.scandir(directory) if e.is_dir()), reverse=True):
+                remove_cgroup(sub)
+            remove_cgroup(directory)
+        assert sysctls() == self._sysctls and not cgroup_dirs(self.parent)

@@ -8,7 +8,8 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
 
 
 @click.command()
-@click.option("--runtime", "runtimes", type=click.Choice(["podman", "crio", "runc", "docker"]), multiple=True,
+@click.option("--runtime", "runtimes", multiple=True,
+              type=click.Choice(["podman", "crio", "containerd", "runc", "docker"]),
               help="Runtime to wire the hook into (repeatable; default podman).")  # fmt: skip
 @click.option("--replace-nvidia-hook", is_flag=True,
               help="With --runtime docker: move NVIDIA's nvidia-container-runtime-hook aside (uninstall "
@@ -56,6 +57,7 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
         click.echo("then: systemctl daemon-reload && systemctl start oci-gpu-hook-refresh.path "
                    "oci-gpu-hook-refresh.service && udevadm control --reload"
                    + (" && systemctl restart crio" if "crio" in runtimes else "")
+                   + (" && systemctl restart containerd" if "containerd" in runtimes else "")
                    + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE} "
                       f"{install_module.WATCHDOG_SERVICE}" if node_services else "")
                    + (f" && systemctl start {install_module.DEVICE_PLUGIN_SERVICE}" if device_plugin

@@ -103,8 +103,8 @@ class Doctor:
     def run(self) -> list:
         checks = []
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
-                     "inventory_cache", "hooks_d", "crio", "docker", "cgroups", "selinux", "selinux_policy",
-                     "refresh_units", "exporter", "labels", "watchdog", "device_plugin"):  # fmt: skip
+                     "inventory_cache", "hooks_d", "crio", "containerd", "docker", "cgroups", "selinux",
+                     "selinux_policy", "refresh_units", "exporter", "labels", "watchdog", "device_plugin"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
                 status, summary, fix = getattr(self, f"check_{name}")()
@@ -251,8 +251,15 @@ class Doctor:
 
     def hooks_d_file(self):
         """(path of the file podman would use, the directories it reads). ConfigFileError when
-        containers.conf cannot be read as podman reads it."""
-        dirs = runtime_config.podman_hooks_dirs(self.root)
+        containers.conf cannot be read as podman reads it. On the host itself, the podman
+        installed is asked (runtime_config.podman_effective_hooks_dirs: its version's files and
+        default, as it merges them); under --root, or with no podman, its files are read."""
+        try:
+            if self.root != "/":
+                raise runtime_config.PodmanUnavailable("a tree")
+            dirs = runtime_config.podman_effective_hooks_dirs()
+        except runtime_config.PodmanUnavailable:
+            dirs, _ = runtime_config.podman_hooks_dirs(self.root)
         for directory in reversed(dirs):  # a later directory masks an earlier one
             path = host_path(self.root, f"{directory}/{HOOK_FILE_NAME}")
             if os.path.lexists(path):
@@ -267,7 +274,8 @@ class Doctor:
         fix = "oci-gpu-hook install"
         if path is None:
             where = ", ".join(dirs)
-            return FAIL, f"no hooks.d file {HOOK_FILE_NAME} in {where}: podman and CRI-O never run the hook", fix
+            return (FAIL, f"no hooks.d file {HOOK_FILE_NAME} in {where or 'no directory'} (the hooks directories "
+                    "podman reads): podman never runs the hook", "oci-gpu-hook install --runtime podman")  # fmt: skip
         try:
             with open(path) as f:
                 doc = json.load(f)
@@ -287,7 +295,8 @@ class Doctor:
             return FAIL, f"{path}: the hook {hook} is not an executable (runtimes ignore the file)", fix
         if "prestart" not in doc["hook"].get("args", []) or "prestart" not in doc["stages"]:
             return FAIL, f"{path}: does not run `oci-gpu-hook prestart` at prestart", fix
-        return PASS, f"{path} runs {hook} at prestart (podman; CRI-O runs it at createRuntime, the same moment)", None
+        return (PASS, f"{path} runs {hook} at prestart (podman reads hooks from {', '.join(dirs)}; CRI-O runs it at "
+                "createRuntime, the same moment)", None)  # fmt: skip
 
     def check_crio(self):
         crio_dir, crio = host_path(self.root, "/etc/crio"), host_path(self.root, "/usr/bin/crio")
@@ -305,6 +314,14 @@ class Doctor:
             return (FAIL, f"{read}; none of them holds {HOOK_FILE_NAME}",
                     "oci-gpu-hook install --runtime crio, then systemctl restart crio")  # fmt: skip
         return PASS, f"{read}; {present[-1]}/{HOOK_FILE_NAME} is among them, run at createRuntime", None
+
+    def check_containerd(self):
+        from oci_gpu_hook.toolkit import containerd
+
+        if not (os.path.isdir(host_path(self.root, "/etc/containerd"))
+                or os.path.exists(host_path(self.root, "/usr/bin/containerd"))):  # fmt: skip
+            return PASS, "containerd is not installed: nothing to check", None
+        return containerd.hook_verdict(self.root, host_path)
 
     def check_docker(self):
         from oci_gpu_hook.toolkit.install import DOCKER_HOOK, DOCKER_HOOK_MARKER

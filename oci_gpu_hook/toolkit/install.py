@@ -6,6 +6,10 @@ What install writes, under --root (default /):
 |---|---|
 | /etc/containers/oci/hooks.d/oci-gpu-hook.json | podman and CRI-O (see docs/toolkit.md for why /etc) |
 | /etc/crio/crio.conf.d/50-oci-gpu-hook.conf | CRI-O, when its hooks_dir lacks the directory above: that list plus it |
+| /etc/containerd/oci-gpu-hook-base-spec.json | containerd's CRI plugin (--runtime containerd): its spec + the hook |
+| /etc/containerd/conf.d/oci-gpu-hook.toml | ... the CRI section naming that base spec (toolkit/containerd.py) |
+| /etc/containerd/config.toml | ... one line importing the drop-in, first (uninstall removes it); the file, when none |
+| /etc/containers/containers.conf.d/50-oci-gpu-hook.conf | podman, when its hooks_dir lacks it: that list plus it |
 | /etc/oci-gpu-hook/config.yaml | the default configuration, only when there is none |
 | /etc/systemd/system/oci-gpu-hook-refresh.{service,path} (+ wants links) | refresh at boot, on ld.so.cache change |
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
@@ -48,6 +52,7 @@ from oci_gpu_hook.start import files, settings
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 from oci_gpu_hook.toolkit import launcher
+from oci_gpu_hook.toolkit.runtime_config import toml_string
 from oci_gpu_hook.toolkit.tree import Tree, TreeError
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
@@ -55,6 +60,7 @@ HOOKS_D_DIR = "/etc/containers/oci/hooks.d"
 PACKAGE_HOOKS_D_DIR = "/usr/share/containers/oci/hooks.d"
 HOOKS_D_FILE = f"{HOOKS_D_DIR}/oci-gpu-hook.json"
 CRIO_DROPIN = "/etc/crio/crio.conf.d/50-oci-gpu-hook.conf"
+PODMAN_DROPIN = "/etc/containers/containers.conf.d/50-oci-gpu-hook.conf"
 CONFIG_FILE = settings.DEFAULT_PATH
 UNIT_DIR = "/etc/systemd/system"
 SERVICE = "oci-gpu-hook-refresh.service"
@@ -145,44 +151,29 @@ def write_hooks_dir(directory: str, argv_prefix) -> str:
     return directory
 
 
-def crio_dropin_text(dirs, source) -> str:
-    """The drop-in that adds the administrators' hooks directory to the list CRI-O reads now:
-    CRI-O's drop-ins replace lists, so it holds that whole list, in its order, with ours last.
-    The list comes from the administrators' files, and an entry may hold any character (a quote,
-    a backslash, a newline): each is written as a TOML string that reads back as exactly itself,
-    and the source's name, a file name, is made printable for its comment line."""
+def hooks_dir_dropin_text(runtime: str, table: str, dirs, source) -> str:
+    """The drop-in that adds the administrators' hooks directory to the list a runtime (CRI-O's
+    crio.conf.d, podman's containers.conf.d) reads now: their drop-ins replace lists, so it holds
+    that whole list, in its order, with ours last. The list comes from the administrators' files,
+    and an entry may hold any character (a quote, a backslash, a newline): each is written as a
+    TOML string that reads back as exactly itself, and the source's name, a file name, is made
+    printable for its comment line."""
     from oci_gpu_hook.errors import printable
 
     listed = ", ".join(toml_string(d) for d in dirs)
-    where = f"hooks_dir in {printable(source)}" if source else "CRI-O default"
+    where = f"hooks_dir in {printable(source)}" if source else f"{runtime} default"
     return (
-        "# Written by `oci-gpu-hook install`: CRI-O's hooks_dir did not include the administrators'\n"
+        f"# Written by `oci-gpu-hook install`: {runtime} hooks_dir did not include the administrators'\n"
         "# directory, where the GPU hook's hooks.d file is. A drop-in's list replaces the list before\n"
         f"# it, so this is that list ({where}) with it added.\n"
         "# Removed by `oci-gpu-hook uninstall`.\n"
-        "[crio.runtime]\n"
+        f"[{table}]\n"
         f"hooks_dir = [{listed}]\n"
     )
 
 
-# TOML's short escapes; any other control character (and DEL) is written as \uXXXX.
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def toml_string(text: str) -> str:
-    """text as a TOML basic string that reads back as exactly text: the quote and the backslash,
-    which would end the string or start an escape, and every control character and DEL, which
-    TOML does not allow raw (a newline would end the line: what follows could be a table of its
-    own), are escaped; everything else is written as it is (TOML files are UTF-8)."""
-    out = []
-    for c in text:
-        if c in _TOML_ESCAPES:
-            out.append(_TOML_ESCAPES[c])
-        elif c < " " or c == "\x7f":
-            out.append(f"\\u{ord(c):04x}")
-        else:
-            out.append(c)
-    return '"' + "".join(out) + '"'
+def crio_dropin_text(dirs, source) -> str:
+    return hooks_dir_dropin_text("CRI-O's", "crio.runtime", dirs, source)
 
 
 def crio_dropin(root: str):
@@ -200,6 +191,43 @@ def crio_dropin(root: str):
         raise InstallError(f"{host_path(root, source)}: sets CRI-O's hooks_dir after {CRIO_DROPIN} would, without "
                            f"{HOOKS_D_DIR}: add {HOOKS_D_DIR} to that list, then run install again")  # fmt: skip
     return Entry(CRIO_DROPIN, crio_dropin_text(dirs + [HOOKS_D_DIR], source))
+
+
+def podman_dropin_text(dirs, source) -> str:
+    return hooks_dir_dropin_text("podman's", "engine", dirs, source)
+
+
+def podman_builtin_hooks_dirs(root: str):
+    """The hooks directories the podman installed reads when no file sets hooks_dir: its own
+    answer on this host (versions differ); for an image tree, or with no podman to ask, None
+    (runtime_config's documented default)."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    if root != "/":
+        return None
+    try:
+        return runtime_config.podman_effective_hooks_dirs(builtin=True)
+    except (runtime_config.PodmanUnavailable, runtime_config.ConfigFileError):
+        return None
+
+
+def podman_dropin(root: str):
+    """The Entry for podman's drop-in, or None when podman already reads the administrators' hooks
+    directory. The list is podman's own as it stands without our drop-in (runtime_config.py)."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    try:
+        dirs, source = runtime_config.podman_hooks_dirs(root, without=PODMAN_DROPIN,
+                                                        default=podman_builtin_hooks_dirs(root))  # fmt: skip
+    except (runtime_config.ConfigFileError, runtime_config.TomlUnavailable) as e:
+        raise InstallError(f"{e}: cannot tell which hooks directories podman reads") from None
+    if HOOKS_D_DIR in dirs:
+        return None
+    # A drop-in read after ours (by name) would replace our list; the files before it we replace.
+    if source is not None and os.path.dirname(source) == runtime_config.PODMAN_DROPIN_DIR and source > PODMAN_DROPIN:
+        raise InstallError(f"{host_path(root, source)}: sets podman's hooks_dir after {PODMAN_DROPIN} would, "
+                           f"without {HOOKS_D_DIR}: add it to that list, then run install again")  # fmt: skip
+    return Entry(PODMAN_DROPIN, podman_dropin_text(dirs + [HOOKS_D_DIR], source))
 
 
 def _options(argv_prefix) -> list:
@@ -337,9 +365,11 @@ class Entry:
     (uninstall moves it back); without one, a file install did not write is never replaced."""
 
     def __init__(self, path: str, content: str | bytes | None = None, link: str | None = None, only_if_absent=False,
-                 mode: int = 0o644, set_aside: str | None = None):  # fmt: skip
+                 mode: int = 0o644, set_aside: str | None = None, edit: str | None = None):  # fmt: skip
         self.path, self.content, self.link, self.only_if_absent = path, content, link, only_if_absent
-        self.mode, self.set_aside = mode, set_aside
+        # edit: the administrators' file gets this first line (content: the file with it), which
+        # uninstall removes (the manifest's "edited"); the file itself never becomes install's.
+        self.mode, self.set_aside, self.edit = mode, set_aside, edit
 
     @property
     def checksum(self) -> str:
@@ -367,8 +397,12 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
         entries += launcher_entries(with_prefilter)
     if "podman" in runtimes or "crio" in runtimes:
         entries.append(Entry(HOOKS_D_FILE, hooks_d_text(argv_prefix)))
+    if "podman" in runtimes:
+        entries += [e for e in [podman_dropin(root)] if e is not None]
     if "crio" in runtimes:
         entries += [e for e in [crio_dropin(root)] if e is not None]
+    if "containerd" in runtimes:
+        entries += containerd_entries(root, argv_prefix)
     if "docker" in runtimes:
         entries.append(Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755, set_aside=DOCKER_HOOK_SAVED))
     entries.append(Entry(CONFIG_FILE, config_text(), only_if_absent=True))
@@ -400,13 +434,41 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
     return entries
 
 
+def containerd_entries(root: str, argv_prefix) -> list:
+    """The base spec, the drop-in naming it, and config.toml importing the drop-in (a line added
+    to the administrators' file, or the file itself where there is none): toolkit/containerd.py."""
+    from oci_gpu_hook.toolkit import containerd
+    from oci_gpu_hook.toolkit.runtime_config import TomlUnavailable
+
+    try:
+        with Tree(root) as tree:
+            config_text, created, dropin, spec = containerd.plan(tree, hooks_d_document(argv_prefix)["hook"])
+    except (containerd.ContainerdError, TomlUnavailable) as e:
+        raise InstallError(str(e)) from None
+    except OSError as e:
+        raise InstallError(f"{root}: {e.strerror}") from None
+    edit = None if created else containerd.IMPORT_LINE
+    return [Entry(containerd.BASE_SPEC, spec), Entry(containerd.DROPIN, dropin),
+            Entry(containerd.CONFIG, config_text, edit=edit)]  # fmt: skip
+
+
 # --- the manifest -------------------------------------------------------------------------------
 
 
 def _installable_paths() -> set:
     """Every path install can write (with any options): all a manifest may name."""
+    from oci_gpu_hook.toolkit import containerd
+
     entries = planned(("podman", "docker"), [launcher.LAUNCHER], node_services=True, device_plugin=True)
-    return {e.path for e in entries} | {CRIO_DROPIN, launcher.PYTHON_LAUNCHER}
+    return {e.path for e in entries} | {CRIO_DROPIN, PODMAN_DROPIN, launcher.PYTHON_LAUNCHER,
+                                        containerd.BASE_SPEC, containerd.DROPIN, containerd.CONFIG}  # fmt: skip
+
+
+def _edited_ok(edited) -> bool:
+    """The manifest's "edited": only the one line install adds to containerd's config.toml."""
+    from oci_gpu_hook.toolkit import containerd
+
+    return edited in ({}, {containerd.CONFIG: containerd.IMPORT_LINE})
 
 
 MANIFEST_LIMIT = 1 << 20  # what install writes is a few KiB
@@ -458,7 +520,7 @@ def _read_manifest(tree: Tree) -> dict:
     )
     dirs_ok = isinstance(doc["directories"], list) and all(d in parents for d in doc["directories"])
     saved_ok = doc.get("saved", {}) in ({}, {DOCKER_HOOK: DOCKER_HOOK_SAVED})
-    if not (files_ok and dirs_ok and saved_ok):
+    if not (files_ok and dirs_ok and saved_ok and _edited_ok(doc.get("edited", {}))):
         raise InstallError(f"{path}: names paths install never writes; not trusted (remove it, and what it "
                            "lists, by hand)")  # fmt: skip
     return doc
@@ -592,8 +654,29 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
     with _tree(root) as tree:
-        return _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
-                        warn)  # fmt: skip
+        lines = _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
+                         warn)  # fmt: skip
+    if "podman" in runtimes and root == "/" and warn is not None:
+        _check_podman_reads(warn)
+    return lines
+
+
+def _check_podman_reads(warn) -> None:
+    """Ask the podman installed whether it now reads the hooks.d directory: a file or setting
+    this podman reads that install does not know (another version's, $CONTAINERS_CONF) shows
+    here rather than as a container without its GPU."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    try:
+        dirs = runtime_config.podman_effective_hooks_dirs()
+    except runtime_config.PodmanUnavailable:
+        return
+    except runtime_config.ConfigFileError as e:
+        warn(f"{e}: cannot tell which hooks directories podman reads (oci-gpu-hook doctor checks it)")
+        return
+    if HOOKS_D_DIR not in dirs:
+        warn(f"podman reads hooks from {', '.join(dirs) or 'no directory'}, without {HOOKS_D_DIR}: add it to "
+             "containers.conf's hooks_dir (oci-gpu-hook doctor checks it)")  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -645,7 +728,7 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
         now = _current(path)
         if now is None or entry.only_if_absent or now == entry.checksum:
             continue
-        if entry.path in written:
+        if entry.path in written or entry.edit is not None:
             continue
         if entry.set_aside is not None:
             if not replace_nvidia_hook:
@@ -663,6 +746,11 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
             path = tree.entry(entry.path)
             now = _current(path)
             if now == entry.checksum:
+                continue
+            if entry.edit is not None:
+                _write_text(path, entry.content, stat.S_IMODE(os.stat(path).st_mode))  # the file's own mode
+                manifest.setdefault("edited", {})[entry.path] = entry.edit
+                lines.append(f"added to {path}: {entry.edit.strip()}")
                 continue
             if now is not None and entry.set_aside is not None and entry.path not in written:
                 # Another program's file (checked above: replacing it was asked for): aside.
@@ -692,6 +780,19 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
     return lines
 
 
+def _unedit(path: str, line: str) -> str:
+    """Remove the line install added first in path, leaving the file as it was; what uninstall says."""
+    try:
+        with open(path, "rb") as f:
+            data, mode = f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+    except FileNotFoundError:
+        return ""
+    if not data.startswith(line.encode()):
+        return f"kept {path}: its first line is no longer the one install added ({line.strip()})"
+    _write_text(path, data[len(line.encode()) :], mode)
+    return f"removed from {path}: {line.strip()}"
+
+
 def uninstall(root: str) -> list:
     root = os.path.abspath(root)
     if not os.path.isdir(root):
@@ -707,8 +808,8 @@ def _uninstall(tree: Tree) -> list:
     manifest = _read_manifest(tree)
     # Each directory uninstall removes or moves entries in must be root's alone, as for install;
     # every place is resolved inside the tree there, before anything is removed.
-    _check_destinations(tree, [Entry(p) for p in list(manifest["files"]) + list(manifest.get("saved", {}))],
-                        manifest["directories"])  # fmt: skip
+    _check_destinations(tree, [Entry(p) for p in list(manifest["files"]) + list(manifest.get("saved", {}))
+                               + list(manifest.get("edited", {}))], manifest["directories"])  # fmt: skip
     lines = []
     for relative, checksum in sorted(manifest["files"].items(), key=lambda kv: kv[0], reverse=True):
         path = tree.entry(relative)
@@ -720,6 +821,9 @@ def _uninstall(tree: Tree) -> list:
             continue
         os.unlink(path)
         lines.append(f"removed {path}")
+    for relative, line in sorted(manifest.get("edited", {}).items()):
+        said = _unedit(tree.entry(relative), line)
+        lines += [said] if said else []
     for relative, saved in sorted(manifest.get("saved", {}).items()):
         path, saved_path = tree.entry(relative), tree.entry(saved)
         if not os.path.lexists(saved_path):

@@ -1,7 +1,13 @@
 """What the container runtimes' own configuration files say about hooks directories, read as the
 runtimes read them (TOML), so that install and doctor follow the runtime instead of guessing.
 
-- podman: `engine.hooks_dir` in containers.conf, else its built-in pair (later masks earlier).
+- podman: `engine.hooks_dir` in /usr/share/containers/containers.conf, then
+  /etc/containers/containers.conf, then each *.conf in containers.conf.d in the order of their
+  names (containers/common's order; a later file's list replaces the list before it, unless it
+  ends with `{append = true}`), else the built-in default of the podman installed, which differs
+  between versions (4.x: the /usr/share directory alone), so that podman is asked for it
+  (`podman --help` prints the effective list as --hooks-dir's default). On the host itself
+  (root /), doctor asks podman for its effective list: podman's answer, whatever its version reads.
 - CRI-O: `crio.runtime.hooks_dir` in crio.conf, then in each file below crio.conf.d in the order
   of their names (every file: CRI-O does not look at the suffix). CRI-O does not merge lists: the
   last file that sets hooks_dir gives the whole list, and with none, its built-in default holds.
@@ -19,7 +25,11 @@ import stat
 from oci_gpu_hook.toolkit.tree import Tree
 
 PODMAN_CONF = "/etc/containers/containers.conf"
-PODMAN_DEFAULT_HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d", "/etc/containers/oci/hooks.d")
+PODMAN_CONFS = ("/usr/share/containers/containers.conf", PODMAN_CONF)
+PODMAN_DROPIN_DIR = "/etc/containers/containers.conf.d"
+# containers-common's documented default (its containers.conf's commented hooks_dir): what podman
+# 4 reads when no file sets hooks_dir; used where no podman can be asked (an image tree, no podman).
+PODMAN_DEFAULT_HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d",)
 CRIO_CONF = "/etc/crio/crio.conf"
 CRIO_DROPIN_DIR = "/etc/crio/crio.conf.d"
 # CRI-O's built-in hooks_dir (what `crio config --default` prints; a test compares the two).
@@ -46,6 +56,26 @@ def load_toml(text: str) -> dict:
     return tomllib.loads(text)
 
 
+# TOML's short escapes; any other control character (and DEL) is written as \uXXXX.
+_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """text as a TOML basic string that reads back as exactly text: the quote and the backslash,
+    which would end the string or start an escape, and every control character and DEL, which
+    TOML does not allow raw (a newline would end the line: what follows could be a table of its
+    own), are escaped; everything else is written as it is (TOML files are UTF-8)."""
+    out = []
+    for c in text:
+        if c in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[c])
+        elif c < " " or c == "\x7f":
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'
+
+
 def _tree(root: str) -> Tree:
     try:
         return Tree(root)
@@ -53,10 +83,15 @@ def _tree(root: str) -> Tree:
         raise ConfigFileError(f"{root}: unreadable ({e.strerror})") from None
 
 
-def toml_list(tree: Tree, file: str, keys: tuple):
+# containers/common (podman 5) appends an array to the one before it when it ends with this table.
+APPEND = {"append": True}
+
+
+def toml_list(tree: Tree, file: str, keys: tuple, appendable: bool = False):
     """The list of strings at `keys` (tables, then the key) in the tree's TOML file, or None when
     the file does not exist or does not set it. ConfigFileError when it is not valid TOML or the
-    value is not a list of strings: the runtime would refuse to start."""
+    value is not a list of strings: the runtime would refuse to start. appendable: the list may
+    end with APPEND, which stays in it."""
     path = tree.shown(file)
     try:
         fd = tree.open(file, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO there cannot hang us
@@ -81,17 +116,93 @@ def toml_list(tree: Tree, file: str, keys: tuple):
         if not isinstance(value, dict) or key not in value:
             return None
         value = value[key]
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+    strings = value[:-1] if appendable and isinstance(value, list) and value[-1:] == [APPEND] else value
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in strings):
         raise ConfigFileError(f"{path}: {'.'.join(keys)} is not an array of strings")
     return value
 
 
-def podman_hooks_dirs(root: str) -> list:
+def podman_files(tree: Tree) -> list:
+    """podman's containers.conf files (paths in the tree) in the order it reads them: the
+    packages', the administrators', then the *.conf files directly in containers.conf.d by name
+    (containers/common: no subdirectory, other suffixes ignored)."""
+    found = list(PODMAN_CONFS)
+    try:
+        fd = tree.open(PODMAN_DROPIN_DIR, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return found
+    except OSError as e:
+        raise ConfigFileError(f"{tree.shown(PODMAN_DROPIN_DIR)}: unreadable ({e.strerror})") from None
+    try:
+        with os.scandir(fd) as entries:
+            names = sorted(e.name for e in entries if e.name.endswith(".conf") and not e.is_dir())
+    finally:
+        os.close(fd)
+    return found + [f"{PODMAN_DROPIN_DIR}/{name}" for name in names]
+
+
+def podman_hooks_dirs(root: str, without: str | None = None, default=None) -> tuple:
+    """(hooks directories podman reads, the file that set them or None for the default), as if the
+    file `without` (install's drop-in) were not there. default: podman's built-in list (None:
+    containers-common's documented one)."""
+    dirs, source = list(PODMAN_DEFAULT_HOOKS_DIRS if default is None else default), None
     if not os.path.isdir(root):  # no tree (doctor --root of one to come): no file sets it
-        return list(PODMAN_DEFAULT_HOOKS_DIRS)
+        return dirs, source
     with _tree(root) as tree:
-        configured = toml_list(tree, PODMAN_CONF, ("engine", "hooks_dir"))
-    return list(PODMAN_DEFAULT_HOOKS_DIRS) if configured is None else configured
+        for path in podman_files(tree):
+            if path == without:
+                continue
+            configured = toml_list(tree, path, ("engine", "hooks_dir"), appendable=True)
+            if configured is not None:
+                appended = configured and configured[-1] == APPEND
+                dirs = dirs + configured[:-1] if appended else configured
+                source = path
+    return dirs, source
+
+
+class PodmanUnavailable(Exception):
+    """No podman to ask (or one without --hooks-dir: podman-remote)."""
+
+
+def podman_effective_hooks_dirs(builtin: bool = False) -> list:
+    """The hooks directories the podman on PATH reads, in its own words: `podman --help` prints
+    --hooks-dir's default, which is containers.conf's hooks_dir as this podman merged it (its
+    version's files, its drop-ins, $CONTAINERS_CONF) over its built-in default; pflag writes that
+    list as CSV in brackets. builtin: the built-in default alone (CONTAINERS_CONF=/dev/null: an
+    empty file, so that no file sets it)."""
+    import csv
+    import io
+    import re
+    import shutil
+    import subprocess
+
+    podman = shutil.which("podman")
+    if podman is None:
+        raise PodmanUnavailable("podman is not on PATH")
+    env = dict(os.environ)
+    if builtin:
+        env.pop("CONTAINERS_CONF_OVERRIDE", None)
+        env["CONTAINERS_CONF"] = "/dev/null"
+    try:
+        out = subprocess.run([podman, "--help"], capture_output=True, text=True, env=env, timeout=60,
+                             stdin=subprocess.DEVNULL)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise ConfigFileError(f"{podman} --help: {e}") from None
+    if out.returncode != 0:  # what it refuses is its configuration: containers.conf, $CONTAINERS_CONF
+        from oci_gpu_hook.errors import printable
+
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigFileError(f"{podman} --help failed: {printable(last)}")
+    match = re.search(r"^\s*--hooks-dir \S+\s+", out.stdout, re.M)
+    if match is None:
+        raise PodmanUnavailable(f"{podman} --help names no --hooks-dir")
+    # The default runs to the first "])" ending a line: an entry may hold a newline, which CSV
+    # quotes and pflag follows with the usage column's indentation (taken off again here).
+    rest = out.stdout[match.start() :].replace("\n" + " " * (match.end() - match.start()), "\n")
+    listed = re.match(r"[^\n]*?\(default \[(.*?)\]\)$", rest, re.M | re.S)
+    if listed is None:
+        return []  # pflag prints no default for an empty list
+    return next(csv.reader(io.StringIO(listed.group(1))), [])
 
 
 def crio_files(tree: Tree) -> list:

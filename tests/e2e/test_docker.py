@@ -1,36 +1,30 @@
-"""Docker's `--gpus` with the hook, end to end: a real dockerd (Debian's docker.io) started here
-(tests/dockercheck.py: its own socket, roots and cgroup parent; what it changes on the host is put
-back). `oci-gpu-hook install --runtime docker` writes the program dockerd looks for under a --root
-of the test's own, put first on dockerd's PATH.
+"""Docker's `--gpus` with the hook, end to end: a real dockerd (Debian's docker.io) as a host runs
+it, after `oci-gpu-hook install --runtime docker` as a user runs it (tests/dockercheck.HostDockerd:
+a private mount namespace with overlays, install writes /usr/bin/nvidia-container-runtime-hook
+there, dockerd starts with no flags and its own PATH, its settings in /etc/docker/daemon.json;
+what it changes outside the namespace is put back).
 """
 
 import os
 import re
 
 import pytest
-from dockercheck import Dockerd
+from dockercheck import HostDockerd
+from hookcheck import listed_uuids
 
 from oci_gpu_hook.toolkit import containers, install
 
 
 @pytest.fixture(scope="module")
 def docker(simulated_host, require, tmp_path_factory):
-    require("root", "runc", "busybox", "gcc", "dockerd", "docker")
+    require("root", "runc", "busybox", "gcc", "dockerd", "docker", "unshare")
     host = simulated_host(gpus=4, mig=[2])
     work = str(tmp_path_factory.mktemp("docker"))
-    root = os.path.join(work, "root")
-    os.mkdir(root)
-    prefix = containers.hook_command(f"{host['root']}/config.yaml")
-    assert install.install(root, ("docker",), prefix)
-    program_dir = os.path.join(root, "usr/bin")
-    assert os.listdir(program_dir) == ["nvidia-container-runtime-hook"]
-    with Dockerd(work, program_dir) as daemon:
-        rootfs = containers.make_rootfs(os.path.join(work, "rootfs"))
-        yield daemon.client, host, daemon.import_image(rootfs, "localhost/ocigpu-docker:test")
-
-
-def uuids(stdout):
-    return re.findall(r"UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", stdout)
+    rootfs = containers.make_rootfs(os.path.join(work, "rootfs"))
+    cli = containers.hook_command(f"{host['root']}/config.yaml")
+    with HostDockerd(work, cli, rootfs, "localhost/ocigpu-docker:test") as daemon:
+        assert f"wrote {install.DOCKER_HOOK}" in daemon.before["install"]["stdout"], daemon.before["install"]
+        yield daemon.client, host, daemon.tag
 
 
 def all_uuids(host):
@@ -54,7 +48,7 @@ def test_gpus_flag(docker, case):
     gpus, expected = CASES[case]
     out = client.run(gpus(host), "nvidia-smi -L; echo VISIBLE=$NVIDIA_VISIBLE_DEVICES", image)
     assert out.returncode == 0, out.stderr
-    assert uuids(out.stdout) == expected(host)
+    assert listed_uuids(out.stdout) == expected(host)
     # Only the chosen GPUs' nodes are in the container.
     nodes = client.run(gpus(host), "ls /dev", image).stdout.split()
     minors = {g["minor"] for g in host["gpus"] if g["uuid"] in expected(host)}

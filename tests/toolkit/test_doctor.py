@@ -228,6 +228,8 @@ def _write(root, path, text):
 
 
 OURS = install.HOOKS_D_DIR
+# A drop-in podman reads after install's, whose hooks_dir list (when it sets one) is the one podman uses.
+LOCAL_PODMAN_DROPIN = "/etc/containers/containers.conf.d/99-local.conf"
 # (what the regex got wrong, containers.conf, the hooks_dir podman reads: None for its default)
 CONTAINERS_CONF = [
     ("'#' inside a string", '[engine]\nhooks_dir = ["/opt/hooks#gpu"]\n', ["/opt/hooks#gpu"]),
@@ -245,10 +247,11 @@ CONTAINERS_CONF = [
 
 @pytest.mark.parametrize("name, text, dirs", CONTAINERS_CONF, ids=[c[0] for c in CONTAINERS_CONF])
 def test_containers_conf_is_read_as_podman_reads_it(installed_root, name, text, dirs):
-    _write(installed_root, "/etc/containers/containers.conf", text)
+    _write(installed_root, LOCAL_PODMAN_DROPIN, text)
     assert _regex_answer(text) != dirs  # the case the regular expressions got wrong
     doc = doctor.Doctor(settings.Settings(), installed_root)
-    expected = dirs if dirs is not None else list(runtime_config.PODMAN_DEFAULT_HOOKS_DIRS)
+    # Not set there: install's drop-in's list (the default and ours) holds.
+    expected = dirs if dirs is not None else list(runtime_config.PODMAN_DEFAULT_HOOKS_DIRS) + [OURS]
     assert doc.hooks_d_file()[2] == expected
     status, summary, _ = doc.check_hooks_d()
     assert status == (doctor.PASS if OURS in expected else doctor.FAIL), summary
@@ -293,7 +296,7 @@ def test_a_malformed_toml_file_is_a_fail_naming_the_file(installed_root, hook_cl
 def test_before_python_3_11_tomli_parses(installed_root, monkeypatch, require):
     """Without tomllib, the tomli distribution (the same parser and API); without either, the
     checks that read TOML say they were not run."""
-    _write(installed_root, "/etc/containers/containers.conf", '[engine]\nhooks_dir = ["/opt/gpu-hooks"]\n')
+    _write(installed_root, LOCAL_PODMAN_DROPIN, '[engine]\nhooks_dir = ["/opt/gpu-hooks"]\n')
     doc = doctor.Doctor(settings.Settings(), installed_root)
     parser_name = "tomllib" if sys.version_info >= (3, 11) else "tomli"
     require(parser_name)  # the standard library's from 3.11; before, the package the RPM recommends

@@ -150,7 +150,7 @@ def test_docker_round_trip_and_the_program(root):
 def test_the_docker_program_hands_over_its_arguments(root):
     """What dockerd runs (`nvidia-container-runtime-hook prestart`) reaches the hook's own command
     line: shown here with --version, which needs no container, run from an empty environment."""
-    install.install(root, ("docker",), [sys.executable, "-I", "-m", "oci_gpu_hook"])
+    install.install(root, ("docker",), install.interpreter_command())
     out = subprocess.run([root + install.DOCKER_HOOK, "--version"], capture_output=True, text=True, env={},
                          cwd="/")  # fmt: skip
     assert out.returncode == 0 and "oci-gpu-hook" in out.stdout, out.stderr
@@ -619,7 +619,7 @@ def test_the_issues_own_tree_leaves_the_hosts_etc_alone(root, tmp_path, require)
     out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, sys.executable, root,
                           str(listing)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == install.InstallError.exit_code, out.stdout + out.stderr
-    assert out.stderr.count("\n") == 1 and "too many levels of symbolic links" in out.stderr, out.stderr
+    assert out.stderr.count("\n") == 1 and "too many levels of symbolic links" in out.stderr.lower(), out.stderr
     assert listing.read_text() == "" and snapshot(root) == before
 
 
@@ -697,7 +697,7 @@ def test_the_runtimes_configuration_is_read_inside_the_tree(root, tmp_path):
     _crio_file(host, "/crio.conf", ["/the/hosts/own"])
     _link(root, "etc/containers/containers.conf", os.path.join(host, "containers.conf"))
     _link(root, "etc/crio", host)
-    assert runtime_config.podman_hooks_dirs(root) == list(runtime_config.PODMAN_DEFAULT_HOOKS_DIRS)
+    assert runtime_config.podman_hooks_dirs(root) == (list(runtime_config.PODMAN_DEFAULT_HOOKS_DIRS), None)
     assert runtime_config.crio_hooks_dirs(root) == (list(runtime_config.CRIO_DEFAULT_HOOKS_DIRS), None)
     # A link that stays inside the tree, absolute as in the image, is followed there.
     os.makedirs(os.path.join(root, "usr/share/crio"))
@@ -738,3 +738,93 @@ def test_a_trees_links_that_stay_inside_it_keep_working(root, tmp_path, hook_cli
     gone = hook_cli("uninstall", "--root", root)
     assert gone.returncode == 0 and f"removed {units}/{install.SERVICE}" in gone.stdout, gone.stdout + gone.stderr
     assert snapshot(root) == before
+
+
+# ---- podman's hooks_dir, checked against what the real podman merges -----------------------------
+
+PACKAGES = "/usr/share/containers/oci/hooks.d"
+# Entries that TOML, podman's list and its --help's CSV must each keep as they are.
+ODD = ['/opt/gpu "hooks", d', "/opt/back\\slash", "/opt/new\nline"]
+
+
+def podman_reads(root):
+    """The hooks directories the real podman reads with the tree's containers.conf files in place of
+    the host's (a private mount namespace; /usr/share/containers empty where the tree has none),
+    in podman's own words (`podman --help`, runtime_config.podman_effective_hooks_dirs)."""
+    mounts = []
+    for directory in ("/etc/containers", "/usr/share/containers"):
+        source = root + directory
+        mounts.append(f"mount --bind {source} {directory}" if os.path.isdir(source)
+                      else f"mount -t tmpfs -o mode=0755 podman-reads {directory}")  # fmt: skip
+    code = ("import json; from oci_gpu_hook.toolkit import runtime_config as r; "
+            "print(json.dumps(r.podman_effective_hooks_dirs()))")  # fmt: skip
+    out = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", " && ".join(mounts) +
+                          ' && exec "$0" -I -c "$1"', sys.executable, code], capture_output=True, text=True,
+                         timeout=120, env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _podman_file(root, path, dirs):
+    full = root + path
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    with open(full, "w") as f:
+        f.write("[engine]\n" + (f"hooks_dir = {json.dumps(dirs)}\n" if dirs is not None else ""))
+
+
+@pytest.mark.parametrize(
+    "files, dropin",
+    [({}, True),
+     ({"/etc/containers/containers.conf": ["/opt/a", *ODD]}, True),
+     ({"/etc/containers/containers.conf": ["/opt/a", ADMINS]}, False),
+     ({"/usr/share/containers/containers.conf": [PACKAGES, "/opt/pkg"],
+       "/etc/containers/containers.conf.d/10-site.conf": [OPENSHIFT, PACKAGES]}, True),
+     ({"/etc/containers/containers.conf.d/10-site.conf": ["/opt/a"],
+       "/etc/containers/containers.conf.d/20-not-conf.toml": ["/opt/not-read"]}, True),
+     ({"/etc/containers/containers.conf": []}, True),
+     ({"/etc/containers/containers.conf": None}, True)],
+    ids=["no-files", "odd-entries", "ours-already-listed", "drop-in-over-packages", "only-conf-suffix", "empty-list",
+         "no-hooks-dir"],
+)  # fmt: skip
+def test_podman_keeps_every_hooks_dir_it_had_and_reads_ours(root, require, files, dropin):
+    """podman's containers.conf files replace lists as CRI-O's do: install adds the administrators'
+    directory to the list podman reads now (its files in its order, else its default), writes
+    nothing when it is there, and uninstall leaves podman as it was: each checked in what the real
+    podman merges."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    require("root", "podman", "unshare")
+    for path, dirs in files.items():
+        _podman_file(root, path, dirs)
+    before = podman_reads(root)
+    assert runtime_config.podman_hooks_dirs(root)[0] == before  # read as podman reads it
+    tree = snapshot(root)
+    install.install(root, ("podman",), PREFIX)
+    assert os.path.exists(root + install.PODMAN_DROPIN) == dropin
+    after = podman_reads(root)
+    assert after == (before + [ADMINS] if dropin else before)  # every directory kept, in its order
+    assert install.install(root, ("podman",), PREFIX) == []  # again: nothing to change
+    install.uninstall(root)
+    assert podman_reads(root) == before and snapshot(root) == tree
+
+
+def test_a_podman_drop_in_read_after_ours_that_leaves_ours_out_is_refused(root):
+    late = "/etc/containers/containers.conf.d/99-late.conf"
+    _podman_file(root, late, [OPENSHIFT])
+    _podman_file(root, "/usr/share/containers/containers.conf", [PACKAGES])  # read before: replaced, fine
+    tree = snapshot(root)
+    with pytest.raises(HookError) as e:
+        install.install(root, ("podman",), PREFIX)
+    assert e.value.message.startswith(f"{root}{late}: sets podman's hooks_dir after {install.PODMAN_DROPIN} would")
+    assert "\n" not in e.value.message and snapshot(root) == tree
+
+
+def test_podman_s_append_marker_adds_to_the_list_before(root):
+    """podman 5 (containers/common 0.57+): a list ending with {append = true} adds to the one before."""
+    from oci_gpu_hook.toolkit import runtime_config
+
+    os.makedirs(root + "/etc/containers/containers.conf.d")
+    with open(root + "/etc/containers/containers.conf.d/10-more.conf", "w") as f:
+        f.write('[engine]\nhooks_dir = ["/opt/more", {append = true}]\n')
+    dirs, source = runtime_config.podman_hooks_dirs(root)
+    assert (dirs, source) == ([PACKAGES, "/opt/more"], "/etc/containers/containers.conf.d/10-more.conf")

@@ -1,0 +1,214 @@
+"""containerd's CRI plugin, wired for the hook: what `install --runtime containerd` writes, and
+what doctor reads, both taken from containerd itself (`containerd config dump`, `ctr oci spec`),
+never from a table of its defaults.
+
+The way is a base runtime spec: containerd's own default spec (`ctr oci spec`) with the hook at
+prestart, named by `base_runtime_spec` for every runtime of the CRI plugin. Every container the
+CRI plugin creates starts from it, and the hook acts only for those that ask for GPUs
+(docs/toolkit.md says why this and not CDI).
+
+The setting goes into a drop-in, /etc/containerd/conf.d/oci-gpu-hook.toml, that config.toml
+imports. containerd 1.x reads no drop-in directory by itself, and an imported file replaces a
+plugin's whole section (containerd 1.6 merges `plugins` one plugin at a time, not key by key: a
+drop-in holding base_runtime_spec alone would reset every other CRI setting to its default). So
+the drop-in holds the CRI plugin's whole section as containerd reads it without the drop-in
+(`containerd config dump`), with base_runtime_spec added; and config.toml gets one line,
+IMPORT_LINE, first, which uninstall removes, leaving the file byte for byte as it was. Without a
+config.toml (containerd's defaults hold), install writes one that imports the drop-in, and
+uninstall removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+
+from oci_gpu_hook.toolkit.runtime_config import ConfigFileError, load_toml, toml_string
+
+CONFIG = "/etc/containerd/config.toml"
+DROPIN = "/etc/containerd/conf.d/oci-gpu-hook.toml"
+BASE_SPEC = "/etc/containerd/oci-gpu-hook-base-spec.json"
+CRI = "io.containerd.grpc.v1.cri"
+IMPORT_LINE = f'imports = ["{DROPIN}"]  # added by `oci-gpu-hook install`, removed by `oci-gpu-hook uninstall`\n'
+# What install writes where there was no config.toml: containerd's defaults, and the drop-in.
+CREATED_CONFIG = "version = 2\n" + IMPORT_LINE
+TIMEOUT = 30
+
+
+class ContainerdError(Exception):
+    """containerd's configuration cannot take the hook as install writes it (one line, with the fix)."""
+
+
+def _run(argv) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise ContainerdError(f"{argv[0]}: not found on PATH (is containerd installed?)") from None
+    except subprocess.TimeoutExpired:
+        raise ContainerdError(f"{' '.join(argv)}: no answer in {TIMEOUT} s") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise ContainerdError(f"{' '.join(argv)}: {last}")
+    return proc.stdout
+
+
+def dump(text: str | None = None, config_file: str | None = None) -> dict:
+    """The configuration containerd runs with (`containerd config dump`, every default filled in)
+    for the config file config_file, or for a config.toml holding text (None: no config.toml, which
+    containerd reads as an empty version 2 file)."""
+    if config_file is not None:
+        return load_toml(_run(["containerd", "--config", config_file, "config", "dump"]))
+    with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-containerd.") as directory:
+        path = os.path.join(directory, "config.toml")
+        with open(path, "w") as f:
+            f.write("version = 2\n" if text is None else text)
+        return load_toml(_run(["containerd", "--config", path, "config", "dump"]))
+
+
+def default_spec() -> dict:
+    """containerd's default OCI spec: what the CRI plugin starts from without a base spec."""
+    return json.loads(_run(["ctr", "oci", "spec"]))
+
+
+def base_spec_text(hook: dict) -> str:
+    """containerd's default spec with hook (an OCI hook entry: the one hooks.d files hold) at prestart."""
+    spec = default_spec()
+    spec.setdefault("hooks", {}).setdefault("prestart", []).append(dict(hook))
+    return json.dumps(spec, indent=2) + "\n"
+
+
+def read_config(tree) -> bytes | None:
+    """The tree's config.toml as containerd opens it (links followed inside the tree), or None."""
+    try:
+        fd = tree.open(CONFIG, os.O_RDONLY | os.O_NONBLOCK)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise ContainerdError(f"{tree.shown(CONFIG)}: unreadable ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def without_import(data: bytes) -> bytes:
+    """config.toml as it was before install added its line."""
+    line = IMPORT_LINE.encode()
+    return data[len(line) :] if data.startswith(line) else data
+
+
+def plan(tree, hook: dict) -> tuple:
+    """(config.toml's text with the import, whether install creates the file (else it edits the
+    administrators' file), the drop-in's text, the base spec's text). ContainerdError when
+    containerd's configuration cannot take them."""
+    shown = tree.shown(CONFIG)
+    if os.path.islink(tree.entry(CONFIG)):  # edited in place, it would become a file: not as it was
+        raise ContainerdError(f"{shown}: a symlink, which install does not edit: wire base_runtime_spec by hand "
+                              "(docs/kubernetes.md, containerd)")  # fmt: skip
+    data = read_config(tree)
+    created = data is None or data == CREATED_CONFIG.encode()
+    if created:
+        config_text, user_text = CREATED_CONFIG, None
+    else:
+        try:
+            user_text = without_import(data).decode("utf-8")
+            user = load_toml(user_text)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ContainerdError(f"{shown}: not valid TOML ({e}): containerd cannot read it either") from None
+        if user.get("version") != 2:
+            raise ContainerdError(f"{shown}: config version {user.get('version', 1)}; install wires version 2 "
+                                  "(containerd 1.5 to 1.7): migrate the file, then run install again")  # fmt: skip
+        if "imports" in user:
+            raise ContainerdError(f"{shown}: has imports of its own, which install does not edit: wire "
+                                  "base_runtime_spec by hand (docs/kubernetes.md, containerd)")  # fmt: skip
+        config_text = IMPORT_LINE + user_text
+    merged = dump(user_text)
+    if CRI in merged.get("disabled_plugins", []):
+        raise ContainerdError(f"{shown}: disabled_plugins lists {CRI}: this containerd serves no CRI "
+                              "(Kubernetes); nothing to wire")  # fmt: skip
+    cri = merged.get("plugins", {}).get(CRI)
+    runtimes = (cri or {}).get("containerd", {}).get("runtimes") or {}
+    if not runtimes:
+        raise ContainerdError(f"{shown}: containerd's CRI plugin has no runtimes to give a base spec")
+    for name, runtime in sorted(runtimes.items()):
+        spec = runtime.get("base_runtime_spec", "")
+        if spec not in ("", BASE_SPEC):
+            raise ContainerdError(f"{shown}: runtime {name} already has base_runtime_spec {spec}: add the hook's "
+                                  f"prestart entry from {BASE_SPEC} to that file by hand")  # fmt: skip
+        runtime["base_runtime_spec"] = BASE_SPEC
+    dropin = (
+        "# Written by `oci-gpu-hook install --runtime containerd`, imported by config.toml; removed by\n"
+        "# `oci-gpu-hook uninstall`. containerd replaces a plugin's whole section with an imported one,\n"
+        "# so this is the CRI plugin's section as containerd read it then (`containerd config dump`)\n"
+        f"# with base_runtime_spec = {BASE_SPEC} for every runtime: after changing CRI settings in\n"
+        "# config.toml, run install again.\n"
+        "version = 2\n\n" + toml_tables({"plugins": {CRI: cri}})
+    )
+    return config_text, created, dropin, base_spec_text(hook)
+
+
+# --- TOML, written ------------------------------------------------------------------------------
+
+
+def _key(key: str) -> str:
+    plain = key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key)
+    return key if plain else toml_string(key)
+
+
+def _value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return toml_string(value)
+    if isinstance(value, list) and not any(isinstance(v, dict) for v in value):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    raise ContainerdError(f"containerd config dump: a value install cannot write back ({type(value).__name__})")
+
+
+def toml_tables(table: dict, path: tuple = ()) -> str:
+    """table as TOML that reads back as exactly table: its keys, then each sub-table under its
+    full header (an empty table keeps its header: containerd shows it so)."""
+    lines = [f"[{'.'.join(_key(k) for k in path)}]"] if path else []
+    lines += [f"{_key(k)} = {_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
+    text = "\n".join(lines) + ("\n" if lines else "")
+    for k, v in table.items():
+        if isinstance(v, dict):
+            text += ("\n" if text else "") + toml_tables(v, path + (k,))
+    return text
+
+
+# --- doctor -------------------------------------------------------------------------------------
+
+
+def hook_verdict(root: str, host_path) -> tuple:
+    """(status, summary, fix) for doctor: will containerd's CRI plugin, as its config.toml stands
+    (read by containerd itself), run the hook?"""
+    fix = "oci-gpu-hook install --runtime containerd, then systemctl restart containerd"
+    config = host_path(root, CONFIG)
+    try:
+        merged = dump(config_file=config) if os.path.exists(config) else dump()
+    except (ContainerdError, ConfigFileError, ValueError) as e:
+        return "FAIL", f"{e} (containerd cannot read its configuration)", "correct the file"
+    if CRI in merged.get("disabled_plugins", []):
+        return "PASS", f"containerd's CRI plugin is disabled ({config}): no Kubernetes containers to wire", None
+    settings = merged.get("plugins", {}).get(CRI, {}).get("containerd", {})
+    name = settings.get("default_runtime_name", "runc")
+    spec = settings.get("runtimes", {}).get(name, {}).get("base_runtime_spec", "")
+    where = f"containerd's CRI plugin runs runtime {name}"
+    if not spec:
+        return "FAIL", f"{where} with no base_runtime_spec: pods asking for GPUs get none", fix
+    try:
+        with open(host_path(root, spec)) as f:
+            hooks = json.load(f).get("hooks", {})
+    except (OSError, ValueError, AttributeError) as e:
+        return "FAIL", f"{where} with base_runtime_spec {spec}, unreadable ({e}): containers fail to start", fix
+    for hook in (hooks.get("prestart") or []) + (hooks.get("createRuntime") or []):
+        path, args = hook.get("path", ""), hook.get("args") or []
+        ours = os.path.basename(path) == "oci-gpu-hook" or "oci_gpu_hook" in args
+        if ours and "prestart" in args:
+            if not os.access(host_path(root, path), os.X_OK):
+                return "FAIL", f"{spec}: the hook {path} is not an executable: containers fail to start", fix
+            return "PASS", f"{where} from {spec}, whose prestart hook runs {path} (restart it after install)", None
+    return "FAIL", f"{where} from {spec}, which has no oci-gpu-hook prestart hook: pods asking for GPUs get none", fix
