@@ -74,10 +74,28 @@ def test_labels_runs_with_nothing_it_does_not_need():
     volumes = {v["name"]: v for v in pod_spec()["volumes"]}
     mounted = {m["name"] for m in labels["volumeMounts"]}
     assert "run" not in mounted and "device-plugins" not in mounted  # the records, the kubelet's sockets
-    heartbeats = volumes["heartbeats"]
-    assert "emptyDir" in heartbeats and "hostPath" not in heartbeats
+    (beats,) = [m["name"] for m in labels["volumeMounts"] if m["mountPath"] == "/run/oci-gpu-hook-node"]
+    assert "emptyDir" in volumes[beats] and "hostPath" not in volumes[beats]
     # The kubelet's default /dev/termination-log cannot be made in a read-only /dev.
     assert labels["terminationMessagePath"].startswith("/run/oci-gpu-hook-node/")
+
+
+def test_what_an_unprivileged_container_may_write_is_its_own():
+    """Round 4, class 9, again: labels was made unprivileged so that whoever took it over could
+    change nothing of the privileged containers'. But its heartbeat volume, which it writes, was
+    the watchdog's too: it could keep the watchdog's heartbeat fresh while the watchdog hung, or
+    make it a directory so that the kubelet restarted the watchdog forever, and plant a link where
+    the runtime makes the watchdog's termination log (in that volume) at its next start. A volume
+    an unprivileged container may write is mounted by no other container, read-only or not."""
+    privileged = {name for name, c in containers().items() if (c.get("securityContext") or {}).get("privileged")}
+    for name, c in containers().items():
+        if name in privileged:
+            continue
+        writable = {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")}
+        for other, o in containers().items():
+            if other != name:
+                shared = writable & {m["name"] for m in o["volumeMounts"]}
+                assert not shared, f"{name} may write {sorted(shared)}, which {other} mounts too"
 
 
 def test_host_paths_must_exist_but_the_records_directory():

@@ -238,7 +238,7 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
         "3", "NVIDIA-A100-SXM4-40GB", "none", "1"]  # fmt: skip
     assert f"oci-gpu-hook labels: {config['node']['features_file']}: labels written" in cluster.log_of(pod, "labels")
     # The watchdog says what it watches (the hook's records), and beats: its liveness probe's file
-    # (in the pod's own heartbeats volume) is touched again after each scan.
+    # (in the watchdog's own emptyDir) is touched again after each scan.
     watchdog = service_pid(pod, "watchdog")
     records = config["records_directory"]
     assert f"oci-gpu-hook watchdog: watching {records} every 1 s: policy kill" in cluster.log_of(pod, "watchdog")
