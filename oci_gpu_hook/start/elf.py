@@ -11,6 +11,7 @@ library only, bounded reads.
 
 from __future__ import annotations
 
+import os
 import struct
 
 from oci_gpu_hook.record import Record
@@ -49,6 +50,7 @@ def read_dynamic(path: str) -> tuple:
 def read(path: str) -> Dynamic:
     """How the ELF file at path is loaded. NotElf or OSError otherwise."""
     with open(path, "rb") as f:
+        end = os.fstat(f.fileno()).st_size
         head = f.read(64)
         if len(head) < 52 or head[:4] != b"\x7fELF" or head[4] not in (1, 2) or head[5] not in (1, 2):
             raise NotElf(f"{path}: not an ELF file")
@@ -64,8 +66,7 @@ def read(path: str) -> Dynamic:
                 order + "HH", head, 42)  # fmt: skip
         if phnum > MAX_HEADERS or phentsize < (56 if wide else 32):
             raise NotElf(f"{path}: implausible program headers")
-        f.seek(phoff)
-        table = f.read(phentsize * phnum)
+        table = _read_at(f, phoff, phentsize * phnum, end, path)
         loads, dynamic, interpreter = [], None, None
         for i in range(phnum):
             entry = table[i * phentsize : (i + 1) * phentsize]
@@ -80,11 +81,10 @@ def read(path: str) -> Dynamic:
             elif kind == PT_DYNAMIC:
                 dynamic = (offset, min(filesz, MAX_DYNAMIC))
             elif kind == PT_INTERP:
-                interpreter = _string(f, offset, min(filesz, MAX_NAME), path)
+                interpreter = _string(f, offset, min(filesz, MAX_NAME), end, path)
         if dynamic is None:
             return Dynamic(wide, machine, interpreter, None, (), None, None)
-        f.seek(dynamic[0])
-        data = f.read(dynamic[1])
+        data = _read_at(f, dynamic[0], dynamic[1], end, path)
         size = 16 if wide else 8
         fmt = order + ("qQ" if wide else "iI")
         entries = []
@@ -105,7 +105,8 @@ def read(path: str) -> Dynamic:
             # Each name read where it is: a C++ library's string table runs to megabytes.
             if strsz is not None and offset >= strsz:
                 raise NotElf(f"{path}: a name past the end of its string table")
-            return _string(f, strtab + offset, MAX_NAME if strsz is None else min(MAX_NAME, strsz - offset), path)
+            limit = MAX_NAME if strsz is None else min(MAX_NAME, strsz - offset)
+            return _string(f, strtab + offset, limit, end, path)
 
         def first(tag: int):
             return next((name(v) for t, v in entries if t == tag), None)
@@ -114,10 +115,19 @@ def read(path: str) -> Dynamic:
         return Dynamic(wide, machine, interpreter, first(DT_SONAME), needed, first(DT_RPATH), first(DT_RUNPATH))
 
 
-def _string(f, offset: int, limit: int, path: str) -> str:
-    """The NUL-terminated string at offset, as the file system would take it (surrogateescape)."""
+def _read_at(f, offset: int, limit: int, size: int, path: str) -> bytes:
+    """Up to limit bytes at offset. Every offset a file states goes through here: one past the
+    file's end (up to 2**64 - 1 in a crafted header) is NotElf, never a seek the C library
+    refuses with ValueError or EINVAL, which would end the hook or install in a traceback."""
+    if offset > size:
+        raise NotElf(f"{path}: an offset past the end of the file")
     f.seek(offset)
-    data = f.read(limit)
+    return f.read(limit)
+
+
+def _string(f, offset: int, limit: int, size: int, path: str) -> str:
+    """The NUL-terminated string at offset, as the file system would take it (surrogateescape)."""
+    data = _read_at(f, offset, limit, size, path)
     end = data.find(b"\0")
     if end < 0 and len(data) < limit:
         raise NotElf(f"{path}: a name runs past the end of the file")

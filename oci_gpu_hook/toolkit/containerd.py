@@ -80,15 +80,14 @@ def base_spec_text(hook: dict) -> str:
 
 
 def read_config(tree) -> bytes | None:
-    """The tree's config.toml as containerd opens it (links followed inside the tree), or None."""
+    """The tree's config.toml as containerd opens it (links followed inside the tree), or None.
+    A regular file only, bounded (tree.py: an image's device node there is never opened)."""
     try:
-        fd = tree.open(CONFIG, os.O_RDONLY | os.O_NONBLOCK)
+        return tree.read(CONFIG)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as e:
         raise ContainerdError(f"{tree.shown(CONFIG)}: unreadable ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        return f.read()
 
 
 def without_import(data: bytes) -> bytes:
@@ -185,12 +184,31 @@ def toml_tables(table: dict, path: tuple = ()) -> str:
 def hook_verdict(root: str, host_path) -> tuple:
     """(status, summary, fix) for doctor: will containerd's CRI plugin, as its config.toml stands
     (read by containerd itself), run the hook?"""
+    from oci_gpu_hook.toolkit.tree import Tree
+
     fix = "oci-gpu-hook install --runtime containerd, then systemctl restart containerd"
     config = host_path(root, CONFIG)
     try:
-        merged = dump(config_file=config) if os.path.exists(config) else dump()
-    except (ContainerdError, ConfigFileError, ValueError) as e:
-        return "FAIL", f"{e} (containerd cannot read its configuration)", "correct the file"
+        tree = Tree(root)
+    except OSError as e:
+        return "FAIL", f"{root}: {e.strerror}", "correct the file"
+    with tree:
+        try:
+            # An image tree's files are its author's: read as the image reads them (links inside
+            # the tree), a regular file only and bounded (tree.read), so that neither a link out of
+            # the tree nor a device node there (/dev/zero's numbers were read until memory ran out)
+            # is what doctor reads. On the host, containerd reads its own file and its imports.
+            if root == "/":
+                merged = dump(config_file=config) if os.path.exists(config) else dump()
+            else:
+                data = read_config(tree)
+                merged = dump(None if data is None else data.decode("utf-8", "replace"))
+        except (ContainerdError, ConfigFileError, ValueError) as e:
+            return "FAIL", f"{e} (containerd cannot read its configuration)", "correct the file"
+        return _verdict(root, host_path, tree, merged, config, fix)
+
+
+def _verdict(root: str, host_path, tree, merged: dict, config: str, fix: str) -> tuple:
     if CRI in merged.get("disabled_plugins", []):
         return "PASS", f"containerd's CRI plugin is disabled ({config}): no Kubernetes containers to wire", None
     settings = merged.get("plugins", {}).get(CRI, {}).get("containerd", {})
@@ -200,8 +218,7 @@ def hook_verdict(root: str, host_path) -> tuple:
     if not spec:
         return "FAIL", f"{where} with no base_runtime_spec: pods asking for GPUs get none", fix
     try:
-        with open(host_path(root, spec)) as f:
-            hooks = json.load(f).get("hooks", {})
+        hooks = json.loads(tree.read(spec)).get("hooks", {})
     except (OSError, ValueError, AttributeError) as e:
         return "FAIL", f"{where} with base_runtime_spec {spec}, unreadable ({e}): containers fail to start", fix
     for hook in (hooks.get("prestart") or []) + (hooks.get("createRuntime") or []):

@@ -538,16 +538,31 @@ def _write_text(path: str, text: str | bytes, mode: int = 0o644) -> None:
     files.write_atomically(path, text if isinstance(text, bytes) else text.encode(), mode)
 
 
+# More than anything install writes (the pre-filter is the largest, some KiB): a file larger is
+# not one of install's, and is never read whole.
+CURRENT_LIMIT = 16 << 20
+
+
 def _current(path: str):
-    """The checksum of what is at path now, or None when nothing is."""
+    """The checksum of what is at path now, or None when nothing is. An image's author chooses
+    what is at each destination under --root (an 8 GiB sparse file there was read whole into
+    memory): only a regular file up to CURRENT_LIMIT is read, anything else is "other", never
+    install's."""
     if os.path.islink(path):
         return "link:" + os.readlink(path)
     if not os.path.lexists(path):
         return None
-    if not os.path.isfile(path):
+    if not os.path.isfile(path):  # by stat: a device node there is never opened
         return "other"
-    with open(path, "rb") as f:
-        return "sha256:" + hashlib.sha256(f.read()).hexdigest()
+    try:
+        data = files.read_bounded(path, CURRENT_LIMIT, nofollow=True, regular=True)
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.ELOOP):  # only root could have swapped it since
+            return "other"
+        raise
+    if len(data) > CURRENT_LIMIT:
+        return "other"
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 def _makedirs(tree: Tree, directory: str, created: list) -> None:
@@ -781,12 +796,25 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
 
 
 def _unedit(path: str, line: str) -> str:
-    """Remove the line install added first in path, leaving the file as it was; what uninstall says."""
+    """Remove the line install added first in path, leaving the file as it was; what uninstall says.
+
+    path is the tree's own entry (tree.entry: no link before its last component), and the file
+    is read only if it is one: install edits a file, never a link (containerd.plan refuses one),
+    so a link there is the tree's author's, and followed it would read the build host's own
+    config.toml (from the host's /) into the tree. Not blocking: a FIFO there would hang uninstall."""
     try:
-        with open(path, "rb") as f:
-            data, mode = f.read(), stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return ""
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        return f"kept {path}: a symlink, where install edited a file"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return f"kept {path}: not a file, where install edited one"
+        data, mode = f.read(), stat.S_IMODE(st.st_mode)
     if not data.startswith(line.encode()):
         return f"kept {path}: its first line is no longer the one install added ({line.strip()})"
     _write_text(path, data[len(line.encode()) :], mode)

@@ -112,6 +112,11 @@ def check_trusted(interpreter: str | None = None, parent: str | None = None) -> 
         _checked(loader.program, interpreter)
         seen: set = set()
         objects: list = []
+        # Python imports from its standard library as it starts (encodings, even with -I -S),
+        # before the first question below has an answer: so that library, where Python would
+        # find it, is checked first too, found from the files as Python's own start finds it.
+        for entry in _standard_libraries(interpreter):
+            _trusted_tree(sources, entry, seen, objects)
         # Twice: without site first (the standard library, the site-packages directories and the
         # .pth files there, none of which that run executes), so that site's own run below, which
         # executes the .pth files as root, comes only once they were found root's alone.
@@ -167,6 +172,43 @@ def _venv_configs(interpreter: str) -> list:
     bin_dir = os.path.dirname(interpreter)
     candidates = [os.path.join(bin_dir, "pyvenv.cfg"), os.path.join(os.path.dirname(bin_dir), "pyvenv.cfg")]
     return [c for c in candidates if os.path.lexists(c)]
+
+
+def _standard_libraries(interpreter: str) -> list:
+    """The directories Python may take its standard library from, found without running it, as
+    its start (getpath) looks for the landmark lib/pythonX.Y/os.py: under every directory above
+    the interpreter (as named, and its real path), and above each venv's `home`. Every one that
+    holds os.py is returned, lib64 too: a directory Python does not use only costs a check."""
+    import re
+
+    starts = [os.path.dirname(interpreter), os.path.dirname(os.path.realpath(interpreter))]
+    for config in _venv_configs(interpreter):
+        try:
+            with open(config, encoding="utf-8", errors="replace") as f:
+                lines = f.read(1 << 16).splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key, _, value = line.partition("=")
+            if key.strip() == "home" and value.strip().startswith("/"):
+                starts += [value.strip(), os.path.realpath(value.strip())]
+    found = []
+    for start in dict.fromkeys(starts):
+        directory = os.path.normpath(start)
+        while True:
+            for lib in ("lib", "lib64"):
+                try:
+                    names = sorted(os.listdir(os.path.join(directory, lib)))
+                except OSError:
+                    continue
+                for name in names:
+                    path = os.path.join(directory, lib, name)
+                    if re.fullmatch(r"python\d+\.\d+t?", name) and os.path.isfile(os.path.join(path, "os.py")):
+                        found.append(path)
+            if directory == "/":
+                break
+            directory = os.path.dirname(directory)
+    return list(dict.fromkeys(found))
 
 
 def _import_path(interpreter: str, site: bool = True) -> list:

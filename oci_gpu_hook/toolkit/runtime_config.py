@@ -20,7 +20,6 @@ and so copy into a drop-in, the build host's configuration.
 from __future__ import annotations
 
 import os
-import stat
 
 from oci_gpu_hook.toolkit.tree import Tree
 
@@ -94,16 +93,9 @@ def toml_list(tree: Tree, file: str, keys: tuple, appendable: bool = False):
     end with APPEND, which stays in it."""
     path = tree.shown(file)
     try:
-        fd = tree.open(file, os.O_RDONLY | os.O_NONBLOCK)  # O_NONBLOCK: a FIFO there cannot hang us
+        text = tree.read(file).decode("utf-8")  # a regular file only, bounded (tree.py)
     except (FileNotFoundError, NotADirectoryError):
         return None
-    except OSError as e:
-        raise ConfigFileError(f"{path}: unreadable ({e.strerror})") from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise ConfigFileError(f"{path}: not a regular file")
-            text = f.read().decode("utf-8")
     except OSError as e:
         raise ConfigFileError(f"{path}: unreadable ({e.strerror})") from None
     except UnicodeDecodeError as e:

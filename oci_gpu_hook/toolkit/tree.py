@@ -25,11 +25,17 @@ directories that were resolved and checked.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
+from oci_gpu_hook.start import files
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.rootfs import Rootfs
+
+# The most install reads of one of the tree's configuration files (crio.conf, containers.conf,
+# containerd's config.toml): real ones are a few KiB.
+MAX_READ = 4 << 20
 
 
 class TreeError(Exception):
@@ -61,6 +67,25 @@ class Tree:
         """A descriptor of path, every link (the last one too) followed inside the tree: what a
         program in the image opens. Raises OSError."""
         return self._rootfs.open(path, flags)
+
+    def read(self, path: str, limit: int = MAX_READ) -> bytes:
+        """The tree's file at path, every link followed inside the tree, as a program in the image
+        reads it. Only a regular file is opened to be read: the image's author chose what is
+        there, and a layer unpacked by root can hold a device node (/dev/zero's numbers, which
+        never end, or a watchdog's, whose open alone arms it) or a FIFO (whose open waits). So the
+        place is opened O_PATH, which opens no device, its type checked on that descriptor, and
+        only then is the file read, at most limit bytes. OSError: FileNotFoundError and
+        NotADirectoryError where there is none, EINVAL "not a regular file", EFBIG "too large"."""
+        fd = self.open(path, os.O_PATH)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", self.shown(path))
+            data = files.read_bounded(f"/proc/self/fd/{fd}", limit)  # the very file checked
+        finally:
+            os.close(fd)
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit} bytes", self.shown(path))
+        return data
 
     def resolve(self, path: str) -> str:
         """The host path of path, every component (the last one too) resolved inside the tree;

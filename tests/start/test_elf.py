@@ -91,3 +91,48 @@ def test_a_32_bit_program_s_search_path(tmp_path, require):
     library = _link(tmp_path, "libx32r.so", "-m32", "-Wl,--enable-new-dtags,-rpath,$ORIGIN/lib32")
     found = elf.read(library)
     assert not found.wide and found.runpath == "$ORIGIN/lib32"
+
+
+def _with(data: bytes, offset: int, value: int) -> bytes:
+    out = bytearray(data)
+    out[offset : offset + 8] = value.to_bytes(8, "little")
+    return bytes(out)
+
+
+@pytest.mark.parametrize("value", [2**64 - 1, 2**63, 2**62, 1 << 40])
+def test_an_offset_past_the_end_of_the_file_is_not_elf(tmp_path, require, value):
+    """Every offset a header states (the program header table's, each segment's, a name's in a
+    string table with no DT_STRSZ) is refused as NotElf: before, one past what lseek takes ended
+    in ValueError (a traceback in the hook's discovery and in install) and a large one in EINVAL."""
+    require("gcc")
+    library = _link(tmp_path, "libx.so.1", "-Wl,-soname,libx.so.1", "-Wl,--no-as-needed", "-lm")
+    with open(library, "rb") as f:
+        data = f.read()
+    phoff = int.from_bytes(data[32:40], "little")
+    phnum = int.from_bytes(data[56:58], "little")
+    headers = [data[phoff + 56 * i : phoff + 56 * (i + 1)] for i in range(phnum)]
+    kinds = [int.from_bytes(h[:4], "little") for h in headers]
+    dyn = headers[kinds.index(elf.PT_DYNAMIC)]
+    dyn_offset, dyn_size = int.from_bytes(dyn[8:16], "little"), int.from_bytes(dyn[32:40], "little")
+    tags = [int.from_bytes(data[dyn_offset + 16 * j : dyn_offset + 16 * j + 8], "little")
+            for j in range(dyn_size // 16)]  # fmt: skip
+    # DT_STRSZ made a tag the reader does not know: names are then bounded by MAX_NAME alone.
+    no_strsz = _with(data, dyn_offset + 16 * tags.index(elf.DT_STRSZ), 0x6FFFFFEF)
+    needed = dyn_offset + 16 * tags.index(elf.DT_NEEDED) + 8
+    loads = [phoff + 56 * i + 8 for i, kind in enumerate(kinds) if kind == elf.PT_LOAD]
+    cases = {
+        "program headers": _with(data, 32, value),
+        "dynamic segment": _with(data, phoff + 56 * kinds.index(elf.PT_DYNAMIC) + 8, value),
+        "a name with no DT_STRSZ": _with(bytes(no_strsz), needed, value),
+        **{f"loaded segment {i}": _with(data, at, value) for i, at in enumerate(loads)},
+    }
+    for what, content in cases.items():
+        path = tmp_path / "crafted.so"
+        path.write_bytes(content)
+        try:
+            elf.read(str(path))
+        except elf.NotElf:
+            pass
+        else:  # a segment the strings are not in is never read: then the names are as they were
+            found = elf.read(str(path))
+            assert found.soname == "libx.so.1" and "libm.so.6" in found.needed, what

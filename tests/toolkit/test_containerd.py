@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -144,6 +145,7 @@ before = open("/etc/containerd/config.toml", "rb").read()
 p = subprocess.run(cli + ["install", "--runtime", "containerd", "--no-prefilter"], capture_output=True, text=True,
                    timeout=120)
 import os
+import stat
 print(json.dumps({"rc": p.returncode, "stderr": p.stderr, "same": open("/etc/containerd/config.toml", "rb").read()
                   == before, "manifest": os.path.exists("/var/lib/oci-gpu-hook/install-manifest.json"),
                   "dropin": os.path.exists("/etc/containerd/conf.d")}))
@@ -219,3 +221,42 @@ def test_install_into_an_image_tree_and_out_again(tmp_path, hook_cli, require):
     out = hook_cli("install", "--root", str(root), "--runtime", "containerd", "--no-prefilter")
     assert out.returncode == install.InstallError.exit_code and "a symlink" in hookcheck.one_clear_line(out.stderr)
     assert os.path.islink(root / containerd.CONFIG.lstrip("/"))
+
+
+@pytest.mark.parametrize("case", ["spec-is-a-device", "spec-links-out", "config-links-out"])
+def test_doctor_reads_an_image_trees_containerd_files_inside_it(tmp_path, require, case):
+    """doctor --root DIR read containerd's config.toml and its base spec by joining strings: a
+    device node there (/dev/zero's numbers: read until memory ran out; here one no driver has,
+    which only an open can tell) or a link out of the tree (the build host's own files) was what
+    it read. Now both are read inside the tree, regular files only, bounded (tree.read)."""
+    from oci_gpu_hook.start.inventory import host_path
+
+    require("root", "containerd")
+    root, host = str(tmp_path / "root"), tmp_path / "host"
+    os.makedirs(root + "/etc/containerd")
+    host.mkdir()
+    spec = {"hooks": {"prestart": [{"path": "/usr/bin/oci-gpu-hook", "args": ["oci-gpu-hook", "prestart"]}]}}
+    (host / "spec.json").write_text(json.dumps(spec))
+    runc = f'[plugins."{containerd.CRI}".containerd.runtimes.runc]'
+    (host / "config.toml").write_text(f'version = 2\n{runc}\nruntime_type = "io.containerd.runc.v2"\n'
+                                      'base_runtime_spec = "/spec.json"\n')  # fmt: skip
+    if case == "config-links-out":
+        os.symlink(str(host / "config.toml"), root + containerd.CONFIG)
+        os.symlink("/x", root + "/spec.json")  # were the host's config read, its spec would be found
+        os.makedirs(root + "/usr/bin")
+    else:
+        with open(root + containerd.CONFIG, "w") as f:
+            f.write((host / "config.toml").read_text())
+        if case == "spec-is-a-device":
+            os.mknod(root + "/spec.json", 0o644 | stat.S_IFCHR, os.makedev(511, 0))
+        else:
+            os.symlink(str(host / "spec.json"), root + "/spec.json")
+    status, summary, _ = containerd.hook_verdict(root, host_path)
+    assert status == "FAIL", summary
+    if case == "config-links-out":
+        # Inside the tree the link leads nowhere: containerd's defaults, no base spec.
+        assert "with no base_runtime_spec" in summary, summary
+    elif case == "spec-is-a-device":
+        assert "not a regular file" in summary, summary
+    else:
+        assert "No such file or directory" in summary, summary

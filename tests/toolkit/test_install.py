@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -664,6 +665,103 @@ def test_uninstall_never_follows_a_trees_link_out_of_it(root, tmp_path, hook_cli
     assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.startswith(f"oci-gpu-hook: {link}: a symlink"), out.stderr
     assert snapshot(str(tmp_path / "host")) == host_before and snapshot(root) == before
+
+
+@pytest.mark.parametrize("case", ["links-out", "links-inside", "a-fifo"])
+def test_uninstall_edits_only_the_trees_own_config_toml(root, tmp_path, hook_cli, require, case):
+    """The manifest's one edit (containerd's config.toml, its first line) was made through a link
+    at the tree's config.toml: uninstall read the file it points to, from the build host's own /
+    (its registry credentials, say), and wrote it into the tree without the line. install never
+    edits a link (containerd.plan refuses one), so uninstall edits only the tree's own file and
+    keeps anything else, with one line; a FIFO there hung it."""
+    from oci_gpu_hook.toolkit import containerd
+
+    require("root")
+    secret = containerd.IMPORT_LINE + 'password = "the build host\'s own"\n'
+    host = _host_stand_in(tmp_path, "etc/containerd")
+    with open(os.path.join(host, "config.toml"), "w") as f:
+        f.write(secret)
+    config = root + containerd.CONFIG
+    os.makedirs(os.path.dirname(config))
+    if case == "links-out":
+        os.symlink(os.path.join(host, "config.toml"), config)
+    elif case == "links-inside":
+        with open(root + "/etc/containerd/real.toml", "w") as f:
+            f.write(secret)
+        os.symlink("/etc/containerd/real.toml", config)
+    else:
+        os.mkfifo(config)
+    _forge_manifest(root, {"format": 1, "files": {}, "directories": [],
+                           "edited": {containerd.CONFIG: containerd.IMPORT_LINE}})  # fmt: skip
+    before, host_before = snapshot(root), snapshot(str(tmp_path / "host"))
+    out = hook_cli("uninstall", "--root", root)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert f"kept {config}: " in out.stdout, out.stdout
+    assert snapshot(str(tmp_path / "host")) == host_before  # never read, never written
+
+    def kept(tree):  # all but the manifest uninstall removed, and its directory
+        return {k: v for k, v in tree.items() if "oci-gpu-hook" not in k}
+
+    assert kept(snapshot(root)) == kept(before)
+
+
+@pytest.mark.parametrize(
+    "runtime, path",
+    [
+        ("containerd", "/etc/containerd/config.toml"),
+        ("crio", "/etc/crio/crio.conf"),
+        ("crio", "/etc/crio/crio.conf.d/10-site.conf"),
+        ("podman", "/etc/containers/containers.conf"),
+        ("podman", "/etc/containers/containers.conf.d/10-site.conf"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["device", "too-large"])
+def test_install_opens_only_a_regular_file_of_the_tree_and_reads_it_bounded(root, hook_cli, require, runtime, path,
+                                                                             kind):  # fmt: skip
+    """A layer unpacked by root can hold a device node where a runtime's configuration is: install
+    opened it as root to read it (a watchdog's numbers arm the watchdog on open; with /dev/zero's,
+    containerd's config.toml was read until memory ran out), and read a file of any size whole.
+    The device here has a number no driver has, so that opening it fails (ENXIO): only an open
+    can tell. Now the place is never opened unless it is a regular file, and at most
+    tree.MAX_READ bytes are read: one line, nothing written."""
+    from oci_gpu_hook.toolkit import tree
+
+    require("root")
+    full = root + path
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    if kind == "device":
+        os.mknod(full, 0o644 | stat.S_IFCHR, os.makedev(511, 0))
+    else:
+        with open(full, "wb") as f:
+            f.truncate(tree.MAX_READ + 1)  # sparse: NULs, valid UTF-8
+    before = snapshot(root)
+    out = hook_cli("install", "--root", root, "--runtime", runtime, "--no-prefilter")
+    assert out.returncode == install.InstallError.exit_code, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    why = "not a regular file" if kind == "device" else f"larger than {tree.MAX_READ} bytes"
+    assert out.stderr.startswith(f"oci-gpu-hook: {full}: unreadable ({why})"), out.stderr
+    assert snapshot(root) == before
+
+
+def test_a_huge_file_at_a_destination_is_never_read_whole(root, require):
+    """install compares what is at each destination with what it writes: an image's sparse file of
+    gigabytes there was read whole into memory (MemoryError under this limit; the build host's memory
+    without one). Now at most install.CURRENT_LIMIT bytes are read: not install's file, one line."""
+    import resource
+
+    from oci_gpu_hook.toolkit.containers import hook_command
+
+    require("root")
+    os.makedirs(root + install.HOOKS_D_DIR)
+    with open(root + install.HOOKS_D_FILE, "wb") as f:
+        f.truncate(3 << 30)  # more than the memory the CLI is given
+    before = hookcheck.tree(root, times=True)  # not the contents: reading them takes long
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # noqa: E731
+    out = subprocess.run([*hook_command(), "install", "--root", root, "--no-prefilter"], capture_output=True,
+                         text=True, timeout=300, preexec_fn=limit)  # fmt: skip
+    assert out.returncode == install.InstallError.exit_code, out.stdout + out.stderr
+    assert out.stderr.count("\n") == 1 and "exists and was not written by oci-gpu-hook install" in out.stderr
+    assert hookcheck.tree(root, times=True) == before
 
 
 def test_install_reads_the_trees_crio_configuration_not_the_hosts(root, tmp_path, require):

@@ -225,6 +225,37 @@ def test_a_users_pth_file_never_runs_as_root_at_install(venv, probe_package, tmp
     assert not mark.exists()  # refused before site ran it
 
 
+@pytest.mark.parametrize("where", ["encodings/__init__.py", "json/__init__.py"])
+def test_a_users_standard_library_module_never_runs_as_root_at_install(tmp_path, probe_package, require, where):
+    """Python imports encodings from its standard library as it starts, even with -I -S, and the
+    first question check_trusted asks it imports json: a module there that a user could change
+    ran as root, and only then was the standard library found and refused. An interpreter with
+    its own standard library (a source build's --prefix, pyenv, conda): that library, found as
+    Python's start finds it (lib/python3.X/os.py), is checked before the interpreter first runs."""
+    import shutil
+    import sysconfig
+
+    require("root")
+    os.chmod(tmp_path, 0o755)
+    base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    prefix = tmp_path / "prefix"
+    (prefix / "bin").mkdir(parents=True)
+    shutil.copy2(base, prefix / "bin" / version)
+    stdlib = prefix / "lib" / version
+    shutil.copytree(sysconfig.get_paths()["stdlib"], stdlib, symlinks=True,
+                    ignore=shutil.ignore_patterns("site-packages", "dist-packages", "__pycache__"))  # fmt: skip
+    mark = tmp_path / "ran-as-root"
+    planted = stdlib / where
+    with open(planted, "a") as f:  # os is set up before encodings; open() is not, in encodings
+        f.write(f"\nimport os as _o\n_o.close(_o.open({str(mark)!r}, _o.O_CREAT | _o.O_WRONLY, 0o644))\n")
+    os.chown(planted, 65534, 65534)
+    with pytest.raises(launcher.LauncherError) as e:
+        launcher.check_trusted(str(prefix / "bin" / version), probe_package)
+    assert e.value.message.startswith(str(planted)), e.value.message
+    assert not mark.exists()  # refused before Python ran it
+
+
 def test_what_check_trusted_walks_is_what_the_interpreter_imports_from(venv):
     """The import path is asked of the interpreter (site run, as the CLI runs it): the venv's
     site-packages and the .pth file's directory are on it; the venv's bin/ is not."""
