@@ -46,6 +46,8 @@ def _available(name: str) -> bool:
         return _has_ipv6_loopback()
     if name == "gcc-m32":
         return _gcc_can_build_32bit()
+    if name.startswith("/"):
+        return os.path.exists(name)
     return bool(shutil.which(name)) or importlib.util.find_spec(name) is not None
 
 
@@ -54,7 +56,8 @@ def require():
     """require(*names): skip the test unless every prerequisite is there.
 
     A name is an executable on PATH or an importable module; "root" means running as uid 0,
-    "gcc-m32" a gcc that can build 32-bit programs and "ipv6" an IPv6 loopback address (::1).
+    "gcc-m32" a gcc that can build 32-bit programs, "ipv6" an IPv6 loopback address (::1) and an
+    absolute path a file that exists.
     With OCI_GPU_HOOK_REQUIRE_ALL=1 (CI, where everything is meant to be installed) a missing one
     fails the test instead, so a broken environment cannot pass by skipping.
     """

@@ -23,7 +23,6 @@ from __future__ import annotations
 import errno
 import itertools
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -182,10 +181,8 @@ class Footprint:
             return []
         lines = []
         for program in ("iptables-save", "ip6tables-save"):
-            if not shutil.which(program):
-                continue
-            table = None
-            for line in subprocess.run([program], capture_output=True, text=True).stdout.splitlines():
+            table = None  # a missing or failing program fails here: an empty list would pass any leak
+            for line in subprocess.run([program], capture_output=True, text=True, check=True).stdout.splitlines():
                 words = line.split()
                 if line.startswith("*"):
                     table = line[1:]

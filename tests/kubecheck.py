@@ -287,12 +287,6 @@ class Cluster(kubeletcheck.ContainerdKubelet):
             return False
 
 
-def host_state() -> dict:
-    """kubeletcheck.host_state: the control plane's processes and the KUBE-* chains are among what
-    the cluster's footprint holds."""
-    return kubeletcheck.host_state()
-
-
 @contextlib.contextmanager
 def cluster_on(host: dict, tmp, hook_settings: str):
     """A started Cluster under tmp whose node's hook reads the simulated host's configuration with

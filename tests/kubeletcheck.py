@@ -18,7 +18,6 @@ Only one node can run at a time: the kubelet's ports and the device-plugin direc
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
@@ -63,7 +62,7 @@ DEFAULT_ANNOTATIONS = ("oci-gpu-hook.io/*", "cdi.k8s.io/*")
 NAMESPACE = "default"
 CONTAINER = "main"  # the one container of every pod add_pod writes
 
-PROGRAMS = ("containerd", "ctr", "runc", "busybox")
+PROGRAMS = ("containerd", "ctr", "runc", "busybox", "iptables-save", "ip6tables-save")  # the last: hostcheck's chains
 
 
 def missing(message: str) -> None:
@@ -733,20 +732,6 @@ class ContainerdKubelet:
                 ids = [i for per_numa in (entry["DeviceIDs"] or {}).values() for i in per_numa]
                 found.setdefault(entry["ResourceName"], []).extend(ids)
         return {resource: sorted(ids) for resource, ids in found.items()}
-
-    def allocate_response(self, name: str, resource: str) -> bytes | None:
-        """The plugin's AllocateResponse for the pod's container, as the device manager checkpointed it
-        (protobuf bytes), or None."""
-        uid = self._uids.get(name) or (self.pod(name) or {}).get("metadata", {}).get("uid")
-        try:
-            with open(os.path.join(DEVICE_PLUGIN_DIR, DEVICE_CHECKPOINT)) as f:
-                entries = json.load(f)["Data"]["PodDeviceEntries"] or []
-        except FileNotFoundError:
-            return None
-        for entry in entries:
-            if entry["PodUID"] == uid and entry["ContainerName"] == CONTAINER and entry["ResourceName"] == resource:
-                return base64.b64decode(entry["AllocResp"])
-        return None
 
     # --- plumbing ------------------------------------------------------------------------------
 

@@ -91,14 +91,14 @@ def test_a_harness_compares_what_it_owns_and_nothing_of_another_user(tmp_path, r
     its chain are seen, and all but the chain undone by close(), which raises while the chain is
     there (compared, not removed: the harness cannot know whose rule it would remove)."""
     require("root", "iptables", "iptables-save")
-    import kubecheck
+    import kubeletcheck
 
     with _network_namespace_of_its_own():
-        _compares_only_its_own(kubecheck, tmp_path)
+        _compares_only_its_own(kubeletcheck, tmp_path)
 
 
-def _compares_only_its_own(kubecheck, tmp_path) -> None:
-    before = kubecheck.host_state()
+def _compares_only_its_own(harness, tmp_path) -> None:
+    before = harness.host_state()
     others, chains = [], []
     pid = os.getpid()
     try:
@@ -108,7 +108,7 @@ def _compares_only_its_own(kubecheck, tmp_path) -> None:
         _iptables("-N", f"OTHER-{pid}")
         chains.append(f"OTHER-{pid}")
         _mount_tmpfs(tmp_path / "other")
-        assert kubecheck.host_state() == before
+        assert harness.host_state() == before
 
         own = tmp_path / "own"
         footprint = hostcheck.Footprint("test", directories=[own], chains=(f"OCIGPU-{pid}-",))
@@ -119,7 +119,7 @@ def _compares_only_its_own(kubecheck, tmp_path) -> None:
         deadline = time.monotonic() + 10
         while len(footprint.pids()) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        state = kubecheck.host_state()
+        state = harness.host_state()
         assert sorted(footprint.pids().values()) == ["sleep", "sleep"]
         assert started.pid in footprint.pids()
         assert state["processes"] == sorted(f"sleep (pid {p})" for p in footprint.pids())
@@ -133,7 +133,7 @@ def _compares_only_its_own(kubecheck, tmp_path) -> None:
         _iptables("-X", f"OCIGPU-{pid}-X")
         chains.remove(f"OCIGPU-{pid}-X")
         footprint.close()
-        assert kubecheck.host_state() == before
+        assert harness.host_state() == before
         assert all(p.poll() is None for p in others)  # another user's, named like ours, live on
     finally:
         for proc in others:

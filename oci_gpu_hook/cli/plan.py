@@ -17,7 +17,7 @@ def plan(obj, bundle, as_json, no_cache):
     The rootfs may be absent; libraries then go to /usr/lib64 (as for a non-Debian image).
     """
     from oci_gpu_hook.errors import ConfigError, printable
-    from oci_gpu_hook.start import inventory_cache, spec
+    from oci_gpu_hook.start import inventory_cache, rule, spec
     from oci_gpu_hook.start.discover import discover
     from oci_gpu_hook.start.plan import decide
     from oci_gpu_hook.start.prestart import may_ask_for_gpus
@@ -27,12 +27,13 @@ def plan(obj, bundle, as_json, no_cache):
         # The hook lets this container start before it reads its configuration, so a broken one
         # does not stop it: said so (exit 0, as the hook exits), and the configuration's error
         # beside it, which every GPU container would fail on.
+        broken = None
         try:
-            settings, broken = obj.settings, None
+            _ = obj.settings  # read (and checked) only to say whether it is broken
         except ConfigError as e:
-            settings, broken = None, e.message
-        why = ("nothing in it can ask for a GPU (NVIDIA_VISIBLE_DEVICES unset, empty or void; no CUDA_VERSION, "
-               "cdi.k8s.io/ annotation or device volume mount)")  # fmt: skip
+            broken = e.message
+        why = (f"nothing in it can ask for a GPU ({rule.VISIBLE_DEVICES} unset, empty or {rule.NO_DEVICES}; no "
+               f"{rule.LEGACY_VARIABLE}, {rule.CDI_ANNOTATION_PREFIX} annotation or device volume mount)")  # fmt: skip
         _not_a_gpu_container(as_json, broken, why)
         return
     settings = obj.settings

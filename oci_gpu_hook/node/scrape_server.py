@@ -109,8 +109,9 @@ class ScrapeServer:
         self.connections: dict = {}  # socket -> _Connection, oldest first
         self.resting_until = None  # the listener is unregistered until then
         self.full = False  # said once per episode of evictions
-        self.pages: dict = {}  # path -> (when its render began, the 200 reply): rendered pages only
-        self.failed: dict = {}  # path -> (when its render began, the 500 reply): renders that failed
+        # path -> (when its render began, its reply): a rendered page (200), or a render that
+        # failed (500); never a reply to one client's own bad request
+        self.renders: dict = {}
 
     def close(self) -> None:
         for conn in list(self.connections.values()):
@@ -137,8 +138,7 @@ class ScrapeServer:
                 self._write(key.data)
         turn = self.clock()  # every request answered below came in by now
         # Pages rendered REUSE_SECONDS before this turn are done with (and the table stays small).
-        self.pages = {path: page for path, page in self.pages.items() if turn - page[0] < REUSE_SECONDS}
-        self.failed = {path: page for path, page in self.failed.items() if turn - page[0] < REUSE_SECONDS}
+        self.renders = {path: done for path, done in self.renders.items() if turn - done[0] < REUSE_SECONDS}
         for conn, head in complete:
             if conn.sock in self.connections:  # not closed meanwhile to make room
                 self._answer(conn, self._reply_to(head))
@@ -233,19 +233,15 @@ class ScrapeServer:
             return reply(405, "text/plain", b"only GET and HEAD\n")
         if method == b"HEAD":  # renders nothing (respond's contract), so nothing to share
             return reply(*self._respond(path, True), head_only=True)
-        if path in self.pages:
-            return self.pages[path][1]
-        if path in self.failed:
-            return self.failed[path][1]
+        if path in self.renders:
+            return self.renders[path][1]
         began = self.clock()
         status, kind, body = self._respond(path, False)
         answer = reply(status, kind, body)
-        if status == 200:
-            self.pages[path] = (began, answer)
-        elif status >= 500:
-            # A render that failed is a render all the same (NVML, the records, a logged line):
-            # bounded per second as pages are, whatever made it fail.
-            self.failed[path] = (began, answer)
+        # A render that failed is a render all the same (NVML, the records, a logged line):
+        # bounded per second as pages are, whatever made it fail.
+        if status == 200 or status >= 500:
+            self.renders[path] = (began, answer)
         return answer
 
     def _respond(self, path: str, head: bool) -> tuple:

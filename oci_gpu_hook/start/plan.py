@@ -608,6 +608,26 @@ def in_proc_driver(target: str) -> bool:
     return target == PROC_NVIDIA or target.startswith(PROC_NVIDIA + "/")
 
 
+def _runtime_nodes(devices) -> set:
+    """config.json's linux.devices as (path, type, major, minor), 'u' read as 'c' (unbuffered is
+    a character device); malformed entries left out, so they never count as applied. Parsed here,
+    not in spec.parse: only a container the hook may stand down for needs them."""
+
+    def number(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    return {
+        (os.path.normpath(d["path"]), "c" if d["type"] == "u" else d["type"], d["major"], d["minor"])
+        for d in devices
+        if isinstance(d, dict)
+        and isinstance(d.get("path"), str)
+        and d["path"]
+        and isinstance(d.get("type"), str)
+        and number(d.get("major"))
+        and number(d.get("minor"))
+    }
+
+
 def applied_by_the_runtime(plan: Plan, spec) -> bool:
     """Whether the runtime has already put this plan's devices and driver files into the
     container: a runtime that applies CDI (CRI-O; containerd 1.7+) resolves the same cdi.k8s.io
@@ -623,7 +643,7 @@ def applied_by_the_runtime(plan: Plan, spec) -> bool:
     rules and its record, or fails with one line; standing down would leave it with whatever
     part it has and no record. Left out, as CDI specs leave them out: the optional IPC endpoints (in a spec only
     where they existed when it was written) and the /proc/driver/nvidia mask."""
-    nodes = {(d.path, "c" if d.type == "u" else d.type, d.major, d.minor) for d in spec.devices}
+    nodes = _runtime_nodes(spec.devices)
     mounted = {m.source for m in spec.mounts}
     wanted = 0
     for op in plan.operations:

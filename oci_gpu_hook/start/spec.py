@@ -21,16 +21,6 @@ class Mount(Record):
     __slots__ = ("destination", "source", "type")
 
 
-class Device(Record):
-    """An entry of linux.devices: a node the runtime makes in the container."""
-
-    __slots__ = ("path", "type", "major", "minor")
-    path: str  # normalised
-    type: str
-    major: int
-    minor: int
-
-
 def name_under(destination: str, directory: str) -> str | None:
     """The name a mount destination gives directly under directory, or None. Normalised first, so
     that /var/run/./dir/0 and //var/run/dir/0/ count: the one rule for every such channel."""
@@ -54,7 +44,7 @@ class Spec(Record):
     mounts: tuple
     annotations: dict
     mount_label: str | None
-    devices: tuple  # Device
+    devices: tuple  # linux.devices as config.json has it: read only where the hook may stand down
 
 
 def environment(entries) -> dict:
@@ -76,23 +66,6 @@ def _dict(doc: dict, key: str) -> dict:
 def _list(doc: dict, key: str) -> list:
     value = doc.get(key)
     return value if isinstance(value, list) else []
-
-
-def _number(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _devices(linux: dict) -> tuple:
-    return tuple(
-        Device(os.path.normpath(d["path"]), d["type"], d["major"], d["minor"])
-        for d in _list(linux, "devices")
-        if isinstance(d, dict)
-        and isinstance(d.get("path"), str)
-        and d["path"]
-        and isinstance(d.get("type"), str)
-        and _number(d.get("major"))
-        and _number(d.get("minor"))
-    )
 
 
 def parse(doc, bundle: str) -> Spec:
@@ -123,7 +96,7 @@ def parse(doc, bundle: str) -> Spec:
         mounts=mounts,
         annotations=annotations,
         mount_label=label if isinstance(label, str) and label else None,
-        devices=_devices(linux),
+        devices=tuple(_list(linux, "devices")),
     )
 
 

@@ -25,7 +25,9 @@ import os
 import subprocess
 import tempfile
 
+from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.toolkit.runtime_config import ConfigFileError, load_toml, toml_string
+from oci_gpu_hook.toolkit.tree import Tree
 
 CONFIG = "/etc/containerd/config.toml"
 DROPIN = "/etc/containerd/conf.d/oci-gpu-hook.toml"
@@ -181,12 +183,12 @@ def toml_tables(table: dict, path: tuple = ()) -> str:
 # --- doctor -------------------------------------------------------------------------------------
 
 
-def hook_verdict(root: str, host_path) -> tuple:
+FIX = "oci-gpu-hook install --runtime containerd, then systemctl restart containerd"
+
+
+def hook_verdict(root: str) -> tuple:
     """(status, summary, fix) for doctor: will containerd's CRI plugin, as its config.toml stands
     (read by containerd itself), run the hook?"""
-    from oci_gpu_hook.toolkit.tree import Tree
-
-    fix = "oci-gpu-hook install --runtime containerd, then systemctl restart containerd"
     config = host_path(root, CONFIG)
     try:
         tree = Tree(root)
@@ -205,10 +207,11 @@ def hook_verdict(root: str, host_path) -> tuple:
                 merged = dump(None if data is None else data.decode("utf-8", "replace"))
         except (ContainerdError, ConfigFileError, ValueError) as e:
             return "FAIL", f"{e} (containerd cannot read its configuration)", "correct the file"
-        return _verdict(root, host_path, tree, merged, config, fix)
+        return _verdict(root, tree, merged)
 
 
-def _verdict(root: str, host_path, tree, merged: dict, config: str, fix: str) -> tuple:
+def _verdict(root: str, tree, merged: dict) -> tuple:
+    config, fix = host_path(root, CONFIG), FIX
     if CRI in merged.get("disabled_plugins", []):
         return "PASS", f"containerd's CRI plugin is disabled ({config}): no Kubernetes containers to wire", None
     settings = merged.get("plugins", {}).get(CRI, {}).get("containerd", {})

@@ -321,7 +321,7 @@ class Doctor:
         if not (os.path.isdir(host_path(self.root, "/etc/containerd"))
                 or os.path.exists(host_path(self.root, "/usr/bin/containerd"))):  # fmt: skip
             return PASS, "containerd is not installed: nothing to check", None
-        return containerd.hook_verdict(self.root, host_path)
+        return containerd.hook_verdict(self.root)
 
     def check_docker(self):
         from oci_gpu_hook.toolkit.install import DOCKER_HOOK, DOCKER_HOOK_MARKER

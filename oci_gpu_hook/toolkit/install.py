@@ -51,8 +51,8 @@ from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start import files, settings
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
-from oci_gpu_hook.toolkit import launcher
-from oci_gpu_hook.toolkit.runtime_config import toml_string
+from oci_gpu_hook.toolkit import containerd, launcher, runtime_config
+from oci_gpu_hook.toolkit.runtime_config import TomlUnavailable, toml_string
 from oci_gpu_hook.toolkit.tree import Tree, TreeError
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
@@ -179,8 +179,6 @@ def crio_dropin_text(dirs, source) -> str:
 def crio_dropin(root: str):
     """The Entry for CRI-O's drop-in, or None when CRI-O already reads the administrators' hooks
     directory. The list is CRI-O's own as it stands without our drop-in (runtime_config.py)."""
-    from oci_gpu_hook.toolkit import runtime_config
-
     try:
         dirs, source = runtime_config.crio_hooks_dirs(root, without=CRIO_DROPIN)
     except (runtime_config.ConfigFileError, runtime_config.TomlUnavailable) as e:
@@ -201,8 +199,6 @@ def podman_builtin_hooks_dirs(root: str):
     """The hooks directories the podman installed reads when no file sets hooks_dir: its own
     answer on this host (versions differ); for an image tree, or with no podman to ask, None
     (runtime_config's documented default)."""
-    from oci_gpu_hook.toolkit import runtime_config
-
     if root != "/":
         return None
     try:
@@ -214,8 +210,6 @@ def podman_builtin_hooks_dirs(root: str):
 def podman_dropin(root: str):
     """The Entry for podman's drop-in, or None when podman already reads the administrators' hooks
     directory. The list is podman's own as it stands without our drop-in (runtime_config.py)."""
-    from oci_gpu_hook.toolkit import runtime_config
-
     try:
         dirs, source = runtime_config.podman_hooks_dirs(root, without=PODMAN_DROPIN,
                                                         default=podman_builtin_hooks_dirs(root))  # fmt: skip
@@ -437,9 +431,6 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
 def containerd_entries(root: str, argv_prefix) -> list:
     """The base spec, the drop-in naming it, and config.toml importing the drop-in (a line added
     to the administrators' file, or the file itself where there is none): toolkit/containerd.py."""
-    from oci_gpu_hook.toolkit import containerd
-    from oci_gpu_hook.toolkit.runtime_config import TomlUnavailable
-
     try:
         with Tree(root) as tree:
             config_text, created, dropin, spec = containerd.plan(tree, hooks_d_document(argv_prefix)["hook"])
@@ -457,17 +448,15 @@ def containerd_entries(root: str, argv_prefix) -> list:
 
 def _installable_paths() -> set:
     """Every path install can write (with any options): all a manifest may name."""
-    from oci_gpu_hook.toolkit import containerd
-
-    entries = planned(("podman", "docker"), [launcher.LAUNCHER], node_services=True, device_plugin=True)
-    return {e.path for e in entries} | {CRIO_DROPIN, PODMAN_DROPIN, launcher.PYTHON_LAUNCHER,
+    # Not "podman" or "crio": planning for them reads the host's runtime configuration and asks
+    # podman, and their paths are named here anyway.
+    entries = planned(("docker",), [launcher.LAUNCHER], node_services=True, device_plugin=True)
+    return {e.path for e in entries} | {HOOKS_D_FILE, CRIO_DROPIN, PODMAN_DROPIN, launcher.PYTHON_LAUNCHER,
                                         containerd.BASE_SPEC, containerd.DROPIN, containerd.CONFIG}  # fmt: skip
 
 
 def _edited_ok(edited) -> bool:
     """The manifest's "edited": only the one line install adds to containerd's config.toml."""
-    from oci_gpu_hook.toolkit import containerd
-
     return edited in ({}, {containerd.CONFIG: containerd.IMPORT_LINE})
 
 
@@ -680,8 +669,6 @@ def _check_podman_reads(warn) -> None:
     """Ask the podman installed whether it now reads the hooks.d directory: a file or setting
     this podman reads that install does not know (another version's, $CONTAINERS_CONF) shows
     here rather than as a container without its GPU."""
-    from oci_gpu_hook.toolkit import runtime_config
-
     try:
         dirs = runtime_config.podman_effective_hooks_dirs()
     except runtime_config.PodmanUnavailable:
@@ -802,19 +789,21 @@ def _unedit(path: str, line: str) -> str:
     is read only if it is one: install edits a file, never a link (containerd.plan refuses one),
     so a link there is the tree's author's, and followed it would read the build host's own
     config.toml (from the host's /) into the tree. Not blocking: a FIFO there would hang uninstall."""
+    modes = []
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = files.read_bounded(path, CURRENT_LIMIT, nofollow=True, regular=True,
+                                  check=lambda st: modes.append(stat.S_IMODE(st.st_mode)))  # fmt: skip
     except FileNotFoundError:
         return ""
     except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        return f"kept {path}: a symlink, where install edited a file"
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
+        if e.errno == errno.ELOOP:
+            return f"kept {path}: a symlink, where install edited a file"
+        if e.errno == errno.EINVAL:  # read_bounded's "not a regular file"
             return f"kept {path}: not a file, where install edited one"
-        data, mode = f.read(), stat.S_IMODE(st.st_mode)
+        raise
+    mode = modes[0]
+    if len(data) > CURRENT_LIMIT:
+        return f"kept {path}: larger than {CURRENT_LIMIT >> 20} MiB, not a file install edited"
     if not data.startswith(line.encode()):
         return f"kept {path}: its first line is no longer the one install added ({line.strip()})"
     _write_text(path, data[len(line.encode()) :], mode)

@@ -36,7 +36,7 @@ import stat
 
 from oci_gpu_hook.errors import InventoryError
 from oci_gpu_hook.record import Record
-from oci_gpu_hook.start import elf, ldcache
+from oci_gpu_hook.start import elf, files, ldcache
 from oci_gpu_hook.start.linux import arch
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 
@@ -330,8 +330,8 @@ class Loader:
         try:
             if not os.path.lexists(preload):
                 return []
-            with open(f"/proc/self/fd/{fd}", "rb") as f:
-                text = f.read(MAX_PRELOAD).decode("utf-8", "surrogateescape")
+            data = files.read_bounded(f"/proc/self/fd/{fd}", MAX_PRELOAD)[:MAX_PRELOAD]  # never blocks on a FIFO
+            text = data.decode("utf-8", "surrogateescape")
         finally:
             os.close(fd)
         return [name for name in re.split(r"[\s:]+", text) if name]

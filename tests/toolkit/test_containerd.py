@@ -229,8 +229,6 @@ def test_doctor_reads_an_image_trees_containerd_files_inside_it(tmp_path, requir
     device node there (/dev/zero's numbers: read until memory ran out; here one no driver has,
     which only an open can tell) or a link out of the tree (the build host's own files) was what
     it read. Now both are read inside the tree, regular files only, bounded (tree.read)."""
-    from oci_gpu_hook.start.inventory import host_path
-
     require("root", "containerd")
     root, host = str(tmp_path / "root"), tmp_path / "host"
     os.makedirs(root + "/etc/containerd")
@@ -251,7 +249,7 @@ def test_doctor_reads_an_image_trees_containerd_files_inside_it(tmp_path, requir
             os.mknod(root + "/spec.json", 0o644 | stat.S_IFCHR, os.makedev(511, 0))
         else:
             os.symlink(str(host / "spec.json"), root + "/spec.json")
-    status, summary, _ = containerd.hook_verdict(root, host_path)
+    status, summary, _ = containerd.hook_verdict(root)
     assert status == "FAIL", summary
     if case == "config-links-out":
         # Inside the tree the link leads nowhere: containerd's defaults, no base spec.

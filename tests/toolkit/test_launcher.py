@@ -232,9 +232,6 @@ def test_a_users_standard_library_module_never_runs_as_root_at_install(tmp_path,
     ran as root, and only then was the standard library found and refused. An interpreter with
     its own standard library (a source build's --prefix, pyenv, conda): that library, found as
     Python's start finds it (lib/python3.X/os.py), is checked before the interpreter first runs."""
-    import shutil
-    import sysconfig
-
     require("root")
     os.chmod(tmp_path, 0o755)
     base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
