@@ -86,7 +86,8 @@ class Exporter:
             renders = metrics.Family(
                 "oci_gpu_hook_exporter_renders_total", "counter",
                 "Pages this exporter rendered (each reads NVML and the records), this one included, since it "
-                f"started; a page answers every GET for {REUSE_SECONDS:g} s after its render began.",
+                f"started; a page answers every GET for {REUSE_SECONDS:g} s after its render ended (longer after "
+                "a slower render).",
             )  # fmt: skip
             renders.add({}, self.renders)
             return metrics.render(self.samples, attribution.holders(live), memory, self.counters, self.stale,

@@ -18,9 +18,12 @@ Each request is checked on its own (its size, its line, its method): a bad reque
 own and never another client's reply. What is shared is only a render's outcome (a GET's 200, or
 the 500 of a render that failed: no client's request causes either), and it is keyed by what a
 page depends on: the path, without the query string (respond never sees one). A page is reused
-for REUSE_SECONDS after its render began, for every GET of its path, so renders are bounded per
-second however many clients ask, with whatever query strings: a flood costs at most one render a
-second, and a real scrape among it waits for at most one render. Clients meanwhile wait in the
+for every GET of its path until REUSE_SECONDS after its render ended, or as long as the render
+took where that is longer, so renders are bounded however many clients ask, with whatever query
+strings: a flood costs at most one render a second, and never more than half the server's time
+(counted from the render's start, a render slower than REUSE_SECONDS was stale when it was done,
+and a flood had the server render without a pause). A real scrape among it waits for at most one
+render. Clients meanwhile wait in the
 kernel's backlog, not in memory here. A render that fails (500) bounds the next one as a page
 does: its 500 answers the GETs of its path for REUSE_SECONDS, then the next GET renders again.
 Otherwise, while renders failed (from whatever cause), every request was a render and a logged
@@ -109,7 +112,7 @@ class ScrapeServer:
         self.connections: dict = {}  # socket -> _Connection, oldest first
         self.resting_until = None  # the listener is unregistered until then
         self.full = False  # said once per episode of evictions
-        # path -> (when its render began, its reply): a rendered page (200), or a render that
+        # path -> (until when it is reused, its reply): a rendered page (200), or a render that
         # failed (500); never a reply to one client's own bad request
         self.renders: dict = {}
 
@@ -137,8 +140,8 @@ class ScrapeServer:
             else:
                 self._write(key.data)
         turn = self.clock()  # every request answered below came in by now
-        # Pages rendered REUSE_SECONDS before this turn are done with (and the table stays small).
-        self.renders = {path: done for path, done in self.renders.items() if turn - done[0] < REUSE_SECONDS}
+        # Pages reused long enough by this turn are done with (and the table stays small).
+        self.renders = {path: done for path, done in self.renders.items() if turn < done[0]}
         for conn, head in complete:
             if conn.sock in self.connections:  # not closed meanwhile to make room
                 self._answer(conn, self._reply_to(head))
@@ -220,7 +223,7 @@ class ScrapeServer:
     def _reply_to(self, head: bytes) -> bytes:
         """This request's reply. Its own checks first, so that nothing about one client's request
         (its size, its line, its method) reaches another's reply; then the outcome of a render of
-        its path begun within REUSE_SECONDS (its page, or its 500), else a render."""
+        its path that is still reused (its page, or its 500), else a render."""
         if len(head) > MAX_REQUEST_BYTES:
             return reply(431, "text/plain", b"request too large\n")
         parts = head.split(b"\n", 1)[0].strip().split(b" ")
@@ -241,7 +244,8 @@ class ScrapeServer:
         # A render that failed is a render all the same (NVML, the records, a logged line):
         # bounded per second as pages are, whatever made it fail.
         if status == 200 or status >= 500:
-            self.renders[path] = (began, answer)
+            ended = self.clock()
+            self.renders[path] = (ended + max(REUSE_SECONDS, ended - began), answer)
         return answer
 
     def _respond(self, path: str, head: bool) -> tuple:

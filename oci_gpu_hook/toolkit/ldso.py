@@ -30,6 +30,7 @@ program's startup objects.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import stat
@@ -173,24 +174,20 @@ class Loader:
 
     def _expand(self, text: str, loaded: Loaded) -> list:
         """text with $ORIGIN (the directory the object was opened from), $LIB and $PLATFORM put
-        in, once for each value they can have."""
+        in, once for each value they can have. One loader gives a name one value in every place it
+        stands, so the choices are per name, not per occurrence: a RUNPATH that repeats $LIB forty
+        times is three strings, not three to the fortieth."""
         values = {
             "ORIGIN": (os.path.dirname(loaded.path),),
             "LIB": ("lib", "lib64", self.machine.multiarch[len("/usr/") :]),
             "PLATFORM": tuple(dict.fromkeys((self.machine.machine, "haswell", "xeon_phi"))),
         }
-        out = [text]
-        while any(_DST.search(t) for t in out):
-            more = []
-            for t in out:
-                match = _DST.search(t)
-                if match is None:
-                    more.append(t)
-                    continue
-                for value in values[match.group(1) or match.group(2)]:
-                    more.append(t[: match.start()] + value + t[match.end() :])
-            out = more
-        return out
+        names = sorted({m.group(1) or m.group(2) for m in _DST.finditer(text)})
+        out = []
+        for choice in itertools.product(*(values[name] for name in names)):
+            chosen = dict(zip(names, choice))
+            out.append(_DST.sub(lambda m, chosen=chosen: chosen[m.group(1) or m.group(2)], text))
+        return list(dict.fromkeys(out))
 
     def _kernel_path(self, path: str) -> str:
         """path with '..' taken as the kernel takes it, after the symlinks before it (HostSources

@@ -68,3 +68,35 @@ def test_failing_renders_are_bounded_per_second_as_pages_are(server):
     page.write_bytes(b"metric 1\n")
     time.sleep(scrape_server.REUSE_SECONDS)
     assert _status(port, b"GET /metrics HTTP/1.1\r\n\r\n") == b"HTTP/1.1 200 OK"
+
+
+def test_a_slow_render_cannot_keep_the_server_rendering(tmp_path):
+    """A page reused for REUSE_SECONDS from its render's start was stale when a render slower than
+    that ended: clients asking in turn then had the server render without a pause. A page is now
+    reused from its render's end, for as long as the render took where that is longer. Each
+    render here takes 3 s of the server's clock (the clock moves on in respond, so the test need
+    not wait): before, every one of 30 requests in turn was a render; now the first is the only."""
+    offset = [0.0]
+    renders = []
+
+    def respond(path, head=False):
+        renders.append(path)
+        offset[0] += 3.0
+        return 200, "text/plain", b"metric 1\n"
+
+    s = scrape_server.ScrapeServer(
+        "127.0.0.1", 0, respond, lambda line: None, clock=lambda: time.monotonic() + offset[0]
+    )
+    stop = threading.Event()
+    thread = threading.Thread(target=lambda: [s.serve_once() for _ in iter(stop.is_set, True)], daemon=True)
+    thread.start()
+    port = s.listener.getsockname()[1]
+    try:
+        statuses = {_status(port, f"GET /metrics?{n} HTTP/1.1\r\n\r\n".encode()) for n in range(30)}
+    finally:
+        stop.set()
+        socket.create_connection(("127.0.0.1", port)).close()  # wakes the loop
+        thread.join(60)
+        s.close()
+    assert statuses == {b"HTTP/1.1 200 OK"}
+    assert len(renders) == 1, len(renders)

@@ -96,6 +96,16 @@ def test_runpath_with_origin_and_a_dependency_s_own_runpath(tree):
     assert {liba, libb} <= mapped_objects(prog) == loaded(prog)
 
 
+def test_a_runpath_that_repeats_lib_is_the_loader_s_one_value_each_time(tree):
+    """The loader gives $LIB one value wherever it stands: a RUNPATH with it twenty times is one
+    directory to it, and three candidates here, not 3**20 (which never finished)."""
+    lib = subprocess.run(["gcc", "-print-multiarch"], capture_output=True, text=True).stdout.strip()
+    deep = "/".join(["lib", lib] * 20) if lib else "/".join(["lib64"] * 20)
+    liba = library(f"{tree}/bin/{deep}/liba.so.1", "liba.so.1")
+    prog = program(f"{tree}/bin/prog", [liba], runpath="/".join(["$ORIGIN"] + ["$LIB"] * 20))
+    assert liba in mapped_objects(prog) == loaded(prog)
+
+
 def test_rpath_is_passed_on_and_runpath_is_not(tree):
     """An RPATH serves the dependencies of the object that has it too; a RUNPATH serves only its
     own. liba's RPATH (inner) finds libc, which libb NEEDs; liba2's libm.so.6 comes from the
