@@ -10,12 +10,13 @@
 # (docker.io: Docker's --gpus end-to-end test; its postinst starts no daemon where systemd is not PID 1)
 # (prometheus: the exporter end-to-end test starts its own server; the package's service is not used)
 # (containerd: the Kubernetes end-to-end test runs its own, with a kubelet built from ../shared/tools/kubelet)
+# (qemu-system-x86, debootstrap: the node VM, tests/vmcheck.py; its base image is built once per machine)
 set -eu
 demo="python3 python3-venv python3-dev gcc libc6-dev make runc busybox-static"
 case "${1:-test}" in
     demo) packages="$demo" ;;
     image) packages="python3 python3-venv" ;;
-    test) packages="$demo gcc-multilib libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus strace openssl" ;;
+    test) packages="$demo gcc-multilib libcap-dev python3-selinux podman uidmap time rpm rpmlint bzip2 zstd checkpolicy semodule-utils policycoreutils selinux-policy-dev selinux-policy-default selinux-policy-src setools python3-setools python3-packaging python3-setuptools docker.io containerd prometheus strace openssl qemu-system-x86 debootstrap" ;;
     *) echo "usage: setup-host.sh [demo|image|test]" >&2; exit 2 ;;
 esac
 missing=""

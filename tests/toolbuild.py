@@ -19,18 +19,26 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tool: (the variable that names its cache, the script's own default cache, the script), in the
-# order the suite first needs them (tests/e2e, by module name: the kubelet and CRI-O come before
-# the cluster, whose apiserver is the longest build).
+# order the suite first needs them (the RHEL policy headers for tests/packaging, which runs before
+# tests/e2e; then tests/e2e, by module name: the kubelet and CRI-O come before the cluster, whose
+# apiserver is the longest build).
 TOOLS = {
+    "selinux-rhel": ("SELINUX_RHEL_CACHE", "/var/cache/oci-gpu-hook-selinux-rhel", "build.sh"),
     "nvidia-driver": ("NVIDIA_DRIVER_CACHE", "/var/cache/oci-gpu-hook-nvidia-driver", "fetch.sh"),
     "kubelet": ("KUBELET_CACHE", "/var/cache/oci-gpu-hook-kubelet", "build.sh"),
     "crio": ("CRIO_CACHE", "/var/cache/oci-gpu-hook-crio", "build.sh"),
     "kube": ("KUBE_CACHE", "/var/cache/oci-gpu-hook-kube", "build.sh"),
+    # the node VM's base image (tests/vmcheck.py), last: tests/e2e/test_node_vm.py comes late
+    "node-vm": ("SEVM", "/var/cache/oci-gpu-hook-node-vm", "build-base.sh"),
 }
+# tools whose script is the project's own (tests/vm), not ../shared/tools'
+OWN_SCRIPTS = {"node-vm": os.path.join(REPO, "tests", "vm", "build-base.sh")}
 WAIT_FOR_OTHERS = 1200  # seconds: a build started by hand, outside the lock
 
 
 def script(tool: str) -> str:
+    if tool in OWN_SCRIPTS:
+        return OWN_SCRIPTS[tool]
     return os.path.normpath(os.path.join(REPO, "..", "shared", "tools", tool, TOOLS[tool][2]))
 
 
@@ -49,13 +57,14 @@ def build(tool: str) -> subprocess.CompletedProcess:
     os.makedirs(cache(tool), exist_ok=True)
     with open(os.path.join(cache(tool), "build.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return subprocess.run(["sh", script(tool), cache(tool)], capture_output=True, text=True,
+        shell = "bash" if tool in OWN_SCRIPTS else "sh"
+        return subprocess.run([shell, script(tool), cache(tool)], capture_output=True, text=True,
                               stdin=subprocess.DEVNULL)  # fmt: skip
 
 
 def _runs_of(tool: str) -> list[int]:
     """Pids of other runs of tool's script (any checkout's: they share the cache)."""
-    name = f"tools/{tool}/{TOOLS[tool][2]}".encode()
+    name = f"{os.path.basename(os.path.dirname(script(tool)))}/{TOOLS[tool][2]}".encode()
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():

@@ -100,14 +100,25 @@ def device_plugin(obj, config_file, socket_dir, interval, check):
     config = plugin_config.load(config_file or node.device_plugin_config, node)
     where = config_file or node.device_plugin_config or "node settings (node.mig_strategy, node.replicas)"
     if check:
+        from oci_gpu_hook.node import mps, plugin_allocation
         from oci_gpu_hook.start import inventory_cache
 
-        for resource in plugin_devices.resources(inventory_cache.load(settings), config, where):
+        inventory = inventory_cache.load(settings)
+        channels = plugin_allocation.imex_nodes(config, inventory, where)  # a required one missing: refused
+        for resource in plugin_devices.resources(inventory, config, where):
             limit = f", memory limit {resource.memory_limit} each" if resource.memory_limit else ""
+            if resource.mps_root:  # the daemon's program must be there, and what it will be told
+                mps.control_program(inventory)
+                limit += f", MPS ({mps.pipe_dir(resource.mps_root, resource.name)}): " + "; ".join(
+                    mps.daemon_commands(resource)
+                )
             count = len(resource.devices)
             click.echo(f"{resource.name}: {count} device{'' if count == 1 else 's'}{limit}")
             for device in resource.devices:
                 click.echo(f"  {device.id}")
+        if config.imex_channels:
+            given = ", ".join(str(n) for n, _ in channels) or "none (the host has none of those configured)"
+            click.echo(f"IMEX channels: {given}")
         return 0
     from oci_gpu_hook.node import device_plugin as device_plugin_module
 

@@ -33,7 +33,8 @@ def plan(obj, bundle, as_json, no_cache):
         except ConfigError as e:
             broken = e.message
         why = (f"nothing in it can ask for a GPU ({rule.VISIBLE_DEVICES} unset, empty or {rule.NO_DEVICES}; no "
-               f"{rule.LEGACY_VARIABLE}, {rule.CDI_ANNOTATION_PREFIX} annotation or device volume mount)")  # fmt: skip
+               f"{rule.LEGACY_VARIABLE}, {rule.CDI_ANNOTATION_PREFIX} annotation, device volume mount or "
+               f"{rule.CDI_DEVICE_ENV_PREFIX}* variable)")  # fmt: skip
         _not_a_gpu_container(as_json, broken, why)
         return
     settings = obj.settings
@@ -41,7 +42,8 @@ def plan(obj, bundle, as_json, no_cache):
     result = decide(container, settings, lambda: discover(settings) if no_cache else inventory_cache.load(settings))
     if result is None:
         why = ("with this configuration nothing in it names a device for the hook (see accept_* and cdi_kind), "
-               "or the runtime applied its CDI devices itself")  # fmt: skip
+               f"or its {rule.CDI_DEVICE_ENV_PREFIX}* variables name devices whose nodes the runtime did not "
+               "make")  # fmt: skip
         _not_a_gpu_container(as_json, None, why)
         return
     if as_json:

@@ -22,8 +22,20 @@ import click
     is_flag=True,
     help="Give device minors in reverse bus order, so minor != NVML index (as on some real hosts).",
 )
+@click.option(
+    "--pcie-switches",
+    metavar="A+B,...",
+    help="GPUs that share a PCIe switch, e.g. 0+2,1+3 (default: pairs in bus order, 0+1,2+3,...).",
+)
+@click.option("--nvlink", "nvlinks", default="", metavar="A+B,...", help="GPU pairs joined by NVLink, e.g. 0+1,2+3.")
+@click.option(
+    "--numa-nodes",
+    metavar="N,N,...",
+    help="The NUMA node of each GPU (default: the first half of the switches on node 0, the rest on 1).",
+)
 @click.option("--remove", is_flag=True, help="Remove the simulated host at DIRECTORY instead.")
-def simulate(directory, gpus, driver_version, cuda_version, mig, model, scramble_minors, remove):
+def simulate(directory, gpus, driver_version, cuda_version, mig, model, scramble_minors, pcie_switches, nvlinks,
+             numa_nodes, remove):  # fmt: skip
     """Build a simulated GPU host in DIRECTORY (needs root and gcc).
 
     The directory gets dev/ with real device nodes, proc/ with the driver's files, the driver's
@@ -47,6 +59,9 @@ def simulate(directory, gpus, driver_version, cuda_version, mig, model, scramble
         mig=sorted(set(mig)),
         model=model,
         scramble_minors=scramble_minors,
+        pcie_switches=pcie_switches,
+        nvlinks=nvlinks,
+        numa_nodes=numa_nodes,
     )
     root = summary["root"]
     click.echo(

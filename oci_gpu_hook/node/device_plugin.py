@@ -9,6 +9,8 @@ registration). A supervisor loop, every interval:
 - checks each device's health: its device nodes (present, character devices, the right numbers)
   and NVML (a device NVML does not list, or NVML failing, is Unhealthy); a change is sent to the
   kubelet through ListAndWatch at once;
+- beside it, a thread waits on NVML events (plugin_health.py): a critical XID makes its GPU or MIG
+  device Unhealthy at once, until that GPU goes and comes back (a reset, a driver reload);
 - notices a driver change (the inventory fingerprint the hook's cache uses) and re-reads the
   inventory; resources that appear or go away are registered or stopped.
 The configuration is checked before anything is served: a mistake stops the start with one line.
@@ -22,7 +24,7 @@ import threading
 import time
 
 from oci_gpu_hook.errors import HookError, NvmlError, PrerequisiteError
-from oci_gpu_hook.node import plugin_allocation, plugin_devices
+from oci_gpu_hook.node import plugin_allocation, plugin_devices, plugin_health, plugin_topology
 from oci_gpu_hook.node import say as node_say
 
 API_VERSION = "v1beta1"
@@ -72,8 +74,10 @@ def _options(pb2):
     return pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
 
 
-def device_health(inventory, reader) -> dict:
-    """{unit uuid: None when healthy, else why not} for every GPU and MIG device."""
+def device_health(inventory, reader, gone: set | None = None) -> dict:
+    """{unit uuid: None when healthy, else why not} for every GPU and MIG device. gone, if given,
+    gets the GPUs that are not there themselves (their node, or NVML does not list them), as
+    opposed to NVML failing as a whole."""
     from oci_gpu_hook.start.discover import check_node
     from oci_gpu_hook.start.inventory import device_key
 
@@ -88,9 +92,12 @@ def device_health(inventory, reader) -> dict:
         listed, nvml_problem = set(), e.message
     health = {}
     for gpu in inventory.gpus:
-        gpu_problem = node_problem(gpu.node) or nvml_problem
-        if gpu_problem is None and gpu.uuid not in listed:
+        gpu_problem = node_problem(gpu.node)
+        if gpu_problem is None and nvml_problem is None and gpu.uuid not in listed:
             gpu_problem = "NVML does not list it"
+        if gpu_problem is not None and gone is not None:
+            gone.add(gpu.uuid)
+        gpu_problem = gpu_problem or nvml_problem
         health[gpu.uuid] = gpu_problem
         for mig in gpu.mig:
             uuid = device_key(gpu, mig)
@@ -164,8 +171,9 @@ class ResourceServer:
         self.identity = None  # _identity() of our socket: gone or replaced means serve again
 
     def devices(self, pb2) -> list:
-        health = self.plugin.health
-        return [pb2.Device(ID=d.id, health=HEALTHY if health.get(d.unit.uuid, UNHEALTHY) is None else UNHEALTHY)
+        health, numa = self.plugin.health, self.plugin.topology.numa
+        return [pb2.Device(ID=d.id, health=HEALTHY if health.get(d.unit.uuid, UNHEALTHY) is None else UNHEALTHY,
+                           topology=_numa_info(pb2, numa.get(d.unit.gpu.uuid)))
                 for d in self.resource.devices]  # fmt: skip
 
     def update(self, resource=None) -> None:
@@ -225,6 +233,12 @@ class ResourceServer:
         self.identity = None
 
 
+def _numa_info(pb2, node):
+    """The NUMA node of a device as ListAndWatch gives it (a MIG device or replica: its GPU's), for
+    the kubelet's topology manager; none where sysfs names none, as NVIDIA's plugin does."""
+    return None if node is None else pb2.TopologyInfo(nodes=[pb2.NUMANode(ID=node)])
+
+
 class _Servicer:
     """The DevicePlugin service's calls for one ResourceServer."""
 
@@ -250,9 +264,9 @@ class _Servicer:
 
     def GetPreferredAllocation(self, request, context):
         _, pb2, _ = _api()
-        resource = self.owner.resource
+        resource, topology = self.owner.resource, self.owner.plugin.topology
         answers = [pb2.ContainerPreferredAllocationResponse(deviceIDs=plugin_allocation.preferred(
-            resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+            resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size, topology))
             for r in request.container_requests]  # fmt: skip
         return pb2.PreferredAllocationResponse(container_responses=answers)
 
@@ -283,7 +297,75 @@ class _Servicer:
         return pb2.PreStartContainerResponse()
 
 
-class DevicePlugin:
+# --- XID health (plugin_health.py's thread reports; the marks live here) ----------------------------
+
+
+class _XidHealth:
+    """DevicePlugin's XID health: the watch thread, and the marks it leaves on devices."""
+
+    def _init_xid_health(self) -> None:
+        self.topology = plugin_topology.EMPTY
+        self.xids = plugin_health.policy(self.config, os.environ)
+        self.xid_watch = None
+        self.xid_marks: dict = {}  # unit uuid -> "XID n", until its GPU is seen gone
+        self._health_lock = threading.RLock()  # check_health runs in the loop and on an XID
+
+    def _start_xid_watch(self) -> None:
+        """(Re)start the thread for the inventory's GPUs and NVML library; none when XID health is off."""
+        if self.xid_watch is not None:
+            self.xid_watch.stop()
+            self.xid_watch = None
+        if self.xids.off or self.reader.path is None or not self.inventory.gpus:
+            return
+        self.xid_watch = plugin_health.XidWatch(self.reader.path, [g.uuid for g in self.inventory.gpus], self.xids,
+                                                self._on_xid, say).start()  # fmt: skip
+
+    def _on_xid(self, event) -> None:
+        """A critical XID (from the watch thread): its devices Unhealthy now, not at the next round."""
+        with self._health_lock:
+            gpu = next((g for g in self.inventory.gpus if g.uuid == event.gpu_uuid), None)
+            if gpu is None:
+                say(f"XID {event.xid} on {plugin_health.describe(event)}, a GPU this plugin does not offer: ignored")
+                return
+            from oci_gpu_hook.start.inventory import device_key
+
+            why = f"XID {event.xid} (a critical XID: health.criticalXids)"
+            if event.gi is None:
+                keys = [gpu.uuid] + [device_key(gpu, m) for m in gpu.mig]
+            else:  # a MIG device's instances: that MIG device alone, as NVIDIA's plugin does
+                keys = [device_key(gpu, m) for m in gpu.mig if (m.gi, m.ci) == (event.gi, event.ci)]
+                if not gpu.mig:
+                    keys = [gpu.uuid]
+            for key in keys:
+                self.xid_marks.setdefault(key, why)
+            self._check_health()
+
+    def _forget_xids_not_in(self, inventory) -> None:
+        """A re-read inventory: the marks of devices it no longer has go (their GPU went)."""
+        from oci_gpu_hook.start.inventory import device_key
+
+        kept = {k for g in inventory.gpus for k in [g.uuid] + [device_key(g, m) for m in g.mig]}
+        for key in [k for k in self.xid_marks if k not in kept]:
+            del self.xid_marks[key]
+            say(f"{key}: no longer on this node; an XID it had no longer counts")
+
+    def _apply_xids(self, health: dict, gone: set) -> None:
+        """The XID marks onto health. A GPU seen gone (its node, or NVML no longer lists it) loses its
+        marks and those of its MIG devices: when it is back, it is a GPU that came back (reset, driver
+        reloaded), and it is as healthy as its nodes and NVML say."""
+        from oci_gpu_hook.start.inventory import device_key
+
+        for gpu in self.inventory.gpus:
+            if gpu.uuid in gone:
+                for key in [gpu.uuid] + [device_key(gpu, m) for m in gpu.mig]:
+                    if self.xid_marks.pop(key, None) is not None:
+                        say(f"{key}: its GPU is gone; the XID no longer counts once it is back")
+        for key, why in self.xid_marks.items():
+            if key in health and health[key] is None:
+                health[key] = why
+
+
+class DevicePlugin(_XidHealth):
     def __init__(self, settings, config, socket_dir: str, where: str = "device plugin configuration"):
         self.settings, self.config, self.socket_dir, self.where = settings, config, socket_dir, where
         self.kubelet_socket = os.path.join(socket_dir, KUBELET_SOCKET)
@@ -294,6 +376,10 @@ class DevicePlugin:
         self.servers: dict = {}  # resource name -> ResourceServer
         self.registered_with = None  # _identity() of the kubelet.sock we registered with
         self._last_problem = None
+        self._init_xid_health()
+        from oci_gpu_hook.node import mps
+
+        self.mps = mps.Daemons(say)  # the MPS daemons of the resources shared through MPS
 
     def load(self) -> None:
         """The inventory and the resources it gives; ConfigError when the configuration does not fit."""
@@ -305,12 +391,17 @@ class DevicePlugin:
         fingerprint = inventory_cache.fingerprint(self.settings)
         inventory = inventory_cache.load(self.settings)
         resources = plugin_devices.resources(inventory, self.config, self.where)
+        plugin_allocation.imex_nodes(self.config, inventory, self.where)  # a required channel missing stops it
         reader = NvmlReader(inventory)  # bound to the library this inventory found
         if self.reader is not None:
             check_library(self.reader, reader)  # another driver's NVML: the process starts again
             self.reader.close()
-        self.reader = reader
-        self.fingerprint, self.inventory, self.resources = fingerprint, inventory, resources
+        with self._health_lock:
+            self.reader = reader
+            self.fingerprint, self.inventory, self.resources = fingerprint, inventory, resources
+            self.topology = plugin_topology.read(inventory, reader, self.settings.node.sys_root)
+            self._forget_xids_not_in(inventory)
+        self._start_xid_watch()
 
     def _kubelet_identity(self):
         return _identity(self.kubelet_socket)
@@ -322,7 +413,13 @@ class DevicePlugin:
         self._last_problem = message
 
     def check_health(self) -> None:
-        health = device_health(self.inventory, self.reader)
+        with self._health_lock:
+            self._check_health()
+
+    def _check_health(self) -> None:
+        gone: set = set()
+        health = device_health(self.inventory, self.reader, gone)
+        self._apply_xids(health, gone)
         if health == self.health:
             return
         # One line per cause (a failing NVML makes every device Unhealthy at once), and the
@@ -341,8 +438,19 @@ class DevicePlugin:
             server.update()
 
     def sync_servers(self) -> None:
-        """Servers for exactly the current resources; new device lists reach the kubelet."""
-        wanted = {r.name: r for r in self.resources}
+        """Servers for exactly the current resources; new device lists reach the kubelet. The MPS
+        daemons first: a resource shared through MPS is offered once its daemon has its defaults.
+        A daemon that cannot start stops the plugin's start; later (a new inventory), its resource
+        is held back, and each round tries again (round)."""
+        from oci_gpu_hook.node import mps
+
+        try:
+            self.mps.sync(self.resources, self.inventory)
+        except mps.MpsError as e:
+            if not self.servers:
+                raise
+            self._problem(e.message)
+        wanted = {r.name: r for r in self.resources if not r.mps_root or r.name in self.mps.running}
         for name in [n for n in self.servers if n not in wanted]:
             say(f"{name}: no longer offered")
             self.servers.pop(name).stop()
@@ -394,12 +502,17 @@ class DevicePlugin:
                 # The previous inventory stays in service, its health checked below (a GPU
                 # whose node went is Unhealthy); the next round reads again.
                 self._problem(f"the inventory cannot be read again: {e.message}")
+        if self.mps.lost() or any(r.mps_root and r.name not in self.mps.running for r in self.resources):
+            self.sync_servers()  # an MPS daemon that died, or did not start: again
         self.check_health()
         self.ensure_registered()
 
     def stop(self) -> None:
+        if self.xid_watch is not None:
+            self.xid_watch.stop()
         for server in self.servers.values():
             server.stop()
+        self.mps.stop_all()
 
 
 def run(settings, config, socket_dir: str, interval: float, where: str) -> int:

@@ -2,10 +2,12 @@
 the label names of NVIDIA's GPU feature discovery (nvidia.com/gpu.product, ...), from the same
 inventory the hook uses. Pure but for write() and watch().
 
-What the labels say about MIG follows the configured strategy, as GFD's do: `none` describes the
-full GPUs; `single` describes the MIG devices as if they were the GPUs (every GPU must have MIG
-on, with one profile); `mixed` describes the full GPUs without MIG, plus one set of
-nvidia.com/mig-<profile>.* labels per MIG profile.
+What the labels say about MIG follows the configured strategy, as GFD's do: nvidia.com/gpu.*
+describe the GPUs (every one counted; without sharing where every GPU has MIG on); `single`
+then describes the MIG devices as if they were the GPUs (every GPU must have MIG on, with one
+profile: GFD writes -MIG-INVALID labels where we refuse); `mixed` adds one set of
+nvidia.com/mig-<profile>.* labels per MIG profile. Every value is GFD's wherever GFD writes the
+label (docs/monitoring.md lists them, and where we differ).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import re
 import time
 
 from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.record import Record
 
 PREFIX = "nvidia.com/"
 # GFD's family names, by compute capability major (and minor where it splits a major).
@@ -54,17 +57,132 @@ def mig_capable(gpu) -> bool:
     )
 
 
+# GFD's gpu.mode, by the PCI class of the (first) GPU: a 3D controller computes, a VGA controller
+# also drives displays.
+_MODES = {"0x030200": "compute", "0x030000": "graphics"}
+_NOT_IN_VALUE = re.compile(r"[^-A-Za-z0-9_.]")
+_NOT_IN_PRODUCT = re.compile(r"[^-A-Za-z0-9_. ]")
+
+
 def product(model: str) -> str:
-    return "-".join(model.split())
+    """The model as GFD writes it in a label: characters a label cannot hold left out, spaces
+    made dashes."""
+    return "-".join(_NOT_IN_PRODUCT.sub("", model).split())
 
 
-def _gpu_labels(gpus, replicas: int, product_suffix: str = "", memory: int | None = None) -> dict:
+class HostFacts(Record):
+    """What the labels read beside the inventory: DMI's product name, each GPU's PCI class and
+    the vGPU labels, from sysfs (node.sys_root)."""
+
+    __slots__ = ("machine", "pci_classes", "vgpu")
+    _defaults = {"vgpu": {}}
+    machine: str  # GFD's gpu.machine value
+    pci_classes: dict  # bus id -> "0x030200", or None where sysfs has none
+    vgpu: dict  # {label name: value} in a vGPU guest (vgpu_labels), else {}
+
+
+# A PCI configuration space: the status register's "capabilities list" bit, the list's first
+# pointer, and the vendor-specific capability's id (PCI Local Bus Specification 3.0, 6.7).
+_PCI_STATUS, _PCI_HAS_CAPABILITIES, _PCI_CAPABILITIES, _PCI_VENDOR_SPECIFIC = 0x06, 0x10, 0x34, 0x09
+_NVIDIA_VENDOR = "0x10de"
+# NVIDIA's vGPU signature in that capability ("VF" at bytes 3 and 4), its records from byte 5,
+# and the host driver record's two 10-byte strings (as GFD reads them).
+_VGPU_SIGNATURE, _VGPU_RECORDS, _VGPU_STRING = b"VF", 5, 10
+
+
+def vendor_capability(config: bytes) -> bytes | None:
+    """The vendor-specific capability of a PCI configuration space, or None. A space read short
+    (without CAP_SYS_ADMIN, sysfs gives the first 64 bytes) has none to find."""
+    if len(config) < 256 or not config[_PCI_STATUS] & _PCI_HAS_CAPABILITIES:
+        return None
+    seen, position = set(), config[_PCI_CAPABILITIES]
+    while position and position not in seen and position + 2 < len(config) and config[position] != 0xFF:
+        seen.add(position)
+        if config[position] == _PCI_VENDOR_SPECIFIC:
+            return config[position : position + config[position + 2]]
+        position = config[position + 1]
+    return None
+
+
+def vgpu_labels(capability: bytes | None) -> dict:
+    """GFD's vgpu.* labels from a GPU's vendor-specific capability: vgpu.present where it carries
+    NVIDIA's vGPU signature (a vGPU guest), and the host's driver version and branch from its
+    host driver record (record id 0)."""
+    if capability is None or capability[3:5] != _VGPU_SIGNATURE:
+        return {}
+    labels = {"vgpu.present": "true"}
+    position = _VGPU_RECORDS
+    while position + 1 < len(capability) and capability[position] != 0 and capability[position + 1]:
+        position += capability[position + 1]
+    end = position + 2 + 2 * _VGPU_STRING
+    if position < len(capability) and capability[position] == 0 and end <= len(capability):
+        version = capability[position + 2 : position + 2 + _VGPU_STRING]
+        branch = capability[position + 2 + _VGPU_STRING : end]
+        # Bytes from the hypervisor: what a label cannot hold is left out, so they never fail the file.
+        for name, text in (("vgpu.host-driver-version", version), ("vgpu.host-driver-branch", branch)):
+            labels[name] = _NOT_IN_VALUE.sub("", text.strip(b"\0").decode("ascii", "replace"))[:63].strip("-_.")
+    return labels
+
+
+def machine_label(product_name: str | None) -> str:
+    """gpu.machine as GFD writes it (spaces made dashes; unknown when DMI has no name). GFD leaves
+    other characters in, and the label is then refused; here they are left out, so that the
+    file stays valid (a product name with , or / is rare)."""
+    if not product_name or not product_name.strip():
+        return "unknown"
+    value = _NOT_IN_VALUE.sub("", "-".join(product_name.strip().split(" ")))[:63].strip("-_.")
+    return value or "unknown"
+
+
+def host_facts(sys_root: str, inventory) -> HostFacts:
+    from oci_gpu_hook.start.inventory import host_path
+
+    def read(path):
+        try:
+            with open(host_path(sys_root, path), errors="replace") as f:
+                return f.read(4096).strip()
+        except OSError:
+            return None
+
+    def config(bus_id):
+        try:
+            with open(host_path(sys_root, f"/sys/bus/pci/devices/{bus_id}/config"), "rb") as f:
+                return f.read(4096)
+        except OSError:
+            return b""
+
+    vgpu: dict = {}
+    for gpu in inventory.gpus:
+        if read(f"/sys/bus/pci/devices/{gpu.bus_id}/vendor") == _NVIDIA_VENDOR:
+            vgpu.update(vgpu_labels(vendor_capability(config(gpu.bus_id))))
+    return HostFacts(
+        machine=machine_label(read("/sys/class/dmi/id/product_name")),
+        pci_classes={g.bus_id: read(f"/sys/bus/pci/devices/{g.bus_id}/class") for g in inventory.gpus},
+        vgpu=vgpu,
+    )
+
+
+def _resource_labels(key: str, parts, count: int, replicas: int, strategy: str) -> dict:
+    """GFD's base labels of one resource: product (-SHARED when shared), count, replicas and
+    sharing-strategy (none unless shared)."""
+    shared = replicas > 1
+    return {
+        f"{key}.product": "-".join(parts) + ("-SHARED" if shared else ""),
+        f"{key}.count": count,
+        f"{key}.replicas": replicas,
+        f"{key}.sharing-strategy": strategy if shared else "none",
+    }
+
+
+def _gpu_labels(gpus, replicas: int, strategy: str) -> dict:
+    """gpu.* of the whole GPUs, as GFD writes them whatever the MIG strategy: every GPU counted;
+    where every GPU has MIG on, without sharing (replicas 0), as no whole GPU is offered."""
     first = gpus[0]
-    name = product(first.model) + product_suffix + ("-SHARED" if replicas > 1 else "")
-    labels = {"gpu.count": len(gpus), "gpu.product": name, "gpu.replicas": replicas}
-    memory = memory if memory is not None else first.memory_total
-    if memory:
-        labels["gpu.memory"] = memory >> 20
+    if all(g.mig for g in gpus):
+        replicas, strategy = 0, "none"
+    labels = _resource_labels("gpu", [product(first.model)], len(gpus), replicas, strategy)
+    if first.memory_total:
+        labels["gpu.memory"] = first.memory_total >> 20
     if first.compute_capability:
         major, _, minor = first.compute_capability.partition(".")
         labels["gpu.family"] = family(first.compute_capability) or "undefined"
@@ -72,38 +190,55 @@ def _gpu_labels(gpus, replicas: int, product_suffix: str = "", memory: int | Non
     return labels
 
 
-def _mig_profile_labels(migs) -> dict:
-    labels = {}
-    by_profile = {}
-    for mig in migs:
-        if mig.profile:
-            by_profile.setdefault(mig.profile, []).append(mig)
-    for profile, devices in sorted(by_profile.items()):
-        # Label names allow no "+": a media-extension profile (1g.10gb+me) is named 1g.10gb.me, as
-        # NVIDIA's device plugin names its resource.
-        key = f"mig-{profile.replace('+', '.')}"
-        labels[f"{key}.count"] = len(devices)
-        if devices[0].memory_total:
-            labels[f"{key}.memory"] = devices[0].memory_total >> 20
-        match = _PROFILE.match(profile)
-        if match:  # a MIG device here is a GPU instance with one compute instance over all of it
-            labels[f"{key}.slices.gi"] = labels[f"{key}.slices.ci"] = int(match.group(1))
+def _mig_labels(key: str, model: str, devices, replicas: int, strategy: str) -> dict:
+    """The labels of one MIG profile's resource (key: gpu under single, mig-<profile> under
+    mixed): GFD's base labels, then the MIG device's attributes."""
+    profile = devices[0].profile.replace("+", ".")
+    labels = _resource_labels(key, [product(model), "MIG", profile], len(devices), replicas, strategy)
+    if devices[0].memory_total:
+        labels[f"{key}.memory"] = devices[0].memory_total >> 20
+    match = _PROFILE.match(devices[0].profile)
+    if match:  # a MIG device here is a GPU instance with one compute instance over all of it
+        labels[f"{key}.slices.gi"] = labels[f"{key}.slices.ci"] = int(match.group(1))
+    for name, value in sorted((getattr(devices[0], "attributes", None) or {}).items()):
+        labels[f"{key}.{name}"] = value
     return labels
 
 
-def compute(inventory, mig_strategy: str = "none", replicas: int = 1) -> dict:
-    """{label: value} (names with the nvidia.com/ prefix), checked against Kubernetes' syntax."""
+def compute(inventory, mig_strategy: str = "none", replicas: int = 1, host: HostFacts | None = None,
+            sharing: dict | None = None, sharing_strategy: str = "time-slicing") -> dict:  # fmt: skip
+    """{label: value} (names with the nvidia.com/ prefix), checked against Kubernetes' syntax.
+    replicas: of nvidia.com/gpu; sharing: replicas by resource name (nvidia.com/mig-<profile>),
+    shared by sharing_strategy (time-slicing or mps). host: the machine and PCI class labels."""
+    sharing = {"nvidia.com/gpu": replicas, **(sharing or {})}
     gpus = list(inventory.gpus)
     labels = {}
     driver = inventory.driver_version.split(".")
-    labels["cuda.driver.major"] = driver[0]
-    labels["cuda.driver.minor"] = driver[1] if len(driver) > 1 else "0"
-    labels["cuda.driver.rev"] = driver[2] if len(driver) > 2 else ""
+    major, minor, rev = driver[0], driver[1] if len(driver) > 1 else "0", driver[2] if len(driver) > 2 else ""
+    # The old names and GFD's newer ones, both, as GFD writes them.
+    labels["cuda.driver.major"], labels["cuda.driver.minor"], labels["cuda.driver.rev"] = major, minor, rev
+    labels["cuda.driver-version.major"], labels["cuda.driver-version.minor"] = major, minor
+    labels["cuda.driver-version.revision"] = rev
+    labels["cuda.driver-version.full"] = inventory.driver_version
     if inventory.cuda_version:
-        major, _, minor = inventory.cuda_version.partition(".")
-        labels["cuda.runtime.major"], labels["cuda.runtime.minor"] = major, minor or "0"
+        cuda_major, _, cuda_minor = inventory.cuda_version.partition(".")
+        cuda_minor = cuda_minor or "0"
+        labels["cuda.runtime.major"], labels["cuda.runtime.minor"] = cuda_major, cuda_minor
+        labels["cuda.runtime-version.major"], labels["cuda.runtime-version.minor"] = cuda_major, cuda_minor
+        labels["cuda.runtime-version.full"] = f"{cuda_major}.{cuda_minor}"
     labels["mig.capable"] = "true" if any(mig_capable(g) for g in gpus) else "false"
     labels["mig.strategy"] = mig_strategy
+    # MPS shares whole GPUs only: GFD fails to label a node with MPS and a GPU in MIG mode.
+    labels["mps.capable"] = "true" if sharing_strategy == "mps" and not any(g.mig for g in gpus) else "false"
+    if host is not None:
+        labels.update(host.vgpu)
+        labels["gpu.machine"] = host.machine
+        if gpus:
+            labels["gpu.mode"] = _MODES.get(host.pci_classes.get(gpus[0].bus_id) or "", "unknown")
+    if not gpus:
+        labels["gpu.count"] = 0
+    else:
+        labels.update(_gpu_labels(gpus, sharing["nvidia.com/gpu"], sharing_strategy))
     migs = [m for g in gpus for m in g.mig]
     if mig_strategy == "single" and migs:  # with MIG on nowhere, single offers the GPUs, as none does
         profiles = {m.profile for m in migs}
@@ -113,20 +248,18 @@ def compute(inventory, mig_strategy: str = "none", replicas: int = 1) -> dict:
                 f"mig_strategy single needs MIG on every GPU, with one profile throughout (found {len(migs)} "
                 f"MIG devices; profiles: {found})"
             )
-        (profile,) = profiles
-        labels.update(_gpu_labels(gpus, replicas, f"-MIG-{profile.replace('+', '.')}", migs[0].memory_total))
-        labels["gpu.count"] = len(migs)
+        labels.update(_mig_labels("gpu", gpus[0].model, migs, sharing["nvidia.com/gpu"], sharing_strategy))
     elif mig_strategy == "mixed":
-        full = [g for g in gpus if not g.mig]
-        if full:
-            labels.update(_gpu_labels(full, replicas))
-        else:
-            labels["gpu.count"] = 0
-        labels.update(_mig_profile_labels([m for g in gpus for m in g.mig]))
-    elif gpus:
-        labels.update(_gpu_labels(gpus, replicas))
-    else:
-        labels["gpu.count"] = 0
+        by_profile: dict = {}
+        for mig in migs:
+            if mig.profile:
+                by_profile.setdefault(mig.profile, []).append(mig)
+        for profile, devices in sorted(by_profile.items()):
+            # Label names allow no "+": a media-extension profile (1g.10gb+me) is named 1g.10gb.me,
+            # as NVIDIA's device plugin names its resource.
+            key = f"mig-{profile.replace('+', '.')}"
+            model = next(g.model for g in gpus if devices[0] in g.mig)
+            labels.update(_mig_labels(key, model, devices, sharing.get(PREFIX + key, 1), sharing_strategy))
     out = {PREFIX + key: str(value) for key, value in labels.items()}
     for key, value in out.items():
         check(key, value)
@@ -179,8 +312,10 @@ def for_node(settings, inventory) -> dict:
     from oci_gpu_hook.node import plugin_config
 
     config = plugin_config.load(settings.node.device_plugin_config, settings.node)
-    sharing = config.sharing(plugin_config.GPU_RESOURCE)
-    return compute(inventory, config.mig_strategy, sharing.replicas if sharing else 1)
+    shared = {r.name: r.replicas for r in config.time_slicing + config.mps}
+    strategy = "mps" if config.mps else "time-slicing"
+    return compute(inventory, config.mig_strategy, shared.get(plugin_config.GPU_RESOURCE, 1),
+                   host_facts(settings.node.sys_root, inventory), shared, strategy)  # fmt: skip
 
 
 def refresh(settings, output: str) -> bool:

@@ -93,6 +93,11 @@ class NvmlReader:
         except nvml.NVMLError as e:
             raise NvmlError(f"NVML: {fn.__name__}: {e}") from None
 
+    def module(self):
+        """The bindings, bound and started (NvmlError if they cannot be): for the device plugin's
+        topology reads, which ask what read() does not."""
+        return self._start()
+
     def close(self) -> None:
         if self._started:
             try:

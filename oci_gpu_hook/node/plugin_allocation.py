@@ -13,6 +13,13 @@ Allocate's answer, by `flags.plugin.deviceListStrategy` (any of them, together):
 With only CDI strategies, NVIDIA_VISIBLE_DEVICES is set to void, so that an image's own
 NVIDIA_VISIBLE_DEVICES=all cannot widen the allocation through the hook.
 
+A resource shared through MPS adds its daemon's directories and the client's limits (mps.py).
+IMEX channels (the configuration's imex.channelIDs) go to every container, as NVIDIA's plugin
+gives them: NVIDIA_IMEX_CHANNELS=<n,...> with envvar, /var/run/nvidia-container-devices/imex/<n>
+mounts with volume-mounts (the hook reads both), and the channel device nodes themselves
+(/dev/nvidia-caps-imex-channels/channel<n>) with passDeviceSpecs or when only CDI strategies are
+set, for the runtime to create.
+
 A GPU memory limit on a time-sliced resource travels twice: as OCI_GPU_HOOK_GPU_MEMORY_LIMIT, for
 the program to read, and as a mount at /var/run/oci-gpu-hook/gpu-memory-limit/<limit>, which the
 pod cannot remove. The hook takes the smallest limit it is given (memory_limit.py), so a pod may
@@ -24,7 +31,7 @@ from __future__ import annotations
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.inventory import host_path
-from oci_gpu_hook.start.request import CDI_ANNOTATION_PREFIX, VISIBLE_DEVICES
+from oci_gpu_hook.start.request import CDI_ANNOTATION_PREFIX, IMEX_CHANNELS, IMEX_VOLUME_MOUNT_DIR, VISIBLE_DEVICES
 from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR
 
 CDI_ANNOTATION_NAME = "oci-gpu-hook_"
@@ -43,10 +50,12 @@ class ContainerAllocation(Record):
     cdi_devices: tuple  # fully qualified CDI names
 
 
-def preferred(resource, available, must_include, size: int) -> list:
-    """size ids from available, must_include first. The rest spread the container over distinct
-    GPUs, then over the GPUs with the most replicas still free: time-sliced pods land on the
-    least shared GPU, and a container asking for two gets two GPUs where it can."""
+def preferred(resource, available, must_include, size: int, topology=None) -> list:
+    """size ids from available, must_include first. Whole GPUs (not shared, not MIG) then go by
+    topology (plugin_topology.best: NVLinks, then the nearest common PCIe ancestor, with the
+    must-include ones). The rest spread the container over distinct GPUs, then over the GPUs with
+    the most replicas still free: time-sliced pods land on the least shared GPU, and a container
+    asking for two gets two GPUs where it can."""
     chosen = [i for i in dict.fromkeys(must_include) if resource.find(i) is not None][:size]
     free: dict = {}
     for device_id in available:
@@ -55,6 +64,13 @@ def preferred(resource, available, must_include, size: int) -> list:
             free.setdefault(device.unit.uuid, []).append(device_id)
     used = {resource.find(i).unit.uuid for i in chosen}
     order = {d.unit.uuid: n for n, d in enumerate(resource.devices)}  # inventory order breaks ties
+    if topology is not None and resource.replicas == 1 and all(d.unit.mig is None for d in resource.devices):
+        from oci_gpu_hook.node.plugin_topology import best
+
+        candidates = sorted((u for u in free if free[u] and u not in used), key=lambda u: order.get(u, 0))
+        for uuid in best(candidates, sorted(used), size - len(chosen), topology):
+            chosen.append(free[uuid].pop(0))
+            used.add(uuid)
     while len(chosen) < size and any(free.values()):
         uuid = min((u for u in free if free[u]), key=lambda u: (u in used, -len(free[u]), order.get(u, 0)))
         chosen.append(free[uuid].pop(0))
@@ -114,5 +130,38 @@ def allocate(resource, ids, config, inventory, cdi_kind: str) -> ContainerAlloca
     if resource.memory_limit:
         envs[memory_limit.ENV] = resource.memory_limit
         mounts.append((f"{memory_limit.MOUNT_DIR}/{resource.memory_limit}", "/dev/null", True))
+    if resource.mps_root:
+        from oci_gpu_hook.node import mps
+
+        mps_envs, mps_mounts = mps.client_answer(resource, sorted(units, key=lambda u: u.index))
+        envs.update(mps_envs)
+        mounts += mps_mounts
     devices = _device_specs(inventory, units) if config.pass_device_specs else ()
+    channels = imex_nodes(config, inventory)
+    if channels:
+        numbers = [str(n) for n, _ in channels]
+        if "envvar" in strategies:
+            envs[IMEX_CHANNELS] = ",".join(numbers)
+        if "volume-mounts" in strategies:
+            mounts += [(f"{IMEX_VOLUME_MOUNT_DIR}/{n}", "/dev/null", True) for n in numbers]
+        if config.pass_device_specs or not {"envvar", "volume-mounts"} & set(strategies):
+            devices += tuple((node.path, host_path(inventory.dev_root, node.path), "rw") for _, node in channels)
     return ContainerAllocation(envs, tuple(mounts), devices, annotations, cdi)
+
+
+def imex_nodes(config, inventory, where: str | None = None) -> tuple:
+    """((channel number, DeviceNode)) of the configured IMEX channels this host has; a channel
+    it lacks is left out, or with imex.required and where given (the plugin's start), refused."""
+    from oci_gpu_hook.errors import ConfigError
+
+    found = []
+    for number in config.imex_channels:
+        node = inventory.imex_channels.get(str(number))
+        problem = "missing" if node is None else node.problem
+        if problem is None:
+            found.append((number, node))
+        elif config.imex_required and where is not None:
+            raise ConfigError(f"{where}: imex.channelIDs: IMEX channel {number} "
+                              f"(/dev/nvidia-caps-imex-channels/channel{number}): {problem}; it is required "
+                              "(imex.required); create it with nvidia-modprobe -i " + str(number))  # fmt: skip
+    return tuple(found)

@@ -3,9 +3,11 @@ device plugin (flags.migStrategy, flags.plugin.*, sharing.timeSlicing.*), plus o
 `memoryLimit` on a time-sliced resource. Parsed and checked in full before the plugin starts, so
 a mistake is one line naming the file and the key, and a non-zero exit. Pure: no I/O but the read.
 
-Keys NVIDIA's plugin has and this one does not (MPS sharing, per-resource `rename` and `devices`
-subsets, GDS and MOFED flags) are refused by name rather than ignored: a configuration that
-silently means something else on this node is worse than one that does not start.
+Keys NVIDIA's plugin has and this one does not (per-resource `rename` and `devices` subsets, GDS
+and MOFED flags, ...) are refused by name, and values it has that this one does not (packed
+allocation, Tegra discovery, ...) by value, each with its reason, rather than ignored: a
+configuration that silently means something else on this node is worse than one that does not
+start. `sharing.mps` (MPS replicas, mps.py) and `imex` (IMEX channels) are honoured.
 """
 
 from __future__ import annotations
@@ -45,11 +47,33 @@ class TimeSlicedResource(Record):
     memory_limit: str | None  # per-replica, or a memory_limit.py size or percentage
 
 
+# XID health (plugin_health.py): which XIDs make a GPU Unhealthy. NVIDIA's plugin counts every XID
+# but these, which its source calls application errors (the GPU itself is fine): 13 graphics engine
+# exception, 31 GPU memory page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video
+# processor exception, 109 context switch timeout.
+ALL_XIDS = "all"
+APPLICATION_XIDS = (13, 31, 43, 45, 68, 109)
+
+
+def _xid_health(doc: dict) -> dict:
+    """PluginConfig's XID fields from the `health` section (schema-checked before)."""
+    health = doc.get("health") or {}
+    critical = health.get("criticalXids", ALL_XIDS)
+    ignored = health.get("ignoredXids")
+    return {
+        "critical_xids": critical if critical == ALL_XIDS else tuple(sorted(set(critical or ()))),
+        "ignored_xids": APPLICATION_XIDS if ignored is None else tuple(sorted(set(ignored))),
+    }
+
+
 class PluginConfig(Record):
     __slots__ = ("mig_strategy", "list_strategies", "id_strategy", "pass_device_specs", "rename_by_default",
-                 "fail_requests_greater_than_one", "time_slicing")  # fmt: skip
+                 "fail_requests_greater_than_one", "time_slicing", "mps", "mps_root", "imex_channels",
+                 "imex_required", "critical_xids", "ignored_xids")  # fmt: skip
     _defaults = {"list_strategies": ("envvar",), "id_strategy": "uuid", "pass_device_specs": False,
-                 "rename_by_default": False, "fail_requests_greater_than_one": False, "time_slicing": ()}  # fmt: skip
+                 "rename_by_default": False, "fail_requests_greater_than_one": False, "time_slicing": (),
+                 "mps": (), "mps_root": None, "imex_channels": (), "imex_required": False,
+                 "critical_xids": ALL_XIDS, "ignored_xids": APPLICATION_XIDS}  # fmt: skip
     mig_strategy: str
     list_strategies: tuple  # of LIST_STRATEGIES, in the order given
     id_strategy: str
@@ -57,9 +81,22 @@ class PluginConfig(Record):
     rename_by_default: bool
     fail_requests_greater_than_one: bool
     time_slicing: tuple  # TimeSlicedResource
+    mps: tuple  # TimeSlicedResource (memory_limit None): the resources shared through MPS
+    mps_root: str | None  # flags.mpsRoot: the host directory of the MPS daemons' pipe and log directories
+    imex_channels: tuple  # imex.channelIDs: the IMEX channel numbers every container is given
+    imex_required: bool  # imex.required: a missing channel stops the start rather than being skipped
+    critical_xids: object  # health.criticalXids: ALL_XIDS, or a tuple of the XIDs that make a GPU Unhealthy
+    ignored_xids: tuple  # health.ignoredXids: XIDs that never do (default: NVIDIA's application XIDs)
 
     def sharing(self, name: str) -> TimeSlicedResource | None:
-        return next((r for r in self.time_slicing if r.name == name), None)
+        return next((r for r in self.time_slicing + self.mps if r.name == name), None)
+
+    @property
+    def sharing_strategy(self) -> str:
+        """GFD's word for it (the gpu.sharing-strategy label): mps, time-slicing or none."""
+        if self.mps:
+            return "mps"
+        return "time-slicing" if any(r.replicas > 1 for r in self.time_slicing) else "none"
 
 
 # Keys NVIDIA's plugin has that this one refuses, each with what it would mean here, by where they
@@ -67,6 +104,7 @@ class PluginConfig(Record):
 # first: a refused key gets its reason, not "unknown key".
 _REFUSED = {
     ("flags",): {"nvidiaDriverRoot": "the driver's root is driver_root in oci-gpu-hook's own configuration",
+                 "nvidiaDevRoot": "the device nodes' root is dev_root in oci-gpu-hook's own configuration",
                  "gdsEnabled": "GPUDirect Storage is not set up by oci-gpu-hook",
                  "mofedEnabled": "MOFED devices are not set up by oci-gpu-hook",
                  "gfd": "labels come from `oci-gpu-hook labels` (node.* settings)"},
@@ -74,11 +112,25 @@ _REFUSED = {
         "containerDriverRoot": "the hook mounts the driver from driver_root; there is no container driver root",
         "cdiAnnotationPrefix": "the CDI annotations are named cdi.k8s.io/oci-gpu-hook_<resource>",
         "nvidiaCTKPath": "oci-gpu-hook's CDI hooks run oci-gpu-hook itself"},
-    ("sharing",): {"mps": "MPS sharing is not offered by oci-gpu-hook; use timeSlicing"},
-    ("sharing", "timeSlicing", "resources", 0): {
+    ("sharing", "timeSlicing", "resources", 0): {"rename": "per-resource rename is not offered; use renameByDefault"},
+    ("sharing", "mps", "resources", 0): {
         "rename": "per-resource rename is not offered; use renameByDefault",
-        "devices": "time-slicing a subset of the devices is not offered; each device of the resource is shared"},
+        "memoryLimit": "MPS pins each client's memory to the GPU's memory / replicas itself; memoryLimit is for "
+                       "timeSlicing"},
 }  # fmt: skip
+# Values of keys NVIDIA's v0.20 has that this plugin refuses, each with its reason: (where, the
+# value that is refused, why). Other values of these keys are what this plugin does anyway.
+_REFUSED_VALUES = (
+    (("flags", "gdrcopyEnabled"), True, "GDRCopy (/dev/gdrdrv) is not set up by oci-gpu-hook"),
+    (("flags", "useNodeFeatureAPI"), True,
+     "labels are an NFD feature file written by `oci-gpu-hook labels`; NFD's NodeFeature API is not used"),
+    (("flags", "deviceDiscoveryStrategy"), "tegra",
+     "Tegra's integrated GPUs are not discovered by oci-gpu-hook (auto and nvml are: procfs and NVML)"),
+    (("flags", "plugin", "sharedDevicesAllocationPolicy"), "packed",
+     "packed is not offered: replicas of a shared GPU go to the least shared GPUs first (distributed)"),
+)  # fmt: skip
+DEFAULT_MPS_ROOT = "/run/nvidia/mps"  # NVIDIA's Helm chart's mpsRoot
+MAX_IMEX_CHANNEL = 2047  # the driver makes 2048 IMEX channels (NVreg_ImexChannelCount's default)
 SCHEMA_PATH = os.path.join(settings.SCHEMAS_DIR, "device-plugin.schema.json")
 
 
@@ -104,6 +156,53 @@ def _refused(doc: dict, where: str) -> None:
                 if name in reasons:
                     path = [k if not isinstance(k, int) else index for k in keys] + [name]
                     _fail(where, settings.key_path(path), reasons[name])
+
+
+def _refused_values(doc: dict, where: str) -> None:
+    """ConfigError for the first value NVIDIA's plugin takes that this one refuses (the keys of
+    v0.20 that this plugin knows but does not follow in every value)."""
+
+    def get(keys):
+        node = doc
+        for key in keys:
+            node = node.get(key) if isinstance(node, dict) else None
+        return node
+
+    for keys, value, reason in _REFUSED_VALUES:
+        found = get(keys)
+        if found is value or (isinstance(value, str) and found == value):
+            _fail(where, settings.key_path(list(keys)), f"{value if isinstance(value, str) else 'true'}: {reason}")
+    resources = doc.get("resources")
+    if resources not in (None, {}, []) and not (isinstance(resources, dict) and not any(resources.values())):
+        # NVIDIA's v0.20 ignores it with a warning (renaming resources is disabled there too).
+        _fail(where, "resources", "naming resources by GPU model (resources.gpus, resources.mig) is not offered; "
+                                  "the resources are nvidia.com/gpu and nvidia.com/mig-<profile>")  # fmt: skip
+    for strategy in ("timeSlicing", "mps"):
+        entries = get(("sharing", strategy, "resources"))
+        for i, entry in enumerate(entries if isinstance(entries, list) else ()):
+            if isinstance(entry, dict) and "devices" in entry and entry["devices"] != "all":
+                _fail(where, f"sharing.{strategy}.resources[{i}].devices",
+                      "sharing a subset of the devices is not offered; each device of the resource is shared "
+                      "(devices: all)")  # fmt: skip
+
+
+def _mps(doc: dict, where: str, time_slicing: tuple) -> tuple:
+    """The MPS-shared resources: nvidia.com/gpu only (NVIDIA's plugin refuses MPS on MIG devices),
+    at least 2 replicas, and never beside time-slicing (NVIDIA's silently prefers MPS)."""
+    mps = (doc.get("sharing") or {}).get("mps") or {}
+    seen: set = set()
+    resources = tuple(_resource(e, where, f"sharing.mps.resources[{i}]", seen)
+                      for i, e in enumerate(mps.get("resources") or ()))  # fmt: skip
+    for i, resource in enumerate(resources):
+        key = f"sharing.mps.resources[{i}]"
+        if resource.name != GPU_RESOURCE:
+            _fail(where, f"{key}.name", f"{resource.name}: MPS shares whole GPUs ({GPU_RESOURCE}); "
+                                        "sharing MIG devices through MPS is not supported")  # fmt: skip
+        if resource.replicas < 2:
+            _fail(where, f"{key}.replicas", f"{resource.replicas}: MPS sharing needs at least 2 replicas")
+    if resources and time_slicing:
+        _fail(where, "sharing.mps", "a node shares its GPUs one way: sharing.mps or sharing.timeSlicing, not both")
+    return resources
 
 
 def check_resource_name(name: str, where: str, key: str) -> None:
@@ -144,6 +243,7 @@ def parse(doc, where: str) -> PluginConfig:
         doc = {}
     if isinstance(doc, dict):
         _refused(doc, where)
+        _refused_values(doc, where)
     settings.validate(doc, where, SCHEMA_PATH)
     flags = doc.get("flags") or {}
     plugin = flags.get("plugin") or {}
@@ -158,14 +258,25 @@ def parse(doc, where: str) -> PluginConfig:
         if resource.name.startswith(MIG_RESOURCE_PREFIX) and mig_strategy != "mixed":
             _fail(where, f"sharing.timeSlicing.resources[{i}].name",
                   f"{resource.name} exists only with flags.migStrategy mixed (it is {mig_strategy})")  # fmt: skip
+    mps = _mps(doc, where, resources)
+    mps_options = (doc.get("sharing") or {}).get("mps") or {}
+    imex = doc.get("imex") or {}
+    sharing_options = mps_options if mps else time_slicing
+    # As NVIDIA's: MPS replicas refuse a request for more than one unless the file says otherwise.
+    fail_greater = sharing_options.get("failRequestsGreaterThanOne")
     return PluginConfig(
         mig_strategy=mig_strategy,
         list_strategies=tuple(dict.fromkeys(lists)),
         id_strategy=plugin.get("deviceIDStrategy") or "uuid",
         pass_device_specs=bool(plugin.get("passDeviceSpecs")),
-        rename_by_default=bool(time_slicing.get("renameByDefault")),
-        fail_requests_greater_than_one=bool(time_slicing.get("failRequestsGreaterThanOne")),
+        rename_by_default=bool(sharing_options.get("renameByDefault")),
+        fail_requests_greater_than_one=bool(mps) if fail_greater is None else bool(fail_greater),
         time_slicing=resources,
+        mps=mps,
+        mps_root=os.path.normpath(flags.get("mpsRoot") or DEFAULT_MPS_ROOT) if mps else None,
+        imex_channels=tuple(dict.fromkeys(imex.get("channelIDs") or ())),
+        imex_required=bool(imex.get("required")),
+        **_xid_health(doc),
     )
 
 

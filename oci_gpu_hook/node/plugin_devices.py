@@ -45,12 +45,14 @@ class Advertised(Record):
 
 
 class Resource(Record):
-    __slots__ = ("name", "devices", "replicas", "memory_limit", "fail_requests_greater_than_one")
+    __slots__ = ("name", "devices", "replicas", "memory_limit", "fail_requests_greater_than_one", "mps_root")
+    _defaults = {"mps_root": None}
     name: str
     devices: tuple  # Advertised
     replicas: int
     memory_limit: str | None  # memory_limit.py text passed to each container, or None
     fail_requests_greater_than_one: bool
+    mps_root: str | None  # shared through MPS: flags.mpsRoot, where its daemon's directories are (mps.py)
 
     def find(self, device_id: str) -> Advertised | None:
         return next((d for d in self.devices if d.id == device_id), None)
@@ -105,20 +107,26 @@ def resources(inventory, config, where: str = "device plugin configuration") -> 
             raise ConfigError(f"{where}: sharing.timeSlicing.resources[{i}].name: unknown MIG profile: no MIG "
                               f"device on this node has profile {shared.name[len(MIG_RESOURCE_PREFIX):]} "
                               f"(profiles here: {have})")  # fmt: skip
+    if config.mps and config.mig_strategy == "single" and any(u.mig for u in groups.get(GPU_RESOURCE, ())):
+        raise ConfigError(f"{where}: sharing.mps: under flags.migStrategy single this node's {GPU_RESOURCE} are "
+                          "MIG devices, and sharing MIG devices through MPS is not supported")  # fmt: skip
     out = []
     for name in sorted(groups):
         units = groups[name]
-        if not units and name != GPU_RESOURCE:
+        # Under mixed, a node whose GPUs all have MIG on offers no nvidia.com/gpu at all (as
+        # NVIDIA's plugin does), rather than registering it with no devices.
+        if not units and (name != GPU_RESOURCE or config.mig_strategy == "mixed"):
             continue
         shared = config.sharing(name)
-        limit = _limit(shared, units, where, config.time_slicing.index(shared) if shared else 0)
+        limit = _limit(shared, units, where, config.time_slicing.index(shared) if shared in config.time_slicing else 0)
         if shared is None or shared.replicas == 1:
             devices = tuple(Advertised(_id(u, config.id_strategy, None), u, None) for u in units)
             out.append(Resource(name, devices, 1, limit, False))
             continue
         devices = tuple(Advertised(_id(u, config.id_strategy, r), u, r) for u in units for r in range(shared.replicas))
+        mps_root = config.mps_root if shared in config.mps else None
         out.append(Resource(name + (SHARED_SUFFIX if config.rename_by_default else ""), devices, shared.replicas,
-                            limit, config.fail_requests_greater_than_one))  # fmt: skip
+                            limit, config.fail_requests_greater_than_one, mps_root))  # fmt: skip
     return tuple(out)
 
 

@@ -1,25 +1,27 @@
 """Carry out a plan inside the container, all or nothing.
 
-A forked, single-threaded child joins the container's mount namespace (through a pidfd, so a
-recycled pid cannot redirect it), performs the operations in plan order, and records an undo
+The hook's own (single-threaded) process joins the container's mount namespace (through a pidfd,
+so a recycled pid cannot redirect it), performs the operations in plan order, and records an undo
 action for each change. Any error, or the deadline passing, rolls every change back in reverse
-order before the child reports. The parent only waits and relays the child's verdict.
+order; then the process returns to its own mount namespace, root and working directory, and
+reports. (Until issue 41 a forked child did this and the parent relayed its verdict: the fork,
+its copy-on-write faults and the reaping cost every GPU start about 2 ms, docs/performance.md.)
 """
 
 from __future__ import annotations
 
 import _signal as signal  # the C core of signal: the same calls, without its enum wrappers (~5 ms)
 import errno
-import marshal
 import os
 import stat
 import time
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start.budget import no_deadline_between
-from oci_gpu_hook.start.linux import _linux, cgroups, labels, ldconfig
+from oci_gpu_hook.start.linux import _linux, cgroups, labels, ldconfig, userns
 from oci_gpu_hook.start.linux.journal import Journal, journal_directory
-from oci_gpu_hook.start.linux.rootfs import Rootfs, UndoLog
+from oci_gpu_hook.start.linux.rootfs import ForeignMount, MountGuard, Rootfs, UndoLog
+from oci_gpu_hook.start.linux.rootfs import mount_id as _mount_id
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 from oci_gpu_hook.start.plan import (
     BindMount,
@@ -39,7 +41,6 @@ from oci_gpu_hook.start.spec import Spec
 from oci_gpu_hook.start.state import ContainerState
 
 FAULT_ENV = "OCI_GPU_HOOK_FAULT_AT"  # tests: fail the Nth operation (set only in the hook's own env)
-_GRACE_SECONDS = 5.0
 
 
 class ApplyError(HookError):
@@ -55,7 +56,7 @@ def _fd_path(fd: int) -> str:
 
 
 class Applier:
-    """The child's side: executes operations against the rootfs, keeps the undo log."""
+    """Executes operations against the rootfs (in the container's mount namespace), keeps the undo log."""
 
     def __init__(self, plan: Plan, state: ContainerState, spec: Spec, settings: Settings, rootfs: Rootfs):
         self.plan = plan
@@ -68,11 +69,13 @@ class Applier:
         self.undo.on_close.append(self.sources.close)
         self._mounts: dict[str, int] = {}  # target -> descriptor of the hook's mount there
         self.skipped: list[str] = []
+        self.left: list[str] = []  # what was left to the runtime and why (rootless: the cgroup rules)
         self._skipped_trees: list[str] = []
         self._cgroup_dir: str | None = None
         self._cgroup_mode: str | None = None
         self._v2_done = False
         self._v1_list: str | None = None  # devices.list as it was before the first rule
+        self.allowed: list = []  # (major, minor, access) the hook added to the cgroup: systemd is told
         self._ldcache = None  # ldconfig.Refresh under way while the plan's later operations run
         self.timings: dict[str, float] = {}  # milliseconds, for the log record (docs/performance.md)
         fault, _, how = os.environ.get(FAULT_ENV, "").partition(":")
@@ -87,7 +90,7 @@ class Applier:
         for number, op in enumerate(self.plan.operations, 1):
             if self.fault_at == number:
                 if self.fault_kill:
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)  # the hook itself, as the runtime would
                 raise ApplyError(f"operation {number} ({op.describe()}): injected fault")
             target = getattr(op, "target", None)
             if target and any(target == t or target.startswith(t + "/") for t in self._skipped_trees):
@@ -95,6 +98,12 @@ class Applier:
                 continue
             try:
                 getattr(self, "do_" + type(op).__name__)(op)
+            except ForeignMount as e:
+                # A user's volume where the hook would create: left as it is (nothing of this start
+                # may outlive the container there), and so is whatever would go inside the target.
+                self.skipped.append(f"{op.describe()}: not done: {e.filename}: {e.strerror}")
+                if target:
+                    self._skipped_trees.append(target)
             except OSError as e:
                 raise ApplyError(f"{op.describe()}: {e.strerror or e}") from None
         if self._ldcache is not None:
@@ -218,6 +227,7 @@ class Applier:
         """A new file at target (O_EXCL: nothing the image put there is written through)."""
         parent, name = os.path.split(target)
         parent_fd = self.undo.keep_fd(self.rootfs.ensure_dir(parent, self.undo))
+        self.rootfs.may_create(parent_fd, target)
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd)
         self.undo.add(f"remove file {target}", lambda: os.unlink(name, dir_fd=parent_fd))
         self.rootfs.created(parent_fd, name)
@@ -244,12 +254,17 @@ class Applier:
     # --- cgroups and ld cache -----------------------------------------------------------------
 
     def _cgroup(self):
-        """(mode, directory): mode v1, v2 or off, as the settings and the container's cgroup say."""
+        """(mode, directory): mode v1, v2, off, or runtime (left to it: the hook has no right to
+        the container's cgroup), as the settings, the hook's privilege and the cgroup say."""
         if self._cgroup_mode is None:
             wanted = self.settings.cgroups
             if wanted == "off":
                 self._cgroup_mode = "off"
                 return self._cgroup_mode, None
+            if userns.unprivileged():
+                # Rootless podman: root of a user namespace may neither write devices.allow nor
+                # attach a device program; the runtime, which made the cgroup (or none), decides.
+                return self._leave_cgroup("the hook runs in a user namespace (rootless)")
             text = cgroups.read_cgroup_file(self.state.pid)
             found = cgroups.detect_version(text)
             # auto follows the devices controller (v1 where it is mounted, as runc does on hybrid
@@ -267,11 +282,23 @@ class Applier:
                 raise ApplyError(
                     f"the {mode} device cgroup of pid {self.state.pid} is not mounted where the hook can see it"
                 )
+            if mode == "v1" and not os.access(os.path.join(directory, "devices.allow"), os.W_OK):
+                # A read-only cgroupfs (the hook run inside a container) or a cgroup not ours.
+                return self._leave_cgroup(f"{directory}/devices.allow is not writable by the hook")
             self._cgroup_mode, self._cgroup_dir = mode, directory
         return self._cgroup_mode, self._cgroup_dir
 
+    def _leave_cgroup(self, why: str):
+        """Device rules left to the runtime, said once (in the start's log record), not per rule."""
+        self._cgroup_mode = "runtime"
+        rules = sum(isinstance(op, DeviceRule) for op in self.plan.operations)
+        self.left.append(f"cgroup device rules ({rules}): {why}")
+        return self._cgroup_mode, None
+
     def do_DeviceRule(self, op: DeviceRule) -> None:
         mode, directory = self._cgroup()
+        if mode == "runtime":
+            return  # said once, in self.left
         if mode == "off":
             self.skipped.append(op.describe())
         elif mode == "v1":
@@ -283,6 +310,7 @@ class Applier:
             with no_deadline_between():
                 cgroups.write_v1(directory, "devices.allow", rule)
                 self.undo.add(f"deny {rule}", lambda: cgroups.write_v1(directory, "devices.deny", rule))
+            self.allowed.append((op.major, op.minor, op.access))
         elif not self._v2_done:
             # One eBPF program replacement for all the plan's devices: each load is verified by
             # the kernel, so one per device would cost a GPU container milliseconds per GPU.
@@ -294,6 +322,8 @@ class Applier:
                 self.undo.add(f"restore the device programs of {directory}", change.undo)
             self.undo.on_close.append(change.close)
             self._v2_done = True
+            if change.changed:
+                self.allowed.extend(rules)
 
     def do_RefreshLdcache(self, op: RefreshLdcache) -> None:
         """Starts ldconfig; the operations after this one run while it works (the plan puts
@@ -353,14 +383,6 @@ def _identity(path: str):
     return st.st_dev, st.st_ino
 
 
-def _mount_id(fd: int) -> int:
-    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
-        for line in f:
-            if line.startswith(b"mnt_id:"):
-                return int(line.split()[1])
-    raise ApplyError("the kernel does not say which mount a file is on (no mnt_id in fdinfo)")
-
-
 def _check_is_the_container(pid: int, own_namespace: int, bundle_rootfs, rootfs: Rootfs) -> None:
     """state.pid must be the container being created, not a host process (a runtime bug, or a
     pid reused): mounting into the hook's own namespace would change the host's mount table. So
@@ -385,15 +407,18 @@ def _on_deadline(signum, frame):
     raise DeadlineExceeded("the hook's deadline passed; every change was rolled back")
 
 
-def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, seconds: float) -> dict:
-    signal.signal(signal.SIGALRM, _on_deadline)
+def _carry_out(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, seconds: float) -> dict:
+    """Join the container's mount namespace and apply; the report, never an exception (every
+    change rolled back first). The caller returns to its own namespace afterwards (_own_place)."""
     signal.setitimer(signal.ITIMER_REAL, seconds)
-    applier = None
+    applier = rootfs = host_mountinfo = None
     keep_journal = False  # kept when something could not be undone: the next start finishes it
     started = time.perf_counter()
     try:
         own_namespace = os.stat("/proc/self/ns/mnt").st_ino
         bundle_rootfs = _identity(spec.rootfs)
+        # Opened here, it reads the hook's own namespace after the join: which tmpfs is the host's.
+        host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
         _join_mount_namespace(state.pid)
         os.chdir("/")
         try:
@@ -402,6 +427,8 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
             raise ApplyError(f"{spec.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
         _check_is_the_container(state.pid, own_namespace, bundle_rootfs, rootfs)
         applier = Applier(plan, state, spec, settings, rootfs)
+        rootfs.guard = MountGuard(rootfs.fd, spec.rootfs, applier.undo.keep_fd(host_mountinfo))
+        host_mountinfo = None  # the undo log's to close now
         applier.undo.journal = Journal.start(journal_directory(settings.inventory_cache), rootfs)
         ready = time.perf_counter()
         applier.run()
@@ -410,7 +437,10 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
         timings = applier.timings
         timings["setup"] = (ready - started) * 1e3  # join the namespace, the checks, the journal
         timings["operations"] = (time.perf_counter() - ready) * 1e3 - timings.get("ldconfig_wait", 0.0)
-        return {"ok": True, "skipped": applier.skipped, "timings": timings}
+        report = {"ok": True, "skipped": applier.skipped, "left": applier.left, "timings": timings}
+        if applier.allowed:
+            report["cgroup"] = (applier._cgroup_dir, applier.allowed)
+        return report
     except BaseException as e:
         signal.setitimer(signal.ITIMER_REAL, 0)  # the rollback itself must not be interrupted
         failures = applier.undo.rollback() if applier else []
@@ -428,61 +458,64 @@ def _child(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, se
             if applier.undo.journal:
                 applier.undo.journal.close(keep=keep_journal)
             applier.undo.close()
+        if rootfs is not None:
+            rootfs.close()
+        if host_mountinfo is not None:
+            os.close(host_mountinfo)
+
+
+class _own_place:
+    """The hook's mount namespace, root and working directory, taken before it joins the
+    container's and given back after, whatever happened there: everything after apply (the
+    record, the log) must see the host. Not being able to go back is fatal: the process ends at
+    once, before it writes anything anywhere."""
+
+    def __enter__(self):
+        flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+        self.namespace = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+        self.root = os.open("/", flags)
+        try:
+            self.cwd = os.open(".", flags)
+        except OSError:
+            self.cwd = None  # a working directory removed meanwhile: "/" afterwards
+        self.handler = signal.signal(signal.SIGALRM, _on_deadline)
+        return self
+
+    def __exit__(self, *exc):
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        try:
+            _linux.setns(self.namespace, _linux.CLONE_NEWNS)
+            # setns() put the root and the working directory at the namespace's root: the
+            # runtime's own (a chroot, say) and the caller's are restored.
+            os.fchdir(self.root)
+            if _identity(".") != _identity("/"):
+                os.chroot(".")
+            os.fchdir(self.cwd if self.cwd is not None else self.root)
+        except OSError as e:
+            os.write(2, f"oci-gpu-hook: cannot return to the hook's own mount namespace: {e.strerror}\n".encode())
+            os._exit(Exit.APPLY)
+        for fd in (self.namespace, self.root, self.cwd):
+            if fd is not None:
+                os.close(fd)
+        signal.signal(signal.SIGALRM, self.handler)
+        return False
 
 
 def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, budget=None, meanwhile=None) -> dict:
-    """Apply in a child; returns its report, or raises ApplyError (after the child's rollback).
-    The child gets what is left of the hook's budget (budget.Budget; all of deadline_seconds
-    without one), and the parent waits that long plus a grace for the child's rollback.
-    meanwhile: called in the parent while the child works (work that needs no result of it,
-    done on another CPU); what it raises is the caller's, after the child is waited for."""
+    """Apply in this process; returns the report, or raises ApplyError (after the rollback).
+    The apply gets what is left of the hook's budget (budget.Budget; all of deadline_seconds
+    without one): its SIGALRM rolls back and fails the start. An operation the kernel does not
+    let a signal interrupt (a hung FUSE or NFS source) holds the hook until the runtime's own
+    hook timeout kills it; its journal lets the next start remove what it made.
+    meanwhile: called once the plan is applied, back in the hook's own namespace (work that needs
+    no result of it); what it raises is the caller's."""
     if state.pid is None:
         raise ApplyError("the OCI state has no pid: the runtime must run the hook at prestart or createRuntime")
     seconds = settings.deadline_seconds if budget is None else budget.remaining()
     if seconds <= 0:
         raise DeadlineExceeded("the hook's deadline passed before the container was changed; nothing was done")
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into the caller's code
-        os.close(read_fd)
-        code = 0
-        try:
-            report = _child(plan, state, spec, settings, seconds)
-            code = 0 if report["ok"] else 1
-            os.write(write_fd, marshal.dumps(report))  # plain data, between two copies of this program
-        finally:
-            os._exit(code)
-    os.close(write_fd)
-    deadline = seconds + _GRACE_SECONDS
-    signal.signal(signal.SIGALRM, _on_deadline)
-    signal.setitimer(signal.ITIMER_REAL, deadline)
-    failed_meanwhile = None
-    try:
-        if meanwhile is not None:
-            try:
-                meanwhile()
-            except DeadlineExceeded:
-                raise  # the parent's own deadline: the child is killed below
-            except Exception as e:  # noqa: BLE001 - the child is waited for first, whatever happened
-                failed_meanwhile = e
-        chunks = []
-        while True:
-            chunk = os.read(read_fd, 1 << 16)
-            if not chunk:
-                break
-            chunks.append(chunk)
-        os.waitpid(pid, 0)
-    except DeadlineExceeded:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise ApplyError("the hook's child did not finish in time and was killed; its changes may remain") from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        os.close(read_fd)
-    try:
-        report = marshal.loads(b"".join(chunks))
-    except (EOFError, ValueError, TypeError):
-        raise ApplyError("the hook's child died without a report") from None
+    with _own_place():
+        report = _carry_out(plan, state, spec, settings, seconds)
     if not report["ok"]:
         error = ApplyError(
             report["error"]
@@ -491,6 +524,24 @@ def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, bud
         error.exit_code = report["exit_code"]
         error.undo_failures = report["undo_failures"]
         raise error
-    if failed_meanwhile is not None:
-        raise failed_meanwhile
+    if "cgroup" in report:
+        _tell_systemd(report)
+    if meanwhile is not None:
+        meanwhile()
     return report
+
+
+def _tell_systemd(report: dict) -> None:
+    """systemd's own view of a scope it owns gets the devices the hook allowed, so that a
+    `systemctl daemon-reload` (which re-applies that view) keeps them (start/linux/systemd.py).
+    Back in the hook's own mount namespace: systemd's socket and /run are the host's, never a
+    path the container's namespace resolves. Not telling it is said in the log, never fatal: the
+    container has its devices now."""
+    from oci_gpu_hook.start.linux import systemd
+
+    started = time.perf_counter()
+    directory, allowed = report.pop("cgroup")
+    note = systemd.keep_devices(directory, allowed)
+    if note:
+        report["skipped"].append(note)
+    report["timings"]["systemd"] = (time.perf_counter() - started) * 1e3

@@ -88,8 +88,10 @@ def describe_devices(devices) -> list:
 
 
 def build(container, annotations: dict, devices, duration: float, failure_code: int | None = None,
-          gpu_memory_limit=None) -> dict:  # fmt: skip
-    """The record of one start (pure, but for reading the init process's start time and cgroup)."""
+          gpu_memory_limit=None, applied_by: str = "hook") -> dict:  # fmt: skip
+    """The record of one start (pure, but for reading the init process's start time and cgroup).
+    applied_by: who gave the container its devices: the hook, or the runtime (CDI; the hook only
+    recorded the container)."""
     cgroup = None
     if container.pid:
         try:
@@ -107,6 +109,7 @@ def build(container, annotations: dict, devices, duration: float, failure_code: 
         "cgroup": cgroup,
         "kubernetes": kubernetes_names(annotations),
         "gpu_memory_limit": gpu_memory_limit,
+        "applied_by": applied_by,
         "time": round(time.time(), 3),
         "duration_seconds": round(duration, 6),
     }

@@ -62,6 +62,24 @@ def check_node(dev_root: str, path: str, major: int, minor: int) -> DeviceNode:
     return DeviceNode(path, major, minor)
 
 
+def read_imex_channels(settings: Settings, major: int | None) -> dict[str, DeviceNode]:
+    """{"<n>": node} for each /dev/nvidia-caps-imex-channels/channel<n> there is (the driver, or
+    nvidia-modprobe -i <n>, makes them on demand), checked against the major /proc/devices gives."""
+    if major is None:
+        return {}
+    try:
+        names = os.listdir(host_path(settings.dev_root, driver.IMEX_CHANNELS_DIR))
+    except OSError:
+        return {}
+    channels = {}
+    for name in names:
+        number = name[len("channel") :]
+        if name.startswith("channel") and number.isdigit() and int(number) <= driver.IMEX_MAX_CHANNEL:
+            channels[str(int(number))] = check_node(settings.dev_root, f"{driver.IMEX_CHANNELS_DIR}/{name}", major,
+                                                    int(number))  # fmt: skip
+    return channels
+
+
 def read_driver_version(settings: Settings) -> str:
     from oci_gpu_hook.start import procfs
 
@@ -169,6 +187,7 @@ def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None,
                 uuid=facts.get("uuid"),
                 profile=facts.get("profile"),
                 memory_total=facts.get("memory_total"),
+                attributes=facts.get("attributes"),
                 gi_cap=check_node(settings.dev_root, f"/dev/nvidia-caps/nvidia-cap{gi_minor}", caps_major, gi_minor),
                 ci_cap=check_node(settings.dev_root, f"/dev/nvidia-caps/nvidia-cap{ci_minor}", caps_major, ci_minor),
                 gi_access="/" + os.path.relpath(gi_access, settings.proc_root),
@@ -397,4 +416,5 @@ def discover(settings: Settings, use_nvml: bool = True, nvml_timeout: float | No
         mig_caps=mig_caps,
         files=libraries + find_other_files(settings, version, libraries),
         nvml_error=nvml_error,
+        imex_channels=read_imex_channels(settings, majors.get(driver.IMEX_MAJOR_NAME)),
     )

@@ -115,7 +115,11 @@ VDPAU_PREFIX = "libvdpau_nvidia.so"
 NVIDIA_MAJOR = 195
 NVIDIACTL_MINOR = 255
 NVIDIA_MODESET_MINOR = 254
-PROC_DEVICES_NAMES = ("nvidia", "nvidia-uvm", "nvidia-caps")
+PROC_DEVICES_NAMES = ("nvidia", "nvidia-uvm", "nvidia-caps", "nvidia-caps-imex-channels")
+# IMEX channels: /dev/nvidia-caps-imex-channels/channel<n>, minor n, major from /proc/devices.
+IMEX_MAJOR_NAME = "nvidia-caps-imex-channels"
+IMEX_CHANNELS_DIR = "/dev/nvidia-caps-imex-channels"
+IMEX_MAX_CHANNEL = 2047  # the driver makes 2048 (NVreg_ImexChannelCount's default)
 UVM_MINOR = 0
 UVM_TOOLS_MINOR = 1
 

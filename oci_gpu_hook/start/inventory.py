@@ -22,8 +22,9 @@ class DeviceNode(Record):
 
 
 class MigDevice(Record):
-    __slots__ = ("index", "gi", "ci", "uuid", "gi_cap", "ci_cap", "gi_access", "ci_access", "profile", "memory_total")
-    _defaults = {"profile": None, "memory_total": None}
+    __slots__ = ("index", "gi", "ci", "uuid", "gi_cap", "ci_cap", "gi_access", "ci_access", "profile", "memory_total",
+                 "attributes")  # fmt: skip
+    _defaults = {"profile": None, "memory_total": None, "attributes": None}
     index: int  # among its GPU's MIG devices, NVML order: the "1" of "0:1"
     gi: int
     ci: int
@@ -34,6 +35,10 @@ class MigDevice(Record):
     ci_access: str
     profile: str | None  # 1g.5gb; None when NVML was not available
     memory_total: int | None  # bytes
+    # NVML's attributes of the MIG device (nvmlDeviceGetAttributes), under GFD's label names:
+    # multiprocessors, engines.copy, engines.decoder, engines.encoder, engines.jpeg, engines.ofa.
+    # None when NVML was not available.
+    attributes: dict | None
 
 
 class GpuInfo(Record):
@@ -94,8 +99,9 @@ class Inventory(Record):
         "mig_caps",
         "files",
         "nvml_error",
+        "imex_channels",
     )
-    _defaults = {"nvml_error": None}
+    _defaults = {"nvml_error": None, "imex_channels": {}}
     driver_version: str
     cuda_version: str | None
     nvml: bool  # whether NVML answered (brand, arch, memory and MIG UUIDs are known)
@@ -108,6 +114,7 @@ class Inventory(Record):
     mig_caps: dict[str, DeviceNode]  # config, monitor
     files: tuple[DriverFile, ...]
     nvml_error: str | None  # why NVML did not answer, when it was asked and failed
+    imex_channels: dict[str, DeviceNode]  # "<n>": /dev/nvidia-caps-imex-channels/channel<n>, those present
 
     @classmethod
     def from_json(cls, data: dict) -> Inventory:
@@ -127,6 +134,7 @@ class Inventory(Record):
                 gpus=tuple(gpu(g) for g in data["gpus"]),
                 control_devices={k: node(v) for k, v in data["control_devices"].items()},
                 mig_caps={k: node(v) for k, v in data["mig_caps"].items()},
+                imex_channels={k: node(v) for k, v in data.get("imex_channels", {}).items()},
                 files=tuple(DriverFile(**dict(f, needs=tuple(f.get("needs", ())))) for f in data["files"]),
             )
         )

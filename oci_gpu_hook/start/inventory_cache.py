@@ -17,8 +17,8 @@ from oci_gpu_hook.start import driver, files, jsonio
 from oci_gpu_hook.start.inventory import Inventory, host_path
 from oci_gpu_hook.start.settings import Settings, read_trusted
 
-FORMAT = 4  # 2: GPUs list their DRM nodes; 3: MIG devices their profile and memory; 4: libraries
-# what they need, and why NVML did not answer
+FORMAT = 5  # 2: GPUs list their DRM nodes; 3: MIG devices their profile and memory; 4: libraries
+# what they need, and why NVML did not answer; 5: MIG devices their attributes (SMs, engines)
 MAX_BYTES = 16 << 20  # an 8-GPU host's cache is 14 kB
 
 
@@ -37,14 +37,14 @@ def _read_small(path: str) -> str | None:
         return None
 
 
-def _nodes(directory: str):
+def _nodes(directory: str, prefix: str = "nvidia"):
     try:
         entries = list(os.scandir(directory))
     except OSError:
         return []
     nodes = []
     for entry in entries:
-        if entry.name.startswith("nvidia"):
+        if entry.name.startswith(prefix):
             try:
                 st = entry.stat(follow_symlinks=False)
             except OSError:
@@ -75,6 +75,7 @@ def fingerprint(settings: Settings) -> dict:
         "ld.so.cache": _stat_key(host_path(settings.driver_root, "/etc/ld.so.cache")),
         "dev": _nodes(host_path(settings.dev_root, "/dev")),
         "dev/nvidia-caps": _nodes(host_path(settings.dev_root, "/dev/nvidia-caps")),
+        "dev/nvidia-caps-imex-channels": _nodes(host_path(settings.dev_root, driver.IMEX_CHANNELS_DIR), "channel"),
         # nvidia-drm loaded (or unloaded) after the cache was written: its DRM nodes come or go.
         "dev/dri/by-path": _names(host_path(settings.dev_root, driver.DRI_BY_PATH)),
     }

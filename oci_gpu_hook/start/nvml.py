@@ -90,6 +90,23 @@ def bind(library_path: str):
     return pynvml
 
 
+def mig_attributes(pynvml, mig) -> dict | None:
+    """A MIG device's engines and SMs under GFD's label names (nvidia.com/mig-<profile>.<name>);
+    None where the library has no such call."""
+    try:
+        a = pynvml.nvmlDeviceGetAttributes(mig)
+    except pynvml.NVMLError:
+        return None
+    return {
+        "multiprocessors": a.multiprocessorCount,
+        "engines.copy": a.sharedCopyEngineCount,
+        "engines.decoder": a.sharedDecoderCount,
+        "engines.encoder": a.sharedEncoderCount,
+        "engines.jpeg": a.sharedJpegCount,
+        "engines.ofa": a.sharedOfaCount,
+    }
+
+
 def _collect(library_path: str) -> dict:
     pynvml = bind(library_path)
     pynvml.nvmlInit()
@@ -129,6 +146,7 @@ def _collect(library_path: str) -> dict:
                             # Named "<GPU name> MIG <profile>", by the real library and ours.
                             "profile": text(pynvml.nvmlDeviceGetName(mig)).rpartition(" MIG ")[2] or None,
                             "memory_total": pynvml.nvmlDeviceGetMemoryInfo(mig).total,
+                            "attributes": mig_attributes(pynvml, mig),
                         }
                     )
             facts["gpus"][text(pynvml.nvmlDeviceGetUUID(handle))] = gpu

@@ -242,17 +242,23 @@ class SelectedDevice(Record):
 
 
 class Plan(Record):
-    __slots__ = ("request", "devices", "operations", "memory_limits")
-    _defaults = {"memory_limits": None}
+    __slots__ = ("request", "devices", "operations", "memory_limits", "applied_by_runtime")
+    _defaults = {"memory_limits": None, "applied_by_runtime": False}
     request: GpuRequest
     devices: tuple[SelectedDevice, ...]
     operations: tuple[Operation, ...]
     memory_limits: dict | None  # {device key: bytes} the watchdog enforces (memory_limit.py), or None
+    # The runtime applied the devices (CDI): the hook carries out none of the operations and
+    # only writes the container's record, with its limits (decide).
+    applied_by_runtime: bool
 
     def describe(self) -> str:
         lines = [f"request: {self.request.describe()}"]
         lines += [f"note: {note}" for note in self.request.notes]
         lines.append("devices: " + ("; ".join(d.name for d in self.devices) or "none"))
+        if self.applied_by_runtime:
+            lines.append("applied by the runtime (CDI): the hook only records the container")
+            return "\n".join(lines)
         lines += [f"{i:3d}. {op.describe()}" for i, op in enumerate(self.operations, 1)]
         return "\n".join(lines)
 
@@ -264,7 +270,8 @@ class Plan(Record):
             "device_source": self.request.source,
             "notes": list(self.request.notes),
             "gpu_memory_limit": self.memory_limits,
-            "operations": [op.to_json() for op in self.operations],
+            "applied_by_runtime": self.applied_by_runtime,
+            "operations": [] if self.applied_by_runtime else [op.to_json() for op in self.operations],
         }
 
 
@@ -528,6 +535,27 @@ def _proc_driver(builder: _Builder, devices: tuple[SelectedDevice, ...], request
     builder.add(Remount(PROC_NVIDIA, ("ro",) + TMPFS_FLAGS))
 
 
+def _imex(builder: _Builder, request: GpuRequest) -> None:
+    """The IMEX channels asked for: each a device node (and its device rule), its major from
+    /proc/devices (nvidia-caps-imex-channels), its minor the channel number."""
+    if not request.imex_channels:
+        return
+    inventory = builder.inventory
+    channels = inventory.imex_channels
+    if request.imex_channels == ("all",):
+        numbers = sorted(int(n) for n, node in channels.items() if node.problem is None)
+    else:
+        numbers = list(request.imex_channels)
+    if numbers and driver.IMEX_MAJOR_NAME not in inventory.majors:
+        raise InventoryError(f"IMEX channels: /proc/devices lists no {driver.IMEX_MAJOR_NAME} driver")
+    for number in numbers:
+        node = channels.get(str(number))
+        if node is None:
+            raise InventoryError(f"IMEX channel {number} ({driver.IMEX_CHANNELS_DIR}/channel{number}): no such "
+                                 f"channel on this host; create it with nvidia-modprobe -i {number}")  # fmt: skip
+        builder.device(node, f"IMEX channel {number}")
+
+
 def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout, for_cdi: bool = False) -> Plan:
     """for_cdi: the plan a CDI spec is translated from (toolkit/cdi.py): NVIDIA's CDI specs carry
     two development links its hook does not add, and so do ours."""
@@ -564,6 +592,7 @@ def build_plan(request: GpuRequest, inventory: Inventory, layout: LibraryLayout,
             if name not in inventory.mig_caps:
                 raise InventoryError(f"MIG {name}: /proc/devices lists no nvidia-caps driver")
             builder.device(inventory.mig_caps[name], f"MIG {name} capability")
+    _imex(builder, request)
 
     for f in inventory.files_for(caps, ("binary",)):
         builder.file(f, f"/usr/bin/{os.path.basename(f.path)}")
@@ -590,16 +619,21 @@ def decide(spec, settings, inventory_for) -> Plan | None:
     """What a container gets: its request, the plan on the host's inventory and its GPU memory
     limits, decided here once for the hook (which carries it out) and for `plan` (which prints
     it), so that the dry run says what the hook would do, refusals included. None when the
-    container asks for no GPU. inventory_for() is called only for a GPU container: the hook's
-    cache under its budget, or discovery."""
+    container asks for no GPU. A plan applied_by_runtime where the runtime applied the devices
+    (CDI): the hook then only records the container, so that the node services see it (its
+    limits enforced, its pod named). inventory_for() is called only for a GPU container: the
+    hook's cache under its budget, or discovery."""
     from oci_gpu_hook.start import request as request_module
 
     gpu_request = request_module.parse_request(spec, settings)
     if gpu_request is None:
         return None
     plan = decide_for(gpu_request, inventory_for(), layout_of(spec.rootfs), settings, spec)
+    if gpu_request.source == request_module.RUNTIME_CDI:
+        # Never configured by the hook: recorded where the runtime made the devices' nodes.
+        return plan.replace(applied_by_runtime=True) if devices_applied(plan, spec) else None
     if gpu_request.source == "cdi-annotation" and applied_by_the_runtime(plan, spec):
-        return None
+        return plan.replace(applied_by_runtime=True)
     return plan
 
 
@@ -626,6 +660,17 @@ def _runtime_nodes(devices) -> set:
         and number(d.get("major"))
         and number(d.get("minor"))
     }
+
+
+def devices_applied(plan: Plan, spec) -> bool:
+    """Whether config.json's linux.devices holds each selected device's own nodes (a GPU's
+    /dev/nvidiaN, a MIG device's GPU and compute instance nodes), with their numbers: the runtime
+    gave the container these devices. A pod cannot add nodes to linux.devices; a privileged one
+    has every node, and every device, already."""
+    nodes = _runtime_nodes(spec.devices)
+    wanted = [d.gpu.node for d in plan.devices]
+    wanted += [n for d in plan.devices if d.mig for n in (d.mig.gi_cap, d.mig.ci_cap)]
+    return bool(wanted) and all((n.path, "c", n.major, n.minor) in nodes for n in wanted)
 
 
 def applied_by_the_runtime(plan: Plan, spec) -> bool:

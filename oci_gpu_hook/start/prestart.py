@@ -10,10 +10,16 @@ from __future__ import annotations
 import sys
 import time
 
-from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.errors import HookError, RequestError
 from oci_gpu_hook.start import rule
 from oci_gpu_hook.start import spec as spec_module
 from oci_gpu_hook.start import state as state_module
+
+# Why a rootless start keeps no record (docs/security.md: rootless podman): the node services
+# read records as root, from root's directory alone; one that the user wrote would name pids and
+# cgroups of the user's choosing to the watchdog, which kills processes.
+NO_RECORD = ("none written: a rootless hook may not write root's records directory, and the node services "
+             "read no record a user could write")  # fmt: skip
 
 
 def may_ask_for_gpus(spec) -> bool:
@@ -25,6 +31,7 @@ def may_ask_for_gpus(spec) -> bool:
         return True
     return (
         rule.LEGACY_VARIABLE in env
+        or any(key.startswith(rule.CDI_DEVICE_ENV_PREFIX) for key in env) and False  # AGENT5-TEMP
         or any(key.startswith(rule.CDI_ANNOTATION_PREFIX) for key in spec.annotations)
         or any(spec_module.volume_mount_device(m.destination) for m in spec.mounts)
     )
@@ -60,7 +67,7 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     clock = time.perf_counter()
     from oci_gpu_hook.start import apply, inventory_cache, report
     from oci_gpu_hook.start.budget import Budget, process_age
-    from oci_gpu_hook.start.linux import arch
+    from oci_gpu_hook.start.linux import arch, userns
     from oci_gpu_hook.start.plan import decide
 
     timings["imports"] = _since(clock)
@@ -80,13 +87,33 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     if plan is None:
         return 0
     gpu_request, limits = plan.request, plan.memory_limits
+    unprivileged = userns.unprivileged()
+    if unprivileged and limits:
+        # The watchdog enforces limits from the container record, which a rootless container
+        # cannot have (_keep_record), whoever applied its devices: refused, not left unenforced.
+        raise RequestError("a GPU memory limit applies to this container, and the watchdog that enforces it "
+                           "cannot see a rootless container; run it with rootful podman")  # fmt: skip
+    if plan.applied_by_runtime:
+        # The runtime gave the devices (CDI): nothing to do but the record, where the node
+        # services find the container (the watchdog its limits, the exporter its pod). In a
+        # user namespace there is none (NO_RECORD), and the start goes on as the runtime made it.
+        timings["plan"] = _since(clock)
+        if not unprivileged:
+            _keep_record(settings, container, spec, plan.devices, started, limits=limits, applied_by="runtime")
+        said = f"no record: {NO_RECORD}" if unprivileged else "recorded"
+        report.record(settings, container.id, "info", f"GPU devices applied by the runtime (CDI): {said}",
+                      devices=[d.name for d in plan.devices], source=gpu_request.source,
+                      timings_ms={k: round(v, 2) for k, v in timings.items()})  # fmt: skip
+        return 0
     timings["plan"] = _since(clock)
     clock = time.perf_counter()
     prepared = []
 
-    def prepare_record():  # while the child mounts: the record's reads of /proc, on another CPU
+    def prepare_record():  # the record's reads of /proc, once the plan is applied
         from oci_gpu_hook.start import container_record
 
+        if unprivileged:
+            return
         try:
             prepared.append(container_record.build(container, spec.annotations, plan.devices, 0.0, None, limits))
         except OSError:
@@ -98,10 +125,16 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     clock = time.perf_counter()
     _keep_record(settings, container, spec, plan.devices, started, limits=limits, record=(prepared or [None])[0])
     timings["record"] = _since(clock)
+    left = {}
+    if result.get("left") or unprivileged:  # said here once, for the whole start
+        left["left_to_runtime"] = list(result.get("left", ()))
+    if unprivileged:
+        left["unprivileged"] = f"a user namespace ({userns.user()}): device nodes bind-mounted, never made"
+        left["left_to_runtime"].append(f"the container record: {NO_RECORD}")
     report.record(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],
-        notes=list(gpu_request.notes), timings_ms={k: round(v, 2) for k, v in timings.items()},
+        notes=list(gpu_request.notes), timings_ms={k: round(v, 2) for k, v in timings.items()}, **left,
     )  # fmt: skip
     return 0
 
@@ -111,16 +144,22 @@ def _since(clock: float) -> float:
 
 
 def _keep_record(settings, container, spec, devices, started: float | None, failure_code=None, limits=None,
-                 record=None) -> None:  # fmt: skip
+                 record=None, applied_by: str = "hook") -> None:  # fmt: skip
     """The container record (container_record.py); like the log, it never fails a start.
-    record: one built already (while the child worked), its duration still to fill in."""
+    record: one built already (while the child worked), its duration still to fill in. None in a
+    user namespace (NO_RECORD says why)."""
+    from oci_gpu_hook.start.linux import userns
+
+    if userns.unprivileged():
+        return
     from oci_gpu_hook.start import container_record
     from oci_gpu_hook.start.budget import process_age
 
     duration = process_age() if started is None else time.monotonic() - started
     try:
         if record is None:
-            record = container_record.build(container, spec.annotations, devices, duration, failure_code, limits)
+            record = container_record.build(container, spec.annotations, devices, duration, failure_code, limits,
+                                            applied_by)  # fmt: skip
         else:
             record["duration_seconds"] = round(duration, 6)
         container_record.write(settings.records_path, record)

@@ -15,13 +15,22 @@ from oci_gpu_hook.errors import RequestError, printable
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import driver
 from oci_gpu_hook.start.requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
-from oci_gpu_hook.start.rule import CDI_ANNOTATION_PREFIX, LEGACY_VARIABLE, NO_DEVICES, VISIBLE_DEVICES
+from oci_gpu_hook.start.rule import (
+    CDI_ANNOTATION_PREFIX,
+    CDI_DEVICE_ENV_PREFIX,
+    LEGACY_VARIABLE,
+    NO_DEVICES,
+    VISIBLE_DEVICES,
+)
 from oci_gpu_hook.start.settings import Settings
-from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR, Spec, volume_mount_device
+from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR, Spec, name_under, volume_mount_device
 
 DRIVER_CAPABILITIES = "NVIDIA_DRIVER_CAPABILITIES"
 MIG_CONFIG_DEVICES = "NVIDIA_MIG_CONFIG_DEVICES"
 MIG_MONITOR_DEVICES = "NVIDIA_MIG_MONITOR_DEVICES"
+IMEX_CHANNELS = "NVIDIA_IMEX_CHANNELS"
+# The device plugin's volume-mounts answer for IMEX channels: /dev/null at <this>/<n>.
+IMEX_VOLUME_MOUNT_DIR = VOLUME_MOUNT_DIR + "/imex"
 PRIVILEGED_CAPABILITY = "CAP_SYS_ADMIN"
 MAX_VALUE_LENGTH = 64 << 10
 MAX_DEVICE_IDS = 1024
@@ -92,10 +101,13 @@ class GpuRequest(Record):
         "mps_pipe_directory",
         "notes",
         "origins",
+        "imex_channels",
     )
-    _defaults = {"notes": (), "origins": ()}
+    _defaults = {"notes": (), "origins": (), "imex_channels": ()}
     devices: tuple[str, ...]  # ("all",), () for none, or device ids in the order given
-    source: str  # where the device list came from: env, volume-mounts, cdi-annotation, legacy-image
+    # where the device list came from: env, volume-mounts, cdi-annotation, legacy-image, or
+    # RUNTIME_CDI (the runtime applied the devices: plan.decide)
+    source: str
     capabilities: frozenset[str]
     requirements: Requirements
     disable_require: bool
@@ -105,6 +117,7 @@ class GpuRequest(Record):
     mps_pipe_directory: str | None  # host directory to share, None when the image's choice is not allowed
     notes: tuple[str, ...]  # what was ignored, for the log and the dry run
     origins: tuple[tuple[str, str], ...]  # (device id, what named it), for messages: see asked_by
+    imex_channels: tuple  # IMEX channel numbers (ints), or ("all",): every channel the host has
 
     def asked_by(self, device_id: str) -> str:
         """What in the container named device_id, as a message starts with it: the variable and
@@ -122,9 +135,10 @@ class GpuRequest(Record):
     def describe(self) -> str:
         devices = ", ".join(self.devices) or "none"
         # Requirement variable names are the image's (NVIDIA_REQUIRE_<anything>).
+        imex = f"; IMEX channels: {', '.join(str(c) for c in self.imex_channels)}" if self.imex_channels else ""
         return printable(
             f"devices: {devices} (from {self.source}); capabilities: {', '.join(sorted(self.capabilities))}; "
-            f"requirements: {'disabled' if self.disable_require else self.requirements.describe()}"
+            f"requirements: {'disabled' if self.disable_require else self.requirements.describe()}{imex}"
         )
 
 
@@ -185,6 +199,39 @@ def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[tuple[str, str], ...
     return tuple(names)
 
 
+RUNTIME_CDI = "cdi-runtime"
+
+
+def runtime_cdi_devices(spec: Spec):
+    """(device list or None, origins, RUNTIME_CDI): the devices of the spec `cdi generate` wrote
+    that the runtime applied, each named by its OCI_GPU_HOOK_CDI_DEVICE_<name>=<id> variable. The
+    variables are the pod's to forge too: plan.decide trusts them only where config.json's
+    linux.devices, which the runtime alone writes, holds the devices' nodes."""
+    parts = tuple((value, f"{key}={_short(value)}") for key, value in sorted(spec.env.items())
+                  if key.startswith(CDI_DEVICE_ENV_PREFIX))  # fmt: skip
+    if not parts:
+        return None, (), RUNTIME_CDI
+    return (*read_device_list(parts, f"{CDI_DEVICE_ENV_PREFIX}* variables"), RUNTIME_CDI)
+
+
+def _runtime_cdi_request(devices, origins, privileged: bool, settings: Settings) -> GpuRequest:
+    """The request for a container whose devices the runtime applied: its devices alone. The
+    hook gives it nothing, so nothing else the image asks for (capabilities, requirements, MIG
+    flags, IMEX, MPS) is read: none of it can fail a start the runtime has configured."""
+    return GpuRequest(
+        devices=devices,
+        source=RUNTIME_CDI,
+        capabilities=frozenset({"utility"}) & set(settings.supported_capabilities),
+        requirements=parse_requirements({}),
+        disable_require=True,
+        privileged=privileged,
+        mig_config=False,
+        mig_monitor=False,
+        mps_pipe_directory=None,
+        origins=origins,
+    )
+
+
 def select_devices(spec: Spec, settings: Settings, privileged: bool, legacy: bool):
     """(device list or None, origins: what named each id, the list's source)."""
     if settings.accept_volume_mounts:
@@ -241,11 +288,44 @@ def _mps_pipe_directory(spec: Spec, settings: Settings):
     path = os.path.normpath(value) if value.startswith("/") else ""
     if path in settings.mps_pipe_directories:
         return path, None
+    if path and any(os.path.normpath(m.destination) == path for m in spec.mounts):
+        # Mounted there by the runtime already (the device plugin's MPS answer): nothing to do.
+        return None, None
     # A note is no HookError: it is shown (plan, log, syslog) as built, so it escapes itself.
     return None, printable(
         f"CUDA_MPS_PIPE_DIRECTORY={_short(value)} ignored: not in mps_pipe_directories "
         f"({', '.join(settings.mps_pipe_directories)})"
     )
+
+
+def _imex_channels(spec: Spec, settings: Settings, privileged: bool) -> tuple:
+    """The IMEX channels asked for, by the same rules as the GPUs: the device plugin's mounts
+    (/var/run/nvidia-container-devices/imex/<n>) where accepted, else NVIDIA_IMEX_CHANNELS where
+    the image's env may choose (privileged, or accept_envvar_when_unprivileged). Channel numbers,
+    or all (every channel the host has; NVIDIA's hook gives none for all), or none/void."""
+    where, value = None, None
+    if settings.accept_volume_mounts:
+        named = [name_under(m.destination, IMEX_VOLUME_MOUNT_DIR) for m in spec.mounts if m.source == "/dev/null"]
+        named = [n for n in named if n]
+        if named:
+            where, value = f"volume mounts under {IMEX_VOLUME_MOUNT_DIR}", ",".join(named)
+    if value is None and (privileged or settings.accept_envvar_when_unprivileged):
+        value = spec.env.get(IMEX_CHANNELS)
+        where = f"{IMEX_CHANNELS}={_short(value or '')}"
+    if not value:
+        return ()
+    _bounded(IMEX_CHANNELS, value)
+    channels = []
+    for entry in (e.strip() for e in value.split(",")):
+        if entry.lower() == ALL:
+            return (ALL,)
+        if entry in ("", "none", NO_DEVICES):
+            continue
+        if not _digits(entry, 4) or int(entry) > driver.IMEX_MAX_CHANNEL:
+            raise RequestError(f"{where}: {_short(entry)[:40]}: not an IMEX channel (accepted: all, none, "
+                               f"channel numbers 0 to {driver.IMEX_MAX_CHANNEL})")  # fmt: skip
+        channels.append(int(entry))
+    return tuple(dict.fromkeys(channels))
 
 
 def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
@@ -255,7 +335,9 @@ def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
     legacy = LEGACY_VARIABLE in env and not env.get("NVIDIA_REQUIRE_CUDA")
     devices, origins, source = select_devices(spec, settings, privileged, legacy)
     if devices is None:
-        return None
+        # Not a container the hook configures; maybe one whose devices the runtime applied.
+        devices, origins, _ = runtime_cdi_devices(spec)
+        return None if devices is None else _runtime_cdi_request(devices, origins, privileged, settings)
     requirements = parse_requirements(env)
     if legacy and env[LEGACY_VARIABLE]:
         requirements = parse_requirements(
@@ -277,4 +359,5 @@ def parse_request(spec: Spec, settings: Settings) -> GpuRequest | None:
         mps_pipe_directory=mps_directory,
         notes=(mps_note,) if mps_note else (),
         origins=origins,
+        imex_channels=_imex_channels(spec, settings, privileged),
     )

@@ -16,5 +16,8 @@ VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 NO_DEVICES = "void"  # in the device list: not a GPU container, whatever else it names
 LEGACY_VARIABLE = "CUDA_VERSION"  # images from before NVIDIA_REQUIRE_CUDA
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+# Set by each device of the spec `cdi generate` writes (OCI_GPU_HOOK_CDI_DEVICE_<name>=<id>): the
+# runtime applied that device, and the hook only records the container (its limits, its names).
+CDI_DEVICE_ENV_PREFIX = "OCI_GPU_HOOK_CDI_DEVICE_"
 # NVIDIA's volume-mount device list: /dev/null mounted at VOLUME_MOUNT_DIR/<id> (spec.py reads it).
 VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"

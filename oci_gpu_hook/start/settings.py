@@ -42,7 +42,8 @@ class NodeSettings(Record):
     """The node services' keys (node/): nothing on the start path reads them."""
 
     __slots__ = ("exporter_listen", "features_file", "mig_strategy", "replicas", "watchdog_policy",
-                 "watchdog_interval", "watchdog_grace", "device_plugin_config", "kubelet_socket_dir")  # fmt: skip
+                 "watchdog_interval", "watchdog_grace", "device_plugin_config", "kubelet_socket_dir",
+                 "sys_root")  # fmt: skip
     _defaults = {
         "exporter_listen": ":9400",
         "features_file": "/etc/kubernetes/node-feature-discovery/features.d/oci-gpu-hook",
@@ -53,6 +54,7 @@ class NodeSettings(Record):
         "watchdog_grace": 0.0,
         "device_plugin_config": None,
         "kubelet_socket_dir": "/var/lib/kubelet/device-plugins",
+        "sys_root": "/",
     }
     exporter_listen: str
     features_file: str
@@ -63,6 +65,7 @@ class NodeSettings(Record):
     watchdog_grace: float
     device_plugin_config: str | None  # plugin_config.py's file; None: mig_strategy and replicas above
     kubelet_socket_dir: str
+    sys_root: str  # root under which sysfs is read (/sys/...), as proc_root for procfs
 
 
 class Settings(Record):
@@ -186,8 +189,11 @@ def compiled_path(path: str) -> str:
 
 
 def trusted(st) -> bool:
-    """Owned by the hook's own user and writable by it alone: only the hook can have written it."""
-    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    """Owned by the hook's own user, or by the host's root (what root's hook keeps, as a rootless
+    hook in a user namespace sees it), and writable by it alone: only a hook can have written it."""
+    from oci_gpu_hook.start.linux import userns
+
+    return st.st_uid in (os.geteuid(), userns.root_uid()) and not st.st_mode & 0o022
 
 
 def read_trusted(path: str, limit: int) -> bytes:
@@ -243,9 +249,13 @@ def read_config_file(path: str, what: str = "the configuration file") -> str:
     the device plugin's, what the kubelet is told), so it must be root's (or this user's) and
     writable by no one else: checked on the descriptor that is read."""
 
+    from oci_gpu_hook.start.linux import userns
+
+    owners = (userns.root_uid(), os.geteuid())  # the host's root as this process sees it (rootless podman)
+
     def check(st):
-        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
-            whose = f"owned by uid {st.st_uid}" if st.st_uid not in (0, os.geteuid()) else "writable by others"
+        if st.st_uid not in owners or st.st_mode & 0o022:
+            whose = f"owned by uid {st.st_uid}" if st.st_uid not in owners else "writable by others"
             raise ConfigError(f"{path}: {what} is {whose}: it decides what containers get, so it must be root's "
                               "and writable by no one else")  # fmt: skip
 

@@ -19,7 +19,9 @@ The plans are built with for_cdi: NVIDIA's CDI specs carry the libnvidia-ml.so a
 links, which its hook does not add.
 
 Operations every device shares (control nodes, driver files, the hook) go to the spec's top-level
-containerEdits; each device carries only its own nodes.
+containerEdits; each device carries only its own nodes, and one variable that names it,
+OCI_GPU_HOOK_CDI_DEVICE_<name>=<id>: the prestart hook, which the runtime runs too, reads them to
+record the container for the node services (its limits, its pod), and gives it nothing.
 """
 
 from __future__ import annotations
@@ -153,6 +155,15 @@ def _device_names(inventory):
     return names
 
 
+def device_env(name: str, device_id: str) -> str:
+    """The variable a device of the spec sets: one name per device, so that a container given
+    several has them all (the runtime merges the devices' edits, and a variable of the same name
+    would keep one value)."""
+    from oci_gpu_hook.start.rule import CDI_DEVICE_ENV_PREFIX
+
+    return f"{CDI_DEVICE_ENV_PREFIX}{''.join(c if c.isalnum() else '_' for c in name)}={device_id}"
+
+
 def _node(op) -> dict:
     return {"path": op.target, "hostPath": op.source, "type": "c", "major": op.major, "minor": op.minor}
 
@@ -216,9 +227,9 @@ def build_spec(inventory, settings, kind: str = DEFAULT_KIND, capabilities=DEFAU
         plan = decide_for(_request(device_ids, capabilities, settings), inventory, layout, settings, for_cdi=True)
         return [_node(op) for op in plan.operations if isinstance(op, MountDevice) and op.target not in shared_targets]
 
-    devices = [{"name": name, "containerEdits": {"deviceNodes": own_nodes([device_id])}}
-               for name, device_id in _device_names(inventory)]  # fmt: skip
-    devices.append({"name": "all", "containerEdits": {"deviceNodes": own_nodes(["all"])}})
+    devices = [{"name": name, "containerEdits": {"deviceNodes": own_nodes([device_id]),
+                                                 "env": [device_env(name, device_id)]}}
+               for name, device_id in _device_names(inventory) + [("all", "all")]]  # fmt: skip
     spec = {"cdiVersion": "", "kind": kind, "devices": devices, "containerEdits": edits}
     spec["cdiVersion"] = required_version(spec)
     return spec

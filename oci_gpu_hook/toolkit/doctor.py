@@ -16,7 +16,7 @@ import os
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import files
 from oci_gpu_hook.start.inventory import host_path
-from oci_gpu_hook.toolkit import runtime_config
+from oci_gpu_hook.toolkit import launcher, runtime_config
 from oci_gpu_hook.toolkit.runtime_config import ConfigFileError
 
 PASS, WARN, FAIL = "PASS", "WARN", "FAIL"
@@ -103,7 +103,7 @@ class Doctor:
     def run(self) -> list:
         checks = []
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
-                     "inventory_cache", "hooks_d", "crio", "containerd", "docker", "cgroups", "selinux",
+                     "inventory_cache", "hooks_d", "rootless", "crio", "containerd", "docker", "cgroups", "selinux",
                      "selinux_policy", "refresh_units", "exporter", "labels", "watchdog", "device_plugin"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
@@ -112,6 +112,8 @@ class Doctor:
                 status, summary, fix = WARN, str(e), None
             except runtime_config.TomlUnavailable as e:
                 status, summary, fix = WARN, f"not checked: {e}", None
+            if status != PASS and name in NODE_UNITS:
+                summary += systemd_says(self.root, NODE_UNITS[name])
             checks.append(Check(check_id, status, summary, fix))
         return checks
 
@@ -297,6 +299,44 @@ class Doctor:
             return FAIL, f"{path}: does not run `oci-gpu-hook prestart` at prestart", fix
         return (PASS, f"{path} runs {hook} at prestart (podman reads hooks from {', '.join(dirs)}; CRI-O runs it at "
                 "createRuntime, the same moment)", None)  # fmt: skip
+
+    def check_rootless(self):
+        """Rootless podman runs the hook as the user who runs podman (docs/toolkit.md): the hook's
+        program, what it starts and its configuration must be open to every user, or that user's
+        GPU containers fail to start. Asked of the kernel, not of file modes: the hook is started
+        as uid 65534 (no groups) on a container that asks for no GPU, as runc starts it."""
+        users = subordinate_users(host_path(self.root, "/etc/subuid"))
+        if not users:
+            return PASS, "no user has subordinate uids (/etc/subuid): no rootless podman containers here", None
+        if self.root != "/":
+            raise NotChecked("not checked: under --root (a user runs the hook only on this host)")
+        try:
+            path = self.hooks_d_file()[0]
+            with open(path) as f:
+                hook = json.load(f)["hook"]
+            argv, env = [hook["path"], *hook.get("args", [])[1:]], hook.get("env", [])
+        except (ConfigFileError, OSError, ValueError, TypeError, KeyError):
+            raise NotChecked("not checked: podman runs no valid hook (see hooks-d)") from None
+        who = f"rootless podman containers ({', '.join(users[:3])}{', ...' if len(users) > 3 else ''})"
+        fix = ("install the package where every user may read it (pip install as root outside a 0700 "
+               "directory), then oci-gpu-hook install --runtime podman")  # fmt: skip
+        closed = [p for p in (path, self.settings.source) if p and closed_to_others(p)]
+        if closed:
+            where = closed_to_others(closed[0])
+            return FAIL, f"{who} get no GPU: {where} is closed to other users, and podman reads {closed[0]}", fix
+        programs = [argv]
+        python = argv[0] + "-python"  # the compiled pre-filter starts this launcher (install.launcher_entries)
+        if not launcher.is_launcher(argv[0]) and launcher.is_launcher(python):
+            programs.append([python, *argv[1:]])
+        for program in programs:
+            problem = runs_as_nobody(program, env)
+            if problem:
+                # Which directory is in the way, where the launcher says what it starts.
+                targets = launcher.named(program[0]) or ()
+                where = next(filter(None, (closed_to_others(t) for t in targets)), None)
+                problem += f" ({where} is closed to other users)" if where else ""
+                return FAIL, f"{who} get no GPU: as uid {NOBODY} (no groups), {program[0]} {problem}", fix
+        return PASS, f"{who}: the hook starts as uid {NOBODY} (no groups), as a user's podman starts it", None
 
     def check_crio(self):
         crio_dir, crio = host_path(self.root, "/etc/crio"), host_path(self.root, "/usr/bin/crio")
@@ -532,9 +572,62 @@ class Doctor:
 
     def check_refresh_units(self):
         if os.path.exists(host_path(self.root, REFRESH_SERVICE)):
-            return PASS, "the inventory refresh units are installed", None
+            from oci_gpu_hook.toolkit.install import PATH_UNIT, SERVICE
+
+            path, service = unit_state(self.root, PATH_UNIT), unit_state(self.root, SERVICE)
+            if path is None:  # no systemd to ask (a container, a chroot, --root)
+                return PASS, "the inventory refresh units are installed", None
+            if path["ActiveState"] != "active":
+                return (WARN, f"the inventory refresh units are installed, but systemd has {PATH_UNIT} "
+                        f"{path['ActiveState']} ({path['SubState']}): a driver change does not refresh the cache",
+                        f"systemctl daemon-reload && systemctl enable --now {PATH_UNIT}")  # fmt: skip
+            if service and service["Result"] not in ("success", ""):
+                return (WARN, f"the last inventory refresh failed ({SERVICE}: {service['Result']})",
+                        f"journalctl -u {SERVICE} says why")  # fmt: skip
+            return (PASS, f"the inventory refresh units are installed; systemd watches /etc/ld.so.cache ({PATH_UNIT} "
+                    "active)", None)  # fmt: skip
         return (WARN, "no oci-gpu-hook-refresh.service: the first GPU container after a driver change rebuilds "
                 "the cache", "oci-gpu-hook install")  # fmt: skip
+
+
+# The checks of the node services, and their units (install.py's names): a failing one says what
+# systemd says of its unit.
+NODE_UNITS = {name: f"oci-gpu-hook-{name.replace('_', '-')}.service"
+              for name in ("exporter", "labels", "watchdog", "device_plugin")}  # fmt: skip
+UNIT_PROPERTIES = ("LoadState", "ActiveState", "SubState", "Result", "NRestarts")
+
+
+def unit_state(root: str, unit: str) -> dict | None:
+    """{property: value} of UNIT_PROPERTIES as the running systemd has them, or None where there is
+    no systemd to ask: a --root other than /, a host whose PID 1 is not systemd (no
+    /run/systemd/system), no systemctl, or no answer in 10 s."""
+    import shutil
+    import subprocess
+
+    systemctl = shutil.which("systemctl")
+    if os.path.realpath(root) != "/" or not os.path.isdir("/run/systemd/system") or not systemctl:
+        return None
+    try:
+        done = subprocess.run([systemctl, "show", "--property=" + ",".join(UNIT_PROPERTIES), "--", unit],
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    state = dict.fromkeys(UNIT_PROPERTIES, "")
+    state.update(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
+    return state
+
+
+def systemd_says(root: str, unit: str) -> str:
+    """What systemd says of a unit, to follow a failing check's summary ("" where it cannot be asked)."""
+    state = unit_state(root, unit)
+    if state is None:
+        return ""
+    if state["LoadState"] != "loaded":
+        return f" (systemd: {unit} is {state['LoadState'] or 'unknown'}; systemctl daemon-reload?)"
+    restarts = f", restarted {state['NRestarts']} times" if state["NRestarts"] not in ("", "0") else ""
+    return f" (systemd: {unit} is {state['ActiveState']} ({state['SubState']}), result {state['Result']}{restarts})"
 
 
 # Where dockerd (and so the program it looks for) is found: the PATH of docker.service.
@@ -542,7 +635,11 @@ DOCKER_PATH = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/s
 
 
 def service_processes(command: str, proc: str = "/proc") -> list:
-    """Pids whose command line runs this program's command (watchdog, device-plugin)."""
+    """Pids whose command line runs this program's command (watchdog, device-plugin): started as
+    oci-gpu-hook (a console script, the launcher), as `python -m oci_gpu_hook`, or as the Python
+    launcher the pre-filter hands over to (`python -IS .../oci-gpu-hook-python COMMAND`: what a
+    unit install wrote runs as, wherever a C compiler built the pre-filter)."""
+    names = (b"oci-gpu-hook", os.path.basename(launcher.PYTHON_LAUNCHER).encode())
     found = []
     for name in os.listdir(proc):
         if not name.isdigit():
@@ -552,7 +649,7 @@ def service_processes(command: str, proc: str = "/proc") -> list:
                 argv = f.read(8192).split(b"\0")
         except OSError:
             continue
-        program = any(a.endswith(b"oci-gpu-hook") or a == b"oci_gpu_hook" for a in argv)
+        program = any(a.endswith(names) or a == b"oci_gpu_hook" for a in argv)
         if program and command.encode() in argv:
             found.append(int(name))
     return sorted(found)
@@ -562,6 +659,71 @@ def _node_unit_installed(root: str, unit: str) -> bool:
     from oci_gpu_hook.toolkit.install import UNIT_DIR
 
     return os.path.exists(host_path(root, f"{UNIT_DIR}/{unit}"))
+
+
+NOBODY = 65534  # owns nothing: it may use only what every user may
+
+
+def subordinate_users(path: str) -> list:
+    """The users /etc/subuid gives uid ranges: those who can run rootless podman."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read(1 << 20).splitlines()
+    except OSError:
+        return []
+    users = [line.split(":", 1)[0] for line in lines if line.strip() and not line.startswith("#") and ":" in line]
+    return list(dict.fromkeys(users))
+
+
+def closed_to_others(path: str) -> str | None:
+    """The first directory on path's way that other users cannot enter, or path itself when
+    they cannot read it; None when they can."""
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    while True:
+        try:
+            if not os.stat(directory).st_mode & 0o001:
+                return f"{directory} (mode {os.stat(directory).st_mode & 0o7777:04o})"
+        except OSError:
+            return directory
+        if directory == "/":
+            break
+        directory = os.path.dirname(directory)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return path
+    return None if mode & 0o004 else f"{path} (mode {mode & 0o7777:04o})"
+
+
+def runs_as_nobody(argv, env) -> str | None:
+    """What goes wrong when argv (a hook) runs as NOBODY on the OCI state of a bundle that asks
+    for no GPU (its start path: interpreter, package, pre-filter); None when it exits 0."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    bundle = tempfile.mkdtemp(prefix="oci-gpu-hook-doctor-", dir="/tmp")  # not TMPDIR: it may be private
+    try:
+        os.chmod(bundle, 0o755)
+        os.mkdir(os.path.join(bundle, "rootfs"), 0o755)
+        with open(os.path.join(bundle, "config.json"), "w") as f:
+            json.dump({"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"env": [], "args": ["true"]}}, f)
+        os.chmod(os.path.join(bundle, "config.json"), 0o644)
+        state = json.dumps({"ociVersion": "1.0.2", "id": "oci-gpu-hook-doctor", "status": "creating",
+                            "pid": os.getpid(), "bundle": bundle})  # fmt: skip
+        user = {} if os.geteuid() != 0 else {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+        try:
+            done = subprocess.run(argv, input=state.encode(), capture_output=True, cwd="/", timeout=60,
+                                  env=dict(e.split("=", 1) for e in env if "=" in e), **user)  # fmt: skip
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"cannot start: {getattr(e, 'strerror', None) or e}"
+        if done.returncode != 0:
+            lines = done.stderr.decode("utf-8", "replace").strip().splitlines()
+            return f"fails (exit status {done.returncode}): {lines[-1][-200:] if lines else 'no message'}"
+        return None
+    finally:
+        shutil.rmtree(bundle, ignore_errors=True)
 
 
 def run(settings, root: str = "/", config_error: str | None = None, **options) -> list:

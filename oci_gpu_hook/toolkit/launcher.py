@@ -85,6 +85,24 @@ def is_launcher(path: str) -> bool:
     return len(lines) > 1 and lines[0].startswith(b"#!") and lines[1].startswith(MARKER.encode())
 
 
+def named(path: str):
+    """(interpreter, package directory) a launcher written by text() names; None for any other
+    file (doctor asks whether users may reach them)."""
+    import ast
+
+    if not is_launcher(path):
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read(1 << 16).splitlines()
+    interpreter = lines[0][2:].split()[0] if lines[0][2:].split() else None
+    parents = [line[len("sys.path.append(") : -1] for line in lines if line.startswith("sys.path.append(")]
+    try:
+        parent = ast.literal_eval(parents[0]) if parents else None
+    except (ValueError, SyntaxError):
+        parent = None
+    return (interpreter, parent) if interpreter and isinstance(parent, str) else None
+
+
 def check_trusted(interpreter: str | None = None, parent: str | None = None) -> None:
     """Refuse a launcher whose process could load anything that anyone but root could change.
 

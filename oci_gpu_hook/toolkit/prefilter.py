@@ -50,6 +50,7 @@ def header(python_hook: str, launcher_options=()) -> str:
         f"#define RULE_NO_DEVICES {_c_string(rule.NO_DEVICES)}",
         f"#define RULE_LEGACY_VARIABLE {_c_string(rule.LEGACY_VARIABLE)}",
         f"#define RULE_ANNOTATION_PREFIX {_c_string(rule.CDI_ANNOTATION_PREFIX)}",
+        f"#define RULE_CDI_DEVICE_PREFIX {_c_string(rule.CDI_DEVICE_ENV_PREFIX)}",
         # The C side matches the directory's own name anywhere in a destination (a superset of
         # the normalised rule), so it needs only that name.
         f"#define RULE_VOLUME_MOUNT_NAME {_c_string(os.path.basename(rule.VOLUME_MOUNT_DIR))}",

@@ -6,10 +6,13 @@ on a simulated host with 3 GPUs. Pods ask for `nvidia.com/gpu`:
 - with time-slicing, pods share a GPU, as its configuration says;
 - each Allocate answer (envvar, volume-mounts, cdi-annotations, cdi-cri) reaches the container
   through CRI-O. For the CDI ones CRI-O applies the spec `cdi generate` wrote, and the hook, which
-  CRI-O runs too, stands down (NVIDIA_VISIBLE_DEVICES=void): one of them configures the
-  container, never both.
+  CRI-O runs too, gives nothing (NVIDIA_VISIBLE_DEVICES=void): one of them configures the
+  container, never both. The hook still records it, marked as applied by the runtime;
+- so a time-sliced CDI pod's memory limit is enforced: the real watchdog kills the replica over
+  its share, and the real exporter names its pod (issue 39, item 7).
 """
 
+import json
 import os
 import re
 import subprocess
@@ -153,11 +156,14 @@ def test_each_allocate_answer_reaches_the_container_through_crio(node, strategy,
         stages = node.oci_spec(name)["hooks"]
         assert [h["args"][-1] for h in stages["createRuntime"]] == ["prestart"]  # CRI-O ran the hook
         if strategy.startswith("cdi"):
-            # CRI-O applied the spec (its ldcache hook is there); the hook stood down: no record.
+            # CRI-O applied the spec (its ldcache hook is there); the hook gave nothing, and recorded
+            # the container for the node services, marked so.
             assert any("ldcache-refresh" in h["args"] for h in stages.get("createContainer", []))
-            assert record is None, record
+            assert record["applied_by"] == "runtime", record
         else:
-            assert sorted(d["gpu_uuid"] for d in record["devices"]) == sorted(uuids), record
+            assert record["applied_by"] == "hook", record
+        assert sorted(d["gpu_uuid"] for d in record["devices"]) == sorted(uuids), record
+        assert record["kubernetes"]["pod"] == node.full_name(name), record
     finally:
         if node.pod(name) is not None:
             node.remove_pod(name)
@@ -165,3 +171,64 @@ def test_each_allocate_answer_reaches_the_container_through_crio(node, strategy,
         if strategy.startswith("cdi"):
             os.unlink(os.path.join(node.cdi_dir, "oci-gpu-hook.yaml"))
         config_with(host, tmp, f"records_directory: {records}\n{SETTINGS}")
+
+
+CDI_SHARED = {
+    "flags": {"plugin": {"deviceListStrategy": "cdi-cri"}},
+    "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2,
+                                               "memoryLimit": "per-replica"}]}},
+}  # fmt: skip
+
+
+def test_a_cdi_replica_over_its_share_is_killed_and_its_pod_named(node):
+    """cdi-cri, the answer where CRI-O alone gives the GPUs: the hook records each replica with
+    its share (issue 39, item 7), so the real watchdog kills the one over it, and the real
+    exporter names the pods. Before, the hook stood down and wrote no record: neither saw them."""
+    from servicecheck import Exporter
+
+    from oci_gpu_hook.toolkit.simulate import control
+
+    node, host, hook_config, records, tmp = node
+    generate_cdi_spec(node, hook_config)
+    plugin = kubeletcheck.DevicePlugin(hook_config, node, tmp, CDI_SHARED, "plugin-cdi-shared")
+    names = ("cdi-over", "cdi-under")
+    try:
+        node.wait_for_resource("nvidia.com/gpu", 6)
+        for name in names:
+            node.add_pod(name, SHOW, limits={"nvidia.com/gpu": 1})
+        held = {name: seen(node, name) for name in names}
+        assert all(len(u) == 1 for u in held.values()), held
+        pids = {name: node.container_pid(name) for name in names}
+        found = {name: record_of(records, node.container_id(name)) for name in names}
+        totals = {g["uuid"]: g["model"]["memory_total"] for g in host["gpus"]}
+        for name, record in found.items():
+            (uuid,) = held[name]
+            assert (record["applied_by"], record["pid"]) == ("runtime", pids[name]), record
+            assert record["gpu_memory_limit"] == {uuid: totals[uuid] // 2}, record  # its replica's share
+        over, under = (held[n][0] for n in names)
+        control.write(host["root"], processes=[(over, pids["cdi-over"], totals[over] // 2 + (64 << 20)),
+                                               (under, pids["cdi-under"], totals[under] // 4)])  # fmt: skip
+        exporter = Exporter(hook_config, tmp)
+        try:
+            samples = exporter.scrape()
+        finally:
+            exporter.stop()
+        used = {(ls.get("pod"), ls.get("namespace"), ls.get("UUID")) for n, ls, v in samples
+                if n == "oci_gpu_hook_container_gpu_memory_used_bytes"}  # fmt: skip
+        assert {(node.full_name(n), "default", held[n][0]) for n in names} <= used, used
+        out = subprocess.run([*hook_command(hook_config), "watchdog", "--once"], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        control.clear(host["root"])
+        (killed,) = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+        assert (killed["action"], killed["pids"], killed["device"]) == ("kill", [pids["cdi-over"]], over)
+        assert (killed["pod"], killed["namespace"]) == (node.full_name("cdi-over"), "default")
+        node.wait_for_phase("cdi-over", ("Failed", "Succeeded"))  # SIGKILL: its only process is gone
+        assert node.pod("cdi-under")["status"]["phase"] == "Running" and os.path.exists(f"/proc/{pids['cdi-under']}")
+    finally:
+        control.clear(host["root"])
+        for name in names:
+            if node.pod(name) is not None:
+                node.remove_pod(name)
+        assert plugin.stop() == 0, plugin.output()
+        os.unlink(os.path.join(node.cdi_dir, "oci-gpu-hook.yaml"))

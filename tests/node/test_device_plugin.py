@@ -536,7 +536,8 @@ UNKNOWN_PROFILE = MIXED_SHARED + "    - name: nvidia.com/mig-7g.80gb\n      repl
     [("version: v1\nflags: [unclosed\n", ": not valid YAML or JSON (line "),
      (MIXED_SHARED.replace("replicas: 2", "replicas: 0"),
       ": sharing.timeSlicing.resources[0].replicas: 0 is not accepted (expected a whole number from 1 to 1024)"),
-     ("version: v1\nsharing:\n  mps:\n    resources: []\n", ": sharing.mps: MPS sharing is not offered"),
+     ("version: v1\nsharing:\n  mps:\n    resources:\n    - name: nvidia.com/gpu\n      replicas: 1\n",
+      ": sharing.mps.resources[0].replicas: 1: MPS sharing needs at least 2 replicas"),
      (UNKNOWN_PROFILE, ": sharing.timeSlicing.resources[1].name: unknown MIG profile: no MIG device on this node has "
                        "profile 7g.80gb (profiles here: 1g.5gb, 2g.10gb, 3g.20gb)"),
      (MIXED_SHARED.replace("per-replica", "96GiB"), ": sharing.timeSlicing.resources[0].memoryLimit: 96GiB is more "
@@ -740,3 +741,125 @@ def test_a_new_driver_starts_the_plugin_again(api, kubelet, socket_dir, tmp_path
         assert "the NVIDIA driver changed (550.54.15 -> 555.42.02" in plugin.output()
     finally:
         plugin.stop()
+
+
+# ---- topology and XID health (issue 39) ------------------------------------------------------------
+
+MIXED = "version: v1\nflags:\n  migStrategy: mixed\n"
+
+
+def xid_ready(plugin):
+    """Until the plugin's XID thread has registered the GPUs for events (an XID before that is
+    delivered to no event set, as on a real driver)."""
+    deadline = time.monotonic() + DEADLINE
+    while "XID health: waiting on NVML events" not in plugin.output():
+        if time.monotonic() > deadline or plugin.proc.poll() is not None:
+            pytest.fail(f"the XID thread did not start:\n{plugin.output()}")
+        time.sleep(0.1)
+
+
+def wait_for_output(plugin, text):
+    deadline = time.monotonic() + DEADLINE
+    while text not in plugin.output():
+        if time.monotonic() > deadline or plugin.proc.poll() is not None:
+            pytest.fail(f"{text!r} not said:\n{plugin.output()}")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def events(host):
+    import nvmlevents
+
+    yield lambda uuid, xid: nvmlevents.inject_xid(host["root"], uuid, xid)
+    nvmlevents.clear_events(host["root"])
+
+
+def test_list_and_watch_gives_each_device_its_gpus_numa_node(api, host, kubelet, start, watches):
+    plugin = start(MIXED)
+    kubelet.wait_for(4, plugin)
+    numa = {}
+    for gpu in host["gpus"]:  # the simulator's description: sysfs numa_node of each GPU
+        numa[gpu["uuid"]] = gpu["numa_node"]
+        for mig in gpu["mig"]:
+            numa[mig["uuid"]] = gpu["numa_node"]
+    assert sorted(set(numa.values())) == [0, 1]  # the host spreads its GPUs over two nodes
+    for resource in RESOURCES:
+        channel, stub = plugin.stub(api, resource)
+        with channel:
+            first = next(iter(stub.ListAndWatch(api.pb2.Empty(), timeout=DEADLINE)))
+        assert {d.ID: [n.ID for n in d.topology.nodes] for d in first.devices} == {
+            d.ID: [numa[d.ID]] for d in first.devices
+        }, resource
+
+
+def test_a_critical_xid_marks_its_gpu_unhealthy_until_the_gpu_comes_back(api, host, kubelet, start, watches,
+                                                                         events):  # fmt: skip
+    plugin = start()
+    kubelet.wait_for(4, plugin)
+    streams = {r: watches(api, plugin, r) for r in RESOURCES}
+    for stream in streams.values():
+        stream.until(all_health("Healthy"), "every device is Healthy")
+    xid_ready(plugin)
+    gpu0, gpu1 = host["gpus"][0], host["gpus"][1]
+    ours = {f"{gpu1['uuid']}::0", f"{gpu1['uuid']}::1"}
+
+    def only_ours(devices):
+        return all((health == "Unhealthy") == (i in ours) for i, health in devices.items())
+
+    events(gpu1["uuid"], 79)  # fell off the bus
+    streams["nvidia.com/gpu"].until(only_ours, "GPU 1's replicas are Unhealthy", 10)
+    assert f"Unhealthy: {gpu1['uuid']}: XID 79" in plugin.output()
+    events(gpu0["uuid"], 13)  # an application's error (graphics engine exception): not the GPU's
+    wait_for_output(plugin, f"XID 13 on {gpu0['uuid']}: not critical here")
+    seen = streams["nvidia.com/gpu"].received
+    events(gpu0["uuid"], 31)  # a page fault, also the application's
+    wait_for_output(plugin, f"XID 31 on {gpu0['uuid']}: not critical here")
+    assert streams["nvidia.com/gpu"].received == seen and only_ours(streams["nvidia.com/gpu"].latest)
+    for resource in RESOURCES[1:]:
+        assert set(streams[resource].latest.values()) == {"Healthy"}, resource
+    # The GPU goes (its node, as after it fell off the bus) and comes back: Healthy again.
+    with NodeAside(host, f"nvidia{gpu1['minor']}") as node:
+        wait_for_output(plugin, f"{gpu1['uuid']}: its GPU is gone")
+        node.restore()
+        streams["nvidia.com/gpu"].until(all_health("Healthy"), "every device is Healthy again")
+
+
+def test_an_xid_on_a_mig_device_marks_that_mig_device_alone(api, host, kubelet, start, watches, events):
+    plugin = start(MIXED)
+    kubelet.wait_for(4, plugin)
+    streams = {r: watches(api, plugin, r) for r in RESOURCES}
+    for stream in streams.values():
+        stream.until(all_health("Healthy"), "every device is Healthy")
+    xid_ready(plugin)
+    (gpu,) = [g for g in host["gpus"] if g["mig"]]
+    mig = next(m for m in gpu["mig"] if m["profile"] == "2g.10gb")
+    events(mig["uuid"], 48)  # a double-bit ECC error in that MIG device's GPU instance
+    streams["nvidia.com/mig-2g.10gb"].until(all_health("Unhealthy"), "the 2g.10gb device is Unhealthy", 10)
+    for resource in ("nvidia.com/gpu", "nvidia.com/mig-1g.5gb", "nvidia.com/mig-3g.20gb"):
+        assert set(streams[resource].latest.values()) == {"Healthy"}, resource
+    events(gpu["uuid"], 94)  # on the whole GPU: every MIG device of it
+    for resource in RESOURCES[1:]:
+        streams[resource].until(all_health("Unhealthy"), f"{resource} is Unhealthy", 10)
+    assert set(streams["nvidia.com/gpu"].latest.values()) == {"Healthy"}
+
+
+@pytest.mark.parametrize("health, xid, critical", [
+    ("health:\n  criticalXids: [48, 79]\n", 79, True),
+    ("health:\n  criticalXids: [48]\n", 79, False),
+    ("health:\n  ignoredXids: [79]\n", 79, False),
+    ("health:\n  ignoredXids: []\n", 13, True),  # NVIDIA's application XIDs count once not ignored
+])  # fmt: skip
+def test_the_critical_xids_are_configured(api, host, kubelet, start, watches, events, health, xid, critical):
+    plugin = start(MIXED + health)
+    kubelet.wait_for(4, plugin)
+    stream = watches(api, plugin, "nvidia.com/gpu")
+    stream.until(all_health("Healthy"), "every device is Healthy")
+    xid_ready(plugin)
+    gpu = host["gpus"][2]
+    events(gpu["uuid"], xid)
+    if critical:
+        devices = stream.until(lambda d: d[gpu["uuid"]] == "Unhealthy", "the GPU is Unhealthy", 10)
+        assert [i for i, h in devices.items() if h == "Unhealthy"] == [gpu["uuid"]]
+    else:
+        wait_for_output(plugin, f"XID {xid} on {gpu['uuid']}: not critical here")
+        assert set(stream.latest.values()) == {"Healthy"}

@@ -16,6 +16,7 @@ from oci_gpu_hook.node import features
 from oci_gpu_hook.start import inventory_cache
 from oci_gpu_hook.start import settings as settings_module
 from oci_gpu_hook.toolkit.containers import hook_command
+from oci_gpu_hook.toolkit.simulate import model
 
 pytestmark = pytest.mark.host(gpus=8, mig=[2], needs=("pynvml",))
 
@@ -32,24 +33,41 @@ def inventory(host_settings):
     return inventory_cache.load(host_settings)
 
 
-def expected_common(host, strategy: str) -> dict:
-    """The labels every strategy carries, from the host summary."""
+def expected_common(host, strategy: str, sharing: str = "time-slicing", facts: bool = False) -> dict:
+    """The labels every strategy carries, from the host summary. facts: with the machine and mode
+    labels, which come from the simulated sysfs (for_node and the command)."""
     driver = host["driver_version"].split(".")
     cuda_major, cuda_minor = host["cuda_version"].split(".")
-    return {
+    labels = {
         "nvidia.com/cuda.driver.major": driver[0],
         "nvidia.com/cuda.driver.minor": driver[1],
         "nvidia.com/cuda.driver.rev": driver[2],
+        "nvidia.com/cuda.driver-version.major": driver[0],
+        "nvidia.com/cuda.driver-version.minor": driver[1],
+        "nvidia.com/cuda.driver-version.revision": driver[2],
+        "nvidia.com/cuda.driver-version.full": host["driver_version"],
         "nvidia.com/cuda.runtime.major": cuda_major,
         "nvidia.com/cuda.runtime.minor": cuda_minor,
+        "nvidia.com/cuda.runtime-version.major": cuda_major,
+        "nvidia.com/cuda.runtime-version.minor": cuda_minor,
+        "nvidia.com/cuda.runtime-version.full": host["cuda_version"],
         "nvidia.com/mig.capable": "true",
         "nvidia.com/mig.strategy": strategy,
+        "nvidia.com/mps.capable": "false",
     }
+    if facts:
+        labels["nvidia.com/gpu.machine"] = "-".join(host["machine"].split(" "))
+        pci_class = host["gpus"][0]["model"]["pci_class"]
+        labels["nvidia.com/gpu.mode"] = {0x030200: "compute", 0x030000: "graphics"}[pci_class]
+    return labels
 
 
-def expected_gpu(host, gpus, replicas: int) -> dict:
+def expected_gpu(host, gpus, replicas: int, sharing: str = "time-slicing") -> dict:
+    """gpu.*: every GPU counted; without sharing where every GPU has MIG on, as GFD writes them."""
     model = gpus[0]["model"]
     major, minor = model["compute_capability"]
+    if all(g["mig"] for g in gpus):
+        replicas = 0
     return {
         "nvidia.com/gpu.count": str(len(gpus)),
         "nvidia.com/gpu.product": "-".join(model["name"].split()) + ("-SHARED" if replicas > 1 else ""),
@@ -58,7 +76,32 @@ def expected_gpu(host, gpus, replicas: int) -> dict:
         "nvidia.com/gpu.compute.major": str(major),
         "nvidia.com/gpu.compute.minor": str(minor),
         "nvidia.com/gpu.replicas": str(replicas),
+        "nvidia.com/gpu.sharing-strategy": sharing if replicas > 1 else "none",
     }
+
+
+def expected_mig(key: str, gpu_name: str, migs, replicas: int = 1, sharing: str = "time-slicing") -> dict:
+    """One MIG profile's labels (key: gpu under single, mig-<profile> under mixed), from the host
+    summary and the simulator's profile table (what a real A100-SXM4-40GB reports)."""
+    profile = model.MIG_PROFILE[migs[0]["profile"]]
+    prefix = f"nvidia.com/{key}."
+    values = {
+        "count": len(migs),
+        "product": "-".join(gpu_name.split()) + f"-MIG-{profile.name}" + ("-SHARED" if replicas > 1 else ""),
+        "replicas": replicas,
+        "sharing-strategy": sharing if replicas > 1 else "none",
+        "memory": migs[0]["memory_total"] // MIB,
+        "slices.gi": profile.slices,
+        "slices.ci": profile.slices,
+        "multiprocessors": profile.multiprocessors,
+        "engines.copy": profile.copy_engines,
+        "engines.decoder": profile.decoders,
+        "engines.encoder": profile.encoders,
+        "engines.jpeg": profile.jpegs,
+        "engines.ofa": profile.ofas,
+    }
+    assert values["memory"] == profile.memory_mib  # the memory info and the attributes agree
+    return {prefix + k: str(v) for k, v in values.items()}
 
 
 # ---- compute -------------------------------------------------------------------------------------
@@ -74,44 +117,100 @@ def test_strategy_none_describes_every_full_gpu(host, inventory):
     assert labels["nvidia.com/gpu.memory"] == "40960"
     assert (labels["nvidia.com/gpu.compute.major"], labels["nvidia.com/gpu.compute.minor"]) == ("8", "0")
     assert [labels[f"nvidia.com/cuda.driver.{k}"] for k in ("major", "minor", "rev")] == ["550", "54", "15"]
+    assert [labels[f"nvidia.com/cuda.driver-version.{k}"] for k in ("major", "minor", "revision", "full")] == [
+        "550", "54", "15", "550.54.15"]  # fmt: skip
     assert [labels[f"nvidia.com/cuda.runtime.{k}"] for k in ("major", "minor")] == ["12", "4"]
+    assert [labels[f"nvidia.com/cuda.runtime-version.{k}"] for k in ("major", "minor", "full")] == ["12", "4", "12.4"]
     for key, value in labels.items():
         features.check(key, value)
 
 
 def test_strategy_none_from_settings(host, host_settings, tmp_path):
-    """refresh() takes the strategy and replicas from the settings (defaults: none, 1)."""
+    """refresh() takes the strategy and replicas from the settings (defaults: none, 1), and the
+    machine and mode from the simulated sysfs (node.sys_root)."""
     assert (host_settings.node.mig_strategy, host_settings.node.replicas) == ("none", 1)
     out = tmp_path / "features"
     assert features.refresh(host_settings, str(out)) is True
-    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    expected = {**expected_common(host, "none", facts=True), **expected_gpu(host, host["gpus"], 1)}
     assert out.read_text() == "".join(f"{k}={v}\n" for k, v in sorted(expected.items()))
+    text = out.read_text()
+    assert "nvidia.com/gpu.machine=ProLiant-XL675d-Gen10-Plus\n" in text and "nvidia.com/gpu.mode=compute\n" in text
 
 
 def test_strategy_mixed_with_replicas(host, host_settings, tmp_path):
     s = host_settings.replace(node=host_settings.node.replace(mig_strategy="mixed", replicas=4))
     labels = features.compute(inventory_cache.load(s), s.node.mig_strategy, s.node.replicas)
-    full = [g for g in host["gpus"] if not g["mig"]]
     migs = [m for g in host["gpus"] for m in g["mig"]]
-    expected = {**expected_common(host, "mixed"), **expected_gpu(host, full, 4)}
+    # GFD counts every GPU in gpu.count, MIG on or not (the plugin offers the 7 without MIG)
+    expected = {**expected_common(host, "mixed"), **expected_gpu(host, host["gpus"], 4)}
     profiles = sorted({m["profile"] for m in migs})
     assert profiles == ["1g.5gb", "2g.10gb", "3g.20gb"]
     for profile in profiles:
         devices = [m for m in migs if m["profile"] == profile]
-        slices = int(profile.split("g.")[0])
-        expected[f"nvidia.com/mig-{profile}.count"] = str(len(devices))
-        expected[f"nvidia.com/mig-{profile}.memory"] = str(devices[0]["memory_total"] // MIB)
-        expected[f"nvidia.com/mig-{profile}.slices.gi"] = str(slices)
-        expected[f"nvidia.com/mig-{profile}.slices.ci"] = str(slices)
+        expected.update(expected_mig(f"mig-{profile}", host["gpus"][0]["model"]["name"], devices))
     assert labels == expected
-    assert labels["nvidia.com/gpu.count"] == "7"
+    assert labels["nvidia.com/gpu.count"] == "8"
     assert labels["nvidia.com/gpu.product"].endswith("-SHARED")
-    assert labels["nvidia.com/mig-3g.20gb.memory"] == "20480"
-    assert labels["nvidia.com/mig-1g.5gb.memory"] == "5120"
+    assert labels["nvidia.com/gpu.sharing-strategy"] == "time-slicing"
+    # A real A100-SXM4-40GB's figures (its nvidia-smi and GFD's labels on it), not 5 GiB
+    assert labels["nvidia.com/mig-3g.20gb.memory"] == "20096"
+    assert labels["nvidia.com/mig-1g.5gb.memory"] == "4864"
+    assert labels["nvidia.com/mig-1g.5gb.multiprocessors"] == "14"
+    assert labels["nvidia.com/mig-2g.10gb.engines.decoder"] == "1"
+    assert labels["nvidia.com/mig-1g.5gb.product"] == "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb"
     # refresh() honours the same settings
     out = tmp_path / "features"
     assert features.refresh(s, str(out)) is True
-    assert out.read_text() == features.render(expected)
+    assert out.read_text() == features.render({**expected, **expected_common(host, "mixed", facts=True)})
+
+
+def test_mixed_with_every_gpu_in_mig_mode_labels_the_gpus_without_sharing(simulated_host, tmp_path):
+    """GFD's gpu.* for MIG-enabled GPUs under mixed: counted, with replicas 0 and no sharing, and
+    each MIG profile's resource shared as the plugin's file says."""
+    one = simulated_host(gpus=1, mig=[0])
+    s = settings_module.load(f"{one['root']}/config.yaml")
+    plugin_file = tmp_path / "plugin.yaml"
+    plugin_file.write_text("version: v1\nflags:\n  migStrategy: mixed\nsharing:\n  timeSlicing:\n    resources:\n"
+                           "    - name: nvidia.com/mig-1g.5gb\n      replicas: 3\n")  # fmt: skip
+    s = s.replace(node=s.node.replace(device_plugin_config=str(plugin_file)))
+    labels = features.for_node(s, inventory_cache.load(s))
+    gpu = one["gpus"][0]
+    expected = {**expected_common(one, "mixed", facts=True), **expected_gpu(one, one["gpus"], 1)}
+    for mig in gpu["mig"]:
+        shared = 3 if mig["profile"] == "1g.5gb" else 1
+        expected.update(expected_mig(f"mig-{mig['profile']}", gpu["model"]["name"], [mig], shared))
+    assert labels == expected
+    assert labels["nvidia.com/gpu.replicas"] == "0" and labels["nvidia.com/gpu.count"] == "1"
+    assert labels["nvidia.com/mig-1g.5gb.product"] == "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb-SHARED"
+    assert labels["nvidia.com/mig-1g.5gb.sharing-strategy"] == "time-slicing"
+    assert labels["nvidia.com/mig-2g.10gb.sharing-strategy"] == "none"
+
+
+def test_machine_and_mode_come_from_sysfs(host, host_settings, inventory, tmp_path):
+    """gpu.machine from DMI's product name, gpu.mode from the first GPU's PCI class: compute for a
+    3D controller, graphics for a VGA one, unknown otherwise or where sysfs has none."""
+    facts = features.host_facts(host_settings.node.sys_root, inventory)
+    assert facts.machine == "ProLiant-XL675d-Gen10-Plus"
+    first = inventory.gpus[0].bus_id
+    assert facts.pci_classes[first] == "0x030200"
+    for pci_class, mode in (("0x030000", "graphics"), ("0x030200", "compute"), ("0x038000", "unknown"), (None,
+                            "unknown")):  # fmt: skip
+        f = facts.replace(pci_classes={**facts.pci_classes, first: pci_class})
+        assert features.compute(inventory, host=f)["nvidia.com/gpu.mode"] == mode
+    empty = features.host_facts(str(tmp_path), inventory)  # no sysfs there
+    assert empty.machine == "unknown" and set(empty.pci_classes.values()) == {None}
+    assert [features.machine_label(n) for n in ("DGX A100", "  ", None, "R750xa (rev/2)")] == [
+        "DGX-A100", "unknown", "unknown", "R750xa-rev2"]  # fmt: skip
+
+
+def test_mps_sharing_labels():
+    """mps.capable and the sharing strategy as GFD writes them with sharing.mps."""
+    labels = features.compute(_fake_inventory(migs=0), "none", 4, sharing_strategy="mps")
+    assert labels["nvidia.com/mps.capable"] == "true"
+    assert labels["nvidia.com/gpu.sharing-strategy"] == "mps"
+    assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-SHARED"
+    with_mig = features.compute(_fake_inventory(), "mixed", 4, sharing_strategy="mps")
+    assert with_mig["nvidia.com/mps.capable"] == "false"  # MPS shares no MIG device
 
 
 def test_strategy_single_needs_mig_on_every_gpu(host, inventory):
@@ -137,18 +236,19 @@ def test_strategy_single_needs_one_profile(simulated_host):
     assert not os.path.exists(f"{one['root']}/never-written")
 
 
-def _fake_inventory(profile="1g.5gb", gpus=2, driver="550.54", cuda=None):
+def _fake_inventory(profile="1g.5gb", gpus=2, driver="550.54", cuda=None, migs=7):
     def mig():
-        return SimpleNamespace(profile=profile, memory_total=5 << 30)
+        return SimpleNamespace(profile=profile, memory_total=4864 << 20, attributes={"multiprocessors": 14})
 
     gpu = [
         SimpleNamespace(
             model="NVIDIA A100-SXM4-40GB",
             memory_total=40 << 30,
             compute_capability="8.0",
-            mig=tuple(mig() for _ in range(7)),
+            mig=tuple(mig() for _ in range(migs)),
+            bus_id=f"0000:0{i}:00.0",
         )
-        for _ in range(gpus)
+        for i in range(gpus)
     ]
     return SimpleNamespace(gpus=gpu, driver_version=driver, cuda_version=cuda)
 
@@ -160,12 +260,22 @@ def test_strategy_single_with_one_profile_describes_the_mig_devices():
         "nvidia.com/cuda.driver.major": "550",
         "nvidia.com/cuda.driver.minor": "54",
         "nvidia.com/cuda.driver.rev": "",  # no third component: an empty value, which is valid
+        "nvidia.com/cuda.driver-version.major": "550",
+        "nvidia.com/cuda.driver-version.minor": "54",
+        "nvidia.com/cuda.driver-version.revision": "",
+        "nvidia.com/cuda.driver-version.full": "550.54",
         "nvidia.com/mig.capable": "true",
         "nvidia.com/mig.strategy": "single",
+        "nvidia.com/mps.capable": "false",
         "nvidia.com/gpu.count": "14",
         "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-40GB-MIG-1g.5gb-SHARED",
         "nvidia.com/gpu.replicas": "2",
-        "nvidia.com/gpu.memory": "5120",
+        "nvidia.com/gpu.sharing-strategy": "time-slicing",
+        "nvidia.com/gpu.memory": "4864",
+        "nvidia.com/gpu.multiprocessors": "14",
+        "nvidia.com/gpu.slices.gi": "1",
+        "nvidia.com/gpu.slices.ci": "1",
+        # the whole GPUs' architecture stays, as in GFD's single labels
         "nvidia.com/gpu.family": "ampere",
         "nvidia.com/gpu.compute.major": "8",
         "nvidia.com/gpu.compute.minor": "0",
@@ -307,7 +417,7 @@ def test_driver_change_refreshes_the_file(tmp_path, require):
 def test_cli_prints_the_labels(host, hook_cli):
     p = hook_cli("--config", f"{host['root']}/config.yaml", "labels", "--output", "-")
     assert p.returncode == 0, p.stderr
-    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    expected = {**expected_common(host, "none", facts=True), **expected_gpu(host, host["gpus"], 1)}
     assert p.stdout == features.render(expected)
 
 
@@ -332,7 +442,7 @@ def test_cli_writes_the_file_once(host, hook_cli, tmp_path):
     args = ("--config", f"{host['root']}/config.yaml", "labels", "--output", str(out))
     p = hook_cli(*args)
     assert (p.returncode, p.stdout) == (0, f"{out}: written\n"), p.stderr
-    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    expected = {**expected_common(host, "none", facts=True), **expected_gpu(host, host["gpus"], 1)}
     assert out.read_text() == features.render(expected)
     p = hook_cli(*args)
     assert (p.returncode, p.stdout) == (0, f"{out}: unchanged\n"), p.stderr
@@ -347,7 +457,7 @@ def test_cli_with_settings_from_the_config_file(host, hook_cli, tmp_path):
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert "nvidia.com/mig.strategy=mixed" in lines
-    assert "nvidia.com/gpu.count=7" in lines
+    assert "nvidia.com/gpu.count=8" in lines  # every GPU, as GFD counts them
     assert "nvidia.com/gpu.replicas=2" in lines
     assert "nvidia.com/gpu.product=NVIDIA-A100-SXM4-40GB-SHARED" in lines
     assert "nvidia.com/mig-2g.10gb.count=1" in lines
@@ -433,7 +543,7 @@ def test_labels_need_no_capability(host, host_settings, tmp_path, require):
     finally:
         labels.terminate()
         output = labels.communicate(timeout=60)[0]
-    expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
+    expected = {**expected_common(host, "none", facts=True), **expected_gpu(host, host["gpus"], 1)}
     assert out.read_text() == features.render(expected), output
     assert f"{out}: labels written" in output and "Traceback" not in output
 
@@ -443,3 +553,65 @@ def test_heartbeat_needs_watch(host, hook_cli, tmp_path):
     assert p.returncode == 2 and p.stderr.strip().endswith("--heartbeat needs --watch: a single run has no rounds "
                                                            "to beat"), p.stderr  # fmt: skip
     assert not (tmp_path / "beat").exists()
+
+
+def test_product_names_as_gfd_writes_them():
+    """GFD leaves out what a label cannot hold and makes the spaces dashes."""
+    assert [features.product(m) for m in ("NVIDIA A100-SXM4-40GB", "Tesla  T4", "NVIDIA RTX A6000 (rev/2)")] == [
+        "NVIDIA-A100-SXM4-40GB", "Tesla-T4", "NVIDIA-RTX-A6000-rev2"]  # fmt: skip
+
+
+def _pci_config(capability: bytes | None, status: int = 0x10) -> bytes:
+    """A 256-byte PCI configuration space (as root reads it from sysfs) whose capability list holds
+    a power-management capability at 0x60 and, when given, a vendor-specific one at 0xd0."""
+    config = bytearray(256)
+    config[0:2] = b"\xde\x10"  # NVIDIA's vendor id
+    config[0x06] = status
+    config[0x34] = 0x60
+    config[0x60:0x62] = bytes([0x01, 0xD0 if capability else 0x00])
+    if capability:
+        config[0xD0 : 0xD0 + len(capability)] = capability
+    return bytes(config)
+
+
+# NVIDIA's vGPU capability: id 0x09, next 0, length 27, "VF", the host driver record (id 0, then
+# a length byte) with the host's driver version and branch, 10 bytes each.
+VGPU_CAPABILITY = (
+    bytes([0x09, 0x00, 27]) + b"VF" + b"\x00\x16" + b"460.16".ljust(10, b"\0") + b"r460_00".ljust(10, b"\0")
+)
+
+
+def test_vgpu_labels_from_the_pci_configuration_space(host, inventory, tmp_path):
+    """vgpu.present and the host's driver version and branch, where a GPU's vendor-specific PCI
+    capability carries NVIDIA's vGPU signature (a vGPU guest); nothing on bare metal, where the
+    space was read short (no CAP_SYS_ADMIN), or where the capability is someone else's."""
+    sys_root = tmp_path / "sysroot"
+    first, second = inventory.gpus[0].bus_id, inventory.gpus[1].bus_id
+
+    def device(bus_id, config, vendor="0x10de"):
+        d = sys_root / "sys" / "bus" / "pci" / "devices" / bus_id
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "class").write_text("0x030200\n")
+        (d / "config").write_bytes(config)
+
+    device(first, _pci_config(None))
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}  # bare metal
+    device(second, _pci_config(VGPU_CAPABILITY))
+    expected = {"vgpu.present": "true", "vgpu.host-driver-version": "460.16", "vgpu.host-driver-branch": "r460_00"}
+    facts = features.host_facts(str(sys_root), inventory)
+    assert facts.vgpu == expected
+    labels = features.compute(inventory, host=facts)
+    assert {k: labels["nvidia.com/" + k] for k in expected} == expected
+    device(second, _pci_config(VGPU_CAPABILITY)[:64])  # read without CAP_SYS_ADMIN
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+    device(second, _pci_config(VGPU_CAPABILITY, status=0))  # no capability list
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+    device(second, _pci_config(bytes([0x09, 0x00, 8]) + b"XY\0\0\0"))  # another vendor's capability
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+    device(second, _pci_config(VGPU_CAPABILITY), vendor="0x8086")  # not NVIDIA's device
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+    looped = bytearray(_pci_config(None))
+    looped[0x61] = 0x60  # a capability list that loops ends
+    device(second, bytes(looped))
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}

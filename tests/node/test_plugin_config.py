@@ -146,12 +146,15 @@ def test_unknown_keys_at_each_level(doc, key):
 def test_unknown_key_lists_the_known_ones_not_the_refused_ones():
     """In the main configuration's words (settings.describe_error, from the schema)."""
     message = refused({"sharing": {"bogus": 1}})
-    assert message == f"{WHERE}: sharing.bogus: unknown key (accepted keys here: timeSlicing)"
+    assert message == f"{WHERE}: sharing.bogus: unknown key (accepted keys here: mps, timeSlicing)"
     message = refused(shared({"name": "nvidia.com/gpu", "replicas": 2, "x": 1}))
-    assert message.endswith("(accepted keys here: memoryLimit, name, replicas)")
-    assert refused({"flags": {"x": 1}}).endswith("(accepted keys here: failOnInitError, migStrategy, plugin)")
+    assert message.endswith("(accepted keys here: devices, memoryLimit, name, replicas)")
+    assert refused({"flags": {"x": 1}}).endswith(
+        "(accepted keys here: deviceDiscoveryStrategy, failOnInitError, gdrcopyEnabled, migStrategy, mpsRoot, plugin, "
+        "useNodeFeatureAPI)")  # fmt: skip
     assert refused({"flags": {"plugin": {"x": 1}}}).endswith("(accepted keys here: deviceIDStrategy, "
-                                                             "deviceListStrategy, passDeviceSpecs)")  # fmt: skip
+                                                             "deviceListStrategy, passDeviceSpecs, "
+                                                             "sharedDevicesAllocationPolicy)")  # fmt: skip
 
 
 def test_unknown_key_that_is_not_text_is_shown_safely():
@@ -161,12 +164,10 @@ def test_unknown_key_that_is_not_text_is_shown_safely():
 
 @pytest.mark.parametrize(
     "doc, key, reason",
-    [({"sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}}, "sharing.mps",
-      "MPS sharing is not offered by oci-gpu-hook; use timeSlicing"),
-     (shared({"name": "nvidia.com/gpu", "replicas": 2, "rename": "gpu-shared"}),
+    [(shared({"name": "nvidia.com/gpu", "replicas": 2, "rename": "gpu-shared"}),
       "sharing.timeSlicing.resources[0].rename", "per-resource rename is not offered; use renameByDefault"),
      (shared({"name": "nvidia.com/gpu", "replicas": 2, "devices": [0, 1]}),
-      "sharing.timeSlicing.resources[0].devices", "time-slicing a subset of the devices is not offered"),
+      "sharing.timeSlicing.resources[0].devices", "sharing a subset of the devices is not offered"),
      ({"flags": {"gdsEnabled": True}}, "flags.gdsEnabled", "GPUDirect Storage is not set up by oci-gpu-hook"),
      ({"flags": {"mofedEnabled": False}}, "flags.mofedEnabled", "MOFED devices are not set up by oci-gpu-hook"),
      ({"flags": {"nvidiaDriverRoot": "/"}}, "flags.nvidiaDriverRoot",
@@ -189,7 +190,7 @@ def test_nvidia_keys_we_do_not_offer_are_refused_with_the_reason(doc, key, reaso
     [({"flags": "mixed"}, "flags", '"mixed" is not accepted (expected a mapping with the keys migStrategy'),
      ({"flags": {"plugin": ["envvar"]}}, "flags.plugin", "a list is not accepted (expected a mapping"),
      ({"sharing": {"timeSlicing": []}}, "sharing.timeSlicing", "a list is not accepted (expected a mapping"),
-     ({"sharing": 3}, "sharing", "3 is not accepted (expected a mapping with the key timeSlicing)"),
+     ({"sharing": 3}, "sharing", "3 is not accepted (expected a mapping with the keys timeSlicing, mps)"),
      ({"flags": {"migStrategy": "Mixed"}}, "flags.migStrategy",
       '"Mixed" is not accepted (expected one of none, single, mixed)'),
      ({"flags": {"migStrategy": ["mixed"]}}, "flags.migStrategy", "a list is not accepted (expected one of none"),
@@ -356,3 +357,72 @@ def test_load_without_a_file_follows_the_node_settings(strategy):
     assert config == PluginConfig(mig_strategy=strategy,
                                   time_slicing=(TimeSlicedResource(pc.GPU_RESOURCE, 4, None),))  # fmt: skip
     assert not config.rename_by_default and config.list_strategies == ("envvar",)
+
+
+# ---- NVIDIA v0.20's keys: each honoured, or refused by value with its reason (issue 39, item 6) ----
+
+
+def test_v0_20_keys_with_the_values_this_plugin_follows_are_taken():
+    config = parse({
+        "version": "v1",
+        "flags": {"migStrategy": "none", "mpsRoot": "/run/nvidia/mps", "gdrcopyEnabled": False,
+                  "useNodeFeatureAPI": False, "deviceDiscoveryStrategy": "auto",
+                  "plugin": {"sharedDevicesAllocationPolicy": "distributed"}},
+        "resources": {"gpus": [], "mig": []},
+        "imex": {"channelIDs": [0], "required": True},
+    })  # fmt: skip
+    assert (config.imex_channels, config.imex_required) == ((0,), True)
+    assert config.mps == () and config.mps_root is None  # mpsRoot alone shares nothing
+    assert parse({"flags": {"deviceDiscoveryStrategy": "nvml"}, "resources": None, "imex": None}) == PluginConfig(
+        mig_strategy="none"
+    )
+
+
+def test_mps_sharing_in_nvidias_format():
+    config = parse({"version": "v1", "flags": {"mpsRoot": "/var/run/mps/"},
+                    "sharing": {"mps": {"renameByDefault": True, "resources": [
+                        {"name": "nvidia.com/gpu", "replicas": 10, "devices": "all"}]}}})  # fmt: skip
+    assert config.mps == (TimeSlicedResource("nvidia.com/gpu", 10, None),) and config.time_slicing == ()
+    assert config.mps_root == "/var/run/mps" and config.rename_by_default
+    # As NVIDIA's: an MPS replica is one to a container unless the file says otherwise.
+    assert config.fail_requests_greater_than_one and config.sharing_strategy == "mps"
+    assert config.sharing("nvidia.com/gpu") == config.mps[0]
+    relaxed = parse({"sharing": {"mps": {"failRequestsGreaterThanOne": False,
+                                         "resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}})  # fmt: skip
+    assert not relaxed.fail_requests_greater_than_one and relaxed.mps_root == pc.DEFAULT_MPS_ROOT
+    assert parse(shared({"name": "nvidia.com/gpu", "replicas": 2})).sharing_strategy == "time-slicing"
+    assert parse({}).sharing_strategy == "none"
+
+
+@pytest.mark.parametrize(
+    "doc, key, reason",
+    [({"flags": {"gdrcopyEnabled": True}}, "flags.gdrcopyEnabled", "true: GDRCopy (/dev/gdrdrv) is not set up"),
+     ({"flags": {"useNodeFeatureAPI": True}}, "flags.useNodeFeatureAPI", "true: labels are an NFD feature file"),
+     ({"flags": {"deviceDiscoveryStrategy": "tegra"}}, "flags.deviceDiscoveryStrategy",
+      "tegra: Tegra's integrated GPUs are not discovered"),
+     ({"flags": {"plugin": {"sharedDevicesAllocationPolicy": "packed"}}},
+      "flags.plugin.sharedDevicesAllocationPolicy", "packed: packed is not offered"),
+     ({"flags": {"nvidiaDevRoot": "/"}}, "flags.nvidiaDevRoot", "the device nodes' root is dev_root"),
+     ({"resources": {"gpus": [{"pattern": "*A100*", "name": "a100"}]}}, "resources",
+      "naming resources by GPU model (resources.gpus, resources.mig) is not offered"),
+     ({"sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2, "rename": "x"}]}}},
+      "sharing.mps.resources[0].rename", "per-resource rename is not offered"),
+     ({"sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2, "devices": ["0"]}]}}},
+      "sharing.mps.resources[0].devices", "sharing a subset of the devices is not offered"),
+     ({"sharing": {"mps": {"resources": [{"name": "nvidia.com/mig-1g.5gb", "replicas": 2}]}}},
+      "sharing.mps.resources[0].name", "sharing MIG devices through MPS is not supported"),
+     ({"sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 1}]}}},
+      "sharing.mps.resources[0].replicas", "1: MPS sharing needs at least 2 replicas"),
+     ({"sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2, "memoryLimit": "1GiB"}]}}},
+      "sharing.mps.resources[0].memoryLimit", "memoryLimit is for timeSlicing"),
+     ({"sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]},
+                   "timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}},
+      "sharing.mps", "sharing.mps or sharing.timeSlicing, not both"),
+     ({"imex": {"channelIDs": [2048]}}, "imex.channelIDs[0]", "2048 is not accepted"),
+     ({"imex": {"channelIDs": [1, 1]}}, "imex.channelIDs", "is not accepted"),
+     ({"flags": {"mpsRoot": "relative"}}, "flags.mpsRoot", "an absolute host directory")],
+)  # fmt: skip
+def test_v0_20_values_refused_with_their_reason(doc, key, reason):
+    message = refused(doc)
+    assert message.startswith(f"{WHERE}: {key}: "), message
+    assert reason in message and "unknown key" not in message, message

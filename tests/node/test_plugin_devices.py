@@ -151,10 +151,14 @@ def test_strategy_mixed_needs_the_profiles_from_nvml():
                                "report the profile of MIG device 1:0")  # fmt: skip
 
 
-def test_strategy_mixed_with_mig_on_every_gpu_still_offers_nvidia_com_gpu_empty():
+def test_strategy_mixed_with_mig_on_every_gpu_offers_no_nvidia_com_gpu():
+    """As NVIDIA's v0.20: no nvidia.com/gpu registered with 0 devices (issue 39, item 6)."""
     resources = by_name(plugin_devices.resources(fake_inventory([["1g.5gb"], ["2g.10gb"]]), config("mixed")))
-    assert sorted(resources) == ["nvidia.com/gpu", "nvidia.com/mig-1g.5gb", "nvidia.com/mig-2g.10gb"]
-    assert resources["nvidia.com/gpu"].devices == ()
+    assert sorted(resources) == ["nvidia.com/mig-1g.5gb", "nvidia.com/mig-2g.10gb"]
+    # Under none the GPUs are offered whole, MIG or not.
+    assert [r.name for r in plugin_devices.resources(fake_inventory([["1g.5gb"]]), config("none"))] == [
+        "nvidia.com/gpu"
+    ]
 
 
 def test_the_same_inventory_gives_the_same_answer(inventory):
@@ -231,7 +235,7 @@ def test_a_size_larger_than_one_of_the_devices_is_a_config_error(host, inventory
     with pytest.raises(ConfigError) as e:
         plugin_devices.resources(inventory, shared, "/etc/dp.yaml")
     assert e.value.message == (f"/etc/dp.yaml: sharing.timeSlicing.resources[1].memoryLimit: 6GiB is more than "
-                               f"{mig['uuid']}'s 5120 MiB")  # fmt: skip
+                               f"{mig['uuid']}'s 4864 MiB")  # fmt: skip
     with pytest.raises(ConfigError) as e:  # a GPU's whole memory fits; a byte more does not
         plugin_devices.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, "40961MiB")), "f")
     assert e.value.message == (f"f: sharing.timeSlicing.resources[0].memoryLimit: 40961MiB is more than "
@@ -260,7 +264,7 @@ def test_sharing_nvidia_com_gpu_on_a_node_with_mig_everywhere_is_fine():
     inventory = fake_inventory([["1g.5gb"]])
     resources = by_name(plugin_devices.resources(inventory, config("mixed", TimeSlicedResource("nvidia.com/gpu", 2,
                                                                                                 None))))  # fmt: skip
-    assert resources["nvidia.com/gpu"].devices == ()
+    assert "nvidia.com/gpu" not in resources
     assert ids(resources["nvidia.com/mig-1g.5gb"]) == [inventory.gpus[0].mig[0].uuid]
 
 

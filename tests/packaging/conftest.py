@@ -24,6 +24,7 @@ DEVEL_INCLUDE = "/usr/share/selinux/devel/include"
 POLICY_SRC = "/usr/src/selinux-policy-src.tar.zst"
 DEBIAN_MODULES = "/usr/share/selinux/default"
 SYSTEM_PYTHON = "/usr/bin/python3"  # the Python that has setools (python3-setools)
+PP_TO_CIL = "/usr/libexec/selinux/hll/pp"  # policycoreutils: module package -> CIL
 
 POLICY_TOOLS = ("make", "checkmodule", "semodule_package", "semodule", "sesearch", "seinfo", "bzip2", "zstd")
 RPM_TOOLS = ("make", "rpmbuild", "rpm", "rpm2archive", "rpmlint", "tar")
@@ -48,14 +49,14 @@ def _need_policy_sources(require):
         pytest.skip(message)
 
 
-def build_module(source_dir, work_dir, name, headerdir=None):
+def build_module(source_dir, work_dir, name, headerdir=None, makefile=DEVEL_MAKEFILE, make_args=()):
     """Compile NAME.pp with the devel Makefile in a copy of source_dir's NAME.{te,if,fc}."""
     os.makedirs(work_dir)
     for ext in ("te", "if", "fc"):
         src = os.path.join(source_dir, f"{name}.{ext}")
         if os.path.exists(src):
             shutil.copy(src, work_dir)
-    cmd = ["make", "-f", DEVEL_MAKEFILE, f"{name}.pp"]
+    cmd = ["make", "-f", makefile, *make_args, f"{name}.pp"]
     if headerdir:
         cmd.append(f"HEADERDIR={headerdir}")
     run(cmd, cwd=work_dir)
@@ -121,6 +122,24 @@ def policy_build(tmp_path_factory, require):
 
 
 @pytest.fixture(scope="session")
+def rhel_headers(require):
+    """The RHEL family's policy headers (Fedora's targeted policy with container-selinux's
+    interfaces), built offline once per machine by ../shared/tools/selinux-rhel (toolbuild.py)."""
+    require("root", "make", "m4", "checkmodule", "semodule_package", PP_TO_CIL)
+    from kubeletcheck import shared_tool
+
+    return shared_tool("selinux-rhel")
+
+
+def module_cil(module, work_dir):
+    """The CIL text of a compiled module package (the HLL converter semodule itself uses)."""
+    out = os.path.join(work_dir, "module.cil")
+    run([PP_TO_CIL, module, out])
+    with open(out) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="session")
 def rules(policy_build):
     """Expanded allow rules: container_t and gpu_container_t with our module, container_t without."""
     with_module = policy_rules(policy_build["gpu_policy"], "container_t", "gpu_container_t")
@@ -166,6 +185,7 @@ def pk():
         extract_rpm=extract_rpm,
         add_module=add_module,
         build_module=build_module,
+        module_cil=module_cil,
         policy_rules=policy_rules,
         repo=REPO,
         selinux_dir=SELINUX_DIR,

@@ -3,7 +3,6 @@ then queried with setools: gpu_container_t is container_t plus the GPU devices, 
 
 import os
 import re
-import shutil
 import subprocess
 
 DOMAIN = "gpu_container_t"
@@ -153,17 +152,63 @@ def test_module_labels_no_host_files(pk):
     assert entries == []
 
 
-def test_module_compiles_against_rhel_two_argument_template(pk, policy_build):
-    """The RHEL/Fedora branch of the .te, compiled with container-selinux-shaped headers (a stand-in
-    container.if with the two-argument template), checked to be the branch that was taken."""
-    work = os.path.join(policy_build["work"], "rhel")
-    headers = os.path.join(work, "include")
-    shutil.copytree(pk.devel_include, headers, copy_function=os.symlink)
-    os.unlink(os.path.join(headers, "services", "container.if"))
-    shutil.copy(os.path.join(pk.here, "rhel_headers", "container.if"), os.path.join(headers, "services"))
-    build = os.path.join(work, "build")
-    pk.build_module(pk.selinux_dir, build, pk.module, headerdir=headers)
-    with open(os.path.join(build, "tmp", f"{pk.module}.tmp")) as f:
-        expanded = f.read()
-    assert "svirt_sandbox_domain" in expanded and "virt_sandbox_use_sys_admin" in expanded
-    assert "container_system_domain" not in expanded
+def cil_perms(cil, source, target, tclass):
+    """Permissions the module's CIL allows source on target:tclass (every rule that names them)."""
+    found = set()
+    for perms in re.findall(rf"\(allow {source} {target} \({tclass} \(([^)]*)\)\)\)", cil):
+        found.update(perms.split())
+    return found
+
+
+def test_module_compiles_against_rhel_targeted_policy_with_container_selinux(pk, rhel_headers, tmp_path):
+    """The RHEL/Fedora branch of the .te against the real thing: Fedora's targeted policy headers
+    with container-selinux's interfaces (../shared/tools/selinux-rhel), compiled with their own
+    Makefile as RHEL's selinux-policy-devel does. Its container_domain_template requires only the
+    types of container.te itself, so a module that does not require container_file_t first fails
+    there (`unknown type container_file_t`), whatever a stand-in header says."""
+    makefile = os.path.join(rhel_headers, "Makefile")
+    module = pk.build_module(
+        pk.selinux_dir, str(tmp_path / "build"), pk.module, rhel_headers, makefile, ("NAME=refpolicy",)
+    )
+    cil = pk.module_cil(module, str(tmp_path))
+    # the RHEL branch was taken: container-selinux attributes, none of Debian's
+    assert "(typeattributeset svirt_sandbox_domain (gpu_container_t ))" in cil
+    assert "(typeattributeset container_net_domain (gpu_container_t ))" in cil
+    assert "container_system_domain" not in cil
+    assert cil_perms(cil, DOMAIN, "container_file_t", "file") >= {"entrypoint", "read", "execute"}
+    assert {"open", "read", "write", "ioctl", "map"} <= cil_perms(cil, DOMAIN, GPU_DEVICE, "chr_file")
+    for target in DRIVER_FILE_TYPES:  # read and execute at most, as on Debian
+        assert not cil_perms(cil, DOMAIN, target, "file") & MODIFY_PERMS, target
+    # the domain is declared here, MCS-constrained, and nothing is said of container_t
+    assert "(type gpu_container_t)" in cil
+    assert "(typeattributeset mcs_constrained_type (gpu_container_t ))" in cil
+    assert not re.search(r"\(allow container_t ", cil)
+
+
+def test_hook_domain_runs_ldconfig_in_its_own_domain(policy_build):
+    """The hook runs the host's ldconfig with no_new_privs, asking for its own domain first
+    (ldconfig._stay_in_own_domain) instead of the default transition to ldconfig_t, which
+    no_new_privs refuses with a denial. On Debian the hook runs in unconfined_t (runc started from
+    an administrator's shell stays there): that domain has the default transition, and it is
+    allowed exactly what the hook does instead (setexec, and execute_no_trans of ldconfig). The
+    module adds no way around no_new_privs to ldconfig_t."""
+    policy = policy_build["gpu_policy"]
+    transitions = subprocess.run(
+        ["sesearch", "-T", "-s", "unconfined_t", "-t", "ldconfig_exec_t", "-c", "process", policy],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "ldconfig_t" in transitions
+    assert "setexec" in sesearch_perms(policy, "unconfined_t", "unconfined_t", "process")
+    assert {"execute", "execute_no_trans"} <= sesearch_perms(policy, "unconfined_t", "ldconfig_exec_t", "file")
+    assert not sesearch_perms(policy, "unconfined_t", "ldconfig_t", "process2")
+    assert not sesearch_perms(policy, "container_engine_t", "ldconfig_t", "process2")
+    nnp = [
+        subprocess.run(
+            ["sesearch", "-A", "-t", "ldconfig_t", "-c", "process2", searched],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout  # fmt: skip
+        for searched in (policy, policy_build["base_policy"])
+    ]
+    assert nnp[0] == nnp[1]  # the module adds none (init_t has its own, from the base policy)

@@ -6,6 +6,7 @@ next GPU start of the same rootfs removes them before doing anything else.
 
 import json
 import os
+import signal
 
 import hookcheck
 import pytest
@@ -27,8 +28,10 @@ def test_the_next_start_removes_what_a_killed_hook_made(live_container, kill_at)
     pristine = hookcheck.tree(rootfs)
 
     killed = hookcheck.run_hook(config, state, env={**hookcheck.HOOK_ENV, FAULT_ENV: f"{kill_at}:kill"})
-    assert killed.returncode != 0
-    assert "died without a report" in hookcheck.one_clear_line(killed.stderr.decode())
+    # The plan is carried out in the hook's own process (issue 41): the kill ends the hook itself,
+    # as a runtime's timeout does, and the runtime reports it; nothing of the hook's can.
+    assert killed.returncode == -signal.SIGKILL, (killed.returncode, killed.stderr)
+    assert killed.stderr == b""
     left = set(hookcheck.tree(rootfs)) - set(pristine)
     assert left, "the killed hook made nothing; the case tests nothing"
     assert os.listdir(f"{host['root']}/pending"), "no journal was left for the killed apply"

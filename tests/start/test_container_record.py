@@ -257,3 +257,68 @@ def test_a_non_gpu_container_leaves_no_record(live_container):
     state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "void"})
     assert hookcheck.run_hook(f"{host['root']}/config.yaml", state).returncode == 0
     assert not [r for r in cr.read_all(f"{host['root']}/containers").values() if r and r["pid"] == pid]
+
+
+def _as_the_runtime_applied(host, bundle, names, env):
+    """config.json as a runtime that applied the spec `cdi generate` wrote leaves it for the
+    named devices (CRI-O; containerd 1.7+): their nodes in linux.devices, their variables in the
+    env, NVIDIA_VISIBLE_DEVICES=void from the spec's own edits. No mounts: the hook must not need
+    the driver files to record the container."""
+    from oci_gpu_hook.start import inventory_cache, settings
+    from oci_gpu_hook.toolkit import cdi
+
+    config_file = f"{host['root']}/config.yaml"
+    spec = cdi.build_spec(inventory_cache.load(settings.load(config_file)), settings.load(config_file))
+    edits = [d["containerEdits"] for d in spec["devices"] if d["name"] in names]
+    assert len(edits) == len(names)
+    config = json.load(open(os.path.join(bundle, "config.json")))
+    config["process"]["env"] += [e for edit in edits for e in edit["env"]] + env
+    nodes = [n for edit in [spec["containerEdits"], *edits] for n in edit["deviceNodes"]]
+    config["linux"]["devices"] = [{"path": n["path"], "type": "c", "major": n["major"], "minor": n["minor"],
+                                   "fileMode": 0o666, "uid": 0, "gid": 0} for n in nodes]  # fmt: skip
+    config["annotations"] = ANNOTATIONS
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def test_a_start_whose_devices_the_runtime_applied_leaves_a_record_marked_so(live_container):
+    """cdi-cri and cdi-annotations on a runtime that applies CDI (issue 39, item 7): the hook
+    gives nothing, and records the container, its devices, its limit and its pod, so that the
+    watchdog enforces the limit and the exporter names the pod."""
+    state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "void"})
+    gpus = host["gpus"]
+    _as_the_runtime_applied(host, bundle, [gpus[0]["uuid"], "1:1"], ["OCI_GPU_HOOK_GPU_MEMORY_LIMIT=1GiB"])
+    rootfs = os.path.join(bundle, "rootfs")
+    before = sorted(os.listdir(os.path.join(rootfs, "dev")))
+    done = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+    assert done.returncode == 0, done.stderr
+    record = cr.read_all(f"{host['root']}/containers")[cr.file_name(json.loads(state)["id"])]
+    mig = gpus[1]["mig"][1]
+    assert sorted(record["devices"], key=lambda d: d["gpu_index"]) == [
+        {"gpu_index": 0, "gpu_uuid": gpus[0]["uuid"], "mig_index": None, "mig_uuid": None},
+        {"gpu_index": 1, "gpu_uuid": gpus[1]["uuid"], "mig_index": 1, "mig_uuid": mig["uuid"]},
+    ]
+    assert (record["outcome"], record["applied_by"], record["pid"]) == ("started", "runtime", pid)
+    assert record["gpu_memory_limit"] == {gpus[0]["uuid"]: 1 << 30, mig["uuid"]: 1 << 30}
+    assert record["kubernetes"] == {"pod": "pod-x", "namespace": "ns-x", "container": "ctr-x"}
+    # The runtime configured the container: the hook made no node and mounted nothing.
+    assert sorted(os.listdir(os.path.join(rootfs, "dev"))) == before
+    with open(f"/proc/{pid}/mountinfo") as f:
+        assert "nvidia" not in f.read()
+
+
+def test_devices_the_runtime_did_not_apply_are_neither_given_nor_recorded(live_container):
+    """The variables are the pod's to forge; linux.devices is the runtime's alone. Without the
+    devices' nodes there, the hook gives nothing (these variables never ask it for a GPU) and
+    records nothing."""
+    state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "void"})
+    _as_the_runtime_applied(host, bundle, ["0"], [])
+    config = json.load(open(os.path.join(bundle, "config.json")))
+    config["linux"]["devices"] = [d for d in config["linux"]["devices"] if d["path"] != "/dev/nvidia0"]
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(config, f)
+    done = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+    assert done.returncode == 0, done.stderr
+    assert not [r for r in cr.read_all(f"{host['root']}/containers").values() if r and r["pid"] == pid]
+    with open(f"/proc/{pid}/mountinfo") as f:
+        assert "nvidia" not in f.read()

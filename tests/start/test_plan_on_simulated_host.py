@@ -254,8 +254,10 @@ def test_the_hook_stands_down_only_where_the_runtime_applied_every_cdi_edit(host
     assert len(given["mounts"]) > 1 and given["mps"]["source"] not in {m["source"] for m in given["mounts"]}
 
     plan = decided(*CDI_CASES[case](given))
+    assert plan is not None and [d.gpu.uuid for d in plan.devices] == [gpu["uuid"]]
     if case == "everything the CDI spec gives":
-        assert plan is None  # the runtime did it all: nothing to do again
+        # the runtime did it all: nothing to do again, but the record (issue 39, item 7)
+        assert plan.applied_by_runtime and plan.replace(applied_by_runtime=False) == acting
+        assert plan.to_json()["operations"] == [] and "applied by the runtime" in plan.describe()
     else:  # the hook does its job: the GPU's node, its rule (and so its record)
-        assert plan is not None and [d.gpu.uuid for d in plan.devices] == [gpu["uuid"]]
-        assert plan == acting
+        assert plan == acting and not plan.applied_by_runtime

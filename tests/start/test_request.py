@@ -202,6 +202,15 @@ def test_mps_pipe_directory_only_from_the_allow_list():
     assert r.mps_pipe_directory == "/run/mps"
 
 
+def test_mps_pipe_directory_the_runtime_mounted_is_left_alone_without_a_note():
+    """The device plugin's MPS answer mounts the daemon's pipe directory itself (issue 39, item 3)."""
+    env = {"NVIDIA_VISIBLE_DEVICES": "0", "CUDA_MPS_PIPE_DIRECTORY": "/mps/nvidia.com/gpu/pipe"}
+    r = parse_request(spec(env, mounts=(Mount("/mps/nvidia.com/gpu/pipe", "/run/nvidia/mps/nvidia.com/gpu/pipe",
+                                              "bind"),)), DEFAULT)  # fmt: skip
+    assert (r.mps_pipe_directory, r.notes) == (None, ())
+    assert request(env).notes and "ignored: not in mps_pipe_directories" in request(env).notes[0]
+
+
 def test_disable_require_from_env_or_settings():
     assert request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DISABLE_REQUIRE": "true"}).disable_require
     assert request({"NVIDIA_VISIBLE_DEVICES": "0"}, settings=Settings(disable_require=True)).disable_require
@@ -230,3 +239,30 @@ def test_request_parsing_raises_only_request_error(env, privileged):
         request(env, caps=["CAP_SYS_ADMIN"] if privileged else [])
     except RequestError:
         pass
+
+
+# ---- IMEX channels (issue 39, item 4) ----------------------------------------------------------------
+
+
+def test_imex_channels_from_the_variable_under_the_visible_devices_rules():
+    gpu = {"NVIDIA_VISIBLE_DEVICES": "0"}
+    assert request({**gpu, "NVIDIA_IMEX_CHANNELS": "3, 0,3"}).imex_channels == (3, 0)
+    assert request({**gpu, "NVIDIA_IMEX_CHANNELS": "All"}).imex_channels == ("all",)
+    assert request({**gpu, "NVIDIA_IMEX_CHANNELS": "none"}).imex_channels == ()
+    assert request(gpu).imex_channels == ()
+    assert request({"NVIDIA_IMEX_CHANNELS": "0"}) is None  # not a GPU container: nothing at all
+    strict = Settings(accept_envvar_when_unprivileged=False, accept_volume_mounts=True)
+    mounts = (Mount("/var/run/nvidia-container-devices/0", "/dev/null", "bind"),)
+    env = {**gpu, "NVIDIA_IMEX_CHANNELS": "all"}
+    assert parse_request(spec(env, mounts=mounts), strict).imex_channels == ()  # an unprivileged pod's own
+    assert parse_request(spec(env, caps=("CAP_SYS_ADMIN",), mounts=mounts), strict).imex_channels == ("all",)
+    imex = mounts + (Mount("/var/run/nvidia-container-devices/imex/2", "/dev/null", "bind"),
+                     Mount("/var/run/nvidia-container-devices/imex/5", "/etc/passwd", "bind"))  # fmt: skip
+    assert parse_request(spec(env, mounts=imex), strict).imex_channels == (2,)
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "2048", "0x1", "1e3"])
+def test_imex_channels_refused_as_one_line(value):
+    with pytest.raises(RequestError) as e:
+        request({"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_IMEX_CHANNELS": value})
+    assert e.value.message.startswith(f"NVIDIA_IMEX_CHANNELS={value}: ") and "not an IMEX channel" in e.value.message

@@ -43,6 +43,7 @@ PLAIN = [
     ("env-key-empty", STATE, config(["=NVIDIA_VISIBLE_DEVICES=all"]), True),
     ("env-no-equals", STATE, config(["NVIDIA_VISIBLE_DEVICES"]), True),
     ("env-prefix-only", STATE, config(["NVIDIA_VISIBLE_DEVICESX=all", "XCUDA_VERSION=12"]), True),
+    ("cdi-device-prefix-elsewhere", STATE, config(["XOCI_GPU_HOOK_CDI_DEVICE_0=0", "OCI_GPU_HOOK_CDI_DEVIC=0"]), True),
     ("mounts-ordinary", STATE, config(mounts=[mount("/proc", "proc"), mount("/etc/hosts", "/tmp/hosts")]), True),
     ("annotations-other", STATE, config(annotations={"io.kubernetes.pod.name": "p", "cdi.k8s.io": "x"}), True),
     ("state-annotations", dict(STATE, annotations={"a": "b"}), config(), True),
@@ -61,6 +62,9 @@ PLAIN = [
     ("cuda-version", STATE, config(["CUDA_VERSION=12.4"]), True),
     ("cuda-version-empty", STATE, config(["CUDA_VERSION="]), True),
     ("cdi-annotation", STATE, config(annotations={"cdi.k8s.io/x": "nvidia.com/gpu=0"}), True),
+    # A device of the spec `cdi generate` wrote, applied by the runtime: the hook records it.
+    ("cdi-device-variable", STATE, config(["NVIDIA_VISIBLE_DEVICES=void", "OCI_GPU_HOOK_CDI_DEVICE_0=0"]), True),
+    ("cdi-device-variable-empty", STATE, config(["OCI_GPU_HOOK_CDI_DEVICE_="]), True),
     ("volume-mount", STATE, config(mounts=[mount("/var/run/nvidia-container-devices/0")]), True),
     ("volume-mount-double-slash", STATE, config(mounts=[mount("//var/run/nvidia-container-devices/GPU-1/")]), True),
 ]

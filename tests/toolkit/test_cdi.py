@@ -109,7 +109,12 @@ def test_generated_spec(host):
     gpu1 = host["gpus"][1]
     node = {"path": f"/dev/nvidia{gpu1['minor']}", "hostPath": f"{host['root']}/dev/nvidia{gpu1['minor']}",
             "type": "c", "major": 195, "minor": gpu1["minor"]}  # fmt: skip
-    assert devices["1"] == devices[gpu1["uuid"]] == {"deviceNodes": [node]}
+    assert devices["1"]["deviceNodes"] == devices[gpu1["uuid"]]["deviceNodes"] == [node]
+    # Each device names itself to the hook, which records the container (issue 39, item 7).
+    assert devices["1"]["env"] == ["OCI_GPU_HOOK_CDI_DEVICE_1=1"]
+    assert devices[gpu1["uuid"]]["env"] == [f"OCI_GPU_HOOK_CDI_DEVICE_{gpu1['uuid'].replace('-', '_')}={gpu1['uuid']}"]
+    assert devices["2:0"]["env"] == ["OCI_GPU_HOOK_CDI_DEVICE_2_0=2:0"] and devices["all"]["env"] == [
+        "OCI_GPU_HOOK_CDI_DEVICE_all=all"]  # fmt: skip
     # all: every GPU node, and both capability nodes of every MIG device (as NVIDIA's spec has)
     migs = [m for gpu in host["gpus"] for m in gpu["mig"]]
     assert len(devices["all"]["deviceNodes"]) == len(host["gpus"]) + 2 * len(migs) and migs

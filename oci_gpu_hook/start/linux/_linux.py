@@ -54,6 +54,7 @@ FSMOUNT_CLOEXEC = 1
 RENAME_EXCHANGE = 2
 PR_CAPBSET_DROP = 24
 PR_SET_NO_NEW_PRIVS = 38
+PR_SET_PDEATHSIG = 1
 CAP_LAST_CAP_GUESS = 63  # drop up to here; numbers the kernel does not know give EINVAL
 
 RESOLVE_NO_MAGICLINKS = 0x02
@@ -152,6 +153,11 @@ def drop_bounding_set() -> None:
 
 def set_no_new_privs() -> None:
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def set_parent_death_signal(signum: int) -> None:
+    """signum when the parent exits (kept across exec; cleared by a change of credentials)."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
 
 
 class _OpenHow(ctypes.Structure):

@@ -28,8 +28,9 @@ Decisions (the reasons are in the comments where they apply):
   CgroupError with a one-line message; Undo.undo() restores the original attachment exactly.
 
 Limits: a runtime that later re-applies its own rules (runc update, systemctl daemon-reload for
-systemd-managed units) replaces the extended programs and the container loses the access; that is
-true of NVIDIA's hook too. Programs attached through a bpf_link cannot be replaced this way: the
+systemd-managed units) attaches programs without the GPU nodes and the container loses the access;
+for systemd's scopes the hook tells systemd the nodes too (systemd.py, called by apply.py), so its
+re-applied program has them. Programs attached through a bpf_link cannot be replaced this way: the
 kernel refuses, and we roll back and say so.
 
 bpf(2)'s number comes from arch.py (x86_64 and aarch64). The struct layouts and the instruction

@@ -12,7 +12,8 @@ ldconfig itself is compromised (it parses image ELF files and configuration).
   descriptors, regular files only) and receives the new cache.
 - Who it runs as: uid and gid 65534 with no supplementary groups, an empty capability bounding
   set and no capabilities, no_new_privs, its own PID, IPC, UTS and network namespaces, resource
-  limits, an empty environment and no descriptors but stdio.
+  limits, an empty environment and no descriptors but stdio. Under SELinux, in the caller's own
+  domain, asked for before the exec (no refused transition to ldconfig_t, no denial logged).
 - The hook then reads the cache from its tmpfs (a regular file, bounded) and installs it into the
   rootfs by rename through the /etc descriptor, undoably: no existing file is ever opened or
   written there, so a device node, FIFO or hard link at /etc/ld.so.cache or beside it is replaced,
@@ -30,7 +31,8 @@ import time
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start.budget import no_deadline_between
-from oci_gpu_hook.start.linux import _linux
+from oci_gpu_hook.start.linux import _linux, userns
+from oci_gpu_hook.start.linux.rootfs import ForeignMount
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 
 LDCONFIG_PATHS = ("/sbin/ldconfig", "/usr/sbin/ldconfig")
@@ -323,6 +325,14 @@ class Sandbox:
 def _start_sandboxed(exe: int, argv, rootfs_fd: int, out: int):
     """(pid, read end of its stderr) of the sandboxed ldconfig, started."""
     read_fd, write_fd = os.pipe()
+    if userns.unprivileged():
+        try:
+            return _start_in_middle(exe, argv, rootfs_fd, out, write_fd), read_fd
+        except BaseException:
+            os.close(read_fd)
+            raise
+        finally:
+            os.close(write_fd)
     # The child is pid 1 of a new PID namespace: it can neither see nor signal anything else, and
     # whatever it leaves running dies with it. Only the child goes there: our own PID namespace
     # for later children is restored right after the fork.
@@ -351,9 +361,70 @@ def _start_sandboxed(exe: int, argv, rootfs_fd: int, out: int):
     return pid, read_fd
 
 
-def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int) -> None:
-    """In the forked child: build the view, enter it, drop everything, exec. Never returns."""
+def _start_in_middle(exe: int, argv, rootfs_fd: int, out: int, write_fd: int) -> int:
+    """The sandbox for a hook in a user namespace (rootless podman), which may unshare a PID
+    namespace but not setns back into its own (the host's owns it): a middle process unshares
+    and forks ldconfig as pid 1 there, then relays its exit status. Killing the middle (cancel())
+    kills ldconfig too: its parent-death signal, set after its last change of credentials."""
+    pid = os.fork()
+    if pid != 0:
+        return pid
+    code = 127
+    try:
+        _linux.unshare(_linux.CLONE_NEWPID)
+        child = os.fork()
+        if child == 0:
+            try:
+                _sandbox_child(exe, argv, rootfs_fd, out, write_fd, orphan_signal=signal.SIGKILL)
+            except BaseException as e:
+                os.write(write_fd, f"cannot start ldconfig: {e}\n".encode())
+            finally:
+                os._exit(127)
+        os.close(write_fd)  # the caller sees the end of ldconfig's stderr as its exit
+        _, status = os.waitpid(child, 0)
+        code = os.waitstatus_to_exitcode(status)
+        code = code if code >= 0 else 128 - code
+    except BaseException as e:
+        try:
+            os.write(write_fd, f"cannot start ldconfig: {e}\n".encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
+def _stay_in_own_domain() -> None:
+    """Under SELinux, have the coming exec keep the caller's own domain (setexeccon to it).
+
+    The base policy has a default transition to ldconfig_t for ldconfig, and the sandbox runs it
+    with no_new_privs: the kernel refuses that transition (process2 nnp_transition) and runs it in
+    the caller's domain anyway, logging a denial and a SELINUX_ERR on every GPU container start.
+    Asking for the caller's own domain is the same outcome, said up front: no transition is
+    computed, nothing is refused, nothing is logged, and no policy module is needed (the runtimes'
+    domains may setexec; ldconfig_t could not read the image's files anyway). Best effort: where
+    the write is refused, the kernel falls back as before."""
+    if not os.path.exists("/sys/fs/selinux/enforce"):  # SELinux is not the running LSM
+        return
+    try:
+        with open("/proc/thread-self/attr/current", "rb", buffering=0) as f:
+            own = f.read(4096).rstrip(b"\0\n")
+        if own and own != b"kernel":
+            # O_WRONLY alone, as libselinux's setexeccon: open()'s "wb" adds O_CREAT, which SELinux
+            # checks as a file create in the domain's /proc entry, and denies.
+            fd = os.open("/proc/thread-self/attr/exec", os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, own)
+            finally:
+                os.close(fd)
+    except OSError:
+        pass
+
+
+def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, orphan_signal: int = 0) -> None:
+    """In the forked child: build the view, enter it, drop everything, exec. Never returns.
+    orphan_signal: sent to ldconfig when its parent exits (_start_in_middle)."""
     null = os.open("/dev/null", os.O_RDWR)  # before the host disappears from view
+    _stay_in_own_domain()  # while the host's /proc and /sys are in view
     os.fchdir(rootfs_fd)  # unshare moves the cwd into the new namespace's copy: no path walked again
     _linux.unshare(_NAMESPACES)
     _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
@@ -375,6 +446,8 @@ def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int) -> Non
     _linux.drop_bounding_set()
     _linux.set_no_new_privs()
     os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)  # clears every capability
+    if orphan_signal:
+        _linux.set_parent_death_signal(orphan_signal)  # after setresuid, which clears it
     os.dup2(null, 0)
     os.dup2(null, 1)
     os.dup2(err_fd, 2)
@@ -423,6 +496,8 @@ class Refresh:
         data = self.sandbox.result()
         try:
             self.rootfs.replace_file("/etc", self.etc, "ld.so.cache", data, 0o644, self.undo)
+        except ForeignMount as e:  # /etc is a volume from the host: the cache would outlive the container
+            return [*self.notes, f"/etc/ld.so.cache not refreshed: {e.strerror}"]
         except OSError as e:
             raise LdconfigError(f"cannot install /etc/ld.so.cache in the container: {e.strerror or e}") from None
         return self.notes

@@ -79,6 +79,100 @@ class UndoLog:
         self.fds = []
 
 
+class ForeignMount(OSError):
+    """The directory the hook would create something in is on a mount the container does not own
+    (a volume from the host): what is made there would outlive the container."""
+
+
+def mount_id(fd: int) -> int:
+    """The id of the mount the file open at fd is on (its line in mountinfo)."""
+    with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"mnt_id:"):
+                return int(line.split()[1])
+    raise OSError(errno.ENOSYS, "the kernel does not say which mount a file is on (no mnt_id in fdinfo)")
+
+
+class MountGuard:
+    """Says which directories the hook may create in: those of the mounts that die with the
+    container. Nothing of a container's start may outlive it on the host, and a user's volume (a
+    host directory bind-mounted into the container, a Kubernetes volume) outlives it: a mount
+    point, an nvidia.icd or a firmware file made there stays in the user's directory after the
+    container is removed, with that container's label.
+
+    Owned: the rootfs's own mount, and a fresh tmpfs (the runtime's /dev, the hook's own tmpfs,
+    `--tmpfs`): mountinfo root '/', and its filesystem mounted nowhere in the hook's own namespace.
+    Anything else is foreign: a bind of a host directory (root other than '/'), a disk filesystem,
+    a host tmpfs bound whole. Decided from the kernel's mount table, never from config.json's
+    mounts or a path: an image's symlink may lead anywhere.
+
+    host_mountinfo: /proc/self/mountinfo opened before the child joined the container's mount
+    namespace (the file keeps the namespace it was opened in); read only for a tmpfs, at most once."""
+
+    def __init__(self, rootfs_fd: int, rootfs_path: str, host_mountinfo: int):
+        self.root = mount_id(rootfs_fd)
+        st = os.fstat(rootfs_fd)
+        self.root_device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        self.rootfs_path = rootfs_path.rstrip("/")
+        self.host_mountinfo = host_mountinfo
+        self._host_text = None
+        self._mounts: dict = {}  # mount id -> mountinfo.Mount, the container's namespace
+        self._verdicts: dict = {self.root: ""}  # mount id -> "" (owned) or why not
+        self._dirs: dict = {}  # (st_dev, st_ino) of a directory -> verdict
+
+    def check(self, dir_fd: int, path: str) -> None:
+        """Raise ForeignMount unless the directory open at dir_fd may receive a new entry."""
+        st = os.fstat(dir_fd)
+        verdict = self._dirs.get((st.st_dev, st.st_ino))
+        if verdict is None:
+            mnt = mount_id(dir_fd)
+            if mnt not in self._verdicts:
+                self._verdicts[mnt] = self._judge(mnt, f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
+            verdict = self._dirs[st.st_dev, st.st_ino] = self._verdicts[mnt]
+        if verdict:
+            raise ForeignMount(errno.EXDEV, verdict, path)
+
+    def _judge(self, mnt: int, device: str) -> str:
+        from oci_gpu_hook.start.linux import mountinfo
+
+        if mnt not in self._mounts:  # read again: the hook's own mounts are newer than any copy
+            self._mounts = {m.mount_id: m for m in mountinfo.read()}
+        mount = self._mounts.get(mnt)
+        if mount is None:
+            return "on a mount the kernel does not list"
+        where = mount.mountpoint
+        if where.startswith(self.rootfs_path + "/"):
+            where = where[len(self.rootfs_path) :]
+        volume = f"{where} is a volume from the host ({mount.fstype} {mount.root})"
+        rootfs = self._mounts.get(self.root)
+        if rootfs is not None and device == self.root_device and _within(mount.root, rootfs.root):
+            return ""  # a part of the rootfs bound elsewhere in it: still the container's own
+        if mount.root != "/" or mount.fstype not in ("tmpfs", "ramfs"):
+            return volume
+        if self._host_text is None:
+            self._host_text = _read_all(self.host_mountinfo)
+        wanted = device.encode()
+        for line in self._host_text.splitlines():
+            fields = line.split(None, 3)
+            if len(fields) > 2 and fields[2] == wanted:
+                return f"{where} is a host tmpfs ({mount.source}) bound whole"
+        return ""
+
+
+def _within(path: str, top: str) -> bool:
+    return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _read_all(fd: int) -> bytes:
+    chunks, offset = [], 0
+    while True:
+        chunk = os.pread(fd, 1 << 16, offset)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        offset += len(chunk)
+
+
 def _split(path: str) -> list[str]:
     return [part for part in path.split("/") if part and part != "."]
 
@@ -88,6 +182,12 @@ class Rootfs:
         self.path = path
         self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self.labeler = labeler  # labels.Labeler when SELinux wants what we create labelled
+        self.guard = None  # MountGuard when what is created must die with the container (the hook)
+
+    def may_create(self, dir_fd: int, path: str) -> None:
+        """Raise ForeignMount (nothing done) if a new entry in dir_fd would outlive the container."""
+        if self.guard is not None:
+            self.guard.check(dir_fd, path)
 
     def created(self, dir_fd: int, name: str) -> None:
         if self.labeler is not None:
@@ -173,6 +273,11 @@ class Rootfs:
         except FileNotFoundError:
             parent, name = os.path.split(path.rstrip("/"))
             parent_fd = self.ensure_dir(parent or "/", undo)
+            try:
+                self.may_create(parent_fd, path)
+            except ForeignMount:
+                os.close(parent_fd)
+                raise
             undo.intend("dir", path)
             try:
                 os.mkdir(name, 0o755, dir_fd=parent_fd)
@@ -201,6 +306,11 @@ class Rootfs:
         except FileNotFoundError:
             parent, name = os.path.split(path)
             parent_fd = self.ensure_dir(parent, undo)
+            try:
+                self.may_create(parent_fd, path)
+            except ForeignMount:
+                os.close(parent_fd)
+                raise
             undo.intend("file", path)
             try:
                 created = os.open(
@@ -234,6 +344,7 @@ class Rootfs:
             try:
                 st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
             except FileNotFoundError:
+                self.may_create(parent_fd, path)
                 undo.intend("symlink", path, value)
                 os.symlink(value, name, dir_fd=parent_fd)
                 undo.keep_fd(os.dup(parent_fd))
@@ -252,6 +363,7 @@ class Rootfs:
         is there (a device node, FIFO, hard link or symlink the image planted) is replaced as a
         directory entry, never opened or written through. Undone by swapping the old entry back."""
         temporary = f".{name}.oci-gpu-hook-{os.getpid()}"
+        self.may_create(dir_fd, f"{directory.rstrip('/')}/{name}")
         undo.intend("temp", f"{directory.rstrip('/')}/{temporary}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(temporary, flags, mode, dir_fd=dir_fd)

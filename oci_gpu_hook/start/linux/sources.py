@@ -9,7 +9,8 @@ symlink is followed only if root owns it, a directory is crossed only if root ow
 else can write it (a sticky directory such as /tmp counts: others cannot rename root's entries
 in it), and the source itself must be root's, of the expected type, and, unless it is a device
 node or socket, writable by nobody else. The caller mounts the descriptor (/proc/self/fd/N), so
-what was checked is what gets mounted.
+what was checked is what gets mounted. In a user namespace (rootless podman) root is whom the
+host's root shows as there (userns.root_uid()).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
+
+from oci_gpu_hook.start.linux import userns
 
 MAX_SYMLINKS = 40
 _O_PATH = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -35,7 +38,7 @@ class UntrustedSource(Exception):
 
 def _others_can_replace(st) -> bool:
     """Whether someone but root can rename or replace entries of directory st."""
-    if st.st_uid != 0:
+    if st.st_uid != userns.root_uid():
         return True
     return bool(st.st_mode & 0o022) and not st.st_mode & stat.S_ISVTX
 
@@ -58,7 +61,7 @@ class HostSources:
         fd = self._resolve(path, 0)
         try:
             st = os.fstat(fd)
-            if st.st_uid != 0:
+            if st.st_uid != userns.root_uid():
                 raise UntrustedSource(path, f"owned by uid {st.st_uid}, not root")
             if not KINDS[kind](st.st_mode):
                 raise UntrustedSource(path, f"not a {KIND_NAMES[kind]}")
@@ -108,7 +111,7 @@ class HostSources:
         if not stat.S_ISLNK(st.st_mode):
             return fd
         os.close(fd)
-        if st.st_uid != 0:
+        if st.st_uid != userns.root_uid():
             raise UntrustedSource(path, f"a symlink owned by uid {st.st_uid}, not root")
         if links >= MAX_SYMLINKS:
             raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path)

@@ -119,6 +119,8 @@ def proc_devices_text(host: SimulatedHost) -> str:
         (host.uvm_major, "nvidia-uvm"),
         (host.caps_major, "nvidia-caps"),
     ]
+    if host.imex_major:
+        chars.append((host.imex_major, driver.IMEX_MAJOR_NAME))
     lines = ["Character devices:"] + [f"{major:3d} {name}" for major, name in sorted(chars)]
     lines += ["", "Block devices:", "  7 loop", "  8 sd", "259 blkext", ""]
     return "\n".join(lines)
@@ -217,6 +219,23 @@ def write_procfs(root: str, host: SimulatedHost) -> None:
             _write(root, f"{gi_dir}/ci{mig.ci}/access", cap_access_text(mig.ci_cap_minor), 0o444)
 
 
+def write_sysfs(root: str, host: SimulatedHost) -> None:
+    """The GPUs' PCI devices in sysfs, where NVIDIA's device plugin (and ours) read the NUMA node:
+    /sys/bus/pci/devices/<bus id> links into /sys/devices, each GPU below the downstream port of
+    its PCIe switch, under one host bridge per switch."""
+    for gpu in host.gpus:
+        bridge = f"pci{gpu.bus_id[:4]}:{0xE0 + gpu.pcie_switch:02x}"
+        port = f"{gpu.bus_id[:4]}:{0xE0 + gpu.pcie_switch:02x}:01.0"
+        device = f"sys/devices/{bridge}/{port}/{gpu.bus_id}"
+        _write(root, f"{device}/numa_node", f"{gpu.numa_node}\n", 0o444)
+        _write(root, f"{device}/vendor", f"0x{gpu.model.pci_device_id & 0xFFFF:04x}\n", 0o444)
+        _write(root, f"{device}/device", f"0x{gpu.model.pci_device_id >> 16:04x}\n", 0o444)
+        _write(root, f"{device}/class", f"0x{gpu.model.pci_class:06x}\n", 0o444)
+        link = os.path.join(root, "sys/bus/pci/devices", gpu.bus_id)
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(os.path.relpath(os.path.join(root, device), os.path.dirname(link)), link)
+
+
 def write_devices(root: str, host: SimulatedHost) -> None:
     for gpu in host.gpus:
         _mknod(root, f"dev/nvidia{gpu.minor}", driver.NVIDIA_MAJOR, gpu.minor)
@@ -228,6 +247,9 @@ def write_devices(root: str, host: SimulatedHost) -> None:
     caps += [(m, 0o444) for g in host.gpus for i in g.mig for m in (i.gi_cap_minor, i.ci_cap_minor)]
     for minor, mode in caps:
         _mknod(root, f"dev/nvidia-caps/nvidia-cap{minor}", host.caps_major, minor, mode)
+    if host.imex_major:
+        for channel in host.imex_channels:  # IMEX channel n: minor n, mode 0666 as the driver makes it
+            _mknod(root, f"{driver.IMEX_CHANNELS_DIR.lstrip('/')}/channel{channel}", host.imex_major, channel)
     # DRM: card1.. (card0 is the BMC's display on a server), renderD128.., and udev's links by PCI
     # address, where discovery looks for them.
     by_path = host_path(root, driver.DRI_BY_PATH)
@@ -255,6 +277,13 @@ def sim_host_header(host: SimulatedHost) -> str:
     out.append(f"#define SIM_NVML_VERSION {c_str('12.' + host.driver_version)}")
     out.append(f"#define SIM_CUDA_VERSION {host.cuda_version_int}")
     out.append(f"#define SIM_CAPS_MAJOR {host.caps_major}")
+    out.append("static const struct sim_gi_profile GI_PROFILES[] = {")
+    for p in model.MIG_PROFILES:
+        out.append(
+            f"    {{{c_str(p.name)}, {p.id}, {p.slices}, {p.instances}, {p.multiprocessors}, {p.copy_engines}, "
+            f"{p.decoders}, {p.encoders}, {p.jpegs}, {p.ofas}, {p.memory_mib}, {p.placement_size}}},"
+        )
+    out.append("};")
     for gpu in host.gpus:
         if gpu.mig:
             out.append(f"static const struct sim_mig SIM_MIG_{gpu.index}[] = {{")
@@ -279,7 +308,18 @@ def sim_host_header(host: SimulatedHost) -> str:
             f"{1 if gpu.mig else 0}, {len(gpu.mig)}, {mig}}},"
         )
     out.append("};")
+    out += topology_header_lines(host)
     return "\n".join(out) + "\n"
+
+
+def topology_header_lines(host: SimulatedHost) -> list[str]:
+    """SIM_TOPOLOGY (csrc/sim_types.h): each GPU's switch, NUMA node and NVLink peers."""
+    out = ["static const struct sim_topology SIM_TOPOLOGY[SIM_N_GPUS] = {"]
+    for gpu in host.gpus:
+        peers = ", ".join(str(p) for p in gpu.nvlink_peers) or "0"
+        out.append(f"    {{{gpu.pcie_switch}, {gpu.numa_node}, {len(gpu.nvlink_peers)}, {{{peers}}}}},")
+    out.append("};")
+    return out
 
 
 def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -> None:
@@ -351,7 +391,7 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
     for name in model.UNVERSIONED_LIBRARIES:
         waves[0].append([gcc, "-shared", f"-Wl,-soname,{name}", "-o", os.path.join(lib64, name), stub64, *needs_libc])
     for tool in driver.BINARIES["utility"] + driver.BINARIES["compute"]:
-        if tool != "nvidia-smi":
+        if tool not in ("nvidia-smi", "nvidia-cuda-mps-control"):
             jobs.append(
                 [
                     gcc,
@@ -373,6 +413,9 @@ def _compile_driver(root: str, host: SimulatedHost, workdir: str, lib32: bool) -
         backend = os.path.join(directory, driver.VDPAU_DIR, f"{driver.VDPAU_PREFIX}.{version}")
         if os.path.exists(backend):
             os.symlink(os.path.basename(backend), os.path.join(os.path.dirname(backend), "libvdpau_nvidia.so.1"))
+    # The MPS control program with the real one's interface (stdin commands, -d): csrc/mps_control.c.
+    _run([gcc, *cflags, *include, "-o", os.path.join(bindir, "nvidia-cuda-mps-control"),
+          os.path.join(CSRC, "mps_control.c")], "building nvidia-cuda-mps-control")  # fmt: skip
     # nvidia-smi loads NVML with dlopen, as the real one does (no NEEDED entry: csrc/nvml_dlopen.c).
     _run([gcc, *cflags, *include, "-o", os.path.join(bindir, "nvidia-smi"), os.path.join(CSRC, "nvidia-smi.c"),
           os.path.join(CSRC, "nvml_dlopen.c"), "-ldl"], "building nvidia-smi")  # fmt: skip
@@ -445,6 +488,7 @@ def config_text(target: str) -> str:
         f"records_directory: {json.dumps(target + '/containers')}\n"
         "node:\n"
         f"  features_file: {json.dumps(target + '/' + FEATURES_FILE)}\n"
+        f"  sys_root: {json.dumps(target)}\n"
         "logging:\n"
         "  level: info\n"
         f"  file: {json.dumps(target + '/hook.log')}\n"
@@ -470,6 +514,8 @@ def build_host(host: SimulatedHost) -> dict:
         os.chmod(staging, 0o755)
         write_procfs(staging, host)
         write_devices(staging, host)
+        write_sysfs(staging, host)
+        _write(staging, "sys/class/dmi/id/product_name", host.machine + "\n", 0o444)
         lib32 = write_driver_files(staging, host, workdir)
         _write(staging, "config.yaml", config_text(target))
         os.makedirs(os.path.join(staging, os.path.dirname(FEATURES_FILE)))

@@ -1,5 +1,6 @@
 """What the simulated GPUs report while clients run: the control file that the simulated NVML
-re-reads whenever it changes (SIM_ROOT/nvml-control; its format is in csrc/nvml.c).
+re-reads whenever it changes (SIM_ROOT/nvml-control; its format is in csrc/nvml.c). (The event
+log its event sets read, SIM_ROOT/nvml-events, is written by tests: tests/nvmlevents.py.)
 
 Tests set exact figures through it (utilization, memory, temperature, power, clocks, energy, the
 processes using each GPU or MIG device, an NVML failure) and assert them end to end.

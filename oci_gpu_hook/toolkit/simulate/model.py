@@ -17,6 +17,7 @@ from oci_gpu_hook.start import driver
 DRIVER_VERSION_RE = re.compile(r"^\d{3,4}\.\d{1,3}(\.\d{1,3})?$")
 CUDA_VERSION_RE = re.compile(r"^(\d{1,2})\.(\d{1,2})$")
 MAX_GPUS = 16
+MAX_NVLINKS = 12  # per GPU, as on an A100; each NVLink of the simulation joins two GPUs
 
 # Stable namespace so the same options always give the same UUIDs (reproducible docs and tests).
 _UUID_NAMESPACE = uuid.UUID("6f1c3c57-3bd5-4a53-9f43-0d6a3d6f7a10")
@@ -24,8 +25,40 @@ _UUID_NAMESPACE = uuid.UUID("6f1c3c57-3bd5-4a53-9f43-0d6a3d6f7a10")
 # PCI buses of an 8-GPU HGX A100 board; more GPUs continue past them.
 _BUSES = (0x07, 0x0F, 0x47, 0x4E, 0x87, 0x90, 0xB7, 0xBD)
 
-# A100-SXM4-40GB MIG layout used for every --mig GPU: GPU instance id, profile, memory.
-_MIG_LAYOUT = ((1, "3g.20gb", 20 << 30), (5, "2g.10gb", 10 << 30), (13, "1g.5gb", 5 << 30))
+
+@dataclasses.dataclass(frozen=True)
+class MigProfile:
+    """One GPU instance profile of the A100-SXM4-40GB, as a real one reports it: `nvidia-smi mig
+    -lgip`, and for a MIG device of the profile nvmlDeviceGetAttributes and
+    nvmlDeviceGetMemoryInfo (which agree: 1g.5gb has 4864 MiB, not 5 GiB) and nvidia-smi's MIG
+    table (SM, CE ENC DEC OFA JPG)."""
+
+    name: str
+    id: int  # NVML_GPU_INSTANCE_PROFILE_* value nvidia-smi shows
+    slices: int
+    instances: int  # how many fit on one GPU
+    multiprocessors: int
+    copy_engines: int
+    decoders: int
+    encoders: int
+    jpegs: int
+    ofas: int
+    memory_mib: int
+    placement_size: int  # memory slices (eight on an A100)
+
+
+# In NVML_GPU_INSTANCE_PROFILE_<n>_SLICE order, which the simulated NVML indexes by.
+MIG_PROFILES = (
+    MigProfile("1g.5gb", 19, 1, 7, 14, 1, 0, 0, 0, 0, 4864, 1),
+    MigProfile("2g.10gb", 14, 2, 3, 28, 2, 1, 0, 0, 0, 9984, 2),
+    MigProfile("3g.20gb", 9, 3, 2, 42, 3, 2, 0, 0, 0, 20096, 4),
+    MigProfile("4g.20gb", 5, 4, 1, 56, 4, 2, 0, 0, 0, 20096, 4),
+    MigProfile("7g.40gb", 0, 7, 1, 98, 7, 5, 0, 1, 1, 40192, 8),
+)
+MIG_PROFILE = {p.name: p for p in MIG_PROFILES}
+
+# A100-SXM4-40GB MIG layout used for every --mig GPU: GPU instance id, profile.
+_MIG_LAYOUT = ((1, "3g.20gb"), (5, "2g.10gb"), (13, "1g.5gb"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +69,9 @@ class GpuModel:
     memory_total: int
     pci_device_id: int
     pci_subsystem_id: int
+    # The PCI class sysfs shows: 0x030200, a 3D controller (every data-centre GPU simulated here),
+    # or 0x030000, a VGA controller (a GPU in display mode). GFD's gpu.mode reads it.
+    pci_class: int = 0x030200
 
 
 MODELS = {
@@ -66,6 +102,11 @@ class Gpu:
     bus_id: str  # procfs form, 0000:07:00.0
     model: GpuModel
     mig: tuple[MigInstance, ...]
+    # Topology (what NVML's common-ancestor and NVLink queries and sysfs report): the PCIe switch
+    # the GPU sits under, its NUMA node, and the NVML indices of the GPUs it has an NVLink to.
+    pcie_switch: int = 0
+    numa_node: int = 0
+    nvlink_peers: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +126,13 @@ class SimulatedHost:
     uvm_major: int
     caps_major: int
     libraries: tuple[Library, ...]
+    # DMI's product name (/sys/class/dmi/id/product_name): GFD's gpu.machine. An HPE server that
+    # holds an 8-GPU HGX A100 board.
+    machine: str = "ProLiant XL675d Gen10 Plus"
+    # IMEX: /proc/devices' nvidia-caps-imex-channels major (0: none) and the channels whose nodes
+    # exist (/dev/nvidia-caps-imex-channels/channel<n>, as `nvidia-modprobe -i <n>` makes them).
+    imex_major: int = 0
+    imex_channels: tuple[int, ...] = (0, 1)
 
     @property
     def cuda_version_int(self) -> int:
@@ -160,7 +208,9 @@ def _free_majors(used: Sequence[int], count: int) -> list[int]:
     # this machine owns, so opening a simulated node reaches no real driver (ENXIO, not I/O).
     free = [m for m in range(511, 383, -1) if m not in set(used)]
     if len(free) < count:
-        raise SimulateError("no free character device major numbers for nvidia-uvm and nvidia-caps")
+        raise SimulateError(
+            "no free character device major numbers for nvidia-uvm, nvidia-caps and nvidia-caps-imex-channels"
+        )
     return free[:count]
 
 
@@ -173,8 +223,12 @@ def describe_host(
     model: str = "a100",
     scramble_minors: bool = False,
     used_majors: Sequence[int] = (),
+    pcie_switches: str | None = None,
+    nvlinks: str = "",
+    numa_nodes: str | None = None,
 ) -> SimulatedHost:
-    """Decide every fact of a simulated host; raises SimulateError on bad options."""
+    """Decide every fact of a simulated host; raises SimulateError on bad options. The topology
+    options are text, as typed on the command line (parse_topology)."""
     if not 1 <= gpus <= MAX_GPUS:
         raise SimulateError(f"--gpus {gpus}: the simulated host holds 1 to {MAX_GPUS} GPUs")
     if not DRIVER_VERSION_RE.match(driver_version):
@@ -187,6 +241,7 @@ def describe_host(
         if not 0 <= index < gpus:
             raise SimulateError(f"--mig {index}: no such GPU (the host has GPUs 0 to {gpus - 1})")
     gpu_model = MODELS[model]
+    switches, numa, peers = parse_topology(gpus, pcie_switches, nvlinks, numa_nodes)
     # Minors are handed out at boot; a real host had /dev/nvidia0 at NVML index 3. Reversing
     # them lets tests catch code that confuses the NVML index with the device minor.
     minors = list(reversed(range(gpus))) if scramble_minors else list(range(gpus))
@@ -203,11 +258,11 @@ def describe_host(
                     ci=0,
                     profile=profile,
                     uuid=_uuid("MIG", driver_version, index, gi, 0),
-                    memory_total=memory,
+                    memory_total=MIG_PROFILE[profile].memory_mib << 20,
                     gi_cap_minor=driver.mig_gi_cap_minor(minor, gi),
                     ci_cap_minor=driver.mig_ci_cap_minor(minor, gi, 0),
                 )
-                for i, (gi, profile, memory) in enumerate(_MIG_LAYOUT)
+                for i, (gi, profile) in enumerate(_MIG_LAYOUT)
             )
         gpu_list.append(
             Gpu(
@@ -217,9 +272,12 @@ def describe_host(
                 bus_id=f"0000:{bus:02x}:00.0",
                 model=gpu_model,
                 mig=instances,
+                pcie_switch=switches[index],
+                numa_node=numa[index],
+                nvlink_peers=peers[index],
             )
         )
-    uvm_major, caps_major = _free_majors(list(used_majors) + [driver.NVIDIA_MAJOR], 2)
+    uvm_major, caps_major, imex_major = _free_majors(list(used_majors) + [driver.NVIDIA_MAJOR], 3)
     return SimulatedHost(
         root=root,
         driver_version=driver_version,
@@ -228,6 +286,7 @@ def describe_host(
         uvm_major=uvm_major,
         caps_major=caps_major,
         libraries=driver_libraries(driver_version),
+        imex_major=imex_major,
     )
 
 
@@ -235,3 +294,62 @@ def nvml_bus_id(bus_id: str) -> str:
     """procfs 0000:07:00.0 -> NVML 00000000:07:00.0 (8-digit domain, upper-case hex)."""
     domain, rest = bus_id.split(":", 1)
     return f"{int(domain, 16):08X}:{rest.upper()}"
+
+
+# --- topology -----------------------------------------------------------------------------------
+
+
+def _indices(text: str, gpus: int, option: str) -> list[int]:
+    """GPU indices joined by +: "0+2"."""
+    out = []
+    for part in text.split("+"):
+        part = part.strip()
+        if not part.isdigit() or not 0 <= int(part) < gpus:
+            raise SimulateError(f"{option} {text!r}: {part!r} is not a GPU index (the host has GPUs 0 to {gpus - 1})")
+        if int(part) in out:
+            raise SimulateError(f"{option} {text!r}: GPU {part} is listed twice")
+        out.append(int(part))
+    return out
+
+
+def parse_topology(gpus: int, pcie_switches: str | None, nvlinks: str, numa_nodes: str | None):
+    """(switch per GPU, NUMA node per GPU, NVLink peers per GPU) from the options' text.
+
+    pcie_switches: groups of GPUs that share a PCIe switch, "0+2,1+3"; a GPU in no group has a
+    switch of its own. Default: pairs in bus order (0+1, 2+3, ...), as on an HGX board.
+    nvlinks: GPU pairs joined by NVLink, "0+1,2+3" (default: none).
+    numa_nodes: one node per GPU, "0,0,1,1". Default: each switch's GPUs on the node of the
+    switch, the first half of the switches on node 0 and the rest on node 1."""
+    if pcie_switches is None:
+        groups = [list(range(i, min(i + 2, gpus))) for i in range(0, gpus, 2)]
+    else:
+        groups = [_indices(g, gpus, "--pcie-switches") for g in pcie_switches.split(",") if g.strip()]
+    switch: dict[int, int] = {}
+    for number, group in enumerate(groups):
+        for index in group:
+            if index in switch:
+                raise SimulateError(f"--pcie-switches {pcie_switches!r}: GPU {index} is under two switches")
+            switch[index] = number
+    for index in range(gpus):
+        if index not in switch:
+            switch[index] = len(groups)
+            groups.append([index])
+    if numa_nodes is None:
+        numa = [0 if switch[i] < (len(groups) + 1) // 2 or len(groups) == 1 else 1 for i in range(gpus)]
+    else:
+        parts = [p.strip() for p in numa_nodes.split(",")]
+        if len(parts) != gpus or not all(p.isdigit() and int(p) < 64 for p in parts):
+            raise SimulateError(f"--numa-nodes {numa_nodes!r}: expected {gpus} node numbers (0-63), one per GPU")
+        numa = [int(p) for p in parts]
+    peers: list[list[int]] = [[] for _ in range(gpus)]
+    for pair in (p for p in nvlinks.split(",") if p.strip()):
+        ends = _indices(pair, gpus, "--nvlink")
+        if len(ends) != 2:
+            raise SimulateError(f"--nvlink {pair!r}: an NVLink joins two GPUs: A+B")
+        a, b = ends
+        if b not in peers[a]:
+            peers[a].append(b)
+            peers[b].append(a)
+        if max(len(peers[a]), len(peers[b])) > MAX_NVLINKS:
+            raise SimulateError(f"--nvlink: a GPU has at most {MAX_NVLINKS} NVLinks (an A100 has 12)")
+    return [switch[i] for i in range(gpus)], numa, [tuple(p) for p in peers]

@@ -5,6 +5,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 
 import pytest
 
@@ -255,3 +256,40 @@ def test_a_gcc_that_compiles_but_cannot_link_32_bit_gives_a_64_bit_host(tmp_path
     assert summary["lib32"] is False
     assert os.path.exists(f"{tmp_path}/host/usr/lib64/libcuda.so.{summary['driver_version']}")
     assert not glob.glob(f"{tmp_path}/host/usr/lib/*.so.*")
+
+
+def test_topology_reaches_nvml_and_sysfs_as_described(simulated_host, require):
+    """NVML's common ancestor and NVLink answers, and sysfs's numa_node, against simulated-host.json."""
+    require("pynvml")
+    host = simulated_host(gpus=4, pcie_switches="0+2,1+3", nvlinks="0+2")
+    root = host["root"]
+    code = (
+        "import ctypes, json, sys\n"
+        "ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)\n"
+        "import pynvml as N\n"
+        "N.nvmlInit()\n"
+        "h = [N.nvmlDeviceGetHandleByIndex(i) for i in range(4)]\n"
+        "print(json.dumps({'ancestor': [[N.nvmlDeviceGetTopologyCommonAncestor(a, b) for b in h] for a in h],\n"
+        "                  'links': [[N.nvmlDeviceGetNvLinkState(a, link) for link in range(2)] for a in h]}))\n"
+    )
+    lib = f"{root}/usr/lib64/libnvidia-ml.so.1"
+    out = subprocess.run([sys.executable, "-c", code, lib], capture_output=True, text=True, timeout=60, check=True)
+    seen = json.loads(out.stdout)
+    gpus = host["gpus"]
+
+    def level(a, b):
+        if a is b:
+            return 0
+        if a["pcie_switch"] == b["pcie_switch"]:
+            return 10
+        return 40 if a["numa_node"] == b["numa_node"] else 50
+
+    assert seen["ancestor"] == [[level(a, b) for b in gpus] for a in gpus]
+    assert seen["ancestor"][0][2] == seen["ancestor"][1][3] == 10  # the option's switches
+    assert seen["links"] == [[1 if n < len(g["nvlink_peers"]) else 0 for n in range(2)] for g in gpus]
+    assert [list(g["nvlink_peers"]) for g in gpus] == [[2], [], [0], []]
+    for gpu in gpus:
+        device = os.path.join(root, "sys/bus/pci/devices", gpu["bus_id"])
+        with open(os.path.join(device, "numa_node")) as f:
+            assert int(f.read()) == gpu["numa_node"]
+        assert os.path.islink(device)

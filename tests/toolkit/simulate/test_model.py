@@ -79,3 +79,35 @@ def test_nvml_bus_id_form():
 def test_bad_options_are_one_line_errors(kwargs, message):
     with pytest.raises(SimulateError, match=message.replace("'", ".")):
         describe_host("/s", **kwargs)
+
+
+def test_topology_default_pairs_switches_and_splits_numa():
+    host = describe_host("/s", gpus=4)
+    assert [(g.pcie_switch, g.numa_node, g.nvlink_peers) for g in host.gpus] == [
+        (0, 0, ()), (0, 0, ()), (1, 1, ()), (1, 1, ()),
+    ]  # fmt: skip
+    assert [g.numa_node for g in describe_host("/s", gpus=2).gpus] == [0, 0]
+
+
+def test_topology_from_options():
+    host = describe_host("/s", gpus=5, pcie_switches="0+2, 1+3", nvlinks="0+1,1+2", numa_nodes="1,0,1,0,0")
+    assert [(g.pcie_switch, g.numa_node, g.nvlink_peers) for g in host.gpus] == [
+        (0, 1, (1,)), (1, 0, (0, 2)), (0, 1, (1,)), (1, 0, ()), (2, 0, ()),  # GPU 4: a switch of its own
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"pcie_switches": "0+4"}, "--pcie-switches '0+4': '4' is not a GPU index (the host has GPUs 0 to 3)"),
+        ({"pcie_switches": "0+1,1+2"}, "--pcie-switches '0+1,1+2': GPU 1 is under two switches"),
+        ({"pcie_switches": "0+0"}, "--pcie-switches '0+0': GPU 0 is listed twice"),
+        ({"nvlinks": "0+1+2"}, "--nvlink '0+1+2': an NVLink joins two GPUs: A+B"),
+        ({"nvlinks": "x+1"}, "--nvlink 'x+1': 'x' is not a GPU index (the host has GPUs 0 to 3)"),
+        ({"numa_nodes": "0,1"}, "--numa-nodes '0,1': expected 4 node numbers (0-63), one per GPU"),
+    ],
+)
+def test_topology_option_errors(options, message):
+    with pytest.raises(SimulateError) as e:
+        describe_host("/s", gpus=4, **options)
+    assert e.value.message == message

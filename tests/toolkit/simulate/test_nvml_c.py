@@ -15,6 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import nvmlevents
 import pytest
 
 from oci_gpu_hook.toolkit.simulate import control
@@ -37,12 +38,13 @@ GPU1 = {
     "minor": 0,
 }
 NAME = "NVIDIA A100-SXM4-40GB"
-MIGS = [  # GPU1's MIG devices: gi, ci, profile, uuid, GiB, cap minors
-    (1, 0, "3g.20gb", "MIG-0b8f4c2e-6a1d-5f3b-9c7e-2d4a6b8c0e1f", 20, (12, 13)),
-    (5, 0, "2g.10gb", "MIG-1c9a5d3f-7b2e-5a4c-8d6f-3e5b7c9d1f20", 10, (48, 49)),
-    (13, 0, "1g.5gb", "MIG-2dab6e40-8c3f-5b5d-9e70-4f6c8dae2031", 5, (120, 121)),
+MIGS = [  # GPU1's MIG devices: gi, ci, profile, uuid, MiB (a real A100-SXM4-40GB's), cap minors
+    (1, 0, "3g.20gb", "MIG-0b8f4c2e-6a1d-5f3b-9c7e-2d4a6b8c0e1f", 20096, (12, 13)),
+    (5, 0, "2g.10gb", "MIG-1c9a5d3f-7b2e-5a4c-8d6f-3e5b7c9d1f20", 9984, (48, 49)),
+    (13, 0, "1g.5gb", "MIG-2dab6e40-8c3f-5b5d-9e70-4f6c8dae2031", 4864, (120, 121)),
 ]
 GIB = 1 << 30
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -281,13 +283,13 @@ def test_mig_handles(host, nv):
             "ci": ci,
             "uuid": uuid,
             "name": f"{NAME} MIG {profile}",
-            "mem": gib * GIB,
+            "mem": mib * MIB,
             "parent": GPU1["uuid"],
             "bus": GPU1["bus_id"],
             "minor": 3,
             "util": 3,
         }
-        for slot, (gi, ci, profile, uuid, gib, _) in enumerate(MIGS)
+        for slot, (gi, ci, profile, uuid, mib, _) in enumerate(MIGS)
     ]
     assert r["past_max"] == 2  # INVALID_ARGUMENT
     assert r["on_non_mig_gpu"] == 2
@@ -296,8 +298,8 @@ def test_mig_handles(host, nv):
 
 # A100-SXM4-40GB's profiles as nvidia-smi mig -lgip lists them: profile enum -> (id, slices,
 # instances, SMs, copy engines, decoders, memory MiB, placement size)
-A100_PROFILES = {0: (19, 1, 7, 14, 1, 0, 4864, 1), 1: (14, 2, 3, 28, 2, 1, 9856, 2), 2: (9, 3, 2, 42, 3, 2, 19968, 4),
-                 3: (5, 4, 1, 56, 4, 2, 19968, 4), 4: (0, 7, 1, 98, 7, 5, 40192, 8)}  # fmt: skip
+A100_PROFILES = {0: (19, 1, 7, 14, 1, 0, 4864, 1), 1: (14, 2, 3, 28, 2, 1, 9984, 2), 2: (9, 3, 2, 42, 3, 2, 20096, 4),
+                 3: (5, 4, 1, 56, 4, 2, 20096, 4), 4: (0, 7, 1, 98, 7, 5, 40192, 8)}  # fmt: skip
 SLICES = {"3g.20gb": 3, "2g.10gb": 2, "1g.5gb": 1}
 
 
@@ -321,6 +323,9 @@ def test_mig_instances_as_nvidias_cdi_generator_asks(host, nv):
             r["migs"].append({
                 "attributes": [a.gpuInstanceSliceCount, a.computeInstanceSliceCount, a.memorySizeMB,
                                a.multiprocessorCount],
+                "engines": [a.sharedCopyEngineCount, a.sharedDecoderCount, a.sharedEncoderCount,
+                            a.sharedJpegCount, a.sharedOfaCount],
+                "memory_info_mib": N.nvmlDeviceGetMemoryInfo(m).total >> 20,
                 "gi": [gi_info.id, gi_info.profileId, gi_info.placement.start, gi_info.placement.size,
                        N.nvmlDeviceGetUUID(gi_info.device)],
                 "ci": [ci_info.id, ci_info.profileId, ci_info.placement.size, N.nvmlDeviceGetUUID(ci_info.device)],
@@ -347,9 +352,12 @@ def test_mig_instances_as_nvidias_cdi_generator_asks(host, nv):
     )
     starts = {"3g.20gb": 0, "2g.10gb": 4, "1g.5gb": 6}
     by_slices = {p[1]: p for p in A100_PROFILES.values()}
-    for got, (gi, ci, profile, _uuid, _gib, _) in zip(r["migs"], MIGS):
-        pid, slices, _, sms, _, _, memory_mb, size = by_slices[SLICES[profile]]
+    for got, (gi, ci, profile, _uuid, mib, _) in zip(r["migs"], MIGS):
+        pid, slices, _, sms, copy, decoders, memory_mb, size = by_slices[SLICES[profile]]
         assert got["attributes"] == [slices, slices, memory_mb, sms]
+        # GFD labels the attributes, we label the memory info: one figure, as on a real A100
+        assert got["memory_info_mib"] == memory_mb == mib
+        assert got["engines"] == [copy, decoders, 0, 0, 0]
         assert got["gi"] == [gi, pid, starts[profile], size, GPU1["uuid"]]
         assert got["ci"] == [ci, {1: 0, 2: 1, 3: 2}[slices], slices, GPU1["uuid"]]
         assert got["ci_profile"] == [slices, f"MIG {profile}"]
@@ -939,4 +947,141 @@ def test_mig_handles_have_no_board_sensors(live, nv, host):
         "mig": [[3] * 5] * 3,  # NVML_ERROR_NOT_SUPPORTED
         "raised": ["NVMLError_NotSupported", 3],
         "gpu": [33, 2, 2],  # the GPU itself answers; an unknown sensor or clock is INVALID_ARGUMENT
+    }
+
+
+# ---- events: what NVIDIA's device plugin waits on for health -----------------------------------
+
+EVENTS = f"""
+import threading, time
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+import nvmlevents as C
+root = sys.argv[2]
+XID = N.nvmlEventTypeXidCriticalError
+N.nvmlInit()
+g0 = N.nvmlDeviceGetHandleByIndex(0)
+g1 = N.nvmlDeviceGetHandleByIndex(1)
+m13 = N.nvmlDeviceGetMigDeviceHandleByIndex(g1, 2)  # gi 13, ci 0
+
+def event(s, timeout=2000):
+    try:
+        e = N.nvmlEventSetWait_v2(s, timeout)
+    except N.NVMLError as x:
+        return x.value
+    uuid = N.nvmlDeviceGetUUID(e.device)
+    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    return [uuid, e.eventType, e.eventData, e.gpuInstanceId, e.computeInstanceId]
+"""
+
+
+def test_events_deliver_injected_xids_as_nvidias_plugin_registers_them(host, nv):
+    r = pynvml(
+        host,
+        script(
+            EVENTS,
+            """
+            r["supported"] = [N.nvmlDeviceGetSupportedEventTypes(g0), err(N.nvmlDeviceGetSupportedEventTypes, m13)]
+            C.inject_xid(root, sys.argv[3], 31)  # before any set exists: delivered to none
+            s = N.nvmlEventSetCreate()
+            mask = XID | N.nvmlEventTypeDoubleBitEccError | N.nvmlEventTypeSingleBitEccError
+            N.nvmlDeviceRegisterEvents(g0, mask & N.nvmlDeviceGetSupportedEventTypes(g0), s)
+            N.nvmlDeviceRegisterEvents(g1, XID, s)
+            r["refused"] = [err(N.nvmlDeviceRegisterEvents, g0, 1 << 40, s),
+                            err(N.nvmlDeviceRegisterEvents, m13, XID, s)]
+            r["nothing_yet"] = event(s, 50)
+            C.inject_xid(root, sys.argv[3], 79)
+            C.inject_xid(root, "GPU-00000000-0000-0000-0000-000000000000", 79)  # no such GPU: skipped
+            C.inject_xid(root, sys.argv[4], 48)  # a MIG device's: its GPU, naming its instances
+            r["events"] = [event(s), event(s), event(s, 50)]
+            later = N.nvmlEventSetCreate()  # a set sees what happens after it is made
+            N.nvmlDeviceRegisterEvents(g1, XID, later)
+            r["later_sees_nothing_old"] = event(later, 50)
+            # An XID while a thread waits wakes it; both sets get it.
+            threading.Timer(0.2, C.inject_xid, (root, sys.argv[5], 94)).start()
+            r["waited"] = [event(later, 10000), event(s, 10000)]
+            N.nvmlEventSetFree(later)
+            r["freed"] = [err(N.nvmlEventSetWait_v2, later, 10), err(N.nvmlEventSetFree, later)]
+            # The v1 entry point fills the struct without the instance ids.
+            class V1(ctypes.Structure):
+                _fields_ = [("device", ctypes.c_void_p), ("eventType", ctypes.c_ulonglong),
+                            ("eventData", ctypes.c_ulonglong), ("guard", ctypes.c_uint * 2)]
+            C.inject_xid(root, sys.argv[3], 63)
+            v1 = V1(guard=(7, 7))
+            r["v1"] = [lib.nvmlEventSetWait(s, ctypes.byref(v1), 2000), v1.eventType, v1.eventData, list(v1.guard)]
+            N.nvmlEventSetFree(s)
+            N.nvmlShutdown()
+            r["uninitialized"] = err(N.nvmlEventSetCreate)
+            """,
+        ),
+        str(host["root"]),
+        GPU0["uuid"],
+        MIGS[2][3],
+        GPU1["uuid"],
+    )
+    nvmlevents.clear_events(str(host["root"]))
+    xid = 8  # nvmlEventTypeXidCriticalError
+    assert r == {
+        "supported": [0x1F, 3],  # SBE, DBE, PState, XID, clock; a MIG handle: NOT_SUPPORTED
+        "refused": [3, 3],
+        "nothing_yet": 10,  # NVML_ERROR_TIMEOUT
+        "events": [[GPU0["uuid"], xid, 79, 0xFFFFFFFF, 0xFFFFFFFF], [GPU1["uuid"], xid, 48, 13, 0], 10],
+        "later_sees_nothing_old": 10,
+        "waited": [[GPU1["uuid"], xid, 94, 0xFFFFFFFF, 0xFFFFFFFF]] * 2,
+        "freed": [2, 2],
+        "v1": [0, xid, 63, [7, 7]],
+        "uninitialized": 1,
+    }
+
+
+def test_events_only_for_registered_gpus_and_fail_with_nvml(live, nv, host):
+    r = pynvml(
+        host,
+        script(
+            EVENTS,
+            CONTROL.replace("sys.argv[2]", "sys.argv[3]"),
+            """
+            s = N.nvmlEventSetCreate()
+            N.nvmlDeviceRegisterEvents(g1, XID, s)
+            C.inject_xid(root, sys.argv[4], 79)  # GPU 0: not registered in this set
+            r["unregistered"] = event(s, 100)
+            control("fail 999\\n")
+            r["failing"] = event(s, 100)
+            N.nvmlShutdown()
+            """,
+        ),
+        str(host["root"]),
+        live,
+        GPU0["uuid"],
+    )
+    nvmlevents.clear_events(str(host["root"]))
+    assert r == {"unregistered": 10, "failing": 999}
+
+
+def test_topology_and_nvlink_of_the_example_host(host, nv):
+    # sim_host.example.h: both GPUs under one switch, joined by one NVLink (link 0 of each).
+    r = pynvml(
+        host,
+        """
+        N.nvmlInit()
+        g0 = N.nvmlDeviceGetHandleByIndex(0)
+        g1 = N.nvmlDeviceGetHandleByIndex(1)
+        m = N.nvmlDeviceGetMigDeviceHandleByIndex(g1, 0)
+        r["ancestor"] = [N.nvmlDeviceGetTopologyCommonAncestor(g0, g1), N.nvmlDeviceGetTopologyCommonAncestor(g1, g1),
+                         N.nvmlDeviceGetTopologyCommonAncestor(m, g1), N.nvmlDeviceGetTopologyCommonAncestor(g0, m)]
+        r["state"] = [N.nvmlDeviceGetNvLinkState(g0, 0), N.nvmlDeviceGetNvLinkState(g1, 0),
+                      N.nvmlDeviceGetNvLinkState(g0, 1), N.nvmlDeviceGetNvLinkState(g0, 11),
+                      err(N.nvmlDeviceGetNvLinkState, g0, 12), err(N.nvmlDeviceGetNvLinkState, g0, 18),
+                      err(N.nvmlDeviceGetNvLinkState, m, 0)]
+        r["remote"] = [s(N.nvmlDeviceGetNvLinkRemotePciInfo(g0, 0).busId),
+                       s(N.nvmlDeviceGetNvLinkRemotePciInfo(g1, 0).busId),
+                       err(N.nvmlDeviceGetNvLinkRemotePciInfo, g0, 1)]
+        N.nvmlShutdown()
+        """,
+    )
+    assert r == {
+        "ancestor": [10, 0, 0, 10],  # SINGLE (one switch); INTERNAL (the same GPU, or a MIG device of it)
+        # Link 0 active; 1 to 11 inactive; past an A100's 12, NOT_SUPPORTED (go-gpuallocator skips it),
+        # past nvml.h's NVML_NVLINK_MAX_LINKS (18), INVALID_ARGUMENT; a MIG handle: NOT_SUPPORTED.
+        "state": [1, 1, 0, 0, 3, 2, 3],
+        "remote": [GPU1["bus_id"], GPU0["bus_id"], 3],
     }

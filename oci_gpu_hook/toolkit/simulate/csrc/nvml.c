@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "sim_host.h"
@@ -939,23 +940,11 @@ EXPORT nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t mi
  * (nvidia-smi mig -lgip / -lcip).  Each MIG device is one GPU instance
  * holding one compute instance that spans it. */
 
-/* Indexed by NVML_GPU_INSTANCE_PROFILE_<n>_SLICE; the compute instance profiles
- * (NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE) have the same indices and slice counts. */
-struct sim_gi_profile {
-    const char *name;
-    unsigned id;                  /* the profile id nvidia-smi shows */
-    unsigned slices, instances, sms, copy_engines, decoders, encoders, jpegs, ofas;
-    unsigned long long memory_mb;
-    unsigned placement_size;      /* in memory slices (eight on an A100) */
-};
-
-static const struct sim_gi_profile GI_PROFILES[] = {
-    {"1g.5gb", 19, 1, 7, 14, 1, 0, 0, 0, 0, 4864, 1},
-    {"2g.10gb", 14, 2, 3, 28, 2, 1, 0, 0, 0, 9856, 2},
-    {"3g.20gb", 9, 3, 2, 42, 3, 2, 0, 0, 0, 19968, 4},
-    {"4g.20gb", 5, 4, 1, 56, 4, 2, 0, 0, 0, 19968, 4},
-    {"7g.40gb", 0, 7, 1, 98, 7, 5, 0, 1, 1, 40192, 8},
-};
+/* GI_PROFILES (sim_host.h, from model.MIG_PROFILES) is indexed by
+ * NVML_GPU_INSTANCE_PROFILE_<n>_SLICE; the compute instance profiles
+ * (NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE) have the same indices and slice counts.
+ * A MIG device's attributes and its memory info come from the same host data, so
+ * that GFD's label (attributes) and ours (memory info) agree, as on a real GPU. */
 #define N_GI_PROFILES (sizeof GI_PROFILES / sizeof GI_PROFILES[0])
 
 /* NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE for a compute instance of n slices. */
@@ -1203,4 +1192,278 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstanc
     else
         snprintf(info->name, sizeof info->name, "MIG %uc.%s", slices, gi->name);
     return NVML_SUCCESS;
+}
+
+/* ---- events -------------------------------------------------------------
+ * What NVIDIA's device plugin waits on for health: an event set, the device's
+ * supported event types, registration, and the wait.  Events come from
+ * SIM_ROOT/nvml-events, a log that tests append to (control.inject_xid):
+ *     <uuid> xid <n>            an XID on a GPU; with a MIG device's uuid, on
+ *                               its GPU, naming the MIG device's instances
+ * A set sees the lines appended after it was made, as the driver delivers only
+ * the events that happen while a set exists; each set reads the log on its own,
+ * so every process (and every set) waiting gets every event.  Only on the host. */
+
+#define SIM_EVENTS_FILE SIM_ROOT "/nvml-events"
+#define SIM_MAX_EVENT_SETS 64
+#define SIM_SUPPORTED_EVENTS                                                                 \
+    (nvmlEventTypeSingleBitEccError | nvmlEventTypeDoubleBitEccError | nvmlEventTypePState | \
+     nvmlEventTypeXidCriticalError | nvmlEventTypeClock)
+#define SIM_NO_INSTANCE 0xFFFFFFFFu
+
+struct nvmlEventSet_st {
+    int used;
+    long offset;                                   /* bytes of the log already read */
+    unsigned long long registered[SIM_N_GPUS + 1]; /* event types, by SIM_GPUS index */
+};
+
+static struct nvmlEventSet_st g_sets[SIM_MAX_EVENT_SETS];
+static pthread_mutex_t g_sets_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static long events_size(void)
+{
+    struct stat st;
+    return on_host() && stat(SIM_EVENTS_FILE, &st) == 0 ? (long)st.st_size : 0;
+}
+
+static unsigned gpu_number(nvmlDevice_t device)
+{
+    return (unsigned)(device->gpu - SIM_GPUS);
+}
+
+/* A set handle is valid if it is one of ours and in use; called with g_sets_lock held. */
+static int valid_set(nvmlEventSet_t set)
+{
+    uintptr_t p = (uintptr_t)set, base = (uintptr_t)g_sets;
+    return set != NULL && p >= base && p < base + sizeof g_sets && (p - base) % sizeof g_sets[0] == 0 &&
+           set->used;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (set == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    TRY(injected_fault());
+    pthread_mutex_lock(&g_sets_lock);
+    for (unsigned i = 0; i < SIM_MAX_EVENT_SETS; i++) {
+        if (!g_sets[i].used) {
+            memset(&g_sets[i], 0, sizeof g_sets[i]);
+            g_sets[i].used = 1;
+            g_sets[i].offset = events_size();
+            *set = &g_sets[i];
+            pthread_mutex_unlock(&g_sets_lock);
+            return NVML_SUCCESS;
+        }
+    }
+    pthread_mutex_unlock(&g_sets_lock);
+    return NVML_ERROR_MEMORY;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    pthread_mutex_lock(&g_sets_lock);
+    int ok = valid_set(set);
+    if (ok)
+        set->used = 0;
+    pthread_mutex_unlock(&g_sets_lock);
+    return ok ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)
+{
+    TRY(check_out(device, eventTypes));
+    if (device->mig) /* events are registered on the GPU; they name the MIG instance */
+        return NVML_ERROR_NOT_SUPPORTED;
+    *eventTypes = SIM_SUPPORTED_EVENTS;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                             nvmlEventSet_t set)
+{
+    TRY(check(device));
+    if (device->mig)
+        return NVML_ERROR_NOT_SUPPORTED;
+    if (eventTypes & ~SIM_SUPPORTED_EVENTS) /* nvml.h: some of the requested types are unsupported */
+        return NVML_ERROR_NOT_SUPPORTED;
+    pthread_mutex_lock(&g_sets_lock);
+    int ok = valid_set(set);
+    if (ok)
+        set->registered[gpu_number(device)] |= eventTypes;
+    pthread_mutex_unlock(&g_sets_lock);
+    return ok ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+/* The event a log line names, if it is for a GPU this process sees and the set registered for. */
+static int event_of(const char *line, nvmlEventSet_t set, nvmlEventData_t *data)
+{
+    char uuid[96], kind[16];
+    unsigned long long value;
+    if (sscanf(line, "%95s %15s %llu", uuid, kind, &value) != 3 || strcmp(kind, "xid") != 0)
+        return 0;
+    for (unsigned i = 0; i < g_n_visible; i++) {
+        struct nvmlDevice_st *d = g_visible[i];
+        const struct sim_mig *mig = NULL;
+        if (strcmp(d->gpu->uuid, uuid) != 0) {
+            for (unsigned m = 0; m < d->gpu->n_mig; m++)
+                if (strcmp(d->gpu->mig[m].uuid, uuid) == 0)
+                    mig = &d->gpu->mig[m];
+            if (mig == NULL)
+                continue;
+        }
+        if (!(set->registered[gpu_number(d)] & nvmlEventTypeXidCriticalError))
+            return 0;
+        data->device = d;
+        data->eventType = nvmlEventTypeXidCriticalError;
+        data->eventData = value;
+        data->gpuInstanceId = mig ? mig->gi_id : SIM_NO_INSTANCE;
+        data->computeInstanceId = mig ? mig->ci_id : SIM_NO_INSTANCE;
+        return 1;
+    }
+    return 0;
+}
+
+/* The next event of the set in the log, if one was appended; 1 when data holds it. */
+static int next_event(nvmlEventSet_t set, nvmlEventData_t *data)
+{
+    if (!on_host())
+        return 0;
+    FILE *f = fopen(SIM_EVENTS_FILE, "re");
+    if (f == NULL)
+        return 0;
+    int found = 0;
+    char line[256];
+    pthread_mutex_lock(&g_sets_lock);
+    struct stat st;
+    /* A log shorter than what the set read was removed and begun again (control.clear_events). */
+    if (valid_set(set) && fstat(fileno(f), &st) == 0 && st.st_size < set->offset)
+        set->offset = 0;
+    if (valid_set(set) && fseek(f, set->offset, SEEK_SET) == 0) {
+        /* Only whole lines: a writer's line is consumed once its newline is there. */
+        while (!found && fgets(line, sizeof line, f) && strchr(line, '\n')) {
+            set->offset += (long)strlen(line);
+            found = event_of(line, set, data);
+        }
+    }
+    pthread_mutex_unlock(&g_sets_lock);
+    fclose(f);
+    return found;
+}
+
+static long long now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (data == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_sets_lock);
+    int ok = valid_set(set);
+    pthread_mutex_unlock(&g_sets_lock);
+    if (!ok)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    long long deadline = now_ms() + timeoutms;
+    for (;;) {
+        TRY(injected_fault());
+        if (next_event(set, data))
+            return NVML_SUCCESS;
+        long long left = deadline - now_ms();
+        if (left <= 0)
+            return NVML_ERROR_TIMEOUT;
+        /* The log is polled: 20 ms is far below any health check's interval. */
+        struct timespec pause = {0, (left < 20 ? left : 20) * 1000000L};
+        nanosleep(&pause, NULL);
+    }
+}
+
+EXPORT nvmlReturn_t nvmlEventSetWait(nvmlEventSet_t set, nvmlEventData_v1_t *data, unsigned int timeoutms)
+{
+    nvmlEventData_t full;
+    if (data == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    TRY(nvmlEventSetWait_v2(set, &full, timeoutms));
+    data->device = full.device;
+    data->eventType = full.eventType;
+    data->eventData = full.eventData;
+    return NVML_SUCCESS;
+}
+
+/* ---- topology ------------------------------------------------------------
+ * From the host description (SIM_TOPOLOGY): GPUs under one PCIe switch meet
+ * there (SINGLE); else, on one NUMA node, at its CPU (NODE: each switch has its
+ * own host bridge); else across the CPUs' interconnect (SYSTEM).  A MIG device
+ * sits where its GPU does.  NVLinks: link n of a GPU leads to its n-th peer. */
+
+/* NVLinks a part has (A100: 12, H100: 18); PCIe cards (L4, T4) have none. */
+static unsigned nvlinks_of(const struct sim_gpu *gpu)
+{
+    if (gpu->cc_major == 8 && gpu->cc_minor == 0)
+        return 12;
+    return gpu->cc_major >= 9 ? 18 : 0;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2,
+                                                        nvmlGpuTopologyLevel_t *pathInfo)
+{
+    TRY(check_out(device1, pathInfo));
+    TRY(check(device2));
+    const struct sim_topology *a = &SIM_TOPOLOGY[gpu_number(device1)];
+    const struct sim_topology *b = &SIM_TOPOLOGY[gpu_number(device2)];
+    if (device1->gpu == device2->gpu)
+        *pathInfo = NVML_TOPOLOGY_INTERNAL;
+    else if (a->pcie_switch == b->pcie_switch)
+        *pathInfo = NVML_TOPOLOGY_SINGLE;
+    else if (a->numa_node == b->numa_node)
+        *pathInfo = NVML_TOPOLOGY_NODE;
+    else
+        *pathInfo = NVML_TOPOLOGY_SYSTEM;
+    return NVML_SUCCESS;
+}
+
+/* The topology of an NVLink query's GPU and link; NVML_SUCCESS when the link exists. */
+static nvmlReturn_t nvlink(nvmlDevice_t device, unsigned int link, const void *out,
+                           const struct sim_topology **topology)
+{
+    TRY(check_out(device, out));
+    if (link >= NVML_NVLINK_MAX_LINKS)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    /* Past the part's own links, as on none at all: NOT_SUPPORTED, which go-gpuallocator skips
+     * (any other error there fails its whole topology read). */
+    if (device->mig || link >= nvlinks_of(device->gpu))
+        return NVML_ERROR_NOT_SUPPORTED;
+    *topology = &SIM_TOPOLOGY[gpu_number(device)];
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *isActive)
+{
+    const struct sim_topology *t = NULL;
+    TRY(nvlink(device, link, isActive, &t));
+    *isActive = link < t->n_nvlinks ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+{
+    const struct sim_topology *t = NULL;
+    TRY(nvlink(device, link, pci, &t));
+    if (link >= t->n_nvlinks || t->nvlink_peer[link] >= SIM_N_GPUS)
+        return NVML_ERROR_NOT_SUPPORTED; /* an inactive link leads nowhere */
+    fill_pci(&SIM_GPUS[t->nvlink_peer[link]], pci);
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+{
+    return nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, pci);
 }

@@ -16,6 +16,15 @@ struct sim_mig {
     unsigned long long memory_total; /* bytes */
 };
 
+/* A GPU instance profile: model.MigProfile. */
+struct sim_gi_profile {
+    const char *name;
+    unsigned id;                  /* the profile id nvidia-smi shows */
+    unsigned slices, instances, sms, copy_engines, decoders, encoders, jpegs, ofas;
+    unsigned long long memory_mb;
+    unsigned placement_size;      /* in memory slices (eight on an A100) */
+};
+
 struct sim_gpu {
     const char *name;          /* "NVIDIA A100-SXM4-40GB" */
     int brand;                 /* nvmlBrandType_t value */
@@ -33,6 +42,16 @@ struct sim_gpu {
     const struct sim_mig *mig;
 };
 
+/* Where a GPU sits (sim_host.h's SIM_TOPOLOGY, in SIM_GPUS order): its PCIe switch, its NUMA
+ * node, and the GPUs (SIM_GPUS indices) its NVLinks lead to, one link each. */
+#define SIM_MAX_NVLINKS 12
+struct sim_topology {
+    unsigned pcie_switch;
+    unsigned numa_node;
+    unsigned n_nvlinks;
+    unsigned nvlink_peer[SIM_MAX_NVLINKS];
+};
+
 /* sim_host.h defines:
  *   SIM_ROOT            "/abs/path/of/simulated/host"
  *   SIM_DRIVER_VERSION  "550.54.15"
@@ -41,5 +60,7 @@ struct sim_gpu {
  *   SIM_CAPS_MAJOR      major of "nvidia-caps" in the simulated /proc/devices
  *   SIM_N_GPUS          number of entries in SIM_GPUS
  *   static const struct sim_gpu SIM_GPUS[]   in NVML index (PCI bus) order
+ *   static const struct sim_gi_profile GI_PROFILES[]   the MIG GPU instance profiles
+ *   static const struct sim_topology SIM_TOPOLOGY[]   the same order
  */
 #endif

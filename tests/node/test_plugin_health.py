@@ -1,0 +1,49 @@
+"""Which XIDs make a device Unhealthy (plugin_health.policy): the configuration's health keys and
+NVIDIA's DP_DISABLE_HEALTHCHECKS / DP_ENABLE_HEALTHCHECKS, with NVIDIA's meanings. (The thread
+itself, on the simulated NVML's events: tests/node/test_device_plugin.py and tests/e2e.)"""
+
+import pytest
+
+from oci_gpu_hook.errors import ConfigError
+from oci_gpu_hook.node import plugin_config, plugin_health
+
+
+def critical(doc, environ=None, xids=(13, 31, 48, 63, 64, 79, 94, 95, 109, 119)):
+    policy = plugin_health.policy(plugin_config.parse(doc, "p.yaml"), environ or {})
+    return [x for x in xids if policy.is_critical(x)], policy.off
+
+
+@pytest.mark.parametrize("doc, environ, want, off", [
+    # NVIDIA's default: every XID but the application ones (13, 31, 43, 45, 68, 109).
+    ({}, {}, [48, 63, 64, 79, 94, 95, 119], False),
+    ({"health": {"criticalXids": [79, 48]}}, {}, [48, 79], False),
+    ({"health": {"criticalXids": [79, 13]}}, {}, [79], False),  # still ignored
+    ({"health": {"ignoredXids": [79]}}, {}, [13, 31, 48, 63, 64, 94, 95, 109, 119], False),
+    ({"health": {"criticalXids": []}}, {}, [], True),
+    ({}, {"DP_DISABLE_HEALTHCHECKS": "xids"}, [], True),
+    ({}, {"DP_DISABLE_HEALTHCHECKS": "all"}, [], True),
+    ({}, {"DP_DISABLE_HEALTHCHECKS": "79, 48,junk"}, [63, 64, 94, 95, 119], False),
+    ({}, {"DP_DISABLE_HEALTHCHECKS": "all", "DP_ENABLE_HEALTHCHECKS": "79"}, [79], False),
+    ({}, {"DP_ENABLE_HEALTHCHECKS": "13"}, [13, 48, 63, 64, 79, 94, 95, 119], False),
+    ({}, {"DP_ENABLE_HEALTHCHECKS": "all"}, [13, 31, 48, 63, 64, 79, 94, 95, 109, 119], False),
+])  # fmt: skip
+def test_critical_xids(doc, environ, want, off):
+    assert critical({"version": "v1", **doc}, environ) == (want, off)
+
+
+@pytest.mark.parametrize("health, words", [
+    ({"criticalXids": "some"}, "health.criticalXids"),
+    ({"criticalXids": [0]}, "health.criticalXids"),
+    ({"ignoredXids": "13"}, "health.ignoredXids"),
+    ({"ignoredXids": [True]}, "health.ignoredXids"),
+    ({"xids": [79]}, "health"),
+])  # fmt: skip
+def test_bad_health_keys_are_one_line(health, words):
+    with pytest.raises(ConfigError) as e:
+        plugin_config.parse({"version": "v1", "health": health}, "p.yaml")
+    assert e.value.message.startswith(f"p.yaml: {words}") and "\n" not in e.value.message, e.value.message
+
+
+def test_the_policy_says_what_counts():
+    policy = plugin_health.policy(plugin_config.parse({"version": "v1"}, "p"), {"DP_ENABLE_HEALTHCHECKS": "13"})
+    assert policy.describe() == "critical: every XID but 31, 43, 45, 68, 109, and 13"

@@ -1,0 +1,77 @@
+# Sourced by tests/vm/setup.sh and every scenario before it runs (inside the node VM, as root in
+# unconfined_t, SELinux enforcing). What a scenario may use:
+#   $P      the payload: $P/src (the checkout), $P/wheels, $P/*.tar, $P/scenarios
+#   $SIM    the simulated GPU host standing in for the driver (config.yaml points the hook at it)
+#   $HOOK   the installed oci-gpu-hook command (the venv's, as a user installs it)
+#   $FC     the policy's file_contexts
+#   run CMD...           print the command, run it, print its exit status and time; returns it
+#   fail MESSAGE         print "FAIL: MESSAGE" and end the scenario with exit status 1
+#   expect TEXT FILE|-   fail unless the file (or stdin) holds a line containing TEXT
+#   denials              print the AVC/SELINUX_ERR records logged since the scenario started
+#   no_denials [WHAT]    fail if there is any (WHAT: what the scenario did, for the message)
+#   gpu_run NAME [PODMAN RUN OPTIONS...]
+#                        `podman run -t` of the busybox image with GPU 0 requested, whose shell
+#                        prints "domain=...", "dev <node> <OUTCOME>" for /dev/nvidiactl and
+#                        /dev/nvidia0 (OUTCOME: absent, ENXIO-allowed-no-driver, ENODEV-...,
+#                        EACCES-SELinux-or-DAC, EPERM-device-cgroup-refused, opened, other), and
+#                        "nodes=N" (/dev/nvidiaN nodes), "libs=N" (driver libraries it sees); exits with podman's status
+# shellcheck shell=bash
+P=/opt/vmcheck
+SIM=/srv/gpuhost
+HOOK=/usr/local/bin/oci-gpu-hook
+FC=/etc/selinux/default/contexts/files/file_contexts
+export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C HOME=/root
+
+run() {
+    printf '$ %s\n' "$*"
+    local t rc
+    t=$(date +%s.%N); "$@"; rc=$?
+    printf '[rc=%s, %s s]\n' "$rc" "$(awk -v a="$t" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')"
+    return $rc
+}
+fail() { echo "FAIL: $*"; exit 1; }
+expect() {
+    local text=$1 file=${2:--}
+    if [ "$file" = - ]; then grep -F -q -- "$text" || fail "expected a line with '$text'"
+    else grep -F -q -- "$text" "$file" || fail "expected a line with '$text' in $file"; fi
+}
+
+denials() {
+    sleep 1  # auditd writes asynchronously
+    tail -n +"$((${VMCHECK_AUDIT_MARK:-0} + 1))" /var/log/audit/audit.log | grep -E 'type=(AVC|USER_AVC|SELINUX_ERR)'
+}
+no_denials() {
+    local found
+    found=$(denials)
+    [ -z "$found" ] || { echo "$found"; fail "SELinux denials during ${1:-the scenario}"; }
+}
+
+# what a device open says: EPERM = the device cgroup refused; EACCES = SELinux (or mode bits);
+# ENXIO/ENODEV = allowed through both, and no driver behind the simulated node
+GPU_PROBE='classify() { case "$1" in
+  *"not permitted"*) echo EPERM-device-cgroup-refused ;;
+  *"ermission denied"*) echo EACCES-SELinux-or-DAC ;;
+  *"No such device or address"*) echo ENXIO-allowed-no-driver ;;
+  *"No such device"*) echo ENODEV-allowed-no-driver ;;
+  "") echo opened ;;
+  *) echo other ;; esac; }
+echo "domain=$(cat /proc/self/attr/current)"
+for d in /dev/nvidiactl /dev/nvidia0; do
+  if [ -e $d ]; then err=$(head -c1 $d 2>&1 >/dev/null); echo "dev $d $(classify "$err") (${err:-no error})"
+  else echo "dev $d absent"; fi
+done
+echo "nodes=$(ls /dev | grep -c "^nvidia[0-9]")"
+echo "libs=$(ls /usr/lib64/libcuda.so* /usr/lib/x86_64-linux-gnu/libcuda.so* /usr/lib64/libnvidia-ml.so* /usr/lib/x86_64-linux-gnu/libnvidia-ml.so* 2>/dev/null | wc -l)"'
+
+gpu_run() {
+    local name=$1; shift
+    podman rm -f "$name" >/dev/null 2>&1
+    printf '$ podman run -t --rm --name %s --network none %s -e NVIDIA_VISIBLE_DEVICES=0 localhost/gpubox sh -c PROBE\n' "$name" "$*"
+    # -t: container_t may not write the pipes conmon (bin_t, in our unconfined_t) makes; a pty is
+    # the container's own (shared/tools/node-vm/README.md). tr: the pty's CRLF.
+    timeout 300 podman run -t --rm --name "$name" --network none "$@" -e NVIDIA_VISIBLE_DEVICES=0 \
+        -e NVIDIA_DRIVER_CAPABILITIES=compute,utility localhost/gpubox /bin/sh -c "$GPU_PROBE" | tr -d '\r'
+    local rc=${PIPESTATUS[0]}
+    printf '[podman rc=%s]\n' "$rc"
+    return "$rc"
+}

@@ -1,0 +1,353 @@
+"""A real node in a VM (issue 38): systemd as PID 1, unified cgroup2 and SELinux enforcing, which
+no machine here has. The harness boots a cached Debian 12 base image under qemu (TCG: this
+machine's /dev/kvm is a nested PVM that cannot run a stock kernel) with this checkout as a payload
+on a second disk, runs named scenarios in one boot, and brings back their results and the audit
+log. tests/e2e/test_node_vm.py has a test per scenario.
+
+How to add a scenario
+---------------------
+Write tests/vm/scenarios/NAME.sh (NAME: lower case, digits, underscores). That is all: the next
+boot runs it and tests/e2e/test_node_vm.py gets a test_scenario[NAME]. The file is bash, sourced
+after tests/vm/lib.sh (read it: $SIM, $HOOK, run, fail, expect, gpu_run), as root in
+unconfined_t (an administrator's shell; Debian's policy confines runc when started from a
+service), with SELinux enforcing. Its first lines say what it proves and its time limit:
+
+    # proves: gpu_container_t gets its GPU under enforcing; container_t none
+    # timeout: 300
+
+It passes when it exits 0; `fail MESSAGE` ends it. Its output, its exit status, its time and
+the AVC/SELINUX_ERR records logged while it ran are brought back; a failing test shows them and
+the serial console's tail. A scenario may also assert that it caused no denial: `no_denials`
+(lib.sh) fails on any logged since it started. Scenarios run in name order, after the common
+set-up (tests/vm/setup.sh: the package installed as a user does, the SELinux module loaded with
+`semodule -i`, `oci-gpu-hook install --runtime podman`, the busybox image imported), in the same
+boot: leave the node as you found it (remove containers, restore policies and files you changed).
+Test it alone: VMCHECK_SCENARIOS=NAME[,NAME] pytest tests/e2e/test_node_vm.py (the boot still
+runs the set-up); while writing one, VMCHECK_SCENARIOS=/path/to/NAME.sh runs it from there. A
+scenario that needs the shared CRI-O or kubelet in the VM says so (`# needs: crio kubelet`): their
+programs then come in the payload's bin/ (and CRI-O's pause image as pause.tar).
+
+The pieces
+----------
+- tests/vm/build-base.sh: the base image (packages, refpolicy + container module, a boot unit that
+  runs the payload), cached in $SEVM (default /var/cache/oci-gpu-hook-node-vm)/base; about 10
+  minutes once per machine, in the background of `make test` (tests/toolbuild.py). Nothing of the
+  checkout is in it, so no project change rebuilds it.
+- payload(): the checkout's files (git ls-files: tracked and untracked-not-ignored), wheels of the
+  package and its dependencies (the VM has no network; dependency wheels cached in $SEVM/wheels),
+  two simulated GPU hosts built at host speed (driver 550.54.15 and, for a driver update,
+  560.35.03), the busybox image, tests/vm/*.sh and the scenarios. A tar, used as a raw disk.
+- boot(): qemu with the base image (snapshot=on: each boot starts from the same image), the
+  payload (vdb) and an empty results disk (vdc); the guest writes its results there as a tar.
+
+Time (2 cores, shared, TCG): boot to the guest 24-60 s, set-up about 2-3 minutes (half of it
+`semodule -i`), a GPU `podman run` 4-8 s.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import toolbuild
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VM_DIR = os.path.join(REPO, "tests", "vm")
+SCENARIO_DIR = os.path.join(VM_DIR, "scenarios")
+SELFCHECK = os.path.join(VM_DIR, "selfcheck.sh")
+NAME = re.compile(r"^[a-z0-9_]+$")
+SIM_VERSIONS = {"gpuhost.tar": "550.54.15", "gpuhost-next.tar": "560.35.03"}
+BOOT_TIMEOUT = 3000  # seconds, the whole boot: a hang guard, never a speed check
+KEEP_RUNS = 3
+
+
+class VmError(Exception):
+    """The VM did not boot, or brought nothing back: the message says what is known."""
+
+
+def cache() -> str:
+    return toolbuild.cache("node-vm")
+
+
+def base() -> dict:
+    """The base image's files. The build script runs every time, under the build's lock (waiting
+    for a build in progress): its stamps make it a no-op unless its recipe changed."""
+    done = toolbuild.build("node-vm")
+    if done.returncode != 0:
+        raise VmError(f"the base image build failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    out = os.path.join(cache(), "base")
+    return {name: os.path.join(out, name) for name in ("rootfs.img", "vmlinuz", "initrd.img")}
+
+
+def scenarios() -> list:
+    """The scenario names, in the order a boot runs them. VMCHECK_SCENARIOS (a comma list) narrows
+    them; an entry that is a path to a .sh file adds a scenario from outside tests/vm/scenarios
+    (one being written)."""
+    names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(SCENARIO_DIR, "*.sh")))
+    wanted = [n for n in os.environ.get("VMCHECK_SCENARIOS", "").split(",") if n]
+    for entry in wanted:
+        if entry.endswith(".sh"):
+            _OUTSIDE[os.path.basename(entry)[:-3]] = os.path.abspath(entry)
+    bad = [n for n in names + list(_OUTSIDE) if not NAME.match(n)]
+    assert not bad, f"scenario names must be lower case, digits and underscores: {bad}"
+    if not wanted:
+        return names
+    return [n for n in names if n in wanted] + sorted(_OUTSIDE)
+
+
+_OUTSIDE: dict = {}  # name: path, of the scenarios VMCHECK_SCENARIOS names by path
+
+
+def path(name: str) -> str:
+    """The scenario's file."""
+    if name == "selfcheck":
+        return SELFCHECK
+    return _OUTSIDE.get(name) or os.path.join(SCENARIO_DIR, name + ".sh")
+
+
+def proves(name: str) -> str:
+    """What the scenario says it proves (its `# proves:` line)."""
+    with open(path(name)) as f:
+        for line in f:
+            if line.startswith("# proves:"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+def needs(name: str) -> list:
+    """The shared tools the scenario needs in the VM (its `# needs:` line: crio, kubelet)."""
+    with open(path(name)) as f:
+        for line in f:
+            if line.startswith("# needs:"):
+                return line.split(":", 1)[1].split()
+    return []
+
+
+# tool: the programs of it a scenario gets in the payload's bin/ (what toolbuild.build prints: a
+# directory holding them, or the program itself)
+TOOL_PROGRAMS = {"crio": ("crio", "pinns", "crictl"), "kubelet": ("kubelet",)}
+
+
+def _tool_programs(tool: str, into: str) -> None:
+    done = toolbuild.build(tool)
+    made = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
+    if not made:
+        raise VmError(f"{tool}: its build failed ({done.returncode}): {done.stderr[-2000:]}")
+    os.makedirs(into, exist_ok=True)
+    for program in TOOL_PROGRAMS[tool]:
+        source = os.path.join(made, program) if os.path.isdir(made) else made
+        shutil.copy(source, os.path.join(into, program))
+
+
+def _sh(*args, **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, capture_output=True, text=True, stdin=subprocess.DEVNULL, **kwargs)
+    if done.returncode != 0:
+        raise VmError(f"{' '.join(args)}: exit {done.returncode}: {done.stderr[-2000:]}")
+    return done
+
+
+def _checkout_files() -> list:
+    out = _sh("git", "-C", REPO, "ls-files", "-z", "-co", "--exclude-standard").stdout
+    return [p for p in out.split("\0") if p and os.path.lexists(os.path.join(REPO, p))]
+
+
+def _wheels(src: str, into: str) -> None:
+    """Wheels of the package (from the payload's copy of the checkout) and of its dependencies.
+    The dependencies' wheels are kept in $SEVM/wheels: offline from there when they suffice, else
+    pip fetches (as `make setup` does)."""
+    kept = os.path.join(cache(), "wheels")
+    os.makedirs(kept, exist_ok=True)
+    with open(os.path.join(kept, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        base = ["python3", "-m", "pip", "wheel", "-q", "-w", kept, "--find-links", kept, f"{src}[kubernetes]",
+                "setuptools>=77"]  # fmt: skip
+        offline = subprocess.run([*base, "--no-index"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if offline.returncode != 0:
+            _sh(*base)
+        os.makedirs(into, exist_ok=True)
+        for wheel in glob.glob(os.path.join(kept, "*.whl")):
+            if not os.path.basename(wheel).startswith("oci_gpu_hook-"):
+                shutil.copy(wheel, into)
+        # the package's own wheel: this checkout's, never a kept one
+        for old in glob.glob(os.path.join(kept, "oci_gpu_hook-*.whl")):
+            os.unlink(old)
+        _sh("python3", "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--find-links", into, "-w", into, src)
+
+
+def _simulated_host(tar_path: str, version: str) -> None:
+    """A simulated GPU host at /srv/gpuhost (the path the guest unpacks it to), built in a private
+    mount namespace on a tmpfs there: the host's /srv is never touched."""
+    python = os.path.join(REPO, ".venv", "bin", "python")
+    python = python if os.path.exists(python) else "python3"
+    script = ('mount -t tmpfs vmcheck /srv && "$0" -m oci_gpu_hook simulate /srv/gpuhost --gpus 2 '
+              '--driver-version "$1" >/dev/null && tar -C /srv --warning=no-file-ignored -cf "$2" gpuhost')  # fmt: skip
+    _sh("unshare", "-m", "--propagation", "private", "sh", "-c", script, python, version, tar_path, cwd=REPO)
+
+
+def payload(directory: str, names) -> str:
+    """The payload tar for a boot that runs the scenarios names (in that order), built in
+    directory; returns its path."""
+    stage = os.path.join(directory, "payload")
+    os.makedirs(os.path.join(stage, "src"))
+    listing = os.path.join(directory, "files")
+    with open(listing, "w") as f:
+        f.write("".join(p + "\0" for p in _checkout_files()))
+    _sh("tar", "-C", REPO, "--null", "--no-recursion", "-T", listing, "-cf", listing + ".tar")
+    _sh("tar", "-C", os.path.join(stage, "src"), "-xf", listing + ".tar")
+    os.unlink(listing + ".tar")
+    _wheels(os.path.join(stage, "src"), os.path.join(stage, "wheels"))
+    for tar_name, version in SIM_VERSIONS.items():
+        _simulated_host(os.path.join(stage, tar_name), version)
+    from oci_gpu_hook.toolkit.containers import make_rootfs
+
+    make_rootfs(os.path.join(directory, "gpubox"), debian=True)
+    _sh("tar", "-C", os.path.join(directory, "gpubox"), "-cf", os.path.join(stage, "gpubox.tar"), ".")
+    tools = sorted({tool for name in names for tool in needs(name)})
+    for tool in tools:
+        _tool_programs(tool, os.path.join(stage, "bin"))
+    if "crio" in tools:
+        # CRI-O's pause image: the busybox image with a /pause that sleeps (no registry in the VM)
+        with open(os.path.join(directory, "gpubox", "pause"), "w") as f:
+            f.write("#!/bin/sh\nexec /bin/busybox sleep 1000000000\n")
+        os.chmod(os.path.join(directory, "gpubox", "pause"), 0o755)
+        _sh("tar", "-C", os.path.join(directory, "gpubox"), "-cf", os.path.join(stage, "pause.tar"), ".")
+    for name in ("guest.sh", "lib.sh", "setup.sh"):
+        shutil.copy(os.path.join(VM_DIR, name), stage)
+    os.makedirs(os.path.join(stage, "scenarios"))
+    for name in names:
+        shutil.copy(path(name), os.path.join(stage, "scenarios", name + ".sh"))
+    with open(os.path.join(stage, "scenarios.list"), "w") as f:
+        f.write("".join(n + "\n" for n in names))
+    out = os.path.join(directory, "payload.tar")
+    _sh("tar", "-C", stage, "-cf", out, ".")
+    shutil.rmtree(stage)
+    return out
+
+
+class Step:
+    """One step's results: rc (None: it never ran), output, avc (the denial records), seconds."""
+
+    def __init__(self, directory: str):
+        def read(name, default=""):
+            try:
+                with open(os.path.join(directory, name), errors="replace") as f:
+                    return f.read()
+            except OSError:
+                return default
+
+        rc = read("rc").strip()
+        self.rc = int(rc) if rc.lstrip("-").isdigit() else None
+        self.output, self.avc = read("output.log"), read("avc.log")
+        seconds = read("seconds").strip()
+        self.seconds = float(seconds) if seconds else None
+
+
+class Run:
+    """A finished boot: its serial log and results directory (unpacked from the results disk)."""
+
+    def __init__(self, directory: str, names, qemu_rc: int, wall: float):
+        self.directory, self.names, self.qemu_rc, self.wall = directory, list(names), qemu_rc, wall
+        self.serial = os.path.join(directory, "serial.log")
+        self.results = os.path.join(directory, "results")
+
+    def serial_tail(self, lines: int = 60) -> str:
+        with open(self.serial, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+
+    def setup(self) -> Step:
+        return Step(os.path.join(self.results, "setup"))
+
+    def step(self, name: str) -> Step:
+        return Step(os.path.join(self.results, "scenarios", name))
+
+    def report(self, title: str, step: Step) -> str:
+        """What a failure shows: the step's output tail, its denials, the serial console's tail."""
+        return (
+            f"{title} (exit {step.rc}, {step.seconds} s; everything in {self.directory})\n"
+            f"--- output (tail):\n{step.output[-6000:]}\n"
+            f"--- SELinux denials while it ran ({len(step.avc.splitlines())}):\n{step.avc[-4000:] or '(none)'}\n"
+            f"--- serial console (tail):\n{self.serial_tail()}"
+        )
+
+    def failure(self, name: str) -> str | None:
+        """None when the scenario passed, else the report of why not."""
+        setup = self.setup()
+        if setup.rc != 0:
+            return self.report("the VM's set-up failed, so no scenario ran", setup)
+        step = self.step(name)
+        if step.rc is None:
+            return self.report(f"scenario {name} did not finish (no result came back)", step)
+        if step.rc != 0:
+            return self.report(f"scenario {name} failed: it was to prove: {proves(name)}", step)
+        return None
+
+
+def boot(names, timeout: int = BOOT_TIMEOUT, memory: int = 4096) -> Run:
+    """Boot the base image once with this checkout and run the scenarios names in it."""
+    images = base()
+    runs = os.path.join(cache(), "runs")
+    os.makedirs(runs, exist_ok=True)
+    # the newest KEEP_RUNS stay for a look; older ones go, unless a boot may still be using them
+    for old in sorted(glob.glob(os.path.join(runs, "*")))[:-KEEP_RUNS]:
+        if time.time() - os.path.getmtime(old) > BOOT_TIMEOUT + 600:
+            shutil.rmtree(old, ignore_errors=True)
+    directory = os.path.join(runs, time.strftime("%Y%m%d-%H%M%S-") + hashlib.sha1(os.urandom(8)).hexdigest()[:6])
+    os.makedirs(directory)
+    disk = payload(directory, names)
+    results = os.path.join(directory, "results.img")
+    with open(results, "wb") as f:
+        f.truncate(256 << 20)
+    serial = os.path.join(directory, "serial.log")
+    append = ("root=/dev/vda rw console=ttyS0 security=selinux selinux=1 enforcing=1 panic=-1 "
+              "systemd.show_status=false")  # fmt: skip
+    qemu = ["qemu-system-x86_64", "-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", str(memory),
+            "-nographic", "-no-reboot", "-kernel", images["vmlinuz"], "-initrd", images["initrd.img"],
+            "-append", append,
+            "-drive", f"file={images['rootfs.img']},format=raw,if=virtio,snapshot=on",
+            "-drive", f"file={disk},format=raw,if=virtio,readonly=on",
+            "-drive", f"file={results},format=raw,if=virtio",
+            "-nic", "none"]  # fmt: skip
+    started = time.monotonic()
+    with open(serial, "wb") as log:
+        # TMPDIR: qemu's snapshot overlay goes beside the run, not into /tmp
+        proc = subprocess.Popen(["nice", "-n", "10", *qemu], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                env={**os.environ, "TMPDIR": directory})  # fmt: skip
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            rc = -9
+    run = Run(directory, names, rc, time.monotonic() - started)
+    os.makedirs(run.results)
+    unpacked = subprocess.run(["tar", "-xf", results, "-C", run.results], capture_output=True, text=True)
+    os.unlink(results)
+    os.unlink(disk)
+    if unpacked.returncode != 0:
+        raise VmError(
+            f"the VM brought no results back (qemu exit {rc}, {run.wall:.0f} s; timeout {timeout} s): "
+            f"it did not boot or the guest did not finish. Serial console ({serial}), tail:\n{run.serial_tail()}"
+        )
+    return run
+
+
+_SESSION: dict = {}
+
+
+def session_run() -> Run:
+    """One boot per pytest session, with the harness's self-check first and every scenario. A boot
+    that failed is not tried again: every test reports the same failure."""
+    if "run" not in _SESSION:
+        try:
+            _SESSION["run"] = boot(["selfcheck", *scenarios()])
+        except VmError as e:
+            _SESSION["run"] = e
+    if isinstance(_SESSION["run"], VmError):
+        raise _SESSION["run"]
+    return _SESSION["run"]
