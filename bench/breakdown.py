@@ -5,9 +5,10 @@ Three sources, each measured, nothing estimated:
 - the imports before the GPU path (hook, prestart, state, spec, settings, report): a fresh
   interpreter that imports them and times itself, median of many;
 - the rest from the hook's own log record of each timed start (`timings_ms`, prestart.py and
-  apply.py): settings, the GPU path's imports, inventory and plan, apply (the child's setup, its
-  operations and what of ldconfig they did not hide, the rest of the parent's wait), the
-  container record. Bookkeeping is what is left of the start's median wall time: reading the
+  apply.py): settings, the GPU path's imports, inventory and plan, apply (joining the container
+  and the checks, the operations and what of ldconfig they did not hide, the rest: going back to
+  the hook's own namespace and the container record's reads of /proc), the container record.
+  Bookkeeping is what is left of the start's median wall time: reading the
   state and config.json, the log line, the process's exit.
 """
 
@@ -56,15 +57,15 @@ def breakdown(total_ms: float, interpreter_ms: float, imports_ms: float, timings
         ("GPU path imports", t("imports", 0.0),
          "apply with ctypes and the Linux calls, inventory cache, request, plan"),
         ("inventory and plan", t("plan", 0.0), "the cached inventory, the request, the plan, memory limits"),
-        ("apply: the child joins the container, checks it, opens its journal", t("apply_setup", 0.0),
+        ("apply: joining the container, the checks, the journal", t("apply_setup", 0.0),
          "setns through a pidfd, the pid check, the journal"),
         ("apply: mounts, device rules, ldconfig start", t("apply_operations", 0.0),
          "every operation of the plan, ldconfig's sandbox started after the libraries"),
         ("apply: ldconfig, what the mounts did not hide", t("apply_ldconfig_wait", 0.0),
          f"ldconfig took {t('apply_ldconfig', 0.0):.2f} ms in all"),
-        ("apply: fork, report, reaping", t("apply", 0.0) - t("apply_setup", 0.0) - t("apply_operations", 0.0)
-         - t("apply_ldconfig_wait", 0.0), "the parent's wait beyond the child's own work"),
-        ("container record", t("record", 0.0), "prepared while the child worked; written here"),
+        ("apply: the rest", t("apply", 0.0) - t("apply_setup", 0.0) - t("apply_operations", 0.0)
+         - t("apply_ldconfig_wait", 0.0), "back to the hook's own namespace; the record's reads of /proc"),
+        ("container record", t("record", 0.0), "written here"),
     ]  # fmt: skip
     counted = sum(ms for _, ms, _ in rows)
     rows.append(("bookkeeping and the rest", total_ms - counted, "state and config.json, the log line, exit"))

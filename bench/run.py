@@ -68,6 +68,12 @@ NVIDIA_LEGACY = {
     "simulated 8-GPU host); not measured on this machine",
     "x_runc_cycle": {"gpu1": 1.60, "nongpu": 1.08},
 }
+HOW = (
+    "every case in each of the rounds, in a new seeded order per round; the runc cycles' ratios are paired (the "
+    "median of the per-round ratios to the plain cycle), so that load from other work on the machine, which moves "
+    "whole rounds, hits both sides of each ratio alike; their CPU time (user and system of runc and everything it "
+    "waited for) is given beside the wall time"
+)
 # Issue 41's goals, as ratios to the plain runc cycle measured in the same run.
 GOAL_GPU1_X_RUNC = 1.45  # 0.75x NVIDIA legacy's added time (its 1.60x, taken from issue 41)
 GOAL_GPU8_X_GPU1 = 1.15
@@ -414,7 +420,8 @@ def main():
             "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "runc": subprocess.run([runc, "--version"], capture_output=True, text=True).stdout.splitlines()[0],
         }
-        doc = {"runs": args.runs, "machine": machine, "results": results, "targets": targets, "command": "make bench",
+        doc = {"runs": args.runs, "machine": machine, "how": HOW, "results": results, "targets": targets,
+               "command": "make bench",
                "added_to_runc_ms": added, "cycle_gpu8_x_gpu1": gpu8_x_gpu1, "nvidia_legacy_taken_from_issue_41": nvidia,
                "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog},
                "docker": {"runs": args.docker_runs, **dockers}, "concurrent": load_figures,

@@ -74,7 +74,7 @@ def main(argv=None, options=()) -> int:
     if fast_exit:
         # No cyclic garbage collection in a process that lives milliseconds and makes no cycles
         # it needs freed: each collection walks every object (~3 ms of a GPU start in all, in
-        # `make bench`), and in the forked apply child it would also copy the pages it touches.
+        # `make bench`), and in the children it forks it would also copy the pages it touches.
         import gc
 
         gc.disable()

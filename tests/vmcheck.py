@@ -40,8 +40,13 @@ The pieces
 - boot(): qemu with the base image (snapshot=on: each boot starts from the same image), the
   payload (vdb) and an empty results disk (vdc); the guest writes its results there as a tar.
 
-Time (2 cores, shared, TCG): boot to the guest 24-60 s, set-up about 2-3 minutes (half of it
-`semodule -i`), a GPU `podman run` 4-8 s.
+Every boot first runs tests/vm/selfcheck.sh, which fails on purpose with a denial: the harness's
+own test (test_the_harness_reports_a_failing_scenario_with_its_denials) checks that a failure,
+its output and its denial come back.
+
+Time (2 cores, shared with other work, TCG): the base image 185 s once per machine; then per
+session the payload 5-20 s, boot to the guest 35-70 s, the set-up 145-280 s (a venv 40 s,
+`semodule -i` 40-85 s), a GPU `podman run` 4-8 s, the whole boot 6-8 minutes.
 """
 
 from __future__ import annotations
@@ -157,6 +162,13 @@ def _checkout_files() -> list:
     return [p for p in out.split("\0") if p and os.path.lexists(os.path.join(REPO, p))]
 
 
+def _python() -> str:
+    """The checkout's venv's interpreter (`make setup` makes it, with pip; Debian's python3 may
+    have no pip): the same Python 3.11 as the VM's, so its wheels fit there."""
+    python = os.path.join(REPO, ".venv", "bin", "python")
+    return python if os.path.exists(python) else "python3"
+
+
 def _wheels(src: str, into: str) -> None:
     """Wheels of the package (from the payload's copy of the checkout) and of its dependencies.
     The dependencies' wheels are kept in $SEVM/wheels: offline from there when they suffice, else
@@ -165,7 +177,7 @@ def _wheels(src: str, into: str) -> None:
     os.makedirs(kept, exist_ok=True)
     with open(os.path.join(kept, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        base = ["python3", "-m", "pip", "wheel", "-q", "-w", kept, "--find-links", kept, f"{src}[kubernetes]",
+        base = [_python(), "-m", "pip", "wheel", "-q", "-w", kept, "--find-links", kept, f"{src}[kubernetes]",
                 "setuptools>=77"]  # fmt: skip
         offline = subprocess.run([*base, "--no-index"], capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if offline.returncode != 0:
@@ -177,14 +189,13 @@ def _wheels(src: str, into: str) -> None:
         # the package's own wheel: this checkout's, never a kept one
         for old in glob.glob(os.path.join(kept, "oci_gpu_hook-*.whl")):
             os.unlink(old)
-        _sh("python3", "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--find-links", into, "-w", into, src)
+        _sh(_python(), "-m", "pip", "wheel", "-q", "--no-deps", "--no-index", "--find-links", into, "-w", into, src)
 
 
 def _simulated_host(tar_path: str, version: str) -> None:
     """A simulated GPU host at /srv/gpuhost (the path the guest unpacks it to), built in a private
     mount namespace on a tmpfs there: the host's /srv is never touched."""
-    python = os.path.join(REPO, ".venv", "bin", "python")
-    python = python if os.path.exists(python) else "python3"
+    python = _python()
     script = ('mount -t tmpfs vmcheck /srv && "$0" -m oci_gpu_hook simulate /srv/gpuhost --gpus 2 '
               '--driver-version "$1" >/dev/null && tar -C /srv --warning=no-file-ignored -cf "$2" gpuhost')  # fmt: skip
     _sh("unshare", "-m", "--propagation", "private", "sh", "-c", script, python, version, tar_path, cwd=REPO)

@@ -6,8 +6,11 @@ device memory limit of its memory / N and an active thread percentage of 100 / N
 control program's stdin commands (set_default_device_pinned_mem_limit,
 set_default_active_thread_percentage) right after `nvidia-cuda-mps-control -d` starts the daemon;
 `quit` stops it. The daemon's directories, as NVIDIA's plugin lays them out under flags.mpsRoot:
-<root>/<resource>/pipe and <root>/<resource>/log, and <root>/shm, which the daemon sees as its
-/dev/shm (a private mount namespace), as its clients do. A client container gets the three
+<root>/<resource>/pipe and <root>/<resource>/log, and <root>/shm (a tmpfs of its own, as NVIDIA's
+mount-shm makes it), which the daemon sees as its /dev/shm (a private mount namespace), as its
+clients do. The pipe directory and shm are the client pods' to write: the plugin reads nothing
+there after a daemon's start (alive), and makes the directories through descriptors
+(make_directories). A client container gets the three
 mounted, CUDA_MPS_PIPE_DIRECTORY and CUDA_MPS_LOG_DIRECTORY naming them, and its own limits in
 CUDA_MPS_PINNED_DEVICE_MEM_LIMIT and CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (a client may lower them,
 never raise them past the daemon's defaults).
@@ -32,6 +35,9 @@ MEMORY_ENV, THREADS_ENV = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_ACTIVE_T
 # The control program runs with this environment only, as every child of ours does.
 _ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 _TIMEOUT = 30
+# The clients' and the daemon's /dev/shm (<root>/shm): a tmpfs of its own of this size, as NVIDIA's
+# mount-shm makes it, so that no pod can fill the filesystem mpsRoot lies on (/run by default).
+SHM_BYTES = 64 << 20
 
 
 class MpsError(PrerequisiteError):
@@ -105,13 +111,16 @@ def control_program(inventory) -> str:
 
 
 class Daemon(Record):
-    """One running MPS control daemon: what it was started for and told."""
+    """One running MPS control daemon: what it was started for and told, and which process it is."""
 
-    __slots__ = ("resource_name", "root", "program", "commands")
+    __slots__ = ("resource_name", "root", "program", "commands", "process", "mounted_shm")
+    _defaults = {"process": None, "mounted_shm": False}
     resource_name: str
     root: str
     program: str
     commands: tuple
+    process: tuple | None  # (pid, start ticks) as launch() found it; None: not found, not watched
+    mounted_shm: bool  # launch() mounted <root>/shm's tmpfs (Daemons unmounts it when no daemon uses it)
 
 
 def _env(root: str, name: str) -> dict:
@@ -143,9 +152,18 @@ def launch(resource, program: str) -> Daemon:
     """start() with the control program at program (a host path)."""
     root, name = resource.mps_root, resource.name
     daemon = Daemon(name, root, program, daemon_commands(resource))
-    for directory, mode in ((pipe_dir(root, name), 0o755), (log_dir(root, name), 0o755), (shm_dir(root), 0o1777)):
-        os.makedirs(directory, mode=0o755, exist_ok=True)
-        os.chmod(directory, mode)
+    make_directories(((pipe_dir(root, name), 0o755), (log_dir(root, name), 0o755), (shm_dir(root), 0o1777)))
+    daemon = daemon.replace(mounted_shm=mount_shm(root))
+    try:
+        return _run_daemon(daemon)
+    except BaseException:
+        if daemon.mounted_shm:  # a start that failed leaves nothing mounted
+            unmount_shm(root)
+        raise
+
+
+def _run_daemon(daemon: Daemon) -> Daemon:
+    root, name = daemon.root, daemon.resource_name
     try:
         send(daemon, ["quit"])  # one an earlier run left behind gets no say in the new defaults
     except MpsError:
@@ -171,7 +189,89 @@ def launch(resource, program: str) -> Daemon:
         first = (text.strip().splitlines() or ["(no output)"])[0]  # mount's or the program's own words
         raise MpsError(f"starting the MPS daemon for {name} failed: {first[:200]}")
     send(daemon, daemon.commands)
-    return daemon
+    return daemon.replace(process=_process(daemon))
+
+
+def make_directories(wanted) -> None:
+    """Each (path, mode) of wanted a directory of root's with that mode, made where absent with the
+    directories above it (0755); MpsError (flags.mpsRoot) where it cannot be done safely.
+
+    They are made and chmodded as root, shm world-writable, and mounted into every client pod: a
+    directory on the way that a local user owns or can change (an mpsRoot under /tmp that they
+    made first), or a symlink there, would have that chmod and those mounts land on a directory
+    of their choosing (shm -> /etc). So each is made and chmodded through a descriptor, never
+    through a symlink, in a directory root alone can change (sources.HostSources: sticky /tmp
+    counts), and must be root's."""
+    from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
+
+    sources = HostSources()
+    try:
+        for path, mode in wanted:
+            _make_directory(sources, os.path.normpath(path), mode)
+    except UntrustedSource as e:
+        raise MpsError(f"flags.mpsRoot: {e.path}: {e.why}: the MPS directories must be root's alone") from None
+    except OSError as e:
+        raise MpsError(f"flags.mpsRoot: {e.filename or path}: {e.strerror or e}") from None
+    finally:
+        sources.close()
+
+
+def _make_directory(sources, path: str, mode: int) -> None:
+    import errno
+    import stat
+
+    from oci_gpu_hook.start.linux.sources import UntrustedSource
+
+    parent, name = os.path.split(path)
+    if not name:
+        return
+    if not os.path.lexists(parent):  # made below, checked there; what counts is the check through fds
+        _make_directory(sources, parent, 0o755)
+    parent_fd = sources.directory(parent)
+    try:
+        os.mkdir(name, 0o700, dir_fd=parent_fd)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # O_NOFOLLOW on a symlink, or another kind of file
+            raise UntrustedSource(path, "a symlink or not a directory") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != 0 or not stat.S_ISDIR(st.st_mode):
+            raise UntrustedSource(path, f"owned by uid {st.st_uid}, not root")
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def mount_shm(root: str) -> bool:
+    """A tmpfs of SHM_BYTES at <root>/shm (mode 1777, nosuid, nodev, noexec), where none is mounted
+    yet; True when this call mounted it. Its directories are root's alone (make_directories): the
+    path names what was checked."""
+    from oci_gpu_hook.start.linux import _linux
+
+    shm = shm_dir(root)
+    if os.stat(shm).st_dev != os.stat(root).st_dev:
+        return False  # a filesystem of its own already (an earlier start's, or the administrator's)
+    try:
+        _linux.mount("shm", shm, "tmpfs", _linux.MS_NOSUID | _linux.MS_NODEV | _linux.MS_NOEXEC,
+                     f"mode=1777,size={SHM_BYTES >> 10}k")  # fmt: skip
+    except OSError as e:
+        raise MpsError(f"flags.mpsRoot: mounting a tmpfs on {shm}: {e.strerror or e}") from None
+    return True
+
+
+def unmount_shm(root: str) -> None:
+    """Detach the tmpfs mount_shm() made: pods that still have it keep theirs."""
+    from oci_gpu_hook.start.linux import _linux
+
+    try:
+        _linux.umount2(shm_dir(root), _linux.MNT_DETACH)
+    except OSError:
+        pass
 
 
 def stop(daemon: Daemon) -> None:
@@ -181,17 +281,49 @@ def stop(daemon: Daemon) -> None:
 PID_FILE = "nvidia-cuda-mps-control.pid"  # in the pipe directory while the daemon runs (the real one's)
 
 
-def alive(daemon: Daemon) -> bool:
-    """Whether the daemon still runs: the pid its pid file names is a control program. Read, not
-    asked: a connection per round would fill the real daemon's log."""
+def _process(daemon: Daemon) -> tuple | None:
+    """(pid, start ticks) of the daemon just started, from its pid file; None when the file names
+    no process running daemon.program from the host's root.
+
+    The pipe directory is mounted read-write into every client pod: the file there is the pods' to
+    remove or replace, and a FIFO, a device node or a symlink (to /dev/watchdog, say) put there is
+    not to be opened by the root plugin. So it is read once, right after the daemon wrote it, only
+    if it is a regular file (not a symlink), and what it names must be the control program (the
+    same file) with the plugin's own root (no pod's process, whose root is its container's); from then on
+    the daemon is watched through /proc alone (alive)."""
+    import stat
+
+    from oci_gpu_hook.start import files, pids
+
+    path = os.path.join(pipe_dir(daemon.root, daemon.resource_name), PID_FILE)
     try:
-        with open(os.path.join(pipe_dir(daemon.root, daemon.resource_name), PID_FILE)) as f:
-            pid = int(f.read(32).strip())
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            program = f.read(4096).split(b"\0")[0]
+        # What is there is looked at first (O_PATH opens nothing): a device node a pod made there
+        # (CAP_MKNOD) is never opened, and the plugin is in no device cgroup.
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            pid = int(files.read_bounded(f"/proc/self/fd/{fd}", 32, regular=True).strip())
+        finally:
+            os.close(fd)
+        ticks = pids.start_ticks(pid)
+        exe, program = os.stat(f"/proc/{pid}/exe"), os.stat(daemon.program)
+        root, own = os.stat(f"/proc/{pid}/root"), os.stat("/proc/self/root")
     except (OSError, ValueError):
-        return False
-    return os.path.basename(program) == CONTROL.encode()
+        return None
+    if ticks is None or (exe.st_dev, exe.st_ino) != (program.st_dev, program.st_ino):
+        return None
+    return (pid, ticks) if (root.st_dev, root.st_ino) == (own.st_dev, own.st_ino) else None
+
+
+def alive(daemon: Daemon) -> bool:
+    """Whether the daemon still runs: the process launch() found is (same pid, same start time,
+    not a zombie). Asked of /proc, not of the pipe directory, which pods may write; nor of the
+    daemon: a connection per round would fill the real daemon's log. A daemon whose process was
+    not found counts as running."""
+    from oci_gpu_hook.start import pids
+
+    return daemon.process is None or pids.is_same_process(*daemon.process)
 
 
 class Daemons:
@@ -200,6 +332,7 @@ class Daemons:
 
     def __init__(self, say):
         self.running: dict = {}  # resource name -> Daemon
+        self.mounted: set = set()  # the roots whose shm tmpfs a launch() here mounted
         self.say = say
 
     def sync(self, resources, inventory) -> None:
@@ -209,8 +342,13 @@ class Daemons:
         for name, resource in wanted.items():
             if name not in self.running:
                 self.running[name] = start(resource, inventory)
+                if self.running[name].mounted_shm:
+                    self.mounted.add(resource.mps_root)
                 self.say(f"{name}: MPS daemon started ({pipe_dir(resource.mps_root, name)}; "
                          f"{'; '.join(self.running[name].commands)})")  # fmt: skip
+                if self.running[name].process is None:
+                    self.say(f"{name}: the MPS daemon's {PID_FILE} names no process of {self.running[name].program}: "
+                             "if the daemon dies, it is not started again")  # fmt: skip
 
     def lost(self) -> bool:
         """Forget the daemons that died (killed, crashed): the next sync() starts them again, as
@@ -232,7 +370,13 @@ class Daemons:
             self.say(f"{name}: MPS daemon stopped")
         except MpsError as e:
             self.say(f"{name}: stopping the MPS daemon: {e.message}")
+        if daemon.root in self.mounted and all(d.root != daemon.root for d in self.running.values()):
+            self.mounted.discard(daemon.root)
+            unmount_shm(daemon.root)
 
     def stop_all(self) -> None:
         for name in list(self.running):
             self._stop(name)
+        for root in sorted(self.mounted):  # those of daemons that died and were not started again
+            unmount_shm(root)
+        self.mounted.clear()

@@ -31,7 +31,7 @@ def may_ask_for_gpus(spec) -> bool:
         return True
     return (
         rule.LEGACY_VARIABLE in env
-        or any(key.startswith(rule.CDI_DEVICE_ENV_PREFIX) for key in env) and False  # AGENT5-TEMP
+        or any(key.startswith(rule.CDI_DEVICE_ENV_PREFIX) for key in env)
         or any(key.startswith(rule.CDI_ANNOTATION_PREFIX) for key in spec.annotations)
         or any(spec_module.volume_mount_device(m.destination) for m in spec.mounts)
     )

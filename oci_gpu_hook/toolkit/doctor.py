@@ -626,7 +626,7 @@ def systemd_says(root: str, unit: str) -> str:
         return ""
     if state["LoadState"] != "loaded":
         return f" (systemd: {unit} is {state['LoadState'] or 'unknown'}; systemctl daemon-reload?)"
-    restarts = f", restarted {state['NRestarts']} times" if state["NRestarts"] not in ("", "0") else ""
+    restarts = f", restarts: {state['NRestarts']}" if state["NRestarts"] not in ("", "0") else ""
     return f" (systemd: {unit} is {state['ActiveState']} ({state['SubState']}), result {state['Result']}{restarts})"
 
 

@@ -8,6 +8,7 @@ GPU, and after the container is gone each host directory is byte for byte what i
 
 import json
 import os
+import subprocess
 
 import pytest
 from hookcheck import listed_uuids, tree
@@ -102,3 +103,35 @@ def _xattrs(top: str) -> dict:
                 key: os.getxattr(path, key, follow_symlinks=False) for key in os.listxattr(path, follow_symlinks=False)
             }
     return found
+
+
+def test_a_host_tmpfs_bound_whole_is_a_volume_too(tmp_path, host):
+    """A tmpfs of the host's (mounted in the runtime's namespace, here a private copy of the host's
+    made for runc and the hook) bound whole at /etc/OpenCL: mountinfo's root is '/', as for the
+    container's own tmpfs, but it outlives the container: the hook creates nothing there."""
+    shared = tmp_path / "host-tmpfs"
+    shared.mkdir()
+    bundle = containers.make_bundle(
+        str(tmp_path / "bundle"), args=["sh", "-c", "nvidia-smi -L; ls -A /etc/OpenCL"],
+        env={"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "compute,utility"},
+        config_file=f"{host['root']}/config.yaml",
+    )  # fmt: skip
+    with open(os.path.join(bundle, "config.json")) as f:
+        config = json.load(f)
+    config["mounts"].append({"destination": "/etc/OpenCL", "type": "bind", "source": str(shared), "options": ["rbind"]})
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(config, f)
+    name = f"ocigpu-{os.getpid()}-hosttmpfs"
+    # In a private mount namespace (the host's table stays as it is): the tmpfs, runc in it, and
+    # after the container, the tmpfs's contents.
+    script = (
+        f'mount -t tmpfs -o mode=755 vol "{shared}" && echo mine > "{shared}/users-file" && '
+        f'runc run --bundle "{bundle}" {name} </dev/null; rc=$?; runc delete --force {name} 2>/dev/null; '
+        f'echo "--after--"; ls -A "{shared}"; exit $rc'
+    )
+    out = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", script],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    inside, after = out.stdout.split("--after--")
+    assert listed_uuids(inside) == [host["gpus"][0]["uuid"]]
+    assert "vendors" not in inside and after.split() == ["users-file"], out.stdout

@@ -175,6 +175,8 @@ def test_a_daemon_that_died_is_seen_and_started_again(host, tmp_path):
     import signal
     import time
 
+    from oci_gpu_hook.start import pids
+
     inventory = inventory_of(config_with(host, tmp_path, ""))
     resource = mps_resource(inventory, tmp_path / "mps")
     pipe = mps.pipe_dir(resource.mps_root, resource.name)
@@ -186,7 +188,7 @@ def test_a_daemon_that_died_is_seen_and_started_again(host, tmp_path):
         pid = int(open(os.path.join(pipe, mps.PID_FILE)).read())
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + 10  # a hang guard only
-        while os.path.exists(f"/proc/{pid}/cmdline") and open(f"/proc/{pid}/cmdline", "rb").read():
+        while pids.start_ticks(pid) is not None:  # gone, or a zombie: what mps.alive() goes by
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert daemons.lost() and daemons.running == {}
@@ -200,3 +202,175 @@ def test_a_daemon_that_died_is_seen_and_started_again(host, tmp_path):
     finally:
         daemons.stop_all()
     assert not os.path.exists(os.path.join(pipe, mps.PID_FILE))
+
+
+def test_what_a_pod_puts_in_the_pipe_directory_does_not_steer_the_daemons_watch(host, tmp_path):
+    """A client pod has the pipe directory read-write (mps.client_answer): the pid file there is the
+    pod's to remove or replace, and the plugin that watches the daemon runs as root. Its watch must
+    not hang on a FIFO put there, must not restart the shared daemon (cutting every other pod's
+    clients off) because the file went, and must not take a process the pod names there for the
+    daemon that died. (A symlink there, to /dev/watchdog say, is never opened either.)"""
+    import signal
+    import threading
+    import time
+
+    from oci_gpu_hook.start import pids
+
+    inventory = inventory_of(config_with(host, tmp_path, ""))
+    resource = mps_resource(inventory, tmp_path / "mps")
+    pid_path = os.path.join(mps.pipe_dir(resource.mps_root, resource.name), mps.PID_FILE)
+    said = []
+    daemons = mps.Daemons(said.append)
+    decoy = None
+    try:
+        daemons.sync([resource], inventory)
+        with open(pid_path) as f:
+            pid = int(f.read())
+        os.unlink(pid_path)  # the pod removes it: the daemon runs on
+        assert not daemons.lost() and list(daemons.running) == [resource.name]
+        os.mkfifo(pid_path)  # the pod puts a FIFO there: nothing opens it and waits
+        answers = []
+        watch = threading.Thread(target=lambda: answers.append(daemons.lost()), daemon=True)
+        watch.start()
+        watch.join(10)  # a hang guard only
+        if watch.is_alive():  # let the blocked open go, so the test ends
+            os.close(os.open(pid_path, os.O_WRONLY | os.O_NONBLOCK))
+            watch.join(10)
+        assert answers == [False] and list(daemons.running) == [resource.name]
+        os.unlink(pid_path)
+        # A process named as the control program (a pod's, say), its pid put there, and the daemon gone.
+        decoy = subprocess.Popen([mps.CONTROL, "60"], executable="/bin/sleep")
+        with open(pid_path, "w") as f:
+            f.write(f"{decoy.pid}\n")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10  # a hang guard only
+        while pids.start_ticks(pid) is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert daemons.lost() and daemons.running == {}
+    finally:
+        if decoy is not None:
+            decoy.kill()
+            decoy.wait()
+        daemons.stop_all()
+
+
+@pytest.mark.parametrize("case", ["root-owned-by-a-user", "shm-a-symlink", "parent-others-can-write"])
+def test_an_mps_root_others_can_change_is_refused_and_nothing_outside_it_changes(host, tmp_path, case):
+    """The plugin makes and chmods the daemons' directories under flags.mpsRoot as root (shm 1777).
+    Where a local user owns a directory on the way (mpsRoot under /tmp, made first by them), a
+    symlink there (shm -> /etc, say) would have root make /etc world-writable and mount it into
+    every client pod. Every directory is made and chmodded through descriptors, never through a
+    symlink, in directories root alone can change; else the start is refused in one line."""
+    inventory = inventory_of(config_with(host, tmp_path, ""))
+    victim = tmp_path / "victim"  # root's, as /etc is
+    victim.mkdir(mode=0o755)
+    place = tmp_path / "place"
+    place.mkdir(mode=0o755)
+    root = place / "mps"
+    root.mkdir(mode=0o755)
+    if case == "root-owned-by-a-user":
+        os.chown(root, 65534, 65534)
+        os.symlink(victim, root / "shm")
+        os.lchown(root / "shm", 65534, 65534)
+    elif case == "shm-a-symlink":
+        os.symlink(victim, root / "shm")
+    else:
+        os.chmod(place, 0o777)
+        os.symlink(victim, root / "shm")
+    daemons = mps.Daemons([].append)
+    try:
+        with pytest.raises(mps.MpsError) as refused:
+            daemons.sync([mps_resource(inventory, root)], inventory)
+    finally:
+        daemons.stop_all()
+    assert "\n" not in refused.value.message and "flags.mpsRoot" in refused.value.message
+    assert os.stat(victim).st_mode & 0o7777 == 0o755 and os.listdir(victim) == []
+    assert daemons.running == {}
+
+
+def test_a_device_node_put_as_the_pid_file_is_never_opened(host, tmp_path):
+    """A pod with CAP_MKNOD may make a device node in the pipe directory, where the plugin reads
+    the daemon's pid file as root, outside any device cgroup: opening /dev/watchdog's numbers arms
+    the node's watchdog. The plugin looks at what is there (O_PATH) before it opens anything: a
+    node is not read (inotify would see a read-only open and close of it), and the daemon is then
+    not watched, which the log says. /dev/null's numbers stand in for the watchdog's."""
+    import ctypes
+    import select
+    import stat
+    import struct
+
+    inventory = inventory_of(config_with(host, tmp_path, ""))
+    resource = mps_resource(inventory, tmp_path / "mps")
+    pipe = mps.pipe_dir(resource.mps_root, resource.name)
+    os.makedirs(pipe)
+    node = os.path.join(pipe, mps.PID_FILE)
+    os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    libc = ctypes.CDLL(None, use_errno=True)
+    inotify = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert inotify >= 0
+    in_close_nowrite = 0x10
+    said = []
+    daemons = mps.Daemons(said.append)
+    try:
+        assert libc.inotify_add_watch(inotify, node.encode(), in_close_nowrite) >= 0
+        daemons.sync([resource], inventory)  # the daemon writes its pid into the node: lost
+        reads = []
+        while select.select([inotify], [], [], 0.2)[0]:
+            data = os.read(inotify, 4096)
+            reads += [struct.unpack_from("iIII", data, offset)[1] for offset in range(0, len(data), 16)]
+        assert reads == []
+        assert list(daemons.running) == [resource.name] and not daemons.lost()
+        program = daemons.running[resource.name].program
+        assert said[-1] == (f"{resource.name}: the MPS daemon's {mps.PID_FILE} names no process of {program}: "
+                            "if the daemon dies, it is not started again")  # fmt: skip
+    finally:
+        os.close(inotify)
+        daemons.stop_all()
+
+
+# The daemons' life in a mount namespace of its own (unshare --propagation private), so that what
+# the plugin mounts on the host reaches no other process, and goes with the namespace.
+SHM_LIFE = """
+import json, os, sys
+from oci_gpu_hook.node import mps, plugin_config, plugin_devices
+from oci_gpu_hook.start import inventory_cache, settings
+config, root = sys.argv[1:]
+inventory = inventory_cache.load(settings.load(config))
+doc = {"flags": {"mpsRoot": root}, "sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}}
+(resource,) = plugin_devices.resources(inventory, plugin_config.parse(doc, "test"))
+def shm():
+    st, vfs = os.stat(root + "/shm"), os.statvfs(root + "/shm")
+    return {"own": st.st_dev != os.stat(root).st_dev, "mode": oct(st.st_mode & 0o7777),
+            "bytes": vfs.f_blocks * vfs.f_frsize, "flags": vfs.f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC)}
+daemons = mps.Daemons([].append)
+daemons.sync([resource], inventory)
+try:
+    running = shm()
+    with open(root + "/shm/fill", "wb") as f:  # what a pod writes to its /dev/shm lands here
+        try:
+            f.write(b"x" * (mps.SHM_BYTES + (1 << 20)))
+            running["filled"] = "all"
+        except OSError as e:
+            running["filled"] = e.strerror
+finally:
+    daemons.stop_all()
+print(json.dumps({"running": running, "stopped": shm()["own"]}))
+"""
+
+
+def test_the_clients_dev_shm_is_a_bounded_tmpfs_of_its_own(host, tmp_path):
+    """<mpsRoot>/shm is every client pod's /dev/shm, read-write: as a plain directory it was the
+    filesystem mpsRoot lies on (/run by default), which a pod could fill for the whole node (no
+    runtime, no systemd unit could then write to /run), its files outliving it. As NVIDIA's
+    mount-shm does, it is a tmpfs of its own: 64 MiB, nosuid, nodev, noexec; unmounted when the
+    daemons stop."""
+    config = config_with(host, tmp_path, "")
+    root = str(tmp_path / "mps")
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", SHM_LIFE, config,
+                           root], capture_output=True, text=True, timeout=120, cwd=os.getcwd())  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    flags = os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC
+    assert got == {"running": {"own": True, "mode": "0o1777", "bytes": 64 << 20, "flags": flags,
+                               "filled": "No space left on device"}, "stopped": False}  # fmt: skip

@@ -512,7 +512,7 @@ static int may_ask(const struct value *doc) {
             if (!eq || eq == e->text)
                 continue;
             size_t key = (size_t)(eq - e->text);
-            if (is(e->text, key, RULE_LEGACY_VARIABLE) || starts_with(e->text, key, RULE_CDI_DEVICE_PREFIX) && 0) /* AGENT5-TEMP */
+            if (is(e->text, key, RULE_LEGACY_VARIABLE) || starts_with(e->text, key, RULE_CDI_DEVICE_PREFIX))
                 return 1;
             if (is(e->text, key, RULE_VISIBLE_DEVICES))
                 visible = e;

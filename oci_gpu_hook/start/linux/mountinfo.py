@@ -1,6 +1,6 @@
 """/proc/<pid>/mountinfo: the one parser (cgroup paths, doctor, the simulated host's checks).
 
-Standard library only and no `re`: the apply child reads it to find the container's cgroup.
+Standard library only and no `re`: apply reads it on every GPU start to find the container's cgroup.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ else can write it (a sticky directory such as /tmp counts: others cannot rename 
 in it), and the source itself must be root's, of the expected type, and, unless it is a device
 node or socket, writable by nobody else. The caller mounts the descriptor (/proc/self/fd/N), so
 what was checked is what gets mounted. In a user namespace (rootless podman) root is whom the
-host's root shows as there (userns.root_uid()).
+host's root shows as there (userns.root_uid()), as every user outside the namespace shows: so
+there, nothing is taken from a directory others may write (a sticky one, such as /tmp), where
+any user may have made the entry.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ MAX_SYMLINKS = 40
 _O_PATH = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
 KINDS = {"char": stat.S_ISCHR, "file": stat.S_ISREG, "dir": stat.S_ISDIR, "socket": stat.S_ISSOCK}
 KIND_NAMES = {"char": "character device", "file": "regular file", "dir": "directory", "socket": "socket"}
+
+
+_CANNOT_TELL = "in a directory others may write, whose entries' owners a user namespace cannot tell from root"
 
 
 class UntrustedSource(Exception):
@@ -81,6 +86,12 @@ class HostSources:
             existing = os.path.dirname(existing)
         return self.open(existing, kind if existing == path else "dir")
 
+    def directory(self, path: str) -> int:
+        """Descriptor (O_PATH, kept: not to be closed by the caller) of the directory path, which
+        root alone can change; UntrustedSource otherwise. What something root makes there (the
+        device plugin's MPS directories) is made through it."""
+        return self._directory("/" + os.path.normpath(path).lstrip("/"), 0)
+
     def _directory(self, path: str, links: int) -> int:
         """Descriptor of a directory that only root can change (not to be closed by the caller)."""
         if path in self._dirs:
@@ -106,6 +117,10 @@ class HostSources:
         dir_fd = self._directory(parent, links)
         if not name:
             return os.dup(dir_fd)
+        if userns.unprivileged() and os.fstat(dir_fd).st_mode & 0o022:
+            # A sticky directory others may write (/tmp): any user can make an entry there, and
+            # in a user namespace theirs shows as the overflow uid, as root's do (rootless podman).
+            raise UntrustedSource(path, _CANNOT_TELL)
         fd = os.open(name, _O_PATH, dir_fd=dir_fd)
         st = os.fstat(fd)
         if not stat.S_ISLNK(st.st_mode):

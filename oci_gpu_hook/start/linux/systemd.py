@@ -12,9 +12,10 @@ DeviceAllow=[("/dev/char/MAJOR:MINOR", "rw"), ...]) over systemd's private socke
 Only the hook's start path uses it, so standard library only: the few bytes of D-Bus it needs are
 written here (AUTH EXTERNAL, one method call, its reply). systemd's private socket
 (/run/systemd/private, root's) rather than the system bus: no dbus-daemon in between, nothing to
-ask of polkit, and it is there as long as systemd is. When systemd is not (no socket), or the
-cgroup is not a systemd scope, or the scope has no device policy of systemd's (DevicePolicy
-auto: adding a DeviceAllow would *restrict* it), nothing is done and nothing is said.
+ask of polkit, and it is there as long as systemd is. When systemd is not (no socket, none of
+its files for the unit), or the cgroup is not a systemd scope, or the scope has no device policy
+of systemd's (DevicePolicy auto: adding a DeviceAllow would *restrict* it), nothing is done and
+nothing is said.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import os
 import struct
 
 PRIVATE_SOCKET = "/run/systemd/private"
-TRANSIENT_DIR = "/run/systemd/transient"  # where systemd keeps the transient units' settings
+RUN_DIR = "/run/systemd"  # transient/UNIT and system.control/UNIT.d: what systemd keeps of a scope
+ETC_DIR = "/etc/systemd"
 TIMEOUT = 2.0  # seconds for the whole exchange: systemd answers in milliseconds
 MAX_MESSAGE = 1 << 20
 
@@ -252,31 +254,48 @@ def scope_of(cgroup_dir: str) -> str | None:
     return name if name.endswith(".scope") and "/" not in name and len(name) <= 255 else None
 
 
-def device_policy(unit: str, transient_dir: str = TRANSIENT_DIR) -> str | None:
-    """The DevicePolicy= of a transient unit as systemd keeps it, or None when systemd keeps no
-    such unit (not a systemd scope, or no systemd)."""
-    try:
-        with open(os.path.join(transient_dir, unit), "rb") as f:
-            text = f.read(1 << 20).decode("utf-8", "replace")
-    except OSError:
+def device_policy(unit: str, run_dir: str = RUN_DIR, etc_dir: str = ETC_DIR) -> str | None:
+    """The DevicePolicy= systemd keeps for a transient unit, or None when it keeps no such unit
+    (not a systemd scope, or no systemd). Read from its files, no D-Bus: the transient unit file
+    (what StartTransientUnit set) and the control drop-ins (what SetUnitProperties set after, as
+    runc's systemd driver sets the device rules), in systemd's order: by file name, the last
+    DevicePolicy= wins."""
+    files = []
+    transient = os.path.join(run_dir, "transient", unit)
+    if os.path.isfile(transient):
+        files.append(("", transient))
+    for base in (os.path.join(etc_dir, "system.control"), os.path.join(run_dir, "system.control")):
+        directory = os.path.join(base, unit + ".d")
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        files += [(name, os.path.join(directory, name)) for name in names if name.endswith(".conf")]
+    if not files:
         return None
     policy = "auto"
-    for line in text.splitlines():
-        if line.startswith("DevicePolicy="):
-            policy = line.partition("=")[2].strip()
+    for _, path in sorted(files):
+        try:
+            with open(path, "rb") as f:
+                text = f.read(1 << 20).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("DevicePolicy="):
+                policy = line.partition("=")[2].strip() or "auto"
     return policy
 
 
-def keep_devices(cgroup_dir: str, devices, address: str = PRIVATE_SOCKET, transient_dir: str = TRANSIENT_DIR,
-                 bus: bool = False):  # fmt: skip
+def keep_devices(cgroup_dir: str, devices, address: str = PRIVATE_SOCKET, run_dir: str = RUN_DIR,
+                 etc_dir: str = ETC_DIR, bus: bool = False):  # fmt: skip
     """After the hook allowed devices in cgroup_dir: tell systemd, when it owns the cgroup and
     filters its devices. Returns a note for the start's log record, or None when done or when
     there is nothing to do (no systemd, not its scope, no device policy of its own). address and
-    bus: as set_device_allow's (a test's bus)."""
+    bus: as set_device_allow's; run_dir and etc_dir: systemd's (a test's stand-ins)."""
     unit = scope_of(cgroup_dir)
     if unit is None or not devices:
         return None
-    if device_policy(unit, transient_dir) not in ("strict", "closed"):
+    if device_policy(unit, run_dir, etc_dir) not in ("strict", "closed"):
         return None  # systemd re-applies no device list to it: nothing to lose on a reload
     try:
         set_device_allow(unit, devices, address, bus)

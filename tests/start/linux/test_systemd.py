@@ -147,16 +147,23 @@ def test_keep_devices_tells_only_a_scope_whose_devices_systemd_filters(tmp_path,
     """Only the cgroup's own scope, only with DevicePolicy strict or closed (with auto, a first
     DeviceAllow would turn systemd's filtering on); no systemd: nothing, quietly."""
     socket_path, calls = fake_systemd
-    transient = tmp_path / "transient"
-    transient.mkdir()
+    run = tmp_path / "run"
+    transient = run / "transient"
+    transient.mkdir(parents=True)
     (transient / "libpod-aa.scope").write_text("[Scope]\nDelegate=no\n[Scope]\nDevicePolicy=strict\n")
     (transient / "libpod-bb.scope").write_text("[Scope]\nDevicePolicy=auto\n")
     (transient / "session-3.scope").write_text("[Scope]\nDevicePolicy=strict\n")
     (transient / "missing.scope").write_text("DevicePolicy=closed\n")
+    # runc's systemd driver: the unit started bare, its device rules set after (control drop-ins)
+    (transient / "libpod-dd.scope").write_text("[Scope]\nDelegate=yes\n")
+    control = run / "system.control" / "libpod-dd.scope.d"
+    control.mkdir(parents=True)
+    (control / "50-DevicePolicy.conf").write_text("[Scope]\nDevicePolicy=strict\n")
+    (control / "50-DeviceAllow.conf").write_text("[Scope]\nDeviceAllow=\nDeviceAllow=char-pts rwm\n")
 
     def keep(cgroup, address=socket_path):
         # over the bus: the stand-in needs Hello, systemd's private socket does not
-        return systemd.keep_devices(cgroup, DEVICES, address, str(transient), bus=True)
+        return systemd.keep_devices(cgroup, DEVICES, address, str(run), str(tmp_path / "etc"), bus=True)
 
     assert keep("/sys/fs/cgroup/machine.slice/libpod-aa.scope") is None
     assert keep("/sys/fs/cgroup/machine.slice/libpod-bb.scope") is None  # auto: left alone
@@ -165,4 +172,5 @@ def test_keep_devices_tells_only_a_scope_whose_devices_systemd_filters(tmp_path,
     assert keep("/sys/fs/cgroup/machine.slice/libpod-aa.scope", str(tmp_path / "no-socket")) is None
     note = keep("/sys/fs/cgroup/machine.slice/missing.scope")
     assert "systemd not told of the GPU nodes of missing.scope" in note and "NoSuchUnit" in note
-    assert [call["unit"] for call in _recorded(calls)] == ["libpod-aa.scope"]
+    assert keep("/sys/fs/cgroup/machine.slice/libpod-dd.scope") is None
+    assert [call["unit"] for call in _recorded(calls)] == ["libpod-aa.scope", "libpod-dd.scope"]

@@ -7,6 +7,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from oci_gpu_hook.start.linux import userns
 
 # Run as nobody: a new user namespace where nobody is root, as rootless podman maps its user, and
@@ -58,3 +60,65 @@ def test_host_uid_follows_the_map():
     assert userns.host_uid(0, mapping) == 1000
     assert userns.host_uid(65536, mapping) == 165535
     assert userns.host_uid(65537, mapping) is None
+
+
+# In a user namespace as rootless podman makes it, the mount-source walk on entries of a directory
+# every user may write (/tmp, where the default MPS pipe directory /tmp/nvidia-mps lies).
+IN_A_STICKY_DIRECTORY = """
+import json, os, sys
+from oci_gpu_hook.start.linux import _linux, sources
+outer = os.geteuid()
+_linux.unshare(0x10000000)  # CLONE_NEWUSER
+with open("/proc/self/uid_map", "w") as f:
+    f.write(f"0 {outer} 1")
+out = {}
+for name in sys.argv[1:]:
+    s = sources.HostSources()
+    try:
+        os.close(s.open(name, "dir"))
+        out[name] = "used"
+    except sources.UntrustedSource as e:
+        out[name] = e.why
+    finally:
+        s.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_users_entry_in_a_sticky_directory_is_not_taken_for_roots_in_a_user_namespace(run_as_nobody):
+    """Another local user makes /tmp/nvidia-mps (or a symlink there) before root's MPS daemon does.
+    On the host the walk sees their uid and skips it; in a rootless hook's user namespace it shows
+    as the overflow uid, as root's own files do, and was mounted into the user's GPU containers as
+    their MPS pipe directory (the other user's sockets answering their CUDA clients). An entry of
+    a directory every user may write has an owner that cannot be told there: it is not used."""
+    from oci_gpu_hook.start.linux import sources
+
+    top = tempfile.mkdtemp(prefix="oci-gpu-hook-userns-", dir="/tmp")  # pytest's tmp_path is root's alone
+    try:
+        os.chmod(top, 0o755)
+        sticky = os.path.join(top, "tmp")  # as /tmp is
+        os.mkdir(sticky)
+        os.chmod(sticky, 0o1777)
+        users, link, roots, solid = (os.path.join(sticky, n) for n in ("users", "link", "roots", "solid"))
+        os.mkdir(users, 0o755)
+        os.chown(users, 1001, 1001)  # another local user's
+        os.symlink(users, link)
+        os.lchown(link, 1001, 1001)
+        os.mkdir(roots, 0o755)  # root's own: in the user namespace, it looks the same
+        solid_dir = os.path.join(top, "solid")  # in a directory only root may write: used there too
+        os.mkdir(solid_dir, 0o755)
+        host = sources.HostSources()
+        try:
+            with pytest.raises(sources.UntrustedSource, match="owned by uid 1001"):
+                host.open(users, "dir")
+        finally:
+            host.close()
+        done = run_as_nobody(["-c", IN_A_STICKY_DIRECTORY, users, link, roots, solid_dir], capture_output=True,
+                             text=True)  # fmt: skip
+    finally:
+        shutil.rmtree(top)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got[solid_dir] == "used"
+    why = "in a directory others may write, whose entries' owners a user namespace cannot tell from root"
+    assert got == {users: why, link: why, roots: why, solid_dir: "used"}

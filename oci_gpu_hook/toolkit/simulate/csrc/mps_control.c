@@ -155,15 +155,16 @@ static int daemon_main(void)
                 quit = command(line, out);
             fflush(out);
         }
-        fclose(out);
-        fclose(in);
-        if (quit) {
+        if (quit) { /* gone before the client sees the end of its answer: its `quit` returns then */
             record("Exit with status 0");
             unlink(addr.sun_path);
             unlink(pid_path);
             unlink("/dev/shm/cuda.shm.sim");
-            return 0;
         }
+        fclose(out);
+        fclose(in);
+        if (quit)
+            return 0;
     }
 }
 
