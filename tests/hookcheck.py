@@ -230,40 +230,101 @@ def config_with(host: dict, tmp_path, extra: str) -> str:
 # GPU feature discovery's family name of each simulated model's compute capability, and the
 # models that can run MIG (A100, H100): the labels' expected values come from here and from the
 # simulated host's description, never from the code under test.
+MIB = 1 << 20
 GFD_FAMILIES = {(7, 5): "turing", (8, 0): "ampere", (8, 9): "ada-lovelace", (9, 0): "hopper"}
 MIG_CAPABLE = {(8, 0), (9, 0)}
 
 
+def expected_common(host, strategy: str, sharing: str = "time-slicing", facts: bool = False) -> dict:
+    """The labels every strategy carries, from the host summary. facts: with the machine and mode
+    labels, which come from the simulated sysfs (for_node and the command)."""
+    driver = host["driver_version"].split(".")
+    rev = driver[2] if len(driver) > 2 else ""
+    cuda_major, cuda_minor = host["cuda_version"].split(".")
+    labels = {
+        "nvidia.com/cuda.driver.major": driver[0],
+        "nvidia.com/cuda.driver.minor": driver[1],
+        "nvidia.com/cuda.driver.rev": rev,
+        "nvidia.com/cuda.driver-version.major": driver[0],
+        "nvidia.com/cuda.driver-version.minor": driver[1],
+        "nvidia.com/cuda.driver-version.revision": rev,
+        "nvidia.com/cuda.driver-version.full": host["driver_version"],
+        "nvidia.com/cuda.runtime.major": cuda_major,
+        "nvidia.com/cuda.runtime.minor": cuda_minor,
+        "nvidia.com/cuda.runtime-version.major": cuda_major,
+        "nvidia.com/cuda.runtime-version.minor": cuda_minor,
+        "nvidia.com/cuda.runtime-version.full": host["cuda_version"],
+        "nvidia.com/mig.capable": str(
+            any(g["mig"] or tuple(g["model"]["compute_capability"]) in MIG_CAPABLE for g in host["gpus"])
+        ).lower(),
+        "nvidia.com/mig.strategy": strategy,
+        "nvidia.com/mps.capable": "false",
+    }
+    if facts:
+        labels["nvidia.com/gpu.machine"] = "-".join(host["machine"].split(" "))
+        pci_class = host["gpus"][0]["model"]["pci_class"]
+        labels["nvidia.com/gpu.mode"] = {0x030200: "compute", 0x030000: "graphics"}[pci_class]
+    return labels
+
+
+def expected_gpu(host, gpus, replicas: int, sharing: str = "time-slicing") -> dict:
+    """gpu.*: every GPU counted; without sharing where every GPU has MIG on, as GFD writes them."""
+    model = gpus[0]["model"]
+    major, minor = model["compute_capability"]
+    if all(g["mig"] for g in gpus):
+        replicas = 0
+    return {
+        "nvidia.com/gpu.count": str(len(gpus)),
+        "nvidia.com/gpu.product": "-".join(model["name"].split()) + ("-SHARED" if replicas > 1 else ""),
+        "nvidia.com/gpu.memory": str(model["memory_total"] // MIB),
+        "nvidia.com/gpu.family": GFD_FAMILIES[(major, minor)],
+        "nvidia.com/gpu.compute.major": str(major),
+        "nvidia.com/gpu.compute.minor": str(minor),
+        "nvidia.com/gpu.replicas": str(replicas),
+        "nvidia.com/gpu.sharing-strategy": sharing if replicas > 1 else "none",
+    }
+
+
+def expected_mig(key: str, gpu_name: str, migs, replicas: int = 1, sharing: str = "time-slicing") -> dict:
+    """One MIG profile's labels (key: gpu under single, mig-<profile> under mixed), from the host
+    summary and the simulator's profile table (what a real A100-SXM4-40GB reports)."""
+    from oci_gpu_hook.toolkit.simulate import model
+
+    profile = model.MIG_PROFILE[migs[0]["profile"]]
+    prefix = f"nvidia.com/{key}."
+    values = {
+        "count": len(migs),
+        "product": "-".join(gpu_name.split()) + f"-MIG-{profile.name}" + ("-SHARED" if replicas > 1 else ""),
+        "replicas": replicas,
+        "sharing-strategy": sharing if replicas > 1 else "none",
+        "memory": migs[0]["memory_total"] // MIB,
+        "slices.gi": profile.slices,
+        "slices.ci": profile.slices,
+        "multiprocessors": profile.multiprocessors,
+        "engines.copy": profile.copy_engines,
+        "engines.decoder": profile.decoders,
+        "engines.encoder": profile.encoders,
+        "engines.jpeg": profile.jpegs,
+        "engines.ofa": profile.ofas,
+    }
+    assert values["memory"] == profile.memory_mib  # the memory info and the attributes agree
+    return {prefix + k: str(v) for k, v in values.items()}
+
+
 def expected_labels(host: dict, mig_strategy: str = "none", replicas: int = 1) -> dict:
     """The node labels `oci-gpu-hook labels` must write for the simulated host (its description:
-    simulated-host.json, what the `host` fixture returns), with GFD's names and values, for the
-    strategy none or mixed and replicas of each full GPU."""
+    simulated-host.json, what the `host` fixture returns, and the simulator's MIG profile table),
+    with GFD's names and values, for the strategy none or mixed and replicas of each full GPU."""
     if mig_strategy not in ("none", "mixed"):
         raise ValueError(f"expected_labels: strategy {mig_strategy!r} (none or mixed)")
     gpus = host["gpus"]
-    driver = host["driver_version"].split(".")
-    cuda_major, cuda_minor = host["cuda_version"].split(".")
-    capable = any(g["mig"] or tuple(g["model"]["compute_capability"]) in MIG_CAPABLE for g in gpus)
-    labels = {"cuda.driver.major": driver[0], "cuda.driver.minor": driver[1],
-              "cuda.driver.rev": driver[2] if len(driver) > 2 else "", "cuda.runtime.major": cuda_major,
-              "cuda.runtime.minor": cuda_minor, "mig.capable": str(capable).lower(), "mig.strategy": mig_strategy,
-              "gpu.count": "0"}  # fmt: skip
-    full = [g for g in gpus if not g["mig"]] if mig_strategy == "mixed" else gpus
-    if full:
-        model = full[0]["model"]
-        major, minor = model["compute_capability"]
-        labels.update({"gpu.count": str(len(full)), "gpu.replicas": str(replicas),
-                       "gpu.product": "-".join(model["name"].split()) + ("-SHARED" if replicas > 1 else ""),
-                       "gpu.memory": str(model["memory_total"] >> 20), "gpu.family": GFD_FAMILIES[(major, minor)],
-                       "gpu.compute.major": str(major), "gpu.compute.minor": str(minor)})  # fmt: skip
+    labels = {**expected_common(host, mig_strategy, facts=True), **expected_gpu(host, gpus, replicas)}
     migs = [m for g in gpus for m in g["mig"]] if mig_strategy == "mixed" else []
     for profile in sorted({m["profile"] for m in migs}):
-        devices = [m for m in migs if m["profile"] == profile]
-        slices = profile.split("g.")[0]  # 3g.20gb: three slices, one GPU instance with one compute instance
-        labels.update({f"mig-{profile}.count": str(len(devices)), f"mig-{profile}.slices.gi": slices,
-                       f"mig-{profile}.slices.ci": slices,
-                       f"mig-{profile}.memory": str(devices[0]["memory_total"] >> 20)})  # fmt: skip
-    return {f"nvidia.com/{key}": value for key, value in labels.items()}
+        labels.update(
+            expected_mig(f"mig-{profile}", gpus[0]["model"]["name"], [m for m in migs if m["profile"] == profile])
+        )
+    return labels
 
 
 def one_mib_documents(key: str) -> dict:

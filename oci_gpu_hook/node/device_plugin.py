@@ -265,9 +265,10 @@ class _Servicer:
     def GetPreferredAllocation(self, request, context):
         _, pb2, _ = _api()
         resource, topology = self.owner.resource, self.owner.plugin.topology
+        policy = self.owner.plugin.config.allocation_policy
         answers = [pb2.ContainerPreferredAllocationResponse(deviceIDs=plugin_allocation.preferred(
-            resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size, topology))
-            for r in request.container_requests]  # fmt: skip
+            resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size, topology,
+            policy)) for r in request.container_requests]  # fmt: skip
         return pb2.PreferredAllocationResponse(container_responses=answers)
 
     def Allocate(self, request, context):

@@ -50,20 +50,33 @@ class ContainerAllocation(Record):
     cdi_devices: tuple  # fully qualified CDI names
 
 
-def preferred(resource, available, must_include, size: int, topology=None) -> list:
+def preferred(resource, available, must_include, size: int, topology=None, policy: str = "distributed") -> list:
     """size ids from available, must_include first. Whole GPUs (not shared, not MIG) then go by
     topology (plugin_topology.best: NVLinks, then the nearest common PCIe ancestor, with the
-    must-include ones). The rest spread the container over distinct GPUs, then over the GPUs with
-    the most replicas still free: time-sliced pods land on the least shared GPU, and a container
-    asking for two gets two GPUs where it can."""
+    must-include ones). The rest by policy (flags.plugin.sharedDevicesAllocationPolicy), as
+    NVIDIA's plugin means it:
+    - distributed: spread the container over distinct GPUs, then over the GPUs with the most
+      replicas still free: time-sliced pods land on the least shared GPU, and a container asking
+      for two gets two GPUs where it can.
+    - packed: the GPU with the most of its devices already allocated (to other containers, or
+      just now to this one) first, so that shared devices fill as few GPUs as they can and the
+      others stay free for whole-GPU work. A MIG device counts for its GPU: packing is onto
+      physical GPUs."""
     chosen = [i for i in dict.fromkeys(must_include) if resource.find(i) is not None][:size]
+    packed = policy == "packed"
     free: dict = {}
+    total: dict = {}  # packed: each GPU's devices in this resource, allocated or not
+    for device in resource.devices:
+        key = _gpu_key(device, packed)
+        total[key] = total.get(key, 0) + 1
     for device_id in available:
         device = resource.find(device_id)
         if device is not None and device_id not in chosen:
-            free.setdefault(device.unit.uuid, []).append(device_id)
-    used = {resource.find(i).unit.uuid for i in chosen}
-    order = {d.unit.uuid: n for n, d in enumerate(resource.devices)}  # inventory order breaks ties
+            free.setdefault(_gpu_key(device, packed), []).append(device_id)
+    used = {_gpu_key(resource.find(i), packed) for i in chosen}
+    order: dict = {}  # inventory order breaks ties
+    for device in resource.devices:
+        order.setdefault(_gpu_key(device, packed), len(order))
     if topology is not None and resource.replicas == 1 and all(d.unit.mig is None for d in resource.devices):
         from oci_gpu_hook.node.plugin_topology import best
 
@@ -71,11 +84,22 @@ def preferred(resource, available, must_include, size: int, topology=None) -> li
         for uuid in best(candidates, sorted(used), size - len(chosen), topology):
             chosen.append(free[uuid].pop(0))
             used.add(uuid)
+
+    def rank(u):
+        if packed:  # the most allocated first: what is not free (taken, chosen, or not offered)
+            return -(total[u] - len(free[u])), order.get(u, 0)
+        return u in used, -len(free[u]), order.get(u, 0)
+
     while len(chosen) < size and any(free.values()):
-        uuid = min((u for u in free if free[u]), key=lambda u: (u in used, -len(free[u]), order.get(u, 0)))
+        uuid = min((u for u in free if free[u]), key=rank)
         chosen.append(free[uuid].pop(0))
         used.add(uuid)
     return chosen
+
+
+def _gpu_key(device, physical: bool) -> str:
+    """What the policy counts devices by: their physical GPU (packed), or the unit they give."""
+    return device.unit.gpu.uuid if physical else device.unit.uuid
 
 
 def _units(resource, ids) -> list:

@@ -4,8 +4,8 @@ device plugin (flags.migStrategy, flags.plugin.*, sharing.timeSlicing.*), plus o
 a mistake is one line naming the file and the key, and a non-zero exit. Pure: no I/O but the read.
 
 Keys NVIDIA's plugin has and this one does not (per-resource `rename` and `devices` subsets, GDS
-and MOFED flags, ...) are refused by name, and values it has that this one does not (packed
-allocation, Tegra discovery, ...) by value, each with its reason, rather than ignored: a
+and MOFED flags, ...) are refused by name, and values it has that this one does not (Tegra
+discovery, GDRCopy, ...) by value, each with its reason, rather than ignored: a
 configuration that silently means something else on this node is worse than one that does not
 start. `sharing.mps` (MPS replicas, mps.py) and `imex` (IMEX channels) are honoured.
 """
@@ -69,11 +69,12 @@ def _xid_health(doc: dict) -> dict:
 class PluginConfig(Record):
     __slots__ = ("mig_strategy", "list_strategies", "id_strategy", "pass_device_specs", "rename_by_default",
                  "fail_requests_greater_than_one", "time_slicing", "mps", "mps_root", "imex_channels",
-                 "imex_required", "critical_xids", "ignored_xids")  # fmt: skip
+                 "imex_required", "critical_xids", "ignored_xids", "allocation_policy")  # fmt: skip
     _defaults = {"list_strategies": ("envvar",), "id_strategy": "uuid", "pass_device_specs": False,
                  "rename_by_default": False, "fail_requests_greater_than_one": False, "time_slicing": (),
                  "mps": (), "mps_root": None, "imex_channels": (), "imex_required": False,
-                 "critical_xids": ALL_XIDS, "ignored_xids": APPLICATION_XIDS}  # fmt: skip
+                 "critical_xids": ALL_XIDS, "ignored_xids": APPLICATION_XIDS,
+                 "allocation_policy": "distributed"}  # fmt: skip
     mig_strategy: str
     list_strategies: tuple  # of LIST_STRATEGIES, in the order given
     id_strategy: str
@@ -87,6 +88,7 @@ class PluginConfig(Record):
     imex_required: bool  # imex.required: a missing channel stops the start rather than being skipped
     critical_xids: object  # health.criticalXids: ALL_XIDS, or a tuple of the XIDs that make a GPU Unhealthy
     ignored_xids: tuple  # health.ignoredXids: XIDs that never do (default: NVIDIA's application XIDs)
+    allocation_policy: str  # flags.plugin.sharedDevicesAllocationPolicy: distributed or packed
 
     def sharing(self, name: str) -> TimeSlicedResource | None:
         return next((r for r in self.time_slicing + self.mps if r.name == name), None)
@@ -126,8 +128,6 @@ _REFUSED_VALUES = (
      "labels are an NFD feature file written by `oci-gpu-hook labels`; NFD's NodeFeature API is not used"),
     (("flags", "deviceDiscoveryStrategy"), "tegra",
      "Tegra's integrated GPUs are not discovered by oci-gpu-hook (auto and nvml are: procfs and NVML)"),
-    (("flags", "plugin", "sharedDevicesAllocationPolicy"), "packed",
-     "packed is not offered: replicas of a shared GPU go to the least shared GPUs first (distributed)"),
 )  # fmt: skip
 DEFAULT_MPS_ROOT = "/run/nvidia/mps"  # NVIDIA's Helm chart's mpsRoot
 MAX_IMEX_CHANNEL = 2047  # the driver makes 2048 IMEX channels (NVreg_ImexChannelCount's default)
@@ -276,6 +276,7 @@ def parse(doc, where: str) -> PluginConfig:
         mps_root=os.path.normpath(flags.get("mpsRoot") or DEFAULT_MPS_ROOT) if mps else None,
         imex_channels=tuple(dict.fromkeys(imex.get("channelIDs") or ())),
         imex_required=bool(imex.get("required")),
+        allocation_policy=plugin.get("sharedDevicesAllocationPolicy") or "distributed",
         **_xid_health(doc),
     )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 
 from oci_gpu_hook.errors import NvmlError
+from oci_gpu_hook.node.nvml_reader import DriverChanged
 from oci_gpu_hook.node.plugin_config import ALL_XIDS
 from oci_gpu_hook.record import Record
 
@@ -114,10 +115,16 @@ class XidWatch:
             try:
                 self._session()
             except NvmlError as e:
-                if e.message != self._last_problem:
-                    self.say(f"XID health: {e.message}; trying again every {RETRY_SECONDS:g}s")
-                self._last_problem = e.message
-                self.stopping.wait(RETRY_SECONDS)
+                self._trouble(e.message)
+            except Exception as e:  # a defect: one line, and again; a dead thread would end XID health
+                self._trouble(_why(e))
+
+    def _trouble(self, problem: str) -> None:
+        """Say it (once while it stays the same) and try again after a while."""
+        if problem != self._last_problem:
+            self.say(f"XID health: {problem}; trying again every {RETRY_SECONDS:g}s")
+        self._last_problem = problem
+        self.stopping.wait(RETRY_SECONDS)
 
     def _session(self) -> None:
         from oci_gpu_hook.start.nvml import bind
@@ -187,10 +194,22 @@ class XidWatch:
             found = XidEvent(uuid, None if whole else event.gpuInstanceId, None if whole else event.computeInstanceId,
                              int(event.eventData))  # fmt: skip
             if self.xids.is_critical(found.xid):
-                self.report(found)
+                try:
+                    self.report(found)
+                except Exception as e:
+                    # What marking it raised (DriverChanged, from the health check it runs, which
+                    # the plugin's own loop meets too and restarts on): said, and the next XID is
+                    # still waited for. The mark itself is kept before the check (device_plugin.py).
+                    self.say(f"XID {found.xid} on {describe(found)}: marking it Unhealthy: {_why(e)}")
             else:
                 self.say(f"XID {found.xid} on {describe(found)}: not critical here (health.ignoredXids or "
                          f"{DISABLE_ENV}); its health is unchanged")  # fmt: skip
+
+
+def _why(e: Exception) -> str:
+    """An exception in one line: its own words, or its kind where it has none."""
+    text = " ".join(str(e).split())
+    return text if isinstance(e, (NvmlError, DriverChanged)) and text else f"{type(e).__name__}: {text}"
 
 
 def describe(event: XidEvent) -> str:

@@ -41,6 +41,8 @@ from oci_gpu_hook.start.spec import Spec
 from oci_gpu_hook.start.state import ContainerState
 
 FAULT_ENV = "OCI_GPU_HOOK_FAULT_AT"  # tests: fail the Nth operation (set only in the hook's own env)
+# After the deadline, the rollback's own time; then the kernel kills the hook (_arm_kill).
+_GRACE_SECONDS = 5.0
 
 
 class ApplyError(HookError):
@@ -415,32 +417,39 @@ def _carry_out(plan: Plan, state: ContainerState, spec: Spec, settings: Settings
     keep_journal = False  # kept when something could not be undone: the next start finishes it
     started = time.perf_counter()
     try:
-        own_namespace = os.stat("/proc/self/ns/mnt").st_ino
-        bundle_rootfs = _identity(spec.rootfs)
-        # Opened here, it reads the hook's own namespace after the join: which tmpfs is the host's.
-        host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
-        _join_mount_namespace(state.pid)
-        os.chdir("/")
         try:
-            rootfs = Rootfs(spec.rootfs, labels.labeler_for(spec.mount_label))
-        except OSError as e:
-            raise ApplyError(f"{spec.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
-        _check_is_the_container(state.pid, own_namespace, bundle_rootfs, rootfs)
-        applier = Applier(plan, state, spec, settings, rootfs)
-        rootfs.guard = MountGuard(rootfs.fd, spec.rootfs, applier.undo.keep_fd(host_mountinfo))
-        host_mountinfo = None  # the undo log's to close now
-        applier.undo.journal = Journal.start(journal_directory(settings.inventory_cache), rootfs)
-        ready = time.perf_counter()
-        applier.run()
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        applier.undo.commit()
-        timings = applier.timings
-        timings["setup"] = (ready - started) * 1e3  # join the namespace, the checks, the journal
-        timings["operations"] = (time.perf_counter() - ready) * 1e3 - timings.get("ldconfig_wait", 0.0)
-        report = {"ok": True, "skipped": applier.skipped, "left": applier.left, "timings": timings}
-        if applier.allowed:
-            report["cgroup"] = (applier._cgroup_dir, applier.allowed)
-        return report
+            own_namespace = os.stat("/proc/self/ns/mnt").st_ino
+            bundle_rootfs = _identity(spec.rootfs)
+            # Opened here, it reads the hook's own namespace after the join: which tmpfs is the host's.
+            host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+            _join_mount_namespace(state.pid)
+            os.chdir("/")
+            try:
+                rootfs = Rootfs(spec.rootfs, labels.labeler_for(spec.mount_label))
+            except OSError as e:
+                raise ApplyError(f"{spec.rootfs}: cannot open the container's rootfs: {e.strerror}") from None
+            _check_is_the_container(state.pid, own_namespace, bundle_rootfs, rootfs)
+            applier = Applier(plan, state, spec, settings, rootfs)
+            rootfs.guard = MountGuard(rootfs.fd, spec.rootfs, applier.undo.keep_fd(host_mountinfo))
+            host_mountinfo = None  # the undo log's to close now
+            applier.undo.journal = Journal.start(journal_directory(settings.inventory_cache), rootfs)
+            ready = time.perf_counter()
+            applier.run()
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            applier.undo.commit()
+            timings = applier.timings
+            timings["setup"] = (ready - started) * 1e3  # join the namespace, the checks, the journal
+            timings["operations"] = (time.perf_counter() - ready) * 1e3 - timings.get("ldconfig_wait", 0.0)
+            report = {"ok": True, "skipped": applier.skipped, "left": applier.left, "timings": timings}
+            if applier.allowed:
+                report["cgroup"] = (applier._cgroup_dir, applier.allowed)
+            return report
+        except BaseException:
+            # Disarmed at once, and the error passed on to the rollback below: the one-shot alarm
+            # may be run as this handler starts (an operation failing just as the deadline
+            # passes), and its DeadlineExceeded then reaches the rollback instead of skipping it.
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            raise
     except BaseException as e:
         signal.setitimer(signal.ITIMER_REAL, 0)  # the rollback itself must not be interrupted
         failures = applier.undo.rollback() if applier else []
@@ -501,12 +510,27 @@ class _own_place:
         return False
 
 
+def _arm_kill(seconds: float):
+    """A timer that SIGKILLs this process once seconds have passed (None where the kernel refuses
+    one): the SIGALRM deadline cannot end a system call that waits for a hung FUSE or NFS source
+    (the handler runs only when the call returns), but a fatal signal ends that wait. Without it
+    the start hangs until the source answers where the runtime sets no hook timeout (dockerd's
+    --gpus hook has none). The forked child had this from its parent; the kernel does it now,
+    with no process to fork. Killed, the hook says nothing: the runtime reports a killed hook,
+    the mounts die with the container's namespace and the journal lets the next start remove
+    the files (docs/security.md)."""
+    try:
+        return _linux.kill_timer(seconds, signal.SIGKILL)
+    except OSError:
+        return None
+
+
 def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, budget=None, meanwhile=None) -> dict:
     """Apply in this process; returns the report, or raises ApplyError (after the rollback).
     The apply gets what is left of the hook's budget (budget.Budget; all of deadline_seconds
     without one): its SIGALRM rolls back and fails the start. An operation the kernel does not
-    let a signal interrupt (a hung FUSE or NFS source) holds the hook until the runtime's own
-    hook timeout kills it; its journal lets the next start remove what it made.
+    let a signal interrupt (a hung FUSE or NFS source) holds the hook until _arm_kill's timer
+    (or the runtime's hook timeout) kills it; its journal lets the next start remove what it made.
     meanwhile: called once the plan is applied, back in the hook's own namespace (work that needs
     no result of it); what it raises is the caller's."""
     if state.pid is None:
@@ -514,8 +538,13 @@ def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, bud
     seconds = settings.deadline_seconds if budget is None else budget.remaining()
     if seconds <= 0:
         raise DeadlineExceeded("the hook's deadline passed before the container was changed; nothing was done")
+    killer = _arm_kill(seconds + _GRACE_SECONDS)
     with _own_place():
-        report = _carry_out(plan, state, spec, settings, seconds)
+        try:
+            report = _carry_out(plan, state, spec, settings, seconds)
+        finally:
+            if killer is not None:
+                _linux.timer_delete(killer)
     if not report["ok"]:
         error = ApplyError(
             report["error"]

@@ -104,7 +104,9 @@ def test_host_paths_must_exist_but_the_records_directory():
     checks the mode of what it writes into)."""
     types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod_spec()["volumes"] if "hostPath" in v}
     assert types["/etc/kubernetes/node-feature-discovery/features.d"] == "Directory"
-    assert {path for path, kind in types.items() if kind != "Directory"} == {"/run/oci-gpu-hook"}
+    # And the MPS root, in /run (emptied at boot): the plugin checks that what it makes there is
+    # root's alone (mps.make_directories).
+    assert {path for path, kind in types.items() if kind != "Directory"} == {"/run/oci-gpu-hook", "/run/nvidia/mps"}
 
 
 def test_every_container_has_requests_a_memory_limit_and_a_liveness_probe():
@@ -195,3 +197,42 @@ def test_the_device_plugin_answers_what_pods_cannot_forge(tmp_path):
     (tmp_path / "device-plugin.yaml").write_text(data["device-plugin.yaml"])
     config = plugin_config.load(str(tmp_path / "device-plugin.yaml"), node)
     assert config.list_strategies == ("volume-mounts",)
+
+
+def test_only_a_privileged_container_has_a_bidirectional_mount():
+    """The kubelet refuses the pod otherwise; and such a mount changes the host's mounts."""
+    for name, c in containers().items():
+        for mount in c["volumeMounts"]:
+            if mount.get("mountPropagation") == "Bidirectional":
+                assert name in PRIVILEGED and c["securityContext"]["privileged"] is True, (name, mount)
+
+
+def test_the_mps_directories_the_plugin_answers_with_are_the_hosts():
+    """flags.mpsRoot was not mounted: with sharing.mps, the plugin made the MPS daemon's pipe and
+    log directories and its shm tmpfs in its own container's /run, while its Allocate answers
+    mount those paths of the host into the client pods, where there was nothing (CUDA found no
+    daemon). Every host path of an answer, for the ConfigMap's configuration with MPS on, must be
+    that same path of the host in the plugin's container; the shm the plugin mounts there must
+    reach the host (Bidirectional); no other container mounts it."""
+    from oci_gpu_hook.node import mps, plugin_config
+
+    doc = yaml.safe_load(one("ConfigMap")["data"]["device-plugin.yaml"])
+    doc["sharing"] = {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}
+    config = plugin_config.parse(doc, "device-plugin.yaml")
+    root = config.mps_root
+    assert root == plugin_config.DEFAULT_MPS_ROOT  # the ConfigMap keeps NVIDIA's default
+    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
+    plugin = containers()["device-plugin"]
+    made = [mps.pipe_dir(root, "nvidia.com/gpu"), mps.log_dir(root, "nvidia.com/gpu"), mps.shm_dir(root)]
+    for path in made:
+        mounts = [m for m in plugin["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
+        assert len(mounts) == 1, f"{path}: in no volume of the device plugin's: its container's own"
+        (mount,) = mounts
+        host = volumes[mount["name"]].get("hostPath", {}).get("path")
+        assert host == mount["mountPath"], f"{path}: {mount['mountPath']} is not the host's {mount['mountPath']}"
+        assert not mount.get("readOnly"), mount
+    (mount,) = [m for m in plugin["volumeMounts"] if m["mountPath"] == root]
+    assert mount.get("mountPropagation") == "Bidirectional", mount  # the shm tmpfs, mounted under it
+    others = {n for n, c in containers().items() if n != "device-plugin" for m in c["volumeMounts"]
+              if m["name"] == mount["name"]}  # fmt: skip
+    assert not others, others

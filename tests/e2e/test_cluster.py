@@ -163,15 +163,18 @@ def test_node_labels_reach_the_node_and_steer_a_pod(cluster):
     cluster, plugin, resources = cluster
     features = cluster.tmp / "features"
     (cluster.tmp / "labels").mkdir()
-    config = config_with(cluster.host, cluster.tmp / "labels", f"node: {{device_plugin_config: {plugin.config_file}}}")
+    # node: replaces the host's node: section whole, so its sysfs (node.sys_root) is named again.
+    node = f"node: {{device_plugin_config: {plugin.config_file}, sys_root: {cluster.host['root']}}}"
+    config = config_with(cluster.host, cluster.tmp / "labels", node)
     out = subprocess.run([*hook_command(config), "labels", "--output", str(features)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 0, out.stderr
     labels = dict(line.split("=", 1) for line in features.read_text().splitlines())
     assert labels == expected_labels(cluster.host, PLUGIN["flags"]["migStrategy"])
     # The literal values of a 4-GPU host with GPU 3 in MIG mode, so that a wrong description
-    # cannot make the test agree with itself.
-    assert (labels["nvidia.com/gpu.count"], labels["nvidia.com/mig.strategy"]) == ("3", "mixed")
+    # cannot make the test agree with itself: under mixed, gpu.count counts every GPU, the one
+    # in MIG mode too, as GFD's does.
+    assert (labels["nvidia.com/gpu.count"], labels["nvidia.com/mig.strategy"]) == ("4", "mixed")
     assert labels["nvidia.com/mig-3g.20gb.count"] == "1"
     product = labels["nvidia.com/gpu.product"]
     cluster.kubectl("label", "node", cluster.node_name, "--overwrite", *[f"{k}={v}" for k, v in labels.items()])

@@ -86,13 +86,14 @@ def manifests(host, tmp, records: str) -> list:
             config = yaml.safe_load(doc["data"]["config.yaml"])
             config.update(driver_root=root, dev_root=root, proc_root=root, records_directory=records)
             # features_file stays the manifest's: the features volume below puts it under tmp.
-            config["node"].update(exporter_listen=f":{PORT}")
+            # sys_root: the simulated host's sysfs (its PCI classes, its DMI name), as proc_root.
+            config["node"].update(exporter_listen=f":{PORT}", sys_root=root)
             doc["data"]["config.yaml"] = yaml.safe_dump(config)
         elif doc["kind"] == "DaemonSet":
             spec = doc["spec"]["template"]["spec"]
             spec.pop("nodeSelector")
             moved = {"/run/oci-gpu-hook": str(tmp / "run"), "/etc/kubernetes/node-feature-discovery/features.d":
-                     str(tmp / "features")}  # fmt: skip
+                     str(tmp / "features"), "/run/nvidia/mps": str(tmp / "mps")}  # fmt: skip
             for volume in spec["volumes"]:
                 if "hostPath" in volume and volume["hostPath"]["path"] in moved:
                     volume["hostPath"]["path"] = moved[volume["hostPath"]["path"]]  # the type stays

@@ -314,6 +314,19 @@ def test_allocate_and_preferred_allocation(api, host, kubelet, start):
     assert plugin.call(api, "nvidia.com/gpu", "PreStartContainer", prestart) == api.pb2.PreStartContainerResponse()
 
 
+def test_preferred_allocation_follows_the_configured_policy(api, host, kubelet, start):
+    """flags.plugin.sharedDevicesAllocationPolicy: packed reaches the plugin's answer (it was
+    refused): two replicas of one GPU, where distributed (above) gives two GPUs."""
+    packed = "  migStrategy: mixed\n  plugin:\n    sharedDevicesAllocationPolicy: packed\n"
+    plugin = start(MIXED_SHARED.replace("  migStrategy: mixed\n", packed))
+    kubelet.wait_for(4, plugin)
+    ids = expected_ids(host)["nvidia.com/gpu"]
+    request = api.pb2.PreferredAllocationRequest(container_requests=[
+        api.pb2.ContainerPreferredAllocationRequest(available_deviceIDs=ids, allocation_size=2)])  # fmt: skip
+    (answer,) = plugin.call(api, "nvidia.com/gpu", "GetPreferredAllocation", request).container_responses
+    assert list(answer.deviceIDs) == ids[:2] and ids[0].split("::")[0] == ids[1].split("::")[0]
+
+
 def test_allocate_refusals_are_invalid_argument_and_the_plugin_serves_on(api, host, kubelet, start):
     plugin = start()
     kubelet.wait_for(4, plugin)

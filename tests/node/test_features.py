@@ -10,17 +10,15 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from hookcheck import expected_common, expected_gpu, expected_mig
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.node import features
 from oci_gpu_hook.start import inventory_cache
 from oci_gpu_hook.start import settings as settings_module
 from oci_gpu_hook.toolkit.containers import hook_command
-from oci_gpu_hook.toolkit.simulate import model
 
 pytestmark = pytest.mark.host(gpus=8, mig=[2], needs=("pynvml",))
-
-MIB = 1 << 20
 
 
 @pytest.fixture
@@ -31,77 +29,6 @@ def host_settings(host):
 @pytest.fixture
 def inventory(host_settings):
     return inventory_cache.load(host_settings)
-
-
-def expected_common(host, strategy: str, sharing: str = "time-slicing", facts: bool = False) -> dict:
-    """The labels every strategy carries, from the host summary. facts: with the machine and mode
-    labels, which come from the simulated sysfs (for_node and the command)."""
-    driver = host["driver_version"].split(".")
-    cuda_major, cuda_minor = host["cuda_version"].split(".")
-    labels = {
-        "nvidia.com/cuda.driver.major": driver[0],
-        "nvidia.com/cuda.driver.minor": driver[1],
-        "nvidia.com/cuda.driver.rev": driver[2],
-        "nvidia.com/cuda.driver-version.major": driver[0],
-        "nvidia.com/cuda.driver-version.minor": driver[1],
-        "nvidia.com/cuda.driver-version.revision": driver[2],
-        "nvidia.com/cuda.driver-version.full": host["driver_version"],
-        "nvidia.com/cuda.runtime.major": cuda_major,
-        "nvidia.com/cuda.runtime.minor": cuda_minor,
-        "nvidia.com/cuda.runtime-version.major": cuda_major,
-        "nvidia.com/cuda.runtime-version.minor": cuda_minor,
-        "nvidia.com/cuda.runtime-version.full": host["cuda_version"],
-        "nvidia.com/mig.capable": "true",
-        "nvidia.com/mig.strategy": strategy,
-        "nvidia.com/mps.capable": "false",
-    }
-    if facts:
-        labels["nvidia.com/gpu.machine"] = "-".join(host["machine"].split(" "))
-        pci_class = host["gpus"][0]["model"]["pci_class"]
-        labels["nvidia.com/gpu.mode"] = {0x030200: "compute", 0x030000: "graphics"}[pci_class]
-    return labels
-
-
-def expected_gpu(host, gpus, replicas: int, sharing: str = "time-slicing") -> dict:
-    """gpu.*: every GPU counted; without sharing where every GPU has MIG on, as GFD writes them."""
-    model = gpus[0]["model"]
-    major, minor = model["compute_capability"]
-    if all(g["mig"] for g in gpus):
-        replicas = 0
-    return {
-        "nvidia.com/gpu.count": str(len(gpus)),
-        "nvidia.com/gpu.product": "-".join(model["name"].split()) + ("-SHARED" if replicas > 1 else ""),
-        "nvidia.com/gpu.memory": str(model["memory_total"] // MIB),
-        "nvidia.com/gpu.family": "ampere",
-        "nvidia.com/gpu.compute.major": str(major),
-        "nvidia.com/gpu.compute.minor": str(minor),
-        "nvidia.com/gpu.replicas": str(replicas),
-        "nvidia.com/gpu.sharing-strategy": sharing if replicas > 1 else "none",
-    }
-
-
-def expected_mig(key: str, gpu_name: str, migs, replicas: int = 1, sharing: str = "time-slicing") -> dict:
-    """One MIG profile's labels (key: gpu under single, mig-<profile> under mixed), from the host
-    summary and the simulator's profile table (what a real A100-SXM4-40GB reports)."""
-    profile = model.MIG_PROFILE[migs[0]["profile"]]
-    prefix = f"nvidia.com/{key}."
-    values = {
-        "count": len(migs),
-        "product": "-".join(gpu_name.split()) + f"-MIG-{profile.name}" + ("-SHARED" if replicas > 1 else ""),
-        "replicas": replicas,
-        "sharing-strategy": sharing if replicas > 1 else "none",
-        "memory": migs[0]["memory_total"] // MIB,
-        "slices.gi": profile.slices,
-        "slices.ci": profile.slices,
-        "multiprocessors": profile.multiprocessors,
-        "engines.copy": profile.copy_engines,
-        "engines.decoder": profile.decoders,
-        "engines.encoder": profile.encoders,
-        "engines.jpeg": profile.jpegs,
-        "engines.ofa": profile.ofas,
-    }
-    assert values["memory"] == profile.memory_mib  # the memory info and the attributes agree
-    return {prefix + k: str(v) for k, v in values.items()}
 
 
 # ---- compute -------------------------------------------------------------------------------------

@@ -303,3 +303,76 @@ def test_preferred_with_whole_gpus(host, inventory):
     assert got[0] == uuids(host, 1)[0] and len(got) == 2 and set(got) <= set(uuids(host, 0, 1, 2))
     assert preferred(whole, uuids(host, 2), [], 2) == uuids(host, 2)
     assert preferred(whole, [], [], 1) == []
+
+
+# ---- sharedDevicesAllocationPolicy: packed ----------------------------------------------------------
+# NVIDIA's meaning (v0.20, its preferred allocation for shared and MIG devices): distributed puts a
+# container on the GPUs with the fewest of their devices already allocated, packed on those with the
+# most, so that shared devices fill as few GPUs as they can and the rest stay free for whole GPUs.
+
+
+def test_packed_fills_one_gpu_before_the_next(shared):
+    devices = shared.devices
+    available = [d.id for d in devices]
+    assert preferred(shared, available, [], 3, policy="packed") == [d.id for d in devices[:3]]
+    assert preferred(shared, available, [], 6, policy="packed") == [d.id for d in devices[:6]]  # then GPU 1
+    # The container's own must-include replica counts as allocated: the rest join it on GPU 1.
+    assert preferred(shared, available, [devices[5].id], 3, policy="packed") == [devices[i].id for i in (5, 4, 6)]
+
+
+def test_packed_picks_the_most_shared_gpu(shared):
+    devices = shared.devices
+    # free: GPU 0 one replica (three allocated), GPU 1 all four (none), GPU 2 two (two)
+    available = [devices[3].id, *[d.id for d in devices[4:8]], devices[9].id, devices[11].id]
+    got = preferred(shared, available, [], 4, policy="packed")
+    assert got == [devices[i].id for i in (3, 9, 11, 4)]
+    assert preferred(shared, available, [], 1) == [devices[4].id]  # distributed: the least shared, GPU 1
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 5, 12, 20])
+def test_packed_returns_only_available_ids_and_at_most_size(shared, size):
+    available = [d.id for d in shared.devices][1::2] + ["GPU-unknown::0", "nvidia.com/gpu"]
+    got = preferred(shared, available, [], size, policy="packed")
+    assert len(got) == min(size, 6) and len(set(got)) == len(got)
+    assert set(got) <= set(available) - {"GPU-unknown::0", "nvidia.com/gpu"}
+
+
+def test_packed_counts_a_mig_device_for_its_gpu(simulated_host):
+    """On physical GPUs, as packing is for: MIG devices of one resource on two GPUs (as seven
+    1g.5gb of an A100 each are one resource), one of GPU 1's taken: the next is another of GPU 1's,
+    where counting each MIG device alone ties them all and takes GPU 0's first."""
+    from oci_gpu_hook.start import inventory_cache, settings
+
+    host = simulated_host(gpus=2, mig=[0, 1])
+    inventory = inventory_cache.load(settings.load(f"{host['root']}/config.yaml"))
+    migs = [r for r in plugin_devices.resources(inventory, make_config()) if r.name.startswith("nvidia.com/mig-")]
+    devices = tuple(sorted((d for r in migs for d in r.devices), key=lambda d: d.unit.index))
+    resource = migs[0].replace(name="nvidia.com/mig-all", devices=devices)
+    assert [d.unit.index for d in devices] == ["0:0", "0:1", "0:2", "1:0", "1:1", "1:2"]
+    available = [d.id for d in devices if d.unit.index != "1:0"]
+    assert preferred(resource, available, [], 2, policy="packed") == [devices[4].id, devices[5].id]
+    assert preferred(resource, available, [], 2) == [devices[0].id, devices[1].id]  # distributed
+
+
+def test_the_policy_comes_from_the_configuration(host, inventory):
+    """flags.plugin.sharedDevicesAllocationPolicy: packed was refused; it is honoured now, and
+    distributed stays the default. (The plugin passes config.allocation_policy to preferred.)"""
+    from oci_gpu_hook.errors import ConfigError
+    from oci_gpu_hook.node import plugin_config
+
+    def config(policy):
+        plugin = {} if policy is None else {"sharedDevicesAllocationPolicy": policy}
+        doc = {"version": "v1", "flags": {"plugin": plugin},
+               "sharing": {"timeSlicing": {"resources": [{"name": "nvidia.com/gpu", "replicas": 4}]}}}  # fmt: skip
+        return plugin_config.parse(doc, "p.yaml")
+
+    assert [config(p).allocation_policy for p in (None, "distributed", "packed")] == ["distributed"] * 2 + ["packed"]
+    resource = resource_of(inventory, config("packed"))
+    available = [d.id for d in resource.devices]
+    two = preferred(resource, available, [], 2, policy=config("packed").allocation_policy)
+    assert len({resource.find(i).unit.uuid for i in two}) == 1
+    with pytest.raises(ConfigError) as e:
+        config("spread")
+    assert e.value.message.startswith("p.yaml: flags.plugin.sharedDevicesAllocationPolicy") and "\n" not in (
+        e.value.message
+    )

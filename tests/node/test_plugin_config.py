@@ -373,6 +373,9 @@ def test_v0_20_keys_with_the_values_this_plugin_follows_are_taken():
     })  # fmt: skip
     assert (config.imex_channels, config.imex_required) == ((0,), True)
     assert config.mps == () and config.mps_root is None  # mpsRoot alone shares nothing
+    assert config.allocation_policy == "distributed"
+    packed = parse({"version": "v1", "flags": {"plugin": {"sharedDevicesAllocationPolicy": "packed"}}})
+    assert packed.allocation_policy == "packed"  # was refused; plugin_allocation.preferred follows it
     assert parse({"flags": {"deviceDiscoveryStrategy": "nvml"}, "resources": None, "imex": None}) == PluginConfig(
         mig_strategy="none"
     )
@@ -400,8 +403,6 @@ def test_mps_sharing_in_nvidias_format():
      ({"flags": {"useNodeFeatureAPI": True}}, "flags.useNodeFeatureAPI", "true: labels are an NFD feature file"),
      ({"flags": {"deviceDiscoveryStrategy": "tegra"}}, "flags.deviceDiscoveryStrategy",
       "tegra: Tegra's integrated GPUs are not discovered"),
-     ({"flags": {"plugin": {"sharedDevicesAllocationPolicy": "packed"}}},
-      "flags.plugin.sharedDevicesAllocationPolicy", "packed: packed is not offered"),
      ({"flags": {"nvidiaDevRoot": "/"}}, "flags.nvidiaDevRoot", "the device nodes' root is dev_root"),
      ({"resources": {"gpus": [{"pattern": "*A100*", "name": "a100"}]}}, "resources",
       "naming resources by GPU model (resources.gpus, resources.mig) is not offered"),

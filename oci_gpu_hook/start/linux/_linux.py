@@ -160,6 +160,41 @@ def set_parent_death_signal(signum: int) -> None:
     _check(_libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
 
 
+class _SigEvent(ctypes.Structure):  # the kernel's struct sigevent: 64 bytes on every 64-bit machine
+    _fields_ = [("value", ctypes.c_uint64), ("signo", ctypes.c_int), ("notify", ctypes.c_int),
+                ("pad", ctypes.c_int * 12)]  # fmt: skip
+
+
+class _ITimerSpec(ctypes.Structure):
+    _fields_ = [("interval_sec", ctypes.c_long), ("interval_nsec", ctypes.c_long), ("value_sec", ctypes.c_long),
+                ("value_nsec", ctypes.c_long)]  # fmt: skip
+
+
+CLOCK_MONOTONIC = 1
+SIGEV_SIGNAL = 0
+
+
+def kill_timer(seconds: float, signum: int) -> int:
+    """A POSIX timer of this process that sends signum once, seconds from now; its id (timer_delete
+    disarms it). Not inherited by fork, deleted by exec. With SIGKILL it ends the process even in
+    a system call that no catchable signal interrupts but a fatal one does (FUSE, NFS)."""
+    event = _SigEvent(0, signum, SIGEV_SIGNAL)
+    timer = ctypes.c_int()
+    _check(_libc.syscall(_nr("timer_create"), CLOCK_MONOTONIC, ctypes.byref(event), ctypes.byref(timer)),
+           "timer_create")  # fmt: skip
+    whole = int(seconds)
+    spec = _ITimerSpec(0, 0, whole, max(1, int((seconds - whole) * 1e9)))
+    if _libc.syscall(_nr("timer_settime"), timer, 0, ctypes.byref(spec), None) < 0:
+        err = ctypes.get_errno()
+        timer_delete(timer.value)
+        raise OSError(err, f"timer_settime: {os.strerror(err)}")
+    return timer.value
+
+
+def timer_delete(timer: int) -> None:
+    _check(_libc.syscall(_nr("timer_delete"), timer), "timer_delete")
+
+
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 

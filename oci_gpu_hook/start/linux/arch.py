@@ -25,7 +25,7 @@ from oci_gpu_hook.record import Record
 
 # Every name _linux.py passes to _nr() (verify() reads _linux.py's source to make sure).
 SYSCALL_NAMES = ("pivot_root", "bpf", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount",
-                 "pidfd_open", "openat2", "mount_setattr")  # fmt: skip
+                 "pidfd_open", "openat2", "mount_setattr", "timer_create", "timer_settime", "timer_delete")  # fmt: skip
 
 # The same on x86_64 (arch/x86/entry/syscalls/syscall_64.tbl) and aarch64 (the generic table,
 # include/uapi/asm-generic/unistd.h).
@@ -49,7 +49,7 @@ class Architecture(Record):
 ARCHITECTURES = {
     "x86_64": Architecture(
         "x86_64",
-        {"pivot_root": 155, "bpf": 321, **_SINCE_5_2},
+        {"pivot_root": 155, "bpf": 321, "timer_create": 222, "timer_settime": 223, "timer_delete": 226, **_SINCE_5_2},
         "/usr/lib/x86_64-linux-gnu", "/usr/lib/i386-linux-gnu",
         "/usr/lib64", "/usr/lib",
         "/lib64/ld-linux-x86-64.so.2",
@@ -57,7 +57,7 @@ ARCHITECTURES = {
     # NVIDIA's aarch64 driver ships no 32-bit (armhf) libraries: compat32 places nothing there.
     "aarch64": Architecture(
         "aarch64",
-        {"pivot_root": 41, "bpf": 280, **_SINCE_5_2},
+        {"pivot_root": 41, "bpf": 280, "timer_create": 107, "timer_settime": 110, "timer_delete": 111, **_SINCE_5_2},
         "/usr/lib/aarch64-linux-gnu", None,
         "/usr/lib64", None,
         "/lib/ld-linux-aarch64.so.1",

@@ -257,14 +257,17 @@ def scope_of(cgroup_dir: str) -> str | None:
 def device_policy(unit: str, run_dir: str = RUN_DIR, etc_dir: str = ETC_DIR) -> str | None:
     """The DevicePolicy= systemd keeps for a transient unit, or None when it keeps no such unit
     (not a systemd scope, or no systemd). Read from its files, no D-Bus: the transient unit file
-    (what StartTransientUnit set) and the control drop-ins (what SetUnitProperties set after, as
-    runc's systemd driver sets the device rules), in systemd's order: by file name, the last
-    DevicePolicy= wins."""
+    (what StartTransientUnit set) and its drop-ins (what SetUnitProperties set after), in
+    systemd's order: by file name, the last DevicePolicy= wins."""
     files = []
     transient = os.path.join(run_dir, "transient", unit)
     if os.path.isfile(transient):
         files.append(("", transient))
-    for base in (os.path.join(etc_dir, "system.control"), os.path.join(run_dir, "system.control")):
+    # A transient unit's later settings are drop-ins beside its file (transient/UNIT.d), as runc's
+    # systemd driver sets the device rules; an administrator's set-property goes to system.control.
+    bases = (os.path.join(run_dir, "transient"), os.path.join(etc_dir, "system.control"),
+             os.path.join(run_dir, "system.control"))  # fmt: skip
+    for base in bases:
         directory = os.path.join(base, unit + ".d")
         try:
             names = os.listdir(directory)

@@ -25,9 +25,11 @@ LINUX = os.path.join("start", "linux", "_linux.py")
 # include/uapi/asm-generic/unistd.h (arch/arm64 has no table of its own for 64-bit tasks).
 KERNEL = {
     "x86_64": {"pivot_root": 155, "bpf": 321, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
-               "fsmount": 432, "pidfd_open": 434, "openat2": 437, "mount_setattr": 442},
+               "fsmount": 432, "pidfd_open": 434, "openat2": 437, "mount_setattr": 442, "timer_create": 222,
+               "timer_settime": 223, "timer_delete": 226},
     "aarch64": {"pivot_root": 41, "bpf": 280, "open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 431,
-                "fsmount": 432, "pidfd_open": 434, "openat2": 437, "mount_setattr": 442},
+                "fsmount": 432, "pidfd_open": 434, "openat2": 437, "mount_setattr": 442, "timer_create": 107,
+                "timer_settime": 110, "timer_delete": 111},
 }  # fmt: skip
 
 # Where the kernel's uapi headers (linux-libc-dev, kernel-headers) keep the same numbers.

@@ -154,9 +154,10 @@ def test_keep_devices_tells_only_a_scope_whose_devices_systemd_filters(tmp_path,
     (transient / "libpod-bb.scope").write_text("[Scope]\nDevicePolicy=auto\n")
     (transient / "session-3.scope").write_text("[Scope]\nDevicePolicy=strict\n")
     (transient / "missing.scope").write_text("DevicePolicy=closed\n")
-    # runc's systemd driver: the unit started bare, its device rules set after (control drop-ins)
+    # runc's systemd driver: the unit started bare, its device rules set after (the transient
+    # unit's drop-ins, as systemd 252 writes them)
     (transient / "libpod-dd.scope").write_text("[Scope]\nDelegate=yes\n")
-    control = run / "system.control" / "libpod-dd.scope.d"
+    control = transient / "libpod-dd.scope.d"
     control.mkdir(parents=True)
     (control / "50-DevicePolicy.conf").write_text("[Scope]\nDevicePolicy=strict\n")
     (control / "50-DeviceAllow.conf").write_text("[Scope]\nDeviceAllow=\nDeviceAllow=char-pts rwm\n")
@@ -173,4 +174,9 @@ def test_keep_devices_tells_only_a_scope_whose_devices_systemd_filters(tmp_path,
     note = keep("/sys/fs/cgroup/machine.slice/missing.scope")
     assert "systemd not told of the GPU nodes of missing.scope" in note and "NoSuchUnit" in note
     assert keep("/sys/fs/cgroup/machine.slice/libpod-dd.scope") is None
-    assert [call["unit"] for call in _recorded(calls)] == ["libpod-aa.scope", "libpod-dd.scope"]
+    # an administrator's `systemctl set-property --runtime` on a bare transient scope
+    (transient / "libpod-ee.scope").write_text("[Scope]\n")
+    (run / "system.control" / "libpod-ee.scope.d").mkdir(parents=True)
+    (run / "system.control" / "libpod-ee.scope.d" / "50-DevicePolicy.conf").write_text("DevicePolicy=closed\n")
+    assert keep("/sys/fs/cgroup/machine.slice/libpod-ee.scope") is None
+    assert [call["unit"] for call in _recorded(calls)] == ["libpod-aa.scope", "libpod-dd.scope", "libpod-ee.scope"]

@@ -1085,3 +1085,47 @@ def test_topology_and_nvlink_of_the_example_host(host, nv):
         "state": [1, 1, 0, 0, 3, 2, 3],
         "remote": [GPU1["bus_id"], GPU0["bus_id"], 3],
     }
+
+
+@pytest.mark.parametrize("junk", [
+    b"x" * 254 + b"\n",  # the longest line the reader's buffer holds whole
+    b"x" * 255 + b"\n",  # the buffer full, its newline beyond it
+    b"x" * 300 + b"\n",
+    b"GPU-" + b"y" * 5000 + b" xid 79\n",  # an event's shape, too long to be one
+    b"\0" * 10 + b"\n",  # bytes no strlen counts
+], ids=["254", "255", "300", "5000-event-shaped", "nul"])  # fmt: skip
+def test_events_skip_a_line_that_is_no_event_and_read_on(host, nv, junk):
+    """A line the reader's 256-byte buffer cannot hold stopped it for good: it read a part with no
+    newline, took that for a writer's line not yet whole, and every XID after it was never seen."""
+    r = pynvml(
+        host,
+        script(
+            EVENTS,
+            """
+            s = N.nvmlEventSetCreate()
+            N.nvmlDeviceRegisterEvents(g0, XID, s)
+            with open(root + "/" + C.FILE, "ab") as f:
+                f.write(bytes.fromhex(sys.argv[4]))
+            C.inject_xid(root, sys.argv[3], 79)
+            r["events"] = [event(s), event(s, 50)]
+            half = open(root + "/" + C.FILE, "ab", buffering=0)
+            half.write(b"x" * 400)  # a long line not yet whole is waited for, not skipped
+            r["half"] = event(s, 50)
+            half.write(b"\\n")
+            half.close()
+            C.inject_xid(root, sys.argv[3], 48)
+            r["after"] = event(s)
+            N.nvmlShutdown()
+            """,
+        ),
+        str(host["root"]),
+        GPU0["uuid"],
+        junk.hex(),
+    )
+    nvmlevents.clear_events(str(host["root"]))
+    xid, whole = 8, 0xFFFFFFFF
+    assert r == {
+        "events": [[GPU0["uuid"], xid, 79, whole, whole], 10],
+        "half": 10,
+        "after": [GPU0["uuid"], xid, 48, whole, whole],
+    }

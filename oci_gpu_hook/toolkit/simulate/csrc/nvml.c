@@ -1200,6 +1200,7 @@ EXPORT nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(nvmlGpuInstanc
  * SIM_ROOT/nvml-events, a log that tests append to (control.inject_xid):
  *     <uuid> xid <n>            an XID on a GPU; with a MIG device's uuid, on
  *                               its GPU, naming the MIG device's instances
+ * Any other line, and any line over 255 bytes, is read past as no event.
  * A set sees the lines appended after it was made, as the driver delivers only
  * the events that happen while a set exists; each set reads the log on its own,
  * so every process (and every set) waiting gets every event.  Only on the host. */
@@ -1327,6 +1328,27 @@ static int event_of(const char *line, nvmlEventSet_t set, nvmlEventData_t *data)
     return 0;
 }
 
+/* The next whole line of f: its length in bytes, newline included, with its first size - 1
+ * bytes in buf (NUL-terminated), or 0 while no whole line is there (a writer's line is consumed
+ * once its newline is there). A longer line is counted whole and cut in buf, and *cut says so:
+ * the caller skips it, rather than stop at it for good as it would reading only what fits. */
+static long whole_line(FILE *f, char *buf, size_t size, int *cut)
+{
+    long n = 0;
+    int c;
+    while ((c = getc(f)) != EOF) {
+        if ((size_t)n < size - 1)
+            buf[n] = (char)c;
+        n++;
+        if (c == '\n') {
+            *cut = (size_t)n > size - 1;
+            buf[*cut ? size - 1 : (size_t)n] = '\0';
+            return n;
+        }
+    }
+    return 0;
+}
+
 /* The next event of the set in the log, if one was appended; 1 when data holds it. */
 static int next_event(nvmlEventSet_t set, nvmlEventData_t *data)
 {
@@ -1335,7 +1357,8 @@ static int next_event(nvmlEventSet_t set, nvmlEventData_t *data)
     FILE *f = fopen(SIM_EVENTS_FILE, "re");
     if (f == NULL)
         return 0;
-    int found = 0;
+    int found = 0, cut = 0;
+    long n;
     char line[256];
     pthread_mutex_lock(&g_sets_lock);
     struct stat st;
@@ -1343,10 +1366,10 @@ static int next_event(nvmlEventSet_t set, nvmlEventData_t *data)
     if (valid_set(set) && fstat(fileno(f), &st) == 0 && st.st_size < set->offset)
         set->offset = 0;
     if (valid_set(set) && fseek(f, set->offset, SEEK_SET) == 0) {
-        /* Only whole lines: a writer's line is consumed once its newline is there. */
-        while (!found && fgets(line, sizeof line, f) && strchr(line, '\n')) {
-            set->offset += (long)strlen(line);
-            found = event_of(line, set, data);
+        /* No event's line is that long: one that is (a writer's garbage) is no event. */
+        while (!found && (n = whole_line(f, line, sizeof line, &cut)) > 0) {
+            set->offset += n;
+            found = !cut && event_of(line, set, data);
         }
     }
     pthread_mutex_unlock(&g_sets_lock);

@@ -1,0 +1,121 @@
+# proves: the OpenShift node as far as the VM carries it: the kubelet (cgroupDriver systemd) drives CRI-O (cgroup_manager systemd, SELinux on, hooks wired by `oci-gpu-hook install --runtime crio`), which drives runc under enforcing SELinux; a pod whose seLinuxOptions.type is gpu_container_t runs in gpu_container_t, in a systemd scope of the kubepods slices, and opens exactly GPU 0 (keeping it across `systemctl daemon-reload` is not asserted: the pod gets EPERM there today, docs/cgroups.md)
+# timeout: 900
+# needs: crio kubelet
+wait_for() {
+    local limit=$1; shift
+    local end=$(( $(date +%s) + limit ))
+    until "$@" >/dev/null 2>&1; do
+        [ "$(date +%s)" -lt "$end" ] || return 1
+        sleep 2
+    done
+}
+install -m 0755 "$P"/bin/crio "$P"/bin/pinns "$P"/bin/crictl "$P"/bin/kubelet /usr/local/bin/
+restorecon -F /usr/local/bin/crio /usr/local/bin/pinns /usr/local/bin/crictl /usr/local/bin/kubelet
+run podman import -q "$P/pause.tar" localhost/pause:1
+restorecon -RF /run/containers /var/lib/containers
+
+run "$HOOK" install --runtime podman --runtime crio || fail "install --runtime crio"
+mkdir -p /etc/crio/crio.conf.d /etc/kubernetes/manifests /var/log/pods
+cat > /etc/crio/crio.conf.d/10-vmcheck.conf <<'CONF'
+# the node's own settings (as an OpenShift node's): the systemd cgroup manager, SELinux, runc
+[crio.runtime]
+cgroup_manager = "systemd"
+conmon_cgroup = "pod"
+conmon = "/usr/bin/conmon"
+default_runtime = "runc"
+selinux = true
+pinns_path = "/usr/local/bin/pinns"
+# CRI-O runs host-network pods unconfined (spc_t) by default; the pod here is host-network only
+# because the VM has no CNI plugin, and its label is what is under test
+hostnetwork_disable_selinux = false
+[crio.runtime.runtimes.runc]
+runtime_path = "/usr/sbin/runc"
+runtime_root = "/run/runc"
+[crio.image]
+pause_image = "localhost/pause:1"
+pause_command = "/pause"
+signature_policy = "/etc/crio/policy.json"
+[crio.metrics]
+enable_metrics = false
+CONF
+echo '{"default": [{"type": "insecureAcceptAnything"}]}' > /etc/crio/policy.json
+# Debian's policy: a service's runc is container_engine_t and may not start containers
+# (shared/tools/node-vm/README.md); the daemons run where an administrator's shell does. An
+# /etc/init.d path is initrc_exec_t: systemd starts it in initrc_t, which may change to that.
+for d in crio kubelet; do
+    printf '#!/bin/sh\nexec runcon unconfined_u:unconfined_r:unconfined_t:s0-s0:c0.c1023 "$@"\n' > /etc/init.d/vmcheck-$d
+    chmod 0755 /etc/init.d/vmcheck-$d
+done
+restorecon -F /etc/init.d/vmcheck-crio /etc/init.d/vmcheck-kubelet
+cat > /etc/systemd/system/crio.service <<'UNIT'
+[Unit]
+Description=CRI-O (vmcheck)
+[Service]
+ExecStart=/etc/init.d/vmcheck-crio /usr/local/bin/crio
+Delegate=yes
+KillMode=process
+UNIT
+cat > /etc/systemd/system/kubelet.service <<'UNIT'
+[Unit]
+Description=kubelet (vmcheck)
+After=crio.service
+[Service]
+ExecStart=/etc/init.d/vmcheck-kubelet /usr/local/bin/kubelet --container-runtime-endpoint=unix:///var/run/crio/crio.sock --cgroup-driver=systemd --fail-swap-on=false --pod-manifest-path=/etc/kubernetes/manifests --file-check-frequency=5s --anonymous-auth=true --authentication-token-webhook=false --authorization-mode=AlwaysAllow --address=127.0.0.1 --healthz-bind-address=127.0.0.1 --make-iptables-util-chains=false --eviction-hard=memory.available<100Mi,nodefs.available<1%,imagefs.available<1% --image-gc-high-threshold=100 --image-gc-low-threshold=99 --v=2
+UNIT
+run systemctl daemon-reload
+run systemctl start crio.service
+wait_for 180 test -S /var/run/crio/crio.sock || { journalctl -u crio --no-pager | tail -n 40; fail "CRI-O did not start"; }
+printf 'runtime-endpoint: unix:///var/run/crio/crio.sock\nimage-endpoint: unix:///var/run/crio/crio.sock\n' > /etc/crictl.yaml
+crictl() { /usr/local/bin/crictl "$@"; }
+run systemctl start kubelet.service
+
+cat > /etc/kubernetes/manifests/gpu.yaml <<YAML
+apiVersion: v1
+kind: Pod
+metadata:
+  name: vmcheck-gpu
+  namespace: default
+spec:
+  hostNetwork: true
+  restartPolicy: Never
+  containers:
+  - name: main
+    image: localhost/gpubox:latest
+    imagePullPolicy: Never
+    tty: true
+    command: ["/bin/sh", "-c", $(python3 -c 'import json,sys; print(json.dumps(sys.argv[1] + "\necho PROBE-DONE; exec /bin/busybox sleep 1000000000"))' "$GPU_PROBE")]
+    env:
+    - {name: NVIDIA_VISIBLE_DEVICES, value: "0"}
+    - {name: NVIDIA_DRIVER_CAPABILITIES, value: "compute,utility"}
+    securityContext:
+      seLinuxOptions: {type: gpu_container_t}
+YAML
+log() { cat /var/log/pods/default_vmcheck-gpu-*/main/*.log 2>/dev/null; }
+if ! wait_for 420 sh -c 'cat /var/log/pods/default_vmcheck-gpu-*/main/*.log 2>/dev/null | grep -q PROBE-DONE'; then
+    crictl pods; crictl ps -a
+    journalctl -u kubelet --no-pager | grep -v -E 'Failed to get system container|Unable to read config path' | tail -n 40
+    journalctl -u crio --no-pager | tail -n 30
+    fail "the GPU pod did not run its probe"
+fi
+log | tee /tmp/pod.out
+crictl ps -a
+expect "domain=system_u:system_r:gpu_container_t:s0:c" /tmp/pod.out
+for d in /dev/nvidiactl /dev/nvidia0; do
+    grep -E -q "dev $d (ENXIO|ENODEV)-allowed" /tmp/pod.out || fail "the gpu_container_t pod may not open $d"
+done
+expect "nodes=1" /tmp/pod.out
+cid=$(crictl ps --name main -q | head -n 1)
+echo "container $cid"
+
+# the container's cgroup: a systemd scope under the kubelet's kubepods slices
+cg=$(crictl inspect "$cid" | python3 -c 'import json,sys; print(json.load(sys.stdin)["info"]["runtimeSpec"]["linux"]["cgroupsPath"])')
+case "$cg" in kubepods*.slice:crio:*) ;; *) fail "the container's cgroupsPath $cg is not the systemd driver's" ;; esac
+denials | grep -E 'gpu_container_t|container_engine_t' && echo "(denials above: the other scenarios judge them)"
+
+# leave the node as it was: pods gone, daemons stopped
+rm -f /etc/kubernetes/manifests/gpu.yaml
+wait_for 120 sh -c '[ -z "$(/usr/local/bin/crictl ps -q)" ]' || true
+run systemctl stop kubelet.service
+crictl rmp -fa >/dev/null 2>&1
+run systemctl stop crio.service
+rm -f /tmp/pod.out /etc/crictl.yaml
