@@ -46,7 +46,7 @@ its output and its denial come back.
 
 Time (2 cores, shared with other work, TCG): the base image 185 s once per machine; then per
 session the payload 5-20 s, boot to the guest 35-70 s, the set-up 145-280 s (a venv 40 s,
-`semodule -i` 40-85 s), a GPU `podman run` 4-8 s, the whole boot 6-8 minutes.
+`semodule -i` 40-85 s), a GPU `podman run` 4-8 s, the whole boot 6-11 minutes.
 """
 
 from __future__ import annotations
