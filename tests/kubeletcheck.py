@@ -82,6 +82,12 @@ def kubelet_binary() -> str:
     return shared_tool("kubelet")
 
 
+def containerd17() -> str:
+    """The directory of containerd 1.7's programs (Debian 13's package, which applies CDI; Debian
+    12's 1.6 does not), fetched by tests/tools/containerd17.sh on first use and cached per machine."""
+    return shared_tool("containerd17")
+
+
 def shared_tool(tool: str) -> str:
     """What ../shared/tools/<tool>'s script prints (the built program, the directory of several, a
     fetched tree), made on first use into its cache (toolbuild.py, which `make test` also runs in
@@ -206,10 +212,14 @@ class ContainerdKubelet:
 
     workdir: the test's directory (its path names sockets, so it must stay short: tmp_path is).
     hook_config: the hook's --config for every app container (hookcheck.config_with).
+    containerd_bin: the directory of the containerd, ctr and shims to run (containerd17()'s);
+    None: the host's, found on PATH (Debian 12's 1.6).
+    cdi: turn on containerd's CDI (1.7+), its specs read from cdi_dir (under workdir).
     """
 
     def __init__(self, workdir, hook_config: str | None, annotations: Sequence[str] = DEFAULT_ANNOTATIONS,
-                 read_only_port: int = 10255, node_name: str | None = None):  # fmt: skip
+                 read_only_port: int = 10255, node_name: str | None = None, containerd_bin: str | None = None,
+                 cdi: bool = False):  # fmt: skip
         self.workdir = os.path.abspath(str(workdir))
         self.hook_config = hook_config
         self.annotations = list(annotations)
@@ -220,6 +230,8 @@ class ContainerdKubelet:
         self.containerd_dir = os.path.join(self.workdir, "containerd")
         self.address = os.path.join(self.containerd_dir, "containerd.sock")
         self.runc_root = os.path.join(self.containerd_dir, "runc")
+        self.containerd_bin = containerd_bin
+        self.cdi_dir = os.path.join(self.workdir, "cdi") if cdi else ""
         self.kubelet_dir = os.path.join(self.workdir, "kubelet")
         self.manifests = os.path.join(self.workdir, "manifests")
         self.containerd_log = self.runtime_log = os.path.join(self.workdir, "containerd.log")
@@ -264,8 +276,9 @@ class ContainerdKubelet:
         try:
             # A checkpoint left by an earlier run would keep its devices reserved for pods that are gone.
             self._remove_device_checkpoint()
-            for directory in (self.containerd_dir, self.kubelet_dir, self.manifests):
-                os.makedirs(directory, exist_ok=True)
+            for directory in (self.containerd_dir, self.kubelet_dir, self.manifests, self.cdi_dir):
+                if directory:
+                    os.makedirs(directory, exist_ok=True)
             self._start_runtime(timeout)
             self._kubelet_argv = [kubelet, *self._kubelet_flags()]
             self._start_kubelet(timeout)
@@ -280,8 +293,11 @@ class ContainerdKubelet:
         with open(config, "w") as f:
             f.write(self._containerd_config())
         log = open(self.containerd_log, "ab")
-        self.containerd = self.footprint.popen(["containerd", "--config", config], stdout=log, stderr=log,
-                                               stdin=subprocess.DEVNULL)  # fmt: skip
+        env = None
+        if self.containerd_bin:  # containerd finds its shim (containerd-shim-runc-v2) on PATH
+            env = {**os.environ, "PATH": f"{self.containerd_bin}:{os.environ.get('PATH', '')}"}
+        self.containerd = self.footprint.popen([self._program("containerd"), "--config", config], stdout=log,
+                                               stderr=log, stdin=subprocess.DEVNULL, env=env)  # fmt: skip
         log.close()
         self._wait(lambda: self.ctr("version", check=False).returncode == 0, timeout, "containerd to serve")
         self.ctr("images", "import", write_image_archive(os.path.join(self.workdir, "image.tar"), self.workdir))
@@ -315,6 +331,7 @@ class ContainerdKubelet:
             "disable_apparmor = true",
             'stream_server_address = "127.0.0.1"',
             'stream_server_port = "0"',
+            *(["enable_cdi = true", f"cdi_spec_dirs = {json.dumps([self.cdi_dir])}"] if self.cdi_dir else []),
             f"[{cri}.cni]",  # no CNI: pods use the host network; keep it off /etc/cni and /opt/cni
             f"bin_dir = {json.dumps(os.path.join(self.containerd_dir, 'cni', 'bin'))}",
             f"conf_dir = {json.dumps(os.path.join(self.containerd_dir, 'cni', 'conf'))}",
@@ -337,7 +354,7 @@ class ContainerdKubelet:
         """containerd's default spec (`ctr oci spec`) with our prestart hook, shaped as
         containers.make_config writes it. containerd 1.6 builds the sandbox (pause) container's spec
         without it, so only app containers get the hook."""
-        proc = subprocess.run(["ctr", "oci", "spec"], capture_output=True, text=True, check=True)
+        proc = subprocess.run([self._program("ctr"), "oci", "spec"], capture_output=True, text=True, check=True)
         spec = json.loads(proc.stdout)
         hook_args = containers.hook_command(self.hook_config) + ["prestart"]
         spec["hooks"] = {"prestart": [{"path": hook_args[0], "args": hook_args, "env": list(install.HOOK_ENV),
@@ -538,9 +555,12 @@ class ContainerdKubelet:
 
     # --- containerd ----------------------------------------------------------------------------
 
+    def _program(self, name: str) -> str:
+        return os.path.join(self.containerd_bin, name) if self.containerd_bin else name
+
     def ctr(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         """ctr against our containerd, in the CRI's namespace (k8s.io)."""
-        proc = subprocess.run(["ctr", "--address", self.address, "--namespace", "k8s.io", *args],
+        proc = subprocess.run([self._program("ctr"), "--address", self.address, "--namespace", "k8s.io", *args],
                               capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
         if check and proc.returncode != 0:
             raise AssertionError(f"ctr {' '.join(args)}: {proc.stderr.strip()}" + self.diagnostics())

@@ -1,5 +1,7 @@
-"""The shared tools the end-to-end suites run (../shared/tools: a kubelet, a Kubernetes control
-plane, CRI-O, NVIDIA's driver files), built or fetched once per machine into their caches.
+"""The tools the end-to-end suites run, built or fetched once per machine into their caches: the
+shared ones (../shared/tools: a kubelet, a Kubernetes control plane, CRI-O, NVIDIA's driver files,
+RHEL's policy headers) and the project's own (tests/tools/containerd17.sh: Debian 13's containerd
+1.7, for CDI; tests/vm/build-base.sh: the node VM's base image).
 
 One place for where each is cached and for the lock that keeps two builds of one tool apart, used
 by the harnesses (kubeletcheck.shared_tool) and by `make test`, which starts
@@ -27,12 +29,17 @@ TOOLS = {
     "nvidia-driver": ("NVIDIA_DRIVER_CACHE", "/var/cache/oci-gpu-hook-nvidia-driver", "fetch.sh"),
     "kubelet": ("KUBELET_CACHE", "/var/cache/oci-gpu-hook-kubelet", "build.sh"),
     "crio": ("CRIO_CACHE", "/var/cache/oci-gpu-hook-crio", "build.sh"),
+    # containerd 1.7 (Debian 13's, fetched): the CDI answers on containerd (test_kubernetes_cdi_containerd)
+    "containerd17": ("CONTAINERD17_CACHE", "/var/cache/oci-gpu-hook-containerd17", "containerd17.sh"),
     "kube": ("KUBE_CACHE", "/var/cache/oci-gpu-hook-kube", "build.sh"),
     # the node VM's base image (tests/vmcheck.py), last: tests/e2e/test_node_vm.py comes late
     "node-vm": ("SEVM", "/var/cache/oci-gpu-hook-node-vm", "build-base.sh"),
 }
-# tools whose script is the project's own (tests/vm), not ../shared/tools'
-OWN_SCRIPTS = {"node-vm": os.path.join(REPO, "tests", "vm", "build-base.sh")}
+# tools whose script is the project's own (tests/vm, tests/tools), not ../shared/tools'
+OWN_SCRIPTS = {
+    "node-vm": os.path.join(REPO, "tests", "vm", "build-base.sh"),
+    "containerd17": os.path.join(REPO, "tests", "tools", "containerd17.sh"),
+}
 WAIT_FOR_OTHERS = 1200  # seconds: a build started by hand, outside the lock
 
 

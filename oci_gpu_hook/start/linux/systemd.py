@@ -9,13 +9,19 @@ hook adds them to systemd's own view of the scope: SetUnitProperties(scope, runt
 DeviceAllow=[("/dev/char/MAJOR:MINOR", "rw"), ...]) over systemd's private socket. systemd parses
 /dev/char/MAJOR:MINOR without looking the node up, so the host's /dev need not have it.
 
+Whether to tell it is asked of systemd too (Properties.Get of the scope's DevicePolicy and
+DeviceAllow), not read from its files: the runtimes set those properties in different calls
+(StartTransientUnit, then SetUnitProperties for runc's systemd driver, under podman and CRI-O
+alike), systemd keeps them in different files by version, and an administrator's drop-ins
+(crio-.scope.d/) add more; systemd alone knows the result.
+
 Only the hook's start path uses it, so standard library only: the few bytes of D-Bus it needs are
-written here (AUTH EXTERNAL, one method call, its reply). systemd's private socket
-(/run/systemd/private, root's) rather than the system bus: no dbus-daemon in between, nothing to
-ask of polkit, and it is there as long as systemd is. When systemd is not (no socket, none of
-its files for the unit), or the cgroup is not a systemd scope, or the scope has no device policy
-of systemd's (DevicePolicy auto: adding a DeviceAllow would *restrict* it), nothing is done and
-nothing is said.
+written here (AUTH EXTERNAL, a few method calls on one connection, their replies). systemd's
+private socket (/run/systemd/private, root's) rather than the system bus: no dbus-daemon in
+between, nothing to ask of polkit, and it is there as long as systemd is. When systemd is not (no
+socket), or the cgroup is not a systemd scope, or systemd applies no device list of its own to
+the scope (DevicePolicy auto and no DeviceAllow: adding one would *restrict* it), nothing is done
+and nothing is said.
 """
 
 from __future__ import annotations
@@ -25,8 +31,7 @@ import os
 import struct
 
 PRIVATE_SOCKET = "/run/systemd/private"
-RUN_DIR = "/run/systemd"  # transient/UNIT and system.control/UNIT.d: what systemd keeps of a scope
-ETC_DIR = "/etc/systemd"
+SCOPE_INTERFACE = "org.freedesktop.systemd1.Scope"  # where a scope's DevicePolicy and DeviceAllow are
 TIMEOUT = 2.0  # seconds for the whole exchange: systemd answers in milliseconds
 MAX_MESSAGE = 1 << 20
 
@@ -130,8 +135,8 @@ def device_allow_body(unit: str, devices) -> object:
 
 
 def parse_reply(data: bytes):
-    """(type, reply serial, error name, first string of the body) of one message, and its length;
-    None while data holds less than one whole message."""
+    """(type, reply serial, error name, first string of the body, body signature, body) of one
+    message, and its length; None while data holds less than one whole message."""
     if len(data) < 16:
         return None
     if data[:1] != b"l":
@@ -177,15 +182,15 @@ def parse_reply(data: bytes):
     if signature.startswith("s") and body_length >= 4:
         (length,) = struct.unpack_from("<I", data, body_at)
         text = data[body_at + 4 : body_at + 4 + min(length, 1024)].decode("utf-8", "replace")
-    return (kind, reply_serial, error_name, text), total
+    return (kind, reply_serial, error_name, text, signature, bytes(data[body_at:total])), total
 
 
 # --- the exchange -----------------------------------------------------------------------------
 
 
-def _call(sock, message: bytes, serial: int) -> None:
-    """Send one call and wait for its reply; raise SystemdError on an error reply. Messages that
-    are not the reply (a bus's signals) are skipped."""
+def _call(sock, message: bytes, serial: int):
+    """Send one call and wait for its reply: (body signature, body); raise SystemdError on an
+    error reply. Messages that are not the reply (a bus's signals) are skipped."""
     sock.sendall(message)
     data = b""
     while True:
@@ -196,12 +201,12 @@ def _call(sock, message: bytes, serial: int) -> None:
                 raise SystemdError("systemd closed the connection without answering")
             data += chunk
             continue
-        (kind, reply_serial, error_name, text), length = parsed
+        (kind, reply_serial, error_name, text, signature, body), length = parsed
         data = data[length:]
         if reply_serial == serial and kind == _ERROR:
             raise SystemdError(f"{error_name}: {text}" if text else error_name)
         if reply_serial == serial and kind == _METHOD_RETURN:
-            return
+            return signature, body
 
 
 def _authenticate(sock) -> None:
@@ -218,33 +223,96 @@ def _authenticate(sock) -> None:
     sock.sendall(b"BEGIN\r\n")
 
 
-def set_device_allow(unit: str, devices, address: str = PRIVATE_SOCKET, bus: bool = False) -> None:
-    """Add devices [(major, minor, access)] to unit's DeviceAllow=, at runtime. bus: address is a
-    message bus (dbus-daemon), which wants Hello first; systemd's private socket does not.
-    Raises FileNotFoundError/ConnectionRefusedError when nothing listens there, SystemdError
-    when systemd says no."""
-    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
-    try:
-        sock.settimeout(TIMEOUT)
-        sock.connect(address)
-        _authenticate(sock)
-        serial = 1
-        if bus:
-            hello = method_call(serial, "org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus",
-                                "Hello", "", lambda w: None)  # fmt: skip
-            _call(sock, hello, serial)
-            serial += 1
-        call = method_call(serial, "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
-                           "org.freedesktop.systemd1.Manager", "SetUnitProperties", "sba(sv)",
-                           device_allow_body(unit, devices))  # fmt: skip
-        _call(sock, call, serial)
-    except _socket.timeout:
-        raise SystemdError(f"systemd did not answer within {TIMEOUT:.0f} s") from None
-    finally:
-        sock.close()
+class _Connection:
+    """One authenticated connection to systemd (or, for a test, to a bus with a stand-in), for a
+    few calls in a row. Connecting raises FileNotFoundError/ConnectionRefusedError when nothing
+    listens at address."""
+
+    def __init__(self, address: str, bus: bool):
+        self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+        self.serial = 0
+        try:
+            self.sock.settimeout(TIMEOUT)
+            self.sock.connect(address)
+            _authenticate(self.sock)
+            if bus:  # a message bus (dbus-daemon) wants Hello first; systemd's private socket does not
+                self.call("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "Hello", "",
+                          lambda w: None)  # fmt: skip
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def call(self, destination: str, path: str, interface: str, member: str, signature: str, write_body):
+        """(signature, body) of the reply; SystemdError on an error reply."""
+        self.serial += 1
+        message = method_call(self.serial, destination, path, interface, member, signature, write_body)
+        return _call(self.sock, message, self.serial)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 # --- which scope, and whether systemd filters its devices -------------------------------------
+
+
+def unit_path(unit: str) -> str:
+    """systemd's D-Bus object path of a unit: every byte but [A-Za-z0-9] as _XX (sd-bus's
+    bus_label_escape), so a unit need not be looked up (GetUnit) first."""
+    escaped = "".join(chr(b) if chr(b).isascii() and chr(b).isalnum() else f"_{b:02x}" for b in unit.encode())
+    return "/org/freedesktop/systemd1/unit/" + (escaped or "_")
+
+
+def read_variant(signature: str, body: bytes, expected: str):
+    """The value of a reply whose body is one variant (Properties.Get) of type expected: a str
+    for "s", for an array the byte length of its elements (all the hook asks of DeviceAllow:
+    empty or not)."""
+    if signature != "v":
+        raise SystemdError(f"systemd answered a property with signature {signature!r}, not a variant")
+    try:
+        size = body[0]
+        kind = body[1 : 1 + size].decode("ascii")
+        at = 2 + size
+        at += -at % 4  # both a string's and an array's length are 4-aligned (the body is 8-aligned)
+        (length,) = struct.unpack_from("<I", body, at)
+    except (IndexError, UnicodeDecodeError, struct.error):
+        raise SystemdError("systemd sent a truncated property value") from None
+    if kind != expected:
+        raise SystemdError(f"systemd sent a property of type {kind!r}, not {expected!r}")
+    if kind == "s":
+        if at + 4 + length > len(body):
+            raise SystemdError("systemd sent a truncated property value")
+        return body[at + 4 : at + 4 + length].decode("utf-8", "replace")
+    if kind.startswith("a"):
+        return length
+    raise SystemdError(f"a property of type {kind!r} is not read here")
+
+
+def _get_property(conn: _Connection, unit: str, name: str, kind: str):
+    def write(w: _Writer) -> None:
+        w.string(SCOPE_INTERFACE)
+        w.string(name)
+
+    return read_variant(*conn.call("org.freedesktop.systemd1", unit_path(unit), "org.freedesktop.DBus.Properties",
+                                   "Get", "ss", write), kind)  # fmt: skip
+
+
+def filters_devices(conn: _Connection, unit: str) -> bool:
+    """Whether systemd applies a device list of its own to the unit, and so re-applies it on a
+    reload: asked of systemd itself, which knows every place a setting can come from (the
+    runtime's StartTransientUnit, its later SetUnitProperties, an administrator's drop-ins, a
+    name-prefix drop-in such as crio-.scope.d) whatever its version keeps where. DevicePolicy
+    strict or closed; or auto with a DeviceAllow= list (systemd then allows only that list and
+    the standard pseudo devices). auto with none: systemd filters nothing, and a first DeviceAllow
+    would turn its filtering on."""
+    if _get_property(conn, unit, "DevicePolicy", "s") in ("strict", "closed"):
+        return True
+    return _get_property(conn, unit, "DeviceAllow", "a(ss)") > 0
+
+
+def _set_device_allow(conn: _Connection, unit: str, devices) -> None:
+    """Add devices [(major, minor, access)] to unit's DeviceAllow=, at runtime."""
+    conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+              "SetUnitProperties", "sba(sv)", device_allow_body(unit, devices))  # fmt: skip
 
 
 def scope_of(cgroup_dir: str) -> str | None:
@@ -254,57 +322,35 @@ def scope_of(cgroup_dir: str) -> str | None:
     return name if name.endswith(".scope") and "/" not in name and len(name) <= 255 else None
 
 
-def device_policy(unit: str, run_dir: str = RUN_DIR, etc_dir: str = ETC_DIR) -> str | None:
-    """The DevicePolicy= systemd keeps for a transient unit, or None when it keeps no such unit
-    (not a systemd scope, or no systemd). Read from its files, no D-Bus: the transient unit file
-    (what StartTransientUnit set) and its drop-ins (what SetUnitProperties set after), in
-    systemd's order: by file name, the last DevicePolicy= wins."""
-    files = []
-    transient = os.path.join(run_dir, "transient", unit)
-    if os.path.isfile(transient):
-        files.append(("", transient))
-    # A transient unit's later settings are drop-ins beside its file (transient/UNIT.d), as runc's
-    # systemd driver sets the device rules; an administrator's set-property goes to system.control.
-    bases = (os.path.join(run_dir, "transient"), os.path.join(etc_dir, "system.control"),
-             os.path.join(run_dir, "system.control"))  # fmt: skip
-    for base in bases:
-        directory = os.path.join(base, unit + ".d")
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        files += [(name, os.path.join(directory, name)) for name in names if name.endswith(".conf")]
-    if not files:
-        return None
-    policy = "auto"
-    for _, path in sorted(files):
-        try:
-            with open(path, "rb") as f:
-                text = f.read(1 << 20).decode("utf-8", "replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("DevicePolicy="):
-                policy = line.partition("=")[2].strip() or "auto"
-    return policy
-
-
-def keep_devices(cgroup_dir: str, devices, address: str = PRIVATE_SOCKET, run_dir: str = RUN_DIR,
-                 etc_dir: str = ETC_DIR, bus: bool = False):  # fmt: skip
+def keep_devices(cgroup_dir: str, devices, address: str = PRIVATE_SOCKET, bus: bool = False):
     """After the hook allowed devices in cgroup_dir: tell systemd, when it owns the cgroup and
     filters its devices. Returns a note for the start's log record, or None when done or when
-    there is nothing to do (no systemd, not its scope, no device policy of its own). address and
-    bus: as set_device_allow's; run_dir and etc_dir: systemd's (a test's stand-ins)."""
+    there is nothing to do (no systemd, not its scope, no device list of its own). address: a
+    test's bus instead of systemd's private socket; bus: it is a message bus (dbus-daemon), which
+    wants Hello first."""
     unit = scope_of(cgroup_dir)
     if unit is None or not devices:
         return None
-    if device_policy(unit, run_dir, etc_dir) not in ("strict", "closed"):
-        return None  # systemd re-applies no device list to it: nothing to lose on a reload
     try:
-        set_device_allow(unit, devices, address, bus)
+        conn = _Connection(address, bus)
     except (FileNotFoundError, ConnectionRefusedError):
-        return None  # a transient file but no systemd listening: a stale /run, nothing to tell
+        return None  # no systemd listening (not a systemd host, or a stale /run): nothing to tell
     except (OSError, SystemdError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        return f"systemd not told of the GPU nodes of {unit} (a daemon-reload will take them away): {why}"
+        return _not_told(unit, e)
+    try:
+        if not filters_devices(conn, unit):
+            return None  # systemd re-applies no device list to it: nothing to lose on a reload
+        _set_device_allow(conn, unit, devices)
+    except (OSError, SystemdError) as e:  # socket.timeout is an OSError
+        return _not_told(unit, e)
+    finally:
+        conn.close()
     return None
+
+
+def _not_told(unit: str, e: Exception) -> str:
+    if isinstance(e, _socket.timeout):
+        why = f"systemd did not answer within {TIMEOUT:.0f} s"
+    else:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return f"systemd not told of the GPU nodes of {unit} (a daemon-reload will take them away): {why}"
