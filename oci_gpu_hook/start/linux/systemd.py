@@ -301,9 +301,9 @@ def filters_devices(conn: _Connection, unit: str) -> bool:
     reload: asked of systemd itself, which knows every place a setting can come from (the
     runtime's StartTransientUnit, its later SetUnitProperties, an administrator's drop-ins, a
     name-prefix drop-in such as crio-.scope.d) whatever its version keeps where. DevicePolicy
-    strict or closed; or auto with a DeviceAllow= list (systemd then allows only that list and
-    the standard pseudo devices). auto with none: systemd filters nothing, and a first DeviceAllow
-    would turn its filtering on."""
+    strict or closed; or auto with a DeviceAllow= list (systemd then allows that list alone).
+    auto with none: systemd filters nothing, and a first DeviceAllow would turn its filtering
+    on."""
     if _get_property(conn, unit, "DevicePolicy", "s") in ("strict", "closed"):
         return True
     return _get_property(conn, unit, "DeviceAllow", "a(ss)") > 0

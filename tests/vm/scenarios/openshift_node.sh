@@ -1,4 +1,4 @@
-# proves: the OpenShift node as far as the VM carries it: the kubelet (cgroupDriver systemd) drives CRI-O (cgroup_manager systemd, SELinux on, hooks wired by `oci-gpu-hook install --runtime crio`), which drives runc under enforcing SELinux; a pod whose seLinuxOptions.type is gpu_container_t runs in gpu_container_t, in a systemd scope of the kubepods slices, and opens exactly GPU 0 (keeping it across `systemctl daemon-reload` is not asserted: the pod gets EPERM there today, docs/cgroups.md)
+# proves: the OpenShift node as far as the VM carries it: the kubelet (cgroupDriver systemd) drives CRI-O (cgroup_manager systemd, SELinux on, hooks wired by `oci-gpu-hook install --runtime crio`), which drives runc under enforcing SELinux; a pod whose seLinuxOptions.type is gpu_container_t runs in gpu_container_t, in a crio-*.scope of the kubepods slices, opens exactly GPU 0, and keeps it across `systemctl daemon-reload` and a restart of an unrelated unit of its slices (its running process and a new exec; nvidia-container-toolkit#48): the hook asked systemd whether it filters the scope's devices and added the GPU nodes to its DeviceAllow=
 # timeout: 900
 # needs: crio kubelet
 wait_for() {
@@ -69,6 +69,8 @@ printf 'runtime-endpoint: unix:///var/run/crio/crio.sock\nimage-endpoint: unix:/
 crictl() { /usr/local/bin/crictl "$@"; }
 run systemctl start kubelet.service
 
+# after the probe, the container opens its GPU nodes every 2 s, one line each
+LOOP='while true; do /bin/busybox sleep 2; for d in /dev/nvidiactl /dev/nvidia0; do err=$(head -c1 $d 2>&1 >/dev/null); echo "loop $d $(classify "$err")"; done; done'
 cat > /etc/kubernetes/manifests/gpu.yaml <<YAML
 apiVersion: v1
 kind: Pod
@@ -83,7 +85,7 @@ spec:
     image: localhost/gpubox:latest
     imagePullPolicy: Never
     tty: true
-    command: ["/bin/sh", "-c", $(python3 -c 'import json,sys; print(json.dumps(sys.argv[1] + "\necho PROBE-DONE; exec /bin/busybox sleep 1000000000"))' "$GPU_PROBE")]
+    command: ["/bin/sh", "-c", $(python3 -c 'import json,sys; print(json.dumps(sys.argv[1] + "\necho PROBE-DONE\n" + sys.argv[2]))' "$GPU_PROBE" "$LOOP")]
     env:
     - {name: NVIDIA_VISIBLE_DEVICES, value: "0"}
     - {name: NVIDIA_DRIVER_CAPABILITIES, value: "compute,utility"}
@@ -107,15 +109,63 @@ expect "nodes=1" /tmp/pod.out
 cid=$(crictl ps --name main -q | head -n 1)
 echo "container $cid"
 
+# leave the node as it was (also when a check below fails): pods gone, daemons stopped
+leave() {
+    systemctl stop vmcheck-unrelated.service >/dev/null 2>&1
+    rm -f /etc/kubernetes/manifests/gpu.yaml
+    wait_for 120 sh -c '[ -z "$(/usr/local/bin/crictl ps -q)" ]' || true
+    run systemctl stop kubelet.service
+    crictl rmp -fa >/dev/null 2>&1
+    run systemctl stop crio.service
+    rm -f /tmp/pod.out /tmp/pod.loop /tmp/pod.exec /etc/crictl.yaml
+}
+die() { leave; fail "$@"; }
+
+# the hook told systemd: the scope's own DeviceAllow= lists the GPU nodes (rw: the hook's entries;
+# runc's are rwm), so that a reload re-applies them
+pid=$(crictl inspect "$cid" | python3 -c 'import json,sys; print(json.load(sys.stdin)["info"]["pid"])')
+scope=$(basename "$(sed -n 's/^0:://p' "/proc/$pid/cgroup")")
+echo "scope $scope"
+case "$scope" in crio-*.scope) ;; *) die "the container's cgroup is not CRI-O's systemd scope: $scope" ;; esac
+systemctl show "$scope" -p DevicePolicy -p DeviceAllow
+grep -F "\"container\":\"$cid\"" /var/log/oci-gpu-hook.log | grep -F -q "systemd not told" \
+    && die "the hook could not tell systemd: $(grep -F "\"container\":\"$cid\"" /var/log/oci-gpu-hook.log | tail -n 1)"
+gpu0=$(printf '%d:%d' "0x$(stat -c %t "$SIM/dev/nvidia0")" "0x$(stat -c %T "$SIM/dev/nvidia0")")
+systemctl show "$scope" -p DeviceAllow --value | grep -F -q "/dev/char/$gpu0 rw" \
+    || die "systemd's view of $scope has no DeviceAllow=/dev/char/$gpu0"
+
+# nvidia-container-toolkit#48 under the kubelet and CRI-O: after daemon-reload (and after a
+# restart of an unrelated unit in the kubepods slices) the running container still opens its GPU
+# (its own loop), and so does a new exec into it
+still_gpu() {  # $1: what happened; the loop's last lines, then a fresh exec
+    sleep 8
+    log | grep '^.* loop ' | tail -n 2 | tee /tmp/pod.loop
+    for d in /dev/nvidiactl /dev/nvidia0; do
+        grep -q "loop $d \(ENXIO\|ENODEV\)-allowed" /tmp/pod.loop || die "the running pod lost $d after $1"
+    done
+    # the exec's output goes to a file in the container, read here through its pid's root: a
+    # gpu_container_t process may not write to CRI-O's pipes (unconfined_t here), and crictl
+    # gives an exec a tty only with -i
+    rm -f "/proc/$pid/root/vmcheck-exec.out"
+    crictl exec "$cid" /bin/sh -c "{ $GPU_PROBE
+} >/vmcheck-exec.out 2>&1" || die "crictl exec failed after $1"
+    tr -d '\r' < "/proc/$pid/root/vmcheck-exec.out" | tee /tmp/pod.exec
+    for d in /dev/nvidiactl /dev/nvidia0; do
+        grep -E -q "^dev $d (ENXIO|ENODEV)-allowed" /tmp/pod.exec || die "a new exec may not open $d after $1"
+    done
+}
+run systemctl daemon-reload
+still_gpu "daemon-reload"
+run systemd-run --unit vmcheck-unrelated --slice kubepods-besteffort.slice -p DevicePolicy=closed /bin/busybox sleep 100000
+run systemctl restart vmcheck-unrelated.service
+still_gpu "a restart of a unit of kubepods-besteffort.slice"
+run systemctl stop vmcheck-unrelated.service
+run systemctl daemon-reload
+still_gpu "a second daemon-reload"
+
 # the container's cgroup: a systemd scope under the kubelet's kubepods slices
 cg=$(crictl inspect "$cid" | python3 -c 'import json,sys; print(json.load(sys.stdin)["info"]["runtimeSpec"]["linux"]["cgroupsPath"])')
 case "$cg" in kubepods*.slice:crio:*) ;; *) fail "the container's cgroupsPath $cg is not the systemd driver's" ;; esac
 denials | grep -E 'gpu_container_t|container_engine_t' && echo "(denials above: the other scenarios judge them)"
 
-# leave the node as it was: pods gone, daemons stopped
-rm -f /etc/kubernetes/manifests/gpu.yaml
-wait_for 120 sh -c '[ -z "$(/usr/local/bin/crictl ps -q)" ]' || true
-run systemctl stop kubelet.service
-crictl rmp -fa >/dev/null 2>&1
-run systemctl stop crio.service
-rm -f /tmp/pod.out /etc/crictl.yaml
+leave

@@ -22,7 +22,7 @@ unit=$(basename "$cg")
 echo "cgroup $cg"
 case "$unit" in *.scope) ;; *) restore; fail "the container's cgroup is no systemd scope: $cg";; esac
 systemctl show "$unit" -p DevicePolicy -p DeviceAllow
-# where systemd keeps the scope's settings (what the hook reads to decide it is systemd's to tell)
+# where systemd keeps the scope's settings, for the record (the hook asks systemd, not these files)
 ls /run/systemd/transient/"$unit" /run/systemd/transient/"$unit".d /run/systemd/system.control/"$unit".d 2>&1
 tail -n 1 /var/log/oci-gpu-hook.log | grep -F -q "systemd not told" && { restore; fail "the hook could not tell systemd: $(tail -n 1 /var/log/oci-gpu-hook.log)"; }
 gpu0=$(printf '%d:%d' "0x$(stat -c %t "$SIM/dev/nvidia0")" "0x$(stat -c %T "$SIM/dev/nvidia0")")
