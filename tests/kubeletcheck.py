@@ -854,3 +854,38 @@ def running(node):
     with node:
         yield node
     assert host_state() == before
+
+
+def over_share_is_named_and_killed(node, host: dict, hook_config: str, tmp, pids: dict, held: dict, totals: dict,
+                                   over: str, under: str) -> None:  # fmt: skip
+    """Pod over uses more than half its GPU's memory (its replica's share), pod under a quarter of
+    its own: the real exporter names both pods on their GPUs, the real `watchdog --once` kills only
+    over (its pod then ends), and under keeps running. pids: pod name -> its process; held: pod
+    name -> its GPU uuids; totals: uuid -> the GPU's memory."""
+    import json
+
+    from servicecheck import Exporter
+
+    from oci_gpu_hook.toolkit.containers import hook_command
+    from oci_gpu_hook.toolkit.simulate import control
+
+    big, small = held[over][0], held[under][0]
+    control.write(host["root"], processes=[(big, pids[over], totals[big] // 2 + (64 << 20)),
+                                           (small, pids[under], totals[small] // 4)])  # fmt: skip
+    exporter = Exporter(hook_config, tmp)
+    try:
+        samples = exporter.scrape()
+    finally:
+        exporter.stop()
+    used = {(ls.get("pod"), ls.get("namespace"), ls.get("UUID")) for n, ls, v in samples
+            if n == "oci_gpu_hook_container_gpu_memory_used_bytes"}  # fmt: skip
+    assert {(node.full_name(n), "default", held[n][0]) for n in (over, under)} <= used, used
+    out = subprocess.run([*hook_command(hook_config), "watchdog", "--once"], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    control.clear(host["root"])
+    (killed,) = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    assert (killed["action"], killed["pids"], killed["device"]) == ("kill", [pids[over]], big)
+    assert (killed["pod"], killed["namespace"]) == (node.full_name(over), "default")
+    node.wait_for_phase(over, ("Failed", "Succeeded"))  # SIGKILL: its only process is gone
+    assert node.pod(under)["status"]["phase"] == "Running" and os.path.exists(f"/proc/{pids[under]}")

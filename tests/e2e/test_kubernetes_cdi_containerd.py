@@ -7,7 +7,6 @@ replica, marked as applied by the runtime, with its share: so the real watchdog 
 over its share, and the real exporter names the pods. CRI-O's side: test_kubernetes_crio.
 """
 
-import json
 import os
 import subprocess
 
@@ -44,7 +43,6 @@ def record_of(records: str, container_id: str):
 def test_a_cdi_replica_over_its_share_is_killed_and_its_pod_named(node, strategy):
     """Before item 7 the hook stood down where the runtime had applied the devices and wrote no
     record: the watchdog and the exporter saw neither pod."""
-    from servicecheck import Exporter
 
     from oci_gpu_hook.toolkit.simulate import control
 
@@ -81,26 +79,7 @@ def test_a_cdi_replica_over_its_share_is_killed_and_its_pod_named(node, strategy
             assert (record["applied_by"], record["pid"]) == ("runtime", pids[name]), record
             assert record["gpu_memory_limit"] == {uuid: totals[uuid] // 2}, record
             assert record["kubernetes"]["pod"] == node.full_name(name), record
-        over, under = (held[n][0] for n in names)
-        control.write(host["root"], processes=[(over, pids[names[0]], totals[over] // 2 + (64 << 20)),
-                                               (under, pids[names[1]], totals[under] // 4)])  # fmt: skip
-        exporter = Exporter(hook_config, tmp)
-        try:
-            samples = exporter.scrape()
-        finally:
-            exporter.stop()
-        used = {(ls.get("pod"), ls.get("namespace"), ls.get("UUID")) for n, ls, v in samples
-                if n == "oci_gpu_hook_container_gpu_memory_used_bytes"}  # fmt: skip
-        assert {(node.full_name(n), "default", held[n][0]) for n in names} <= used, used
-        out = subprocess.run([*hook_command(hook_config), "watchdog", "--once"], capture_output=True, text=True,
-                             timeout=60)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        control.clear(host["root"])
-        (killed,) = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-        assert (killed["action"], killed["pids"], killed["device"]) == ("kill", [pids[names[0]]], over)
-        assert (killed["pod"], killed["namespace"]) == (node.full_name(names[0]), "default")
-        node.wait_for_phase(names[0], ("Failed", "Succeeded"))  # SIGKILL: its only process is gone
-        assert node.pod(names[1])["status"]["phase"] == "Running" and os.path.exists(f"/proc/{pids[names[1]]}")
+        kubeletcheck.over_share_is_named_and_killed(node, host, hook_config, tmp, pids, held, totals, *names)
     finally:
         control.clear(host["root"])
         for name in names:

@@ -12,7 +12,6 @@ on a simulated host with 3 GPUs. Pods ask for `nvidia.com/gpu`:
   its share, and the real exporter names its pod (issue 39, item 7).
 """
 
-import json
 import os
 import re
 import subprocess
@@ -184,7 +183,6 @@ def test_a_cdi_replica_over_its_share_is_killed_and_its_pod_named(node):
     """cdi-cri, the answer where CRI-O alone gives the GPUs: the hook records each replica with
     its share (issue 39, item 7), so the real watchdog kills the one over it, and the real
     exporter names the pods. Before, the hook stood down and wrote no record: neither saw them."""
-    from servicecheck import Exporter
 
     from oci_gpu_hook.toolkit.simulate import control
 
@@ -205,26 +203,9 @@ def test_a_cdi_replica_over_its_share_is_killed_and_its_pod_named(node):
             (uuid,) = held[name]
             assert (record["applied_by"], record["pid"]) == ("runtime", pids[name]), record
             assert record["gpu_memory_limit"] == {uuid: totals[uuid] // 2}, record  # its replica's share
-        over, under = (held[n][0] for n in names)
-        control.write(host["root"], processes=[(over, pids["cdi-over"], totals[over] // 2 + (64 << 20)),
-                                               (under, pids["cdi-under"], totals[under] // 4)])  # fmt: skip
-        exporter = Exporter(hook_config, tmp)
-        try:
-            samples = exporter.scrape()
-        finally:
-            exporter.stop()
-        used = {(ls.get("pod"), ls.get("namespace"), ls.get("UUID")) for n, ls, v in samples
-                if n == "oci_gpu_hook_container_gpu_memory_used_bytes"}  # fmt: skip
-        assert {(node.full_name(n), "default", held[n][0]) for n in names} <= used, used
-        out = subprocess.run([*hook_command(hook_config), "watchdog", "--once"], capture_output=True, text=True,
-                             timeout=60)  # fmt: skip
-        assert out.returncode == 0, out.stderr
-        control.clear(host["root"])
-        (killed,) = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
-        assert (killed["action"], killed["pids"], killed["device"]) == ("kill", [pids["cdi-over"]], over)
-        assert (killed["pod"], killed["namespace"]) == (node.full_name("cdi-over"), "default")
-        node.wait_for_phase("cdi-over", ("Failed", "Succeeded"))  # SIGKILL: its only process is gone
-        assert node.pod("cdi-under")["status"]["phase"] == "Running" and os.path.exists(f"/proc/{pids['cdi-under']}")
+        kubeletcheck.over_share_is_named_and_killed(
+            node, host, hook_config, tmp, pids, held, totals, "cdi-over", "cdi-under"
+        )
     finally:
         control.clear(host["root"])
         for name in names:
