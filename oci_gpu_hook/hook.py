@@ -10,11 +10,13 @@ packages installed) would cost every container start milliseconds. The CLI's com
 installed dependencies, so they run site first.
 """
 
+from __future__ import annotations
+
 import os
 import sys
 
 from oci_gpu_hook.errors import Exit, HookError, printable
-from oci_gpu_hook.start.rule import LDCACHE_REFRESH, RUNTIME_COMMANDS
+from oci_gpu_hook.start.rule import LDCACHE_REFRESH, RUNTIME_COMMANDS, START_SERVER
 
 PROG = "oci-gpu-hook"
 INTERNAL_ERROR_EXIT = Exit.INTERNAL
@@ -35,18 +37,30 @@ def _split_config(argv):
     return None, argv
 
 
-def run(argv, as_program: bool = False) -> int:
+def is_runtime_command(argv) -> bool:
+    """argv is [--config FILE] and one command a runtime runs for each container (the hook)."""
+    rest = _split_config(argv)[1]
+    return len(rest) == 1 and rest[0] in RUNTIME_COMMANDS
+
+
+def run(argv, as_program: bool = False, started: float | None = None) -> int:
     """as_program: this process was started to run this command (its time budget counts from the
-    process's start); False when a caller runs it in-process (its budget starts now)."""
+    process's start); False when a caller runs it in-process (its budget starts now, or at
+    started, a time.monotonic() value: the start server's workers, start/server.py)."""
     config, rest = _split_config(argv)
-    if rest and rest[0] in RUNTIME_COMMANDS and len(rest) == 1:
+    if is_runtime_command(argv):
         from oci_gpu_hook.start.prestart import run as prestart
 
-        return prestart(config, since_process_start=as_program)
+        return prestart(config, since_process_start=as_program, started=started)
     if rest and rest[0] == LDCACHE_REFRESH and not {"-h", "--help"} & set(rest):
         from oci_gpu_hook.start import ldcache_refresh
 
         return ldcache_refresh.run(rest[1:])
+    if rest and rest[0] == START_SERVER and (len(rest) == 1 or (len(rest) == 3 and rest[1] == "--socket")):
+        # Without click: each worker is a fork of this process, and a smaller process forks faster.
+        from oci_gpu_hook.start import server
+
+        return server.main(rest[2] if len(rest) == 3 else None)
     from oci_gpu_hook.start import with_site_packages
 
     with_site_packages()  # a launcher's -S: the dependencies' directories are site's to add
@@ -88,9 +102,15 @@ def main(argv=None, options=()) -> int:
     return code
 
 
-def _main(argv, as_program: bool) -> int:
+def serve(argv, started: float) -> int:
+    """One start in a start server's worker (start/server.py): what main does for the hook run as
+    a program (one line and an exit status, whatever happens), the budget counted from started."""
+    return _main(argv, False, started)
+
+
+def _main(argv, as_program: bool, started: float | None = None) -> int:
     try:
-        return run(argv, as_program)
+        return run(argv, as_program, started)
     except HookError as e:
         report(e.message)
         return e.exit_code

@@ -26,9 +26,13 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
               help="Put the compiled pre-filter where runtimes run the hook, so that containers that cannot "
                    "ask for a GPU start without Python (docs/performance.md). Default: where a C compiler "
                    "is found and builds it (one that cannot leaves the launcher, with a warning).")  # fmt: skip
+@click.option("--start-server", is_flag=True,
+              help="Also install the start server's systemd socket and service: GPU containers then start "
+                   "from a warm process instead of a new interpreter (needs the pre-filter; "
+                   "docs/performance.md).")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
-def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter):
+def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server):
     """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
     nvidia-container-runtime-hook program), a default configuration, and the systemd units and
     udev rule that refresh the inventory cache when the driver changes.
@@ -42,7 +46,7 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
     lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services, device_plugin,
-                                   prefilter, warn=_warn)  # fmt: skip
+                                   prefilter, warn=_warn, start_server=start_server)  # fmt: skip
     for line in lines:
         click.echo(line)
     if not lines:
@@ -61,7 +65,8 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
                    + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE} "
                       f"{install_module.WATCHDOG_SERVICE}" if node_services else "")
                    + (f" && systemctl start {install_module.DEVICE_PLUGIN_SERVICE}" if device_plugin
-                      else ""))  # fmt: skip
+                      else "")
+                   + (f" && systemctl start {install_module.START_SOCKET}" if start_server else ""))  # fmt: skip
     return 0
 
 

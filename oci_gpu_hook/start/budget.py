@@ -13,9 +13,9 @@ import time
 from oci_gpu_hook.start import pids
 
 
-def process_age() -> float:
-    """Seconds since this process started, by the kernel's clock (0.0 if procfs cannot say)."""
-    ticks = pids.start_ticks("self")
+def process_age(pid="self") -> float:
+    """Seconds since this process (or pid) started, by the kernel's clock (0.0 if procfs cannot say)."""
+    ticks = pids.start_ticks(pid)
     if ticks is None:
         return 0.0
     return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / pids.ticks_per_second())

@@ -37,10 +37,29 @@ def may_ask_for_gpus(spec) -> bool:
     )
 
 
-def run(config: str | None, stdin=None, since_process_start: bool = False) -> int:
+# What a GPU start imports after the pre-filter's test (_configure and what it calls): the start
+# server imports them once, before its first worker (preload).
+GPU_PATH_MODULES = (
+    "oci_gpu_hook.start.report", "oci_gpu_hook.start.settings", "oci_gpu_hook.start.apply",
+    "oci_gpu_hook.start.inventory_cache", "oci_gpu_hook.start.budget", "oci_gpu_hook.start.linux.arch",
+    "oci_gpu_hook.start.linux.userns", "oci_gpu_hook.start.plan", "oci_gpu_hook.start.container_record",
+    "oci_gpu_hook.start.memory_limit", "oci_gpu_hook.start.linux.systemd",
+)  # fmt: skip
+
+
+def preload() -> None:
+    import importlib
+
+    for name in GPU_PATH_MODULES:
+        importlib.import_module(name)
+
+
+def run(config: str | None, stdin=None, since_process_start: bool = False, started: float | None = None) -> int:
     # How long the start took is counted from the process's start when the runtime started this
-    # process for it, from now when a caller runs it in-process.
-    started = None if since_process_start else time.monotonic()
+    # process for it, from started (time.monotonic()) when a start server's worker runs it for
+    # the pre-filter that started then, from now when a caller runs it in-process.
+    if started is None:
+        started = None if since_process_start else time.monotonic()
     stdin = stdin if stdin is not None else sys.stdin.buffer
     container = state_module.parse(stdin.read(state_module.MAX_STATE_BYTES + 1))
     spec = spec_module.load(container.bundle)

@@ -11,6 +11,9 @@ from oci_gpu_hook.errors import printable
 from oci_gpu_hook.start import jsonio
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+# How this start came, in each of its records: None for the hook's own process; the start
+# server's workers set it (start/server.py), so an operator can tell which path ran.
+VIA = None
 
 
 def record(settings, container_id: str, level: str, message: str, **details) -> None:
@@ -18,6 +21,8 @@ def record(settings, container_id: str, level: str, message: str, **details) -> 
         return
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "container": container_id, "level": level,
              "message": message, **details}  # fmt: skip
+    if VIA is not None:
+        entry["via"] = VIA
     if settings.logging.file:
         try:
             fd = os.open(settings.logging.file, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,

@@ -11,6 +11,11 @@ pre-filter's header (prefilter_rule.h), so that the Python and C rules cannot dr
 RUNTIME_COMMANDS = ("prestart", "createRuntime")
 # The CDI spec's createContainer hook (ldcache_refresh.py): it runs for each container too.
 LDCACHE_REFRESH = "ldcache-refresh"
+# The start server (server.py): the command that runs it, where it listens (compiled into the
+# pre-filter, which offers it each start Python would get) and the first line of every offer.
+START_SERVER = "start-server"
+START_SERVER_SOCKET = "/run/oci-gpu-hook/start.sock"
+START_SERVER_VERSION = "oci-gpu-hook start 1"
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 NO_DEVICES = "void"  # in the device list: not a GPU container, whatever else it names

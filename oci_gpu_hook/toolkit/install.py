@@ -18,10 +18,14 @@ What install writes, under --root (default /):
 | /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
 | /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
 | /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
+| /etc/systemd/system/oci-gpu-hook-start.{socket,service} (+ wants) | the start server (--start-server) |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
 The pre-filter (toolkit/prefilter.py) is compiled here, where a C compiler is found and builds it
 (--prefilter to require it, --no-prefilter never); otherwise runtimes run the launcher itself.
+It offers each start it would hand to Python to the start server (start/server.py) first, where one
+listens; --start-server installs the server's socket and service units, started at boot (the
+pre-filter is the same with and without them).
 
 Every path under the root is resolved as the tree itself resolves it (toolkit/tree.py): a link in
 an image tree is followed inside it, never out of it into the build host's own directories.
@@ -48,7 +52,7 @@ import stat
 import sys
 
 from oci_gpu_hook.errors import Exit, HookError
-from oci_gpu_hook.start import files, settings
+from oci_gpu_hook.start import files, rule, settings
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 from oci_gpu_hook.toolkit import containerd, launcher, runtime_config
@@ -70,6 +74,8 @@ EXPORTER_SERVICE = "oci-gpu-hook-exporter.service"
 LABELS_SERVICE = "oci-gpu-hook-labels.service"
 WATCHDOG_SERVICE = "oci-gpu-hook-watchdog.service"
 DEVICE_PLUGIN_SERVICE = "oci-gpu-hook-device-plugin.service"
+START_SOCKET = "oci-gpu-hook-start.socket"
+START_SERVICE = "oci-gpu-hook-start.service"
 LABELS_WATCH_SECONDS = 60
 # Docker's --gpus runs the program of this name, which dockerd looks up on its PATH when it starts
 # (NVIDIA's container toolkit installs it at this path).
@@ -328,6 +334,50 @@ def node_service_text(argv_prefix, description: str, *args: str, flag: str = "--
     )
 
 
+def start_socket_text() -> str:
+    """The start server's socket unit: systemd listens from boot and starts the server on the first
+    offer (a pre-filter that finds nothing listening gives its start to Python instead)."""
+    return (
+        "# Written by `oci-gpu-hook install --start-server`.\n"
+        "[Unit]\n"
+        "Description=oci-gpu-hook start server socket (GPU container starts from a warm process)\n"
+        "\n"
+        "[Socket]\n"
+        f"ListenSequentialPacket={rule.START_SERVER_SOCKET}\n"
+        # Root's alone: the server takes only root's offers, and the pre-filter only offers as root.
+        "SocketUser=root\n"
+        "SocketGroup=root\n"
+        "SocketMode=0600\n"
+        "DirectoryMode=0755\n"
+        "Backlog=128\n"
+        f"Service={START_SERVICE}\n"
+        "\n"
+        "[Install]\n"
+        "WantedBy=sockets.target\n"
+    )
+
+
+def start_service_text(argv_prefix) -> str:
+    """The start server's service. KillMode=process: stopping or restarting the server (an upgrade)
+    signals the server alone; a worker that is giving a container its GPUs finishes that start (or
+    rolls it back) instead of being killed half-way. No sandboxing options: each worker joins a
+    container's mount namespace from the host's, and one of systemd's own would stand between."""
+    command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + [rule.START_SERVER])
+    return (
+        "# Written by `oci-gpu-hook install --start-server`.\n"
+        "[Unit]\n"
+        "Description=oci-gpu-hook start server (GPU container starts from a warm process)\n"
+        f"Requires={START_SOCKET}\n"
+        f"After={START_SOCKET} {SERVICE}\n"
+        "\n"
+        "[Service]\n"
+        f"ExecStart={command}\n"
+        "KillMode=process\n"
+        "Restart=on-failure\n"
+        "RestartSec=1\n"
+    )
+
+
 _SYSTEMD_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._-=:,+@")
 
 
@@ -375,17 +425,19 @@ class Entry:
 
 def launcher_entries(with_prefilter: bool) -> list:
     """What runtimes run: the launcher; or, with_prefilter, the compiled pre-filter in its place and
-    the launcher beside it, for what the pre-filter hands on (toolkit/prefilter.py)."""
+    the launcher beside it, for what the pre-filter hands on (toolkit/prefilter.py), offered to
+    the start server first where one listens."""
     if not with_prefilter:
         return [Entry(launcher.LAUNCHER, launcher_text(), mode=0o755)]
     from oci_gpu_hook.toolkit import prefilter
 
+    program = prefilter.build_bytes(launcher.PYTHON_LAUNCHER, start_server=rule.START_SERVER_SOCKET)
     return [Entry(launcher.PYTHON_LAUNCHER, launcher_text(), mode=0o755),
-            Entry(launcher.LAUNCHER, prefilter.build_bytes(launcher.PYTHON_LAUNCHER), mode=0o755)]  # fmt: skip
+            Entry(launcher.LAUNCHER, program, mode=0o755)]  # fmt: skip
 
 
 def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False, root: str = "/",
-            with_prefilter: bool = False) -> list:  # fmt: skip
+            with_prefilter: bool = False, start_server: bool = False) -> list:  # fmt: skip
     entries = []
     if argv_prefix[0] == launcher.LAUNCHER:
         entries += launcher_entries(with_prefilter)
@@ -425,6 +477,12 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
         entries.append(Entry(f"{UNIT_DIR}/{DEVICE_PLUGIN_SERVICE}", text))
         entries.append(Entry(f"{UNIT_DIR}/multi-user.target.wants/{DEVICE_PLUGIN_SERVICE}",
                              link=f"../{DEVICE_PLUGIN_SERVICE}"))  # fmt: skip
+    if start_server:
+        entries += [
+            Entry(f"{UNIT_DIR}/{START_SOCKET}", start_socket_text()),
+            Entry(f"{UNIT_DIR}/{START_SERVICE}", start_service_text(argv_prefix)),
+            Entry(f"{UNIT_DIR}/sockets.target.wants/{START_SOCKET}", link=f"../{START_SOCKET}"),
+        ]
     return entries
 
 
@@ -450,7 +508,7 @@ def _installable_paths() -> set:
     """Every path install can write (with any options): all a manifest may name."""
     # Not "podman" or "crio": planning for them reads the host's runtime configuration and asks
     # podman, and their paths are named here anyway.
-    entries = planned(("docker",), [launcher.LAUNCHER], node_services=True, device_plugin=True)
+    entries = planned(("docker",), [launcher.LAUNCHER], node_services=True, device_plugin=True, start_server=True)
     return {e.path for e in entries} | {HOOKS_D_FILE, CRIO_DROPIN, PODMAN_DROPIN, launcher.PYTHON_LAUNCHER,
                                         containerd.BASE_SPEC, containerd.DROPIN, containerd.CONFIG}  # fmt: skip
 
@@ -647,22 +705,39 @@ class _root_only:
 
 
 def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False, node_services: bool = False,
-            device_plugin: bool = False, prefilter: bool | None = None, warn=None) -> list:  # fmt: skip
+            device_plugin: bool = False, prefilter: bool | None = None, warn=None,
+            start_server: bool = False) -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing.
     prefilter: put the compiled pre-filter where runtimes run the launcher (True: or fail; False:
     never; None: where a C compiler is found and builds it, else the launcher, and warn(line), when
-    given, hears why)."""
+    given, hears why). start_server: the start server's units too (only with a pre-filter, which
+    is what offers it starts)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
     with _tree(root) as tree:
         lines = _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
-                         warn)  # fmt: skip
+                         warn, start_server)  # fmt: skip
     if "podman" in runtimes and root == "/" and warn is not None:
         _check_podman_reads(warn)
     return lines
+
+
+def _check_offers(tree: Tree, argv_prefix, entries) -> None:
+    """--start-server: what runtimes run must be a pre-filter (only it offers starts to the server):
+    the one this install writes, or the RPM's /usr/bin/oci-gpu-hook."""
+    from oci_gpu_hook.toolkit import prefilter
+
+    program = next((e.content for e in entries if e.path == argv_prefix[0] and isinstance(e.content, bytes)), None)
+    if program is not None and prefilter.MARKER in program:
+        return
+    if program is None and prefilter.is_prefilter(tree.entry(argv_prefix[0])):
+        return
+    raise InstallError(f"--start-server: runtimes run {argv_prefix[0]}, which is not the pre-filter, and only "
+                       "the pre-filter offers starts to the server (install --prefilter builds it, with a C "
+                       "compiler)")  # fmt: skip
 
 
 def _check_podman_reads(warn) -> None:
@@ -698,7 +773,7 @@ def _tree(root: str):
 
 
 def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
-             warn) -> list:  # fmt: skip
+             warn, start_server=False) -> list:  # fmt: skip
     root = tree.root
     argv_prefix = list(argv_prefix or hook_command())
     _check_text(argv_prefix)
@@ -713,13 +788,18 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
         # is a warning and never a failed install.
         try:
             entries = planned(runtimes, argv_prefix, node_services, device_plugin, root,
-                              prefilter_module.compiler() is not None)  # fmt: skip
+                              prefilter_module.compiler() is not None, start_server)  # fmt: skip
         except prefilter_module.PrefilterError as e:
+            if start_server:
+                raise InstallError(f"--start-server: the pre-filter offers starts to the server, and it cannot be "
+                                   f"built here: {e}") from None  # fmt: skip
             if warn is not None:
                 warn(f"the pre-filter could not be built ({e}): runtimes run the launcher")
             entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, False)
     else:
-        entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter)
+        entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, start_server)
+    if start_server:
+        _check_offers(tree, argv_prefix, entries)
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(tree, entries)

@@ -27,6 +27,10 @@ CFLAGS = ("-O2", "-std=c11", "-Wall", "-Wextra", "-D_FORTIFY_SOURCE=2", "-fstack
           "-fPIE", "-pie", "-Wl,-z,relro,-z,now")  # fmt: skip
 
 
+# sockaddr_un's sun_path on Linux, its terminating NUL included
+SOCKET_PATH_ROOM = 108
+
+
 class PrefilterError(HookError):
     exit_code = Exit.INSTALL
 
@@ -37,12 +41,16 @@ def _c_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def header(python_hook: str, launcher_options=()) -> str:
-    """prefilter_rule.h: the rule's values, the hook's input limits and the Python hook's path."""
+def header(python_hook: str, launcher_options=(), start_server: str | None = None) -> str:
+    """prefilter_rule.h: the rule's values, the hook's input limits and the Python hook's path;
+    start_server: the start server's socket (start/server.py), offered every start Python would get."""
     from oci_gpu_hook.start import rule, spec, state
 
     if not os.path.isabs(python_hook):
         raise PrefilterError(f"{python_hook}: the Python hook's path must be absolute")
+    if start_server is not None and not (os.path.isabs(start_server) and len(start_server) < SOCKET_PATH_ROOM):
+        raise PrefilterError(f"{start_server}: the start server's socket must be an absolute path of fewer than "
+                             f"{SOCKET_PATH_ROOM} bytes")  # fmt: skip
     lines = [
         "/* Written by oci_gpu_hook/toolkit/prefilter.py from start/rule.py: do not edit. */",
         f"#define PYTHON_HOOK {_c_string(python_hook)}",
@@ -59,8 +67,15 @@ def header(python_hook: str, launcher_options=()) -> str:
         f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in rule.RUNTIME_COMMANDS)}, NULL}}",
         f"#define RULE_LAUNCHER_OPTIONS {1 if launcher_options else 0}",
         f"#define RULE_MAX_INT_DIGITS {max_int_digits()}u",
-        "",
+        f"#define START_SERVER_VERSION {_c_string(rule.START_SERVER_VERSION)}",
     ]
+    if start_server is not None:
+        lines.append(f"#define START_SERVER {_c_string(start_server)}")
+        # The launcher's own options (its --config) go first in an offer, as the launcher puts them
+        # first for Python: the server's worker must run the hook with the same configuration.
+        options = "".join(f"{_c_string(o)}, " for o in launcher_options)
+        lines.append(f"#define START_SERVER_OPTIONS {{{options}NULL}}")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -94,14 +109,16 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def build_bytes(python_hook: str, launcher_options=()) -> bytes:
+def build_bytes(python_hook: str, launcher_options=(), start_server: str | None = None) -> bytes:
     """The pre-filter program's bytes (what install writes)."""
     with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-prefilter-") as work:
-        with open(build(os.path.join(work, "oci-gpu-hook"), python_hook, launcher_options), "rb") as f:
+        output = os.path.join(work, "oci-gpu-hook")
+        with open(build(output, python_hook, launcher_options, start_server=start_server), "rb") as f:
             return f.read()
 
 
-def build(output: str, python_hook: str, launcher_options=(), cc: str | None = None, flags=()) -> str:
+def build(output: str, python_hook: str, launcher_options=(), cc: str | None = None, flags=(),
+          start_server: str | None = None) -> str:  # fmt: skip
     """Compile the pre-filter to output (mode 0755); returns output. flags: more compiler options,
     after CFLAGS (the suite's -Werror and sanitizers). Raises PrefilterError with the compiler's
     first error line."""
@@ -110,7 +127,7 @@ def build(output: str, python_hook: str, launcher_options=(), cc: str | None = N
         raise PrefilterError("no C compiler (cc, gcc or $CC) to build the pre-filter")
     with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-prefilter-") as work:
         with open(os.path.join(work, "prefilter_rule.h"), "w") as f:
-            f.write(header(python_hook, launcher_options))
+            f.write(header(python_hook, launcher_options, start_server))
         done = subprocess.run([cc, *CFLAGS, *flags, "-I", work, "-o", output, SOURCE], capture_output=True, text=True,
                               stdin=subprocess.DEVNULL, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                                                              "LC_ALL": "C"})  # fmt: skip

@@ -15,6 +15,16 @@
  * to the Python hook, which then says what is wrong in its own words and with its own exit status.
  * It opens nothing but config.json, runs nothing but PYTHON_HOOK, and allocates only from a
  * bounded arena.
+ *
+ * Built with START_SERVER (`install --start-server`), it first offers what it would hand to
+ * Python to the start server listening there (start/server.py): a warm process that already paid
+ * for the interpreter and the imports, which most of a GPU start cost (docs/performance.md,
+ * round 4). The offer is one message: the arguments, and as descriptors the state (a memfd) and
+ * this program's stdout and stderr, so that the server's worker reads the same state and says what
+ * it says to the runtime directly. The reply is the exit status (or "not taken": Python's). Only root offers, only to
+ * a server that is root; where no server answers (none installed, stopped, not root), the start
+ * goes to Python as without it. Once the offer is sent there is no going back to Python: the
+ * worker may have changed the container, and a second hook on top of it is not the same start.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -24,7 +34,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "prefilter_rule.h"
@@ -573,6 +585,83 @@ static ssize_t read_config(const struct value *bundle, unsigned char *buffer, si
     return got;
 }
 
+#ifdef START_SERVER
+#define NO_SERVER (-1)
+
+/* The start server's verdict on this start, or NO_SERVER when it did not take the start (so that
+ * Python must). statefd: the state, read from its start. */
+static int offer_to_server(char **argv, int statefd) {
+    if (geteuid() != 0) /* rootless: the server is root's, and acts as root */
+        return NO_SERVER;
+    struct sockaddr_un address = {.sun_family = AF_UNIX};
+    _Static_assert(sizeof START_SERVER <= sizeof address.sun_path, "the start server's path fits a socket address");
+    memcpy(address.sun_path, START_SERVER, sizeof START_SERVER);
+    char payload[sizeof START_SERVER_VERSION + 8192];
+    size_t used = sizeof START_SERVER_VERSION;
+    memcpy(payload, START_SERVER_VERSION, sizeof START_SERVER_VERSION);
+    static const char *const options[] = START_SERVER_OPTIONS; /* the launcher's, before argv's */
+    for (int from = 0; from < 2; from++) {
+        const char *const *args = from == 0 ? options : (const char *const *)argv + 1;
+        for (int i = 0; args[i]; i++) {
+            size_t length = strlen(args[i]) + 1;
+            if (length > sizeof payload - used)
+                return NO_SERVER;
+            memcpy(payload + used, args[i], length);
+            used += length;
+        }
+    }
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        return NO_SERVER;
+    struct ucred peer;
+    socklen_t peer_length = sizeof peer;
+    if (connect(s, (struct sockaddr *)&address, sizeof address) != 0 ||
+        getsockopt(s, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) != 0 || peer_length != sizeof peer ||
+        peer.uid != 0) { /* a socket at that path that is not root's is not the server */
+        close(s);
+        return NO_SERVER;
+    }
+    int fds[3] = {statefd, STDOUT_FILENO, STDERR_FILENO};
+    union {
+        struct cmsghdr header;
+        char room[CMSG_SPACE(sizeof fds)];
+    } control;
+    memset(&control, 0, sizeof control);
+    struct iovec iov = {payload, used};
+    struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.room,
+                             .msg_controllen = sizeof control.room};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&message);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof fds);
+    memcpy(CMSG_DATA(c), fds, sizeof fds);
+    ssize_t sent;
+    do
+        sent = sendmsg(s, &message, MSG_NOSIGNAL);
+    while (sent < 0 && errno == EINTR);
+    if (sent != (ssize_t)used) { /* not delivered (a packet is all or nothing): nothing was started */
+        close(s);
+        return NO_SERVER;
+    }
+    /* The reply: 'v' and the exit status, or 'p' (passed: not taken, nothing done; the server
+     * refused the offer, say an older server after an upgrade). */
+    unsigned char reply[2];
+    ssize_t got;
+    do
+        got = recv(s, reply, sizeof reply, 0);
+    while (got < 0 && errno == EINTR);
+    close(s);
+    if (got == 1 && reply[0] == 'p')
+        return lseek(statefd, 0, SEEK_SET) == 0 ? NO_SERVER : INTERNAL_EXIT;
+    if (got != 2 || reply[0] != 'v') {
+        fprintf(stderr, "oci-gpu-hook: the start server's worker ended without a verdict (killed?); "
+                        "the server's log says why (journalctl -u oci-gpu-hook-start.service)\n");
+        return INTERNAL_EXIT;
+    }
+    return reply[1];
+}
+#endif
+
 /* Run the Python hook with the same arguments and the state already read on a fresh stdin. */
 static int run_python(char **argv, const unsigned char *state, size_t n, int have_read) {
     if (have_read) {
@@ -596,6 +685,11 @@ static int run_python(char **argv, const unsigned char *state, size_t n, int hav
                     strerror(errno));
             return INTERNAL_EXIT;
         }
+#ifdef START_SERVER
+        int verdict = offer_to_server(argv, fd);
+        if (verdict != NO_SERVER)
+            return verdict;
+#endif
         close(fd);
     }
     argv[0] = (char *)PYTHON_HOOK;

@@ -1,0 +1,286 @@
+"""`oci-gpu-hook start-server`: the warm start server the pre-filter offers GPU starts to.
+
+Most of a GPU start in a process of its own is the interpreter's start and the imports, not the
+work (docs/performance.md, round 4). This process pays for both once. The pre-filter built with
+its socket (`install --start-server`, csrc/prefilter.c: offer_to_server) offers it every start it
+would hand to Python, in one SOCK_SEQPACKET message: a version line, the hook's arguments, and
+three descriptors (the state, the pre-filter's stdout and stderr). The server checks the offer,
+forks a worker and goes back to listening. The worker becomes what the Python hook's process
+would have been (the same descriptors 0 to 2, the same arguments, the budget counted from the
+pre-filter's own start), runs the hook (hook.py) and replies with its exit status.
+
+Why a worker per start: joining a container's mount namespace takes a process of its own
+(single-threaded, not sharing its filesystem context), and a worker that fails, hangs or is
+killed by its deadline takes nothing of the server with it. The server itself only accepts,
+checks, forks and reaps: it reads no configuration and no inventory (each worker reads them as
+the hook does, so an edit or a refresh counts from the next start) and never runs the hook.
+
+Trust (docs/security.md, "The start server"): only root may offer (the socket is root's, mode
+0600 in a root directory, and the peer's credentials are checked here), and the pre-filter only
+offers to a peer that is root. An offer the server will not take (another version, a command
+that is not a runtime's, the wrong descriptors) is answered "not taken" before anything is done,
+and the pre-filter starts the Python hook as it would without a server.
+
+Replies: b"v" and the exit status (one byte); b"p": not taken.
+"""
+
+from __future__ import annotations
+
+import array
+import gc
+import os
+import signal
+import socket
+import stat
+import sys
+import time
+
+from oci_gpu_hook.start import rule
+
+VERSION = rule.START_SERVER_VERSION.encode()  # the pre-filter's START_SERVER_VERSION, from the same line
+DEFAULT_SOCKET = rule.START_SERVER_SOCKET
+MAX_OFFER_BYTES = len(VERSION) + 1 + 8192  # the pre-filter's payload room
+DESCRIPTORS = 3  # the state, stdout, stderr
+PASS = b"p"
+VERDICT = b"v"
+LISTEN_BACKLOG = 128  # a node starting many containers at once queues them here, not in refusals
+_SYSTEMD_FIRST_FD = 3  # sd_listen_fds(3): passed sockets start here
+
+
+class ServerError(Exception):
+    """The server cannot listen: one line for its log."""
+
+
+def _log(message: str) -> None:
+    # The server's stderr is its log (the journal, under systemd); never a start's: each worker
+    # says what it says on the descriptors the pre-filter passed.
+    from oci_gpu_hook.errors import printable
+
+    sys.stderr.write(f"oci-gpu-hook start-server: {printable(message)}\n")
+    sys.stderr.flush()
+
+
+# --- listening ----------------------------------------------------------------------------------
+
+
+def from_systemd() -> socket.socket | None:
+    """The socket systemd passed (socket activation: LISTEN_PID is this process, LISTEN_FDS 1),
+    or None when it passed none."""
+    if os.environ.get("LISTEN_PID") != str(os.getpid()) or os.environ.get("LISTEN_FDS") is None:
+        return None
+    if os.environ.get("LISTEN_FDS") != "1":
+        raise ServerError(f"systemd passed {os.environ['LISTEN_FDS']} sockets; the start server takes one")
+    for name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):  # not for the workers' children
+        os.environ.pop(name, None)
+    listener = socket.socket(fileno=_SYSTEMD_FIRST_FD)
+    if listener.family != socket.AF_UNIX or listener.type != socket.SOCK_SEQPACKET:
+        raise ServerError("systemd passed a socket that is not a Unix SOCK_SEQPACKET socket (ListenSequentialPacket=)")
+    listener.set_inheritable(False)
+    return listener
+
+
+def bind(path: str) -> socket.socket:
+    """A listening socket of its own at path, mode 0600, in a directory that is root's and that
+    no one else may write (the pre-filter trusts what answers there). A socket that no server
+    answers on (one left by a server that was killed) is replaced; a live one is refused."""
+    directory = os.path.dirname(path) or "/"
+    try:
+        st = os.lstat(directory)
+    except OSError as e:
+        raise ServerError(f"{directory}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+        raise ServerError(f"{directory}: not a directory that root owns and only root may write; "
+                          "the start server's socket must be in one")  # fmt: skip
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ServerError(f"{path}: exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)  # nothing listens: left behind
+        except OSError as e:
+            raise ServerError(f"{path}: {e.strerror}") from None
+        else:
+            raise ServerError(f"{path}: another start server listens there")
+        finally:
+            probe.close()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    old = os.umask(0o177)  # made 0600: never a moment with more
+    try:
+        listener.bind(path)
+    except OSError as e:
+        listener.close()
+        raise ServerError(f"{path}: {e.strerror}") from None
+    finally:
+        os.umask(old)
+    listener.listen(LISTEN_BACKLOG)
+    return listener
+
+
+# --- one offer ----------------------------------------------------------------------------------
+
+
+class Offer:
+    """A checked offer: the hook's arguments, the three descriptors and the offering process."""
+
+    def __init__(self, argv: list, fds: list, pid: int):
+        self.argv, self.fds, self.pid = argv, fds, pid
+
+
+def _peer(conn: socket.socket) -> tuple:
+    pid, uid, gid = array.array("i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid, gid
+
+
+def receive(conn: socket.socket) -> tuple:
+    """(Offer or None, why not): the offer on conn, checked. Descriptors of an offer that is not
+    taken are closed here."""
+    fds = array.array("i")
+    try:
+        payload, ancillary, flags, _ = conn.recvmsg(MAX_OFFER_BYTES + 1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize))
+    except OSError as e:
+        return None, f"cannot read the offer: {e.strerror}"
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    fds = list(fds)
+
+    def refuse(why: str):
+        for fd in fds:
+            os.close(fd)
+        return None, why
+
+    pid, uid, _ = _peer(conn)
+    if uid != 0:  # the socket's mode keeps others out; this holds even if that mode were changed
+        return refuse(f"an offer from uid {uid} (pid {pid}): only root's are taken")
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        return refuse("an offer larger than the pre-filter sends")
+    if len(fds) != DESCRIPTORS:
+        return refuse(f"an offer with {len(fds)} descriptors, not {DESCRIPTORS}")
+    head, _, rest = payload.partition(b"\0")
+    if head != VERSION:
+        return refuse(f"an offer of another version ({head[:40]!r}; this server: {VERSION.decode()})")
+    if not rest.endswith(b"\0"):
+        return refuse("an offer whose arguments do not end")
+    argv = [os.fsdecode(a) for a in rest[:-1].split(b"\0")]
+    from oci_gpu_hook import hook
+
+    if not hook.is_runtime_command(argv):
+        return refuse("an offer of a command that is not a runtime's (prestart, createRuntime)")
+    return Offer(argv, fds, pid), ""
+
+
+def work(conn: socket.socket, listener: socket.socket, offer: Offer) -> None:
+    """In the worker (forked): become the hook's process for this start, run it, reply, exit."""
+    code = 70
+    try:
+        listener.close()
+        for name in ("SIGCHLD", "SIGTERM", "SIGINT", "SIGHUP"):
+            signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
+        for target, fd in enumerate(offer.fds):
+            os.dup2(fd, target)  # inheritable, as the hook's own 0 to 2 are
+        for fd in offer.fds:
+            if fd > 2:
+                os.close(fd)
+        from oci_gpu_hook import hook
+        from oci_gpu_hook.start import budget, report
+
+        # The budget counts from the pre-filter's start, as it counts from the hook's own
+        # process's start without a server: the runtime's clock started there.
+        started = time.monotonic() - budget.process_age(offer.pid)
+        report.VIA = "start server"
+        code = hook.serve(offer.argv, started)
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        try:
+            conn.send(VERDICT + bytes([code & 0xFF]))
+        finally:
+            os._exit(0)
+
+
+def serve(listener: socket.socket) -> None:
+    """Accept offers until SIGTERM. Single-threaded: workers are forked, and a fork of a process
+    with other threads could inherit a lock one of them held."""
+    from oci_gpu_hook.start import prestart
+
+    prestart.preload()  # everything a GPU start imports, once, before the first fork
+    gc.collect()
+    gc.freeze()  # what exists now is never collected: a worker touches none of it to scan it
+    gc.disable()  # workers live milliseconds and make no cycles they need freed (hook.main)
+    stopping = []
+
+    def reap(*_):
+        while True:
+            try:
+                pid, _ = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    def stop(*_):
+        stopping.append(True)
+        listener.close()  # accept() fails at once; running workers finish on their own
+
+    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGTERM, stop)
+    _log(f"listening on {listener.getsockname() or 'the socket systemd passed'}")
+    while not stopping:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            if stopping:
+                break
+            raise
+        with conn:
+            offer, why = receive(conn)
+            if offer is None:
+                _log(f"not taken: {why}")
+                _reply(conn, PASS)
+                continue
+            try:
+                pid = os.fork()
+            except OSError as e:
+                _log(f"not taken: cannot fork a worker: {e.strerror}")
+                pid = None
+            if pid == 0:
+                work(conn, listener, offer)  # never returns
+            for fd in offer.fds:
+                os.close(fd)
+            if pid is None:
+                _reply(conn, PASS)
+    _log("stopped")
+
+
+def _reply(conn: socket.socket, message: bytes) -> None:
+    try:
+        conn.send(message)
+    except OSError:
+        pass  # the pre-filter is gone (its runtime's timeout): nothing was done
+
+
+def main(socket_path: str | None) -> int:
+    """The command: listen on the socket systemd passed, else on socket_path (DEFAULT_SOCKET)."""
+    from oci_gpu_hook.errors import Exit
+
+    try:
+        listener = from_systemd()
+        bound = None if listener is not None else socket_path or DEFAULT_SOCKET
+        if bound is not None:
+            listener = bind(bound)
+    except ServerError as e:
+        _log(str(e))
+        return Exit.GENERAL
+    identity = os.stat(bound)[:2] if bound else None
+    try:
+        serve(listener)
+    finally:
+        # A socket of its own goes with it (systemd's stays: it listens there for the next start).
+        if identity is not None and os.path.exists(bound) and os.stat(bound)[:2] == identity:
+            os.unlink(bound)
+    return Exit.SUCCESS
