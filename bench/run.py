@@ -16,6 +16,10 @@ order, so drift in the machine's state and what ran just before hit every case a
   runc itself spends on running any hook), and with the pre-filter in front of the launcher for
   no GPU, 1 GPU and 8 GPUs. Each is reported as a ratio to the plain cycle of the same round
   (the median of the per-round ratios: the machine's load hits both sides of a pair alike);
+- the start server (issue 41): the same life cycles at 1 and 8 GPUs with the pre-filter offering
+  its starts to a start server (`oci-gpu-hook start-server`, the command its unit runs) on a
+  socket of the bench's own, and the hook alone through it; the pre-filter cases above are built
+  the same way with a socket nothing listens on (the Python path, as where no server runs);
 - the 1-GPU case with the hook installed the other ways (bench/install_ways.py): a venv and
   `pip install --user`, each wired by its own `oci-gpu-hook install`, as podman's hooks.d file and
   Docker's nvidia-container-runtime-hook run it, and the venv's console script for comparison.
@@ -54,6 +58,7 @@ import hookcheck  # noqa: E402
 import install_ways  # noqa: E402
 import node  # noqa: E402
 
+from oci_gpu_hook.start import rule  # noqa: E402
 from oci_gpu_hook.toolkit import containers, launcher, prefilter  # noqa: E402
 from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 
@@ -243,6 +248,7 @@ def main():
     # ratios should speak for.
     work = tempfile.mkdtemp(prefix="oci-gpu-hook-bench-", dir=WORK_PARENT)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700", "oci-gpu-hook-bench", work], check=True)
+    servers = []
     try:
         launcher = install(work)
         host = simulate(os.path.join(work, "host"), gpus=8, mig=[1])
@@ -256,8 +262,24 @@ def main():
             "mig": {"NVIDIA_VISIBLE_DEVICES": "1:0"},
         }
 
-        # The pre-filter, in front of the same launcher (install puts it where the launcher was).
-        front = prefilter.build(os.path.join(work, "oci-gpu-hook-prefilter"), launcher)
+        # The pre-filter, in front of the same launcher (install puts it where the launcher was), as
+        # install builds it: with a start server's socket. Twice: one whose socket nothing listens on
+        # (every start it hands on goes to Python, as where no server runs) and one whose socket the
+        # start server listens on, started with the command its unit runs (install --start-server).
+        # Both sockets are the bench's own, so that no other start on this machine reaches its server.
+        front = prefilter.build(os.path.join(work, "oci-gpu-hook-prefilter"), launcher,
+                                start_server=os.path.join(work, "nothing-listens.sock"))  # fmt: skip
+        socket_path = os.path.join(work, "start.sock")
+        served = prefilter.build(os.path.join(work, "oci-gpu-hook-served"), launcher, start_server=socket_path)
+        server = subprocess.Popen([launcher, rule.START_SERVER, "--socket", socket_path], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        servers.append(server)
+        for _ in range(500):  # listening before the first round
+            if os.path.exists(socket_path) or server.poll() is not None:
+                break
+            time.sleep(0.01)
+        if not os.path.exists(socket_path):
+            raise SystemExit(f"the start server did not listen on {socket_path}")
 
         def gpu_bundle(name, env, program=launcher):
             """A bundle running `true` whose prestart hook is program (the launcher, or the pre-filter)."""
@@ -271,6 +293,7 @@ def main():
 
         bundles = {name: gpu_bundle(name, env) for name, env in envs.items()}
         fronted = {name: gpu_bundle(f"prefilter-{name}", envs[name], front) for name in ("nongpu", "gpu1", "gpu8")}
+        with_server = {name: gpu_bundle(f"server-{name}", envs[name], served) for name in ("gpu1", "gpu8")}
         # runc's own cost of running a prestart hook at all: the same hook entry, a program that does nothing
         noop = gpu_bundle("noop-hook", {}, "/bin/true")
         ways = install_ways.hooks(work, config)
@@ -327,9 +350,13 @@ def main():
             cases.append((f"runc+prefilter:{name}", lambda rss=False, n=name: runc_case(fronted[n], rss)))
         cycles = {"cycle:runc": plain, "cycle:noop hook": noop}
         cycles.update((f"cycle:prefilter:{name}", bundle) for name, bundle in fronted.items())
+        cycles.update((f"cycle:server:{name}", bundle) for name, bundle in with_server.items())
         for name, bundle in cycles.items():
             cases.append((name, lambda rss=False, b=bundle: cycle_case(b)))
         cases.append(("prefilter:nongpu", lambda rss=False: hook_case("nongpu", rss, [front, *hook[1:]])))
+        # The hook alone through the start server (the pre-filter's time included, the worker's in
+        # the server's process): its log records give the server's breakdown.
+        cases.append(("server:gpu1", lambda rss=False: hook_case("gpu1", False, [served, *hook[1:]], "server gpu1")))
         # Each round runs the cases in a new order (seeded, so a rerun repeats it). In a fixed order
         # a case pays for what ran before it: runc right after the Python floors took 26 ms where
         # the same bundle right after another runc took 18-21 ms (CPU and page-cache state, and
@@ -341,7 +368,8 @@ def main():
                 result = case()
                 if round_:
                     samples.setdefault(name, []).append(result)
-        rss = {name: max(case(rss=True)[1] for _ in range(3)) for name, case in cases if name not in cycles}
+        rss = {name: max(case(rss=True)[1] for _ in range(3))
+               for name, case in cases if name not in cycles and name != "server:gpu1"}  # fmt: skip
         record = node.record_cost(os.path.join(work, "site"))
         exporter = node.exporter_figures(launcher, host, args.runs)
         watchdog = node.watchdog_figures(os.path.join(work, "site"), host, args.runs)
@@ -372,10 +400,12 @@ def main():
             results[name]["cpu_median_ms"] = statistics.median(x[2] for x in samples[name]) * 1e3
             results[name]["x_runc_cycle_cpu"] = paired_ratio(samples[name], samples["cycle:runc"], 2)
         gpu8_x_gpu1 = paired_ratio(samples["cycle:prefilter:gpu8"], samples["cycle:prefilter:gpu1"])
+        served_gpu8_x_gpu1 = paired_ratio(samples["cycle:server:gpu8"], samples["cycle:server:gpu1"])
         gpu1, gpu8 = results["hook:gpu1"]["median_ms"], results["hook:gpu8"]["median_ms"]
         for name in ways:
             results[name]["x_rpm"] = results[name]["median_ms"] / gpu1
         peak = max(r["peak_rss_kib"] for n, r in results.items() if n.startswith("hook:"))
+        server_logged = breakdown.logged(os.path.join(host["root"], "hook.log"), "bench-server-gpu1-")
         imports = breakdown.import_ms(PYTHON, os.path.join(work, "site"), args.runs)
         logged = breakdown.logged(os.path.join(host["root"], "hook.log"), "bench-gpu1-")
         parts = breakdown.breakdown(gpu1, results["floor -IS"]["median_ms"], imports, logged)
@@ -384,9 +414,12 @@ def main():
             for name in ("hook:nongpu", "prefilter:nongpu", "hook:gpu1", "prefilter:gpu1")
         }
         x_cycle = {name: results[f"cycle:prefilter:{name}"]["x_runc_cycle"] for name in ("nongpu", "gpu1")}
+        x_served = results["cycle:server:gpu1"]["x_runc_cycle"]
         targets = {
-            f"cycle:prefilter:gpu1 <= {GOAL_GPU1_X_RUNC}x cycle:runc": x_cycle["gpu1"] <= GOAL_GPU1_X_RUNC,
-            f"cycle:prefilter:gpu8 <= {GOAL_GPU8_X_GPU1}x cycle:prefilter:gpu1": gpu8_x_gpu1 <= GOAL_GPU8_X_GPU1,
+            f"cycle:server:gpu1 <= {GOAL_GPU1_X_RUNC}x cycle:runc": x_served <= GOAL_GPU1_X_RUNC,
+            f"cycle:server:gpu8 <= {GOAL_GPU8_X_GPU1}x cycle:server:gpu1": served_gpu8_x_gpu1 <= GOAL_GPU8_X_GPU1,
+            f"cycle:prefilter:gpu1 (no server) <= {GOAL_GPU1_X_RUNC}x cycle:runc": x_cycle["gpu1"] <= GOAL_GPU1_X_RUNC,
+            f"cycle:prefilter:gpu8 (no server) <= {GOAL_GPU8_X_GPU1}x its gpu1": gpu8_x_gpu1 <= GOAL_GPU8_X_GPU1,
             f"cycle:prefilter:nongpu <= {GOAL_NONGPU_X_RUNC}x cycle:runc": x_cycle["nongpu"] <= GOAL_NONGPU_X_RUNC,
             "runc+prefilter:nongpu <= 1.15x runc": results["runc+prefilter:nongpu"]["x_runc"] <= 1.15,
             "runc+prefilter:nongpu adds <= 3 ms to runc": added["prefilter:nongpu"] <= 3.0,
@@ -422,7 +455,9 @@ def main():
         }
         doc = {"runs": args.runs, "machine": machine, "how": HOW, "results": results, "targets": targets,
                "command": "make bench",
-               "added_to_runc_ms": added, "cycle_gpu8_x_gpu1": gpu8_x_gpu1, "nvidia_legacy_taken_from_issue_41": nvidia,
+               "added_to_runc_ms": added, "cycle_gpu8_x_gpu1": gpu8_x_gpu1,
+               "cycle_server_gpu8_x_gpu1": served_gpu8_x_gpu1, "nvidia_legacy_taken_from_issue_41": nvidia,
+               "server_worker_timings_gpu1_ms": server_logged,
                "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog},
                "docker": {"runs": args.docker_runs, **dockers}, "concurrent": load_figures,
                "breakdown_gpu1_ms": [{"part": p, "ms": ms, "what": what} for p, ms, what in parts]}  # fmt: skip
@@ -434,7 +469,7 @@ def main():
                 continue
             print(
                 f"{name:24} {r['median_ms']:10.1f} {r['p95_ms']:8.1f} {r['x_floor']:8.2f} {r['x_runc']:7.2f} "
-                f"{r['peak_rss_kib'] / 1024:12.1f}"
+                f"{r.get('peak_rss_kib', 0) / 1024:12.1f}"
             )
         print(f"runc life cycles (create, start, wait, delete; pristine bundle), {args.runs} paired rounds:")
         for name in cycles:
@@ -443,7 +478,8 @@ def main():
                   f"x{r['x_runc_cycle']:.3f} the plain cycle (paired; of medians x{r['x_runc_cycle_of_medians']:.3f}, "
                   f"{r['added_to_runc_cycle_ms']:+.1f} ms); CPU {r['cpu_median_ms']:.1f} ms, "
                   f"x{r['x_runc_cycle_cpu']:.3f} (paired)")  # fmt: skip
-        print(f"  8 GPUs against 1 GPU: x{gpu8_x_gpu1:.3f} (paired)")
+        print(f"  8 GPUs against 1 GPU: x{gpu8_x_gpu1:.3f} (paired); through the start server "
+              f"x{served_gpu8_x_gpu1:.3f}")  # fmt: skip
         print(
             f"container record: {record['total_ms']:.3f} ms (import {record['import_ms']:.3f}, build and write "
             f"{record['write_ms']:.3f})"
@@ -466,6 +502,8 @@ def main():
         print("where the time of hook:gpu1 goes (ms):")
         for part, ms, what in parts:
             print(f"  {part:52} {ms:7.2f}  {what}")
+        print("the start server's worker at 1 GPU, its log records' medians (ms): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(server_logged.items())))  # fmt: skip
         for name in ways:
             print(f"{name}: x{results[name]['x_rpm']:.3f} the RPM's launcher (hook:gpu1)")
         without, with_gpus = dockers["docker run"], dockers["docker run --gpus 1"]
@@ -482,6 +520,9 @@ def main():
             print(f"{'met ' if met else 'MISSED'} {target}")
         print(f"wrote {args.output}")
     finally:
+        for server in servers:  # stopped by its pid, as systemd stops it
+            server.terminate()
+            server.wait()
         subprocess.run(["umount", "--lazy", work], check=True)  # a lazy unmount: a straggler cannot block it
         os.rmdir(work)
 

@@ -83,15 +83,42 @@ def fingerprint(settings: Settings) -> dict:
 
 def read(settings: Settings, current: dict | None = None) -> Inventory | None:
     """The cached inventory if it is present and still matches the host, else None."""
+    path = settings.inventory_cache
     try:
-        doc = jsonio.loads(read_trusted(settings.inventory_cache, MAX_BYTES))
+        current = current if current is not None else fingerprint(settings)
+        if _memory is not None and path in _memory:
+            identity, printed, inventory = _memory[path]
+            if _identity(os.lstat(path)) == identity and printed == current:
+                return inventory
+        seen = []
+        doc = jsonio.loads(read_trusted(path, MAX_BYTES, seen))
         if doc.get("format") != FORMAT:
             return None
-        if doc.get("fingerprint") != (current if current is not None else fingerprint(settings)):
+        if doc.get("fingerprint") != current:
             return None
-        return Inventory.from_json(doc["inventory"])
+        inventory = Inventory.from_json(doc["inventory"])
+        if _memory is not None:
+            _memory[path] = (_identity(seen[0]), current, inventory)
+        return inventory
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # absent, torn by hand, from another version or not ours alone: rebuild
+
+
+# The inventories read, by cache path, with the identity of the file they were read from and its
+# fingerprint: only in a start server's spare worker (server.Spare), which reads the cache before
+# its start comes. Used only while the file at the path is still that file, unchanged (the
+# identity holds its inode, size, times, mode and owner: a rewrite, always a rename, or a chmod
+# changes it) and the host still has that fingerprint.
+_memory: dict | None = None
+
+
+def keep_in_memory() -> None:
+    global _memory
+    _memory = {}
+
+
+def _identity(st) -> tuple:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode, st.st_uid)
 
 
 def write(settings: Settings, inventory: Inventory, print_=None) -> None:

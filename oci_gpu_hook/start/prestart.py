@@ -54,6 +54,22 @@ def preload() -> None:
         importlib.import_module(name)
 
 
+def warm(config: str | None) -> None:
+    """In a start server's spare worker, before its start comes: read the settings and the cached
+    inventory that a start with this configuration reads, into memory (settings.keep_in_memory,
+    inventory_cache.keep_in_memory), where the start finds them while they are still what the
+    files hold. Anything that fails here is left for the start to meet and say."""
+    from oci_gpu_hook.start import inventory_cache
+    from oci_gpu_hook.start import settings as settings_module
+
+    settings_module.keep_in_memory()
+    inventory_cache.keep_in_memory()
+    try:
+        inventory_cache.read(settings_module.load(config, cache=True))
+    except Exception:  # noqa: BLE001 - the start itself reads them again and reports
+        pass
+
+
 def run(config: str | None, stdin=None, since_process_start: bool = False, started: float | None = None) -> int:
     # How long the start took is counted from the process's start when the runtime started this
     # process for it, from started (time.monotonic()) when a start server's worker runs it for

@@ -43,6 +43,8 @@ MAX_OFFER_BYTES = len(VERSION) + 1 + 8192  # the pre-filter's payload room
 DESCRIPTORS = 3  # the state, stdout, stderr
 PASS = b"p"
 VERDICT = b"v"
+WARM_AFTER_SECONDS = 0.05
+OFFER_TIMEOUT_SECONDS = 1.0
 LISTEN_BACKLOG = 128  # a node starting many containers at once queues them here, not in refusals
 _SYSTEMD_FIRST_FD = 3  # sd_listen_fds(3): passed sockets start here
 
@@ -137,10 +139,15 @@ def receive(conn: socket.socket) -> tuple:
     """(Offer or None, why not): the offer on conn, checked. Descriptors of an offer that is not
     taken are closed here."""
     fds = array.array("i")
+    # The pre-filter sends its offer as soon as it is connected: a peer that connects and sends
+    # nothing would otherwise hold every start behind it.
+    conn.settimeout(OFFER_TIMEOUT_SECONDS)
     try:
         payload, ancillary, flags, _ = conn.recvmsg(MAX_OFFER_BYTES + 1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize))
     except OSError as e:
-        return None, f"cannot read the offer: {e.strerror}"
+        return None, f"cannot read the offer: {e.strerror or e}"
+    finally:
+        conn.settimeout(None)
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
@@ -158,6 +165,10 @@ def receive(conn: socket.socket) -> tuple:
         return refuse("an offer larger than the pre-filter sends")
     if len(fds) != DESCRIPTORS:
         return refuse(f"an offer with {len(fds)} descriptors, not {DESCRIPTORS}")
+    if not stat.S_ISREG(os.fstat(fds[0]).st_mode):
+        # The pre-filter's state is a memfd, read to its end at once; a pipe could keep a worker
+        # waiting past every deadline (the budget starts counting after the state is read).
+        return refuse("an offer whose state is not a file")
     head, _, rest = payload.partition(b"\0")
     if head != VERSION:
         return refuse(f"an offer of another version ({head[:40]!r}; this server: {VERSION.decode()})")
@@ -171,13 +182,10 @@ def receive(conn: socket.socket) -> tuple:
     return Offer(argv, fds, pid), ""
 
 
-def work(conn: socket.socket, listener: socket.socket, offer: Offer) -> None:
-    """In the worker (forked): become the hook's process for this start, run it, reply, exit."""
+def work(conn: socket.socket, offer: Offer) -> None:
+    """In a worker: become the hook's process for this start, run it, reply, exit."""
     code = 70
     try:
-        listener.close()
-        for name in ("SIGCHLD", "SIGTERM", "SIGINT", "SIGHUP"):
-            signal.signal(getattr(signal, name), signal.default_int_handler if name == "SIGINT" else signal.SIG_DFL)
         for target, fd in enumerate(offer.fds):
             os.dup2(fd, target)  # inheritable, as the hook's own 0 to 2 are
         for fd in offer.fds:
@@ -201,6 +209,80 @@ def work(conn: socket.socket, listener: socket.socket, offer: Offer) -> None:
             conn.send(VERDICT + bytes([code & 0xFF]))
         finally:
             os._exit(0)
+
+
+def _become_worker(listener: socket.socket) -> None:
+    """In a freshly forked child: nothing of the server's own is kept (its socket, its handlers)."""
+    listener.close()
+    os.umask(0o022)  # what runtimes give their hooks, whatever the server was started with
+    for name in ("SIGCHLD", "SIGTERM", "SIGHUP"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the hook's own process
+
+
+class Spare:
+    """A worker forked before its offer comes, waiting on its end of a socket pair: the fork (its
+    page tables, ~0.5 ms here) is then off the start's path. The server hands it an offer with
+    the pre-filter's connection; a spare whose server is gone (the pair's other end closed) exits."""
+
+    def __init__(self, listener: socket.socket, config: str | None = None, warm: bool = False):
+        """warm: before its offer comes, read the settings of config (the last start's) and the
+        inventory they name, once the start that made this spare has had its moment."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            raise
+        if pid == 0:
+            ours.close()
+            _become_worker(listener)
+            if warm:
+                self._warm(theirs, config)
+            self._wait(theirs)  # never returns
+        theirs.close()
+        self.pid, self.socket = pid, ours
+
+    @staticmethod
+    def _warm(pair: socket.socket, config: str | None) -> None:
+        import select
+
+        from oci_gpu_hook.start import prestart
+
+        # Forked while the previous start's worker runs: on a small machine, reading now would
+        # take a CPU from it. An offer that comes first is served cold, as without a spare.
+        if not select.select([pair], [], [], WARM_AFTER_SECONDS)[0]:
+            prestart.warm(config)
+
+    @staticmethod
+    def _wait(pair: socket.socket) -> None:
+        fds = array.array("i")
+        try:
+            payload, ancillary, flags, _ = pair.recvmsg(MAX_OFFER_BYTES + 8, socket.CMSG_SPACE(4 * fds.itemsize))
+            for level, kind, data in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        except OSError:
+            os._exit(0)
+        if not payload or len(fds) != 1 + DESCRIPTORS:  # the server went away: no offer
+            os._exit(0)
+        pair.close()
+        pid = int.from_bytes(payload[:4], sys.byteorder)
+        argv = [os.fsdecode(a) for a in payload[4:].split(b"\0")]
+        work(socket.socket(fileno=fds[0]), Offer(argv, list(fds[1:]), pid))
+
+    def hand(self, conn: socket.socket, offer: Offer) -> bool:
+        """Give the spare this offer; False when it cannot take it (it died)."""
+        payload = offer.pid.to_bytes(4, sys.byteorder) + b"\0".join(os.fsencode(a) for a in offer.argv)
+        fds = array.array("i", [conn.fileno(), *offer.fds])
+        try:
+            self.socket.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            return True
+        except OSError:
+            return False
+        finally:
+            self.socket.close()
 
 
 def serve(listener: socket.socket) -> None:
@@ -230,7 +312,13 @@ def serve(listener: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, reap)
     signal.signal(signal.SIGTERM, stop)
     _log(f"listening on {listener.getsockname() or 'the socket systemd passed'}")
+    spare, config = None, None
     while not stopping:
+        if spare is None:
+            try:
+                spare = Spare(listener, config, warm=config is not None)
+            except OSError as e:
+                _log(f"cannot fork a spare worker: {e.strerror}")
         try:
             conn, _ = listener.accept()
         except OSError:
@@ -243,18 +331,37 @@ def serve(listener: socket.socket) -> None:
                 _log(f"not taken: {why}")
                 _reply(conn, PASS)
                 continue
-            try:
-                pid = os.fork()
-            except OSError as e:
-                _log(f"not taken: cannot fork a worker: {e.strerror}")
-                pid = None
-            if pid == 0:
-                work(conn, listener, offer)  # never returns
+            taken = spare is not None and spare.hand(conn, offer)
+            spare, config = None, hook_config(offer.argv)
+            if not taken:
+                taken = _fork_worker(listener, conn, offer)
             for fd in offer.fds:
                 os.close(fd)
-            if pid is None:
+            if not taken:
                 _reply(conn, PASS)
+    if spare is not None:
+        spare.socket.close()  # it sees the pair closed and exits
     _log("stopped")
+
+
+def hook_config(argv) -> str | None:
+    """The --config of a runtime command's argv (the spare's next warm-up reads it)."""
+    from oci_gpu_hook import hook
+
+    return hook._split_config(argv)[0]
+
+
+def _fork_worker(listener: socket.socket, conn: socket.socket, offer: Offer) -> bool:
+    """A worker forked for this offer (no spare could take it); False when none could be."""
+    try:
+        pid = os.fork()
+    except OSError as e:
+        _log(f"not taken: cannot fork a worker: {e.strerror}")
+        return False
+    if pid == 0:
+        _become_worker(listener)
+        work(conn, offer)  # never returns
+    return True
 
 
 def _reply(conn: socket.socket, message: bytes) -> None:

@@ -167,12 +167,29 @@ def load(explicit: str | None = None, environ: dict = os.environ, cache: bool = 
     if not cache:
         return Settings.from_mapping(parse_mapping(read_config_file(path), path), path)
     key = _file_key(path)
+    if _memory is not None and key is not None and _memory.get(path, (None,))[0] == key:
+        return _memory[path][1]
     compiled = _read_compiled(path, key)
     if compiled is not None:
-        return Settings.from_mapping(compiled, path)
-    data = parse_mapping(read_config_file(path), path)
-    _write_compiled(path, key, data)
-    return Settings.from_mapping(data, path)
+        settings = Settings.from_mapping(compiled, path)
+    else:
+        data = parse_mapping(read_config_file(path), path)
+        _write_compiled(path, key, data)
+        settings = Settings.from_mapping(data, path)
+    if _memory is not None and key is not None:
+        _memory[path] = (key, settings)
+    return settings
+
+
+# The settings loaded with cache=True, by path, with the file key they were loaded under: only in
+# a start server's spare worker (server.Spare), which loads them before its start comes, so that
+# the start finds them here while the key still matches (the guarantee the compiled copy has).
+_memory: dict | None = None
+
+
+def keep_in_memory() -> None:
+    global _memory
+    _memory = {}
 
 
 def _file_key(path: str):
@@ -196,9 +213,10 @@ def trusted(st) -> bool:
     return st.st_uid in (os.geteuid(), userns.root_uid()) and not st.st_mode & 0o022
 
 
-def read_trusted(path: str, limit: int) -> bytes:
+def read_trusted(path: str, limit: int, seen: list | None = None) -> bytes:
     """The contents of the regular file at path, if it passes trusted(), for the files the hook
     keeps for itself (compiled settings, the inventory cache): they decide where mounts come from.
+    seen: gets the stat of the descriptor that was read.
 
     Raises OSError (absent; a symlink: ELOOP) or ValueError (not a regular file, not trusted, over
     limit bytes), checked on the descriptor that is read (files.read_bounded)."""
@@ -210,7 +228,12 @@ def read_trusted(path: str, limit: int) -> bytes:
             raise ValueError(f"owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}: only a file of "
                              f"uid {os.geteuid()} that no one else may write is used")  # fmt: skip
 
-    data = files.read_bounded(path, limit, nofollow=True, check=check)
+    def check_and_see(st):
+        check(st)
+        if seen is not None:
+            seen.append(st)
+
+    data = files.read_bounded(path, limit, nofollow=True, check=check_and_see)
     if len(data) > limit:
         raise ValueError(f"larger than {limit} bytes")
     return data
