@@ -130,3 +130,38 @@ class PrerequisiteError(HookError):
     """A tool or privilege the command needs is missing (root, gcc, ldconfig, ...)."""
 
     exit_code = Exit.PREREQUISITE
+
+
+PROG = "oci-gpu-hook"
+
+
+def say(message: str) -> None:
+    """One line on stderr, the program's name first. HookError messages are safe already; an
+    internal error's text (any exception's) is not, so every line goes through printable()."""
+    import sys
+
+    sys.stderr.write(f"{PROG}: {printable(message)}\n")
+    sys.stderr.flush()
+
+
+def answer(call) -> int:
+    """call()'s exit status; whatever it raises becomes one line on stderr and an exit status, never
+    a traceback (OCI_GPU_HOOK_DEBUG=1 shows one for bug reports). The program's own entry point
+    (hook.py) and the start server's workers (start/server.py) answer the same way."""
+    try:
+        return call()
+    except HookError as e:
+        say(e.message)
+        return e.exit_code
+    except KeyboardInterrupt:
+        say("interrupted")
+        return Exit.INTERRUPTED
+    except Exception as e:  # a bug: say so in one line, keep the traceback for those who ask
+        import os
+
+        if os.environ.get("OCI_GPU_HOOK_DEBUG") == "1":
+            import traceback
+
+            traceback.print_exc()
+        say(f"internal error: {type(e).__name__}: {e} (please report this; OCI_GPU_HOOK_DEBUG=1 shows details)")
+        return Exit.INTERNAL

@@ -15,43 +15,23 @@ from __future__ import annotations
 import os
 import sys
 
-from oci_gpu_hook.errors import Exit, HookError, printable
-from oci_gpu_hook.start.rule import LDCACHE_REFRESH, RUNTIME_COMMANDS, START_SERVER
+from oci_gpu_hook.errors import PROG, Exit, answer, say  # noqa: F401 - PROG: the program's name, for callers
+from oci_gpu_hook.start.rule import LDCACHE_REFRESH, RUNTIME_COMMANDS, START_SERVER, is_runtime_command, split_config
 
-PROG = "oci-gpu-hook"
 INTERNAL_ERROR_EXIT = Exit.INTERNAL
 
 
-def report(message: str) -> None:
-    # HookError messages are safe already; an internal error's text (any exception's) is not.
-    sys.stderr.write(f"{PROG}: {printable(message)}\n")
-    sys.stderr.flush()
+report = say  # one line on stderr (errors.say)
 
 
-def _split_config(argv):
-    """(--config value or None, the rest) for the runtime's fast path; click parses the rest."""
-    if argv and argv[0] == "--config" and len(argv) > 1:
-        return argv[1], argv[2:]
-    if argv and argv[0].startswith("--config="):
-        return argv[0].split("=", 1)[1], argv[1:]
-    return None, argv
-
-
-def is_runtime_command(argv) -> bool:
-    """argv is [--config FILE] and one command a runtime runs for each container (the hook)."""
-    rest = _split_config(argv)[1]
-    return len(rest) == 1 and rest[0] in RUNTIME_COMMANDS
-
-
-def run(argv, as_program: bool = False, started: float | None = None) -> int:
+def run(argv, as_program: bool = False) -> int:
     """as_program: this process was started to run this command (its time budget counts from the
-    process's start); False when a caller runs it in-process (its budget starts now, or at
-    started, a time.monotonic() value: the start server's workers, start/server.py)."""
-    config, rest = _split_config(argv)
+    process's start); False when a caller runs it in-process (its budget starts now)."""
+    config, rest = split_config(argv)
     if is_runtime_command(argv):
         from oci_gpu_hook.start.prestart import run as prestart
 
-        return prestart(config, since_process_start=as_program, started=started)
+        return prestart(config, since_process_start=as_program)
     if rest and rest[0] == LDCACHE_REFRESH and not {"-h", "--help"} & set(rest):
         from oci_gpu_hook.start import ldcache_refresh
 
@@ -71,7 +51,7 @@ def run(argv, as_program: bool = False, started: float | None = None) -> int:
 
 def _on_start_path(argv) -> bool:
     """A command a runtime runs for each container (the hook, and the CDI spec's ld cache hook)."""
-    rest = _split_config(argv)[1]
+    rest = split_config(argv)[1]
     return bool(rest) and rest[0] in (*RUNTIME_COMMANDS, LDCACHE_REFRESH)
 
 
@@ -102,28 +82,8 @@ def main(argv=None, options=()) -> int:
     return code
 
 
-def serve(argv, started: float) -> int:
-    """One start in a start server's worker (start/server.py): what main does for the hook run as
-    a program (one line and an exit status, whatever happens), the budget counted from started."""
-    return _main(argv, False, started)
-
-
-def _main(argv, as_program: bool, started: float | None = None) -> int:
-    try:
-        return run(argv, as_program, started)
-    except HookError as e:
-        report(e.message)
-        return e.exit_code
-    except KeyboardInterrupt:
-        report("interrupted")
-        return Exit.INTERRUPTED
-    except Exception as e:  # a bug: say so in one line, keep the traceback for those who ask
-        if os.environ.get("OCI_GPU_HOOK_DEBUG") == "1":
-            import traceback
-
-            traceback.print_exc()
-        report(f"internal error: {type(e).__name__}: {e} (please report this; OCI_GPU_HOOK_DEBUG=1 shows details)")
-        return INTERNAL_ERROR_EXIT
+def _main(argv, as_program: bool) -> int:
+    return answer(lambda: run(argv, as_program))
 
 
 if __name__ == "__main__":

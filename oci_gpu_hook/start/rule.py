@@ -26,3 +26,19 @@ CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 CDI_DEVICE_ENV_PREFIX = "OCI_GPU_HOOK_CDI_DEVICE_"
 # NVIDIA's volume-mount device list: /dev/null mounted at VOLUME_MOUNT_DIR/<id> (spec.py reads it).
 VOLUME_MOUNT_DIR = "/var/run/nvidia-container-devices"
+
+
+def split_config(argv):
+    """(--config value or None, the rest) of a command line: what the runtime's fast path (hook.py)
+    and the start server (server.py) read; click parses everything else."""
+    if argv and argv[0] == "--config" and len(argv) > 1:
+        return argv[1], argv[2:]
+    if argv and argv[0].startswith("--config="):
+        return argv[0].split("=", 1)[1], argv[1:]
+    return None, argv
+
+
+def is_runtime_command(argv) -> bool:
+    """argv is [--config FILE] and one command a runtime runs for each container (the hook)."""
+    rest = split_config(argv)[1]
+    return len(rest) == 1 and rest[0] in RUNTIME_COMMANDS

@@ -175,9 +175,7 @@ def receive(conn: socket.socket) -> tuple:
     if not rest.endswith(b"\0"):
         return refuse("an offer whose arguments do not end")
     argv = [os.fsdecode(a) for a in rest[:-1].split(b"\0")]
-    from oci_gpu_hook import hook
-
-    if not hook.is_runtime_command(argv):
+    if not rule.is_runtime_command(argv):
         return refuse("an offer of a command that is not a runtime's (prestart, createRuntime)")
     return Offer(argv, fds, pid), ""
 
@@ -191,14 +189,16 @@ def work(conn: socket.socket, offer: Offer) -> None:
         for fd in offer.fds:
             if fd > 2:
                 os.close(fd)
-        from oci_gpu_hook import hook
-        from oci_gpu_hook.start import budget, report
+        from oci_gpu_hook.errors import answer
+        from oci_gpu_hook.start import budget, prestart, report
 
         # The budget counts from the pre-filter's start, as it counts from the hook's own
         # process's start without a server: the runtime's clock started there.
         started = time.monotonic() - budget.process_age(offer.pid)
         report.VIA = "start server"
-        code = hook.serve(offer.argv, started)
+        config = rule.split_config(offer.argv)[0]
+        # One line and an exit status whatever happens, as the hook's own process answers (hook.py).
+        code = answer(lambda: prestart.run(config, started=started))
     finally:
         try:
             sys.stdout.flush()
@@ -346,9 +346,7 @@ def serve(listener: socket.socket) -> None:
 
 def hook_config(argv) -> str | None:
     """The --config of a runtime command's argv (the spare's next warm-up reads it)."""
-    from oci_gpu_hook import hook
-
-    return hook._split_config(argv)[0]
+    return rule.split_config(argv)[0]
 
 
 def _fork_worker(listener: socket.socket, conn: socket.socket, offer: Offer) -> bool:
@@ -383,11 +381,21 @@ def main(socket_path: str | None) -> int:
     except ServerError as e:
         _log(str(e))
         return Exit.GENERAL
-    identity = os.stat(bound)[:2] if bound else None
+    identity = _identity(bound) if bound else None
     try:
         serve(listener)
     finally:
         # A socket of its own goes with it (systemd's stays: it listens there for the next start).
-        if identity is not None and os.path.exists(bound) and os.stat(bound)[:2] == identity:
+        # Its own: the same file, whatever mode it was given meanwhile (a chmod leaves it ours).
+        if identity is not None and _identity(bound) == identity:
             os.unlink(bound)
     return Exit.SUCCESS
+
+
+def _identity(path: str):
+    """(device, inode) of path itself, or None where there is nothing."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
