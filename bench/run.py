@@ -381,6 +381,17 @@ def main():
         docker_runs = docker.samples(os.path.join(work, "docker"), rpm_docker[0], args.docker_runs, timed)
         dockers = {name: summary(s) for name, s in docker_runs.items()}
         dockers["x_plain"] = dockers["docker run --gpus 1"]["median_ms"] / dockers["docker run"]["median_ms"]
+        # And as install writes it where a compiler builds the pre-filter: the pre-filter in front of
+        # that launcher (its --config built in), offering each start to the start server above.
+        os.mkdir(os.path.join(work, "docker-served"))
+        served_docker = prefilter.build(os.path.join(work, "docker-served", "nvidia-container-runtime-hook"),
+                                        rpm_docker[0], ("--config", config), start_server=socket_path)  # fmt: skip
+        served_runs = docker.samples(os.path.join(work, "docker-2"), served_docker, args.docker_runs, timed)
+        dockers_served = {name: summary(s) for name, s in served_runs.items()}
+        dockers_served["x_plain"] = (dockers_served["docker run --gpus 1"]["median_ms"]
+                                     / dockers_served["docker run"]["median_ms"])  # fmt: skip
+        dockers_served["x_plain_paired"] = paired_ratio(served_runs["docker run --gpus 1"], served_runs["docker run"])
+        dockers["x_plain_paired"] = paired_ratio(docker_runs["docker run --gpus 1"], docker_runs["docker run"])
         load = [gpu_bundle(f"load{i}", {"NVIDIA_VISIBLE_DEVICES": str(i % 8)})
                 for i in range(concurrent_starts.CONTAINERS)]  # fmt: skip
         walls, starts = concurrent_starts.rounds(load, args.concurrent_rounds, timed)
@@ -437,7 +448,8 @@ def main():
         for name in ways:
             if name.startswith("install:"):
                 targets[f"{name} <= 1.05x RPM launcher"] = results[name]["x_rpm"] <= 1.05
-        targets["docker run --gpus 1 <= 1.10x docker run"] = dockers["x_plain"] <= 1.10
+        targets["docker run --gpus 1 (start server) <= 1.10x docker run"] = dockers_served["x_plain"] <= 1.10
+        targets["docker run --gpus 1 (launcher, no server) <= 1.10x docker run"] = dockers["x_plain"] <= 1.10
         # NVIDIA's legacy path is not built here: its figures stay in their own block, as issue 41 gave
         # them; the goals above are this run's ratios against limits derived from them.
         nvidia = dict(NVIDIA_LEGACY)
@@ -459,7 +471,8 @@ def main():
                "cycle_server_gpu8_x_gpu1": served_gpu8_x_gpu1, "nvidia_legacy_taken_from_issue_41": nvidia,
                "server_worker_timings_gpu1_ms": server_logged,
                "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog},
-               "docker": {"runs": args.docker_runs, **dockers}, "concurrent": load_figures,
+               "docker": {"runs": args.docker_runs, **dockers},
+               "docker_start_server": {"runs": args.docker_runs, **dockers_served}, "concurrent": load_figures,
                "breakdown_gpu1_ms": [{"part": p, "ms": ms, "what": what} for p, ms, what in parts]}  # fmt: skip
         with open(args.output, "w") as f:
             json.dump(doc, f, indent=2)
@@ -509,7 +522,9 @@ def main():
         without, with_gpus = dockers["docker run"], dockers["docker run --gpus 1"]
         print(
             f"docker run: median {without['median_ms']:.1f} ms, p95 {without['p95_ms']:.1f} ms; with --gpus 1: "
-            f"median {with_gpus['median_ms']:.1f} ms, p95 {with_gpus['p95_ms']:.1f} ms (x{dockers['x_plain']:.3f})"
+            f"median {with_gpus['median_ms']:.1f} ms, p95 {with_gpus['p95_ms']:.1f} ms (x{dockers['x_plain']:.3f}; "
+            f"paired x{dockers['x_plain_paired']:.3f}); through the pre-filter and the start server: "
+            f"x{dockers_served['x_plain']:.3f} (paired x{dockers_served['x_plain_paired']:.3f})"
         )
         print(
             f"{len(load)} concurrent GPU starts under runc: wall median {load_figures['wall_median_s']:.2f} s "

@@ -194,12 +194,19 @@ class HostDockerd:
     imported; client: its Docker, from outside the namespace (the socket is under work). Leaving
     the `with` stops dockerd, runs `oci-gpu-hook uninstall` and puts back what dockerd changed
     outside the namespace (net sysctls, its cgroups). before/after: the steps' results (install's,
-    trees of TREES) before dockerd starts and after uninstall."""
+    trees of TREES) before dockerd starts and after uninstall.
+
+    The start server's directory (rule.START_SERVER_SOCKET's) is a private tmpfs, so that no
+    server of the host's takes these starts; start_server: install is run with --start-server, and a
+    server listens there, started before dockerd with the command its unit runs (the CLI's argv
+    prefix, start-server), its log in server_log."""
 
     TREES = ["/etc", "/usr/local", "/var/lib/oci-gpu-hook"]
 
-    def __init__(self, work: str, cli: list, rootfs: str, tag: str):
+    def __init__(self, work: str, cli: list, rootfs: str, tag: str, start_server: bool = False):
         from privatehost import Session
+
+        from oci_gpu_hook.start import rule
 
         os.makedirs(work, exist_ok=True)
         # The socket dockerd's containerd makes under exec/ must fit a socket address (108 bytes).
@@ -213,13 +220,21 @@ class HostDockerd:
         import json
 
         trees = [{"tree": self.TREES}, {"tree": ["/usr/bin"], "contents": False}]
+        run_dir = os.path.dirname(rule.START_SERVER_SOCKET)
+        self.server_log = f"{work}/daemon0.log"  # privatehost's log of the first daemon step
+        server = [
+            {"run": ["mkdir", "-p", "-m", "0755", run_dir]},
+            {"daemon": [*cli, rule.START_SERVER], "ready": ["grep", "-q", "listening on", self.server_log]},
+        ]
         steps = [{"write": "/etc/docker/daemon.json", "text": json.dumps(settings)}, *trees,
-                 {"run": [*cli, "install", "--runtime", "docker"]},
+                 {"run": [*cli, "install", "--runtime", "docker", *(["--start-server"] if start_server else [])]},
+                 *(server if start_server else []),
                  {"daemon": [DOCKERD], "ready": self.client.argv("version")},
                  {"run": ["sh", "-c", 'tar -C "$0" -cf - . | "$@"', rootfs,
                           *self.client.argv("import", "-", tag)]}]  # fmt: skip
         final = [{"run": [*cli, "uninstall"]}, *trees]
-        self.session = Session(work, ["/etc", "/usr/bin", "/usr/local", "/var/lib", "/run"], steps, final)
+        self.session = Session(work, ["/etc", "/usr/bin", "/usr/local", "/var/lib", "/run"], steps, final,
+                               tmpfs=[run_dir])  # fmt: skip
         self.before = self.after = None
 
     def __enter__(self) -> HostDockerd:
@@ -229,7 +244,7 @@ class HostDockerd:
         except BaseException:
             self._put_back()
             raise
-        _, tree, usr_bin, installed, started, imported = self.session.ready
+        _, tree, usr_bin, installed, *_, started, imported = self.session.ready
         assert started["rc"] == 0 and imported["rc"] == 0, (started, imported)
         self.before = {"install": installed, "tree": tree, "usr/bin": usr_bin}
         return self

@@ -201,15 +201,16 @@ def _file_hash(path):
         return e.errno
 
 
-def prefilter_for_this_checkout(directory) -> tuple:
-    """(the compiled pre-filter, the launcher of this checkout it runs), built in directory."""
+def prefilter_for_this_checkout(directory, **build) -> tuple:
+    """(the compiled pre-filter, the launcher of this checkout it runs), built in directory;
+    build: more of prefilter.build's options (start_server, flags)."""
     from oci_gpu_hook.toolkit import launcher, prefilter
 
     python = os.path.join(str(directory), "oci-gpu-hook-python")
     with open(python, "w") as f:
         f.write(launcher.for_this_install())
     os.chmod(python, 0o755)
-    return prefilter.build(os.path.join(str(directory), "oci-gpu-hook"), python), python
+    return prefilter.build(os.path.join(str(directory), "oci-gpu-hook"), python, **build), python
 
 
 def config_with(host: dict, tmp_path, extra: str) -> str:

@@ -380,10 +380,25 @@ class Doctor:
             head = files.read_bounded(host_path(self.root, path), 4096)
         except OSError as e:
             return FAIL, f"{path}: unreadable ({e.strerror})", fix
-        if DOCKER_HOOK_MARKER.encode() not in head:
+        if DOCKER_HOOK_MARKER.encode() in head:
+            return PASS, f"{path} runs oci-gpu-hook for `docker run --gpus` (restart dockerd after installing it)", None
+        # install's pre-filter in the program's place: it is ours when the launcher it runs is.
+        from oci_gpu_hook.toolkit import prefilter
+
+        hands_to = prefilter.runs(host_path(self.root, path))
+        if hands_to is None:
             replace = "oci-gpu-hook install --runtime docker --replace-nvidia-hook, then systemctl restart docker"
             return WARN, f"{path} is not oci-gpu-hook's (NVIDIA's?): `docker run --gpus` runs that", replace
-        return PASS, f"{path} runs oci-gpu-hook for `docker run --gpus` (restart dockerd after installing it)", None
+        try:
+            behind = files.read_bounded(host_path(self.root, hands_to), 4096)
+        except OSError as e:
+            return FAIL, f"{path} is oci-gpu-hook's pre-filter, and {hands_to}, which it runs, is unreadable " \
+                         f"({e.strerror}): `docker run --gpus` fails", fix  # fmt: skip
+        if DOCKER_HOOK_MARKER.encode() not in behind or not os.access(host_path(self.root, hands_to), os.X_OK):
+            return FAIL, f"{path} is oci-gpu-hook's pre-filter, and {hands_to}, which it runs, is not the launcher " \
+                         "install writes for it: `docker run --gpus` fails", fix  # fmt: skip
+        return PASS, (f"{path} runs oci-gpu-hook for `docker run --gpus` (the pre-filter, then {hands_to}; restart "
+                      "dockerd after installing it)"), None  # fmt: skip
 
     def check_exporter(self):
         """Runs: its /metrics answers at the configured address."""

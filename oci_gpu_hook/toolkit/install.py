@@ -15,14 +15,18 @@ What install writes, under --root (default /):
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
 | /usr/local/libexec/oci-gpu-hook/oci-gpu-hook | what runtimes run (no RPM's): the pre-filter, or the launcher |
 | /usr/local/libexec/oci-gpu-hook/oci-gpu-hook-python | the launcher the pre-filter runs (with the pre-filter only) |
-| /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus` (--runtime docker): the program dockerd looks for |
+| /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus`: the launcher (with --start-server, the pre-filter) |
+| /usr/local/libexec/oci-gpu-hook/nvidia-container-runtime-hook-python | ... the launcher that pre-filter runs |
 | /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
 | /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
 | /etc/systemd/system/oci-gpu-hook-start.{socket,service} (+ wants) | the start server (--start-server) |
+| /etc/systemd/system/sockets.target.wants/oci-gpu-hook-start.socket | ... only that link, to the RPM's units |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
 The pre-filter (toolkit/prefilter.py) is compiled here, where a C compiler is found and builds it
 (--prefilter to require it, --no-prefilter never); otherwise runtimes run the launcher itself.
+Docker's program is a pre-filter of its own, which runs a launcher of its own: dockerd passes only
+`prestart`, so that launcher is the one that carries the --config.
 It offers each start it would hand to Python to the start server (start/server.py) first, where one
 listens; --start-server installs the server's socket and service units, started at boot (the
 pre-filter is the same with and without them).
@@ -67,6 +71,8 @@ CRIO_DROPIN = "/etc/crio/crio.conf.d/50-oci-gpu-hook.conf"
 PODMAN_DROPIN = "/etc/containers/containers.conf.d/50-oci-gpu-hook.conf"
 CONFIG_FILE = settings.DEFAULT_PATH
 UNIT_DIR = "/etc/systemd/system"
+# Where a package's units are (the RPM's %{_unitdir}): UNIT_DIR's units of the same name shadow them.
+PACKAGE_UNIT_DIR = "/usr/lib/systemd/system"
 SERVICE = "oci-gpu-hook-refresh.service"
 PATH_UNIT = "oci-gpu-hook-refresh.path"
 UDEV_RULE = "/etc/udev/rules.d/71-oci-gpu-hook.rules"
@@ -82,6 +88,10 @@ LABELS_WATCH_SECONDS = 60
 DOCKER_HOOK = "/usr/bin/nvidia-container-runtime-hook"
 DOCKER_HOOK_SAVED = "/usr/bin/nvidia-container-runtime-hook.saved-by-oci-gpu-hook"
 DOCKER_HOOK_MARKER = "# Written by `oci-gpu-hook install --runtime docker`"
+# Where Docker's program is the compiled pre-filter: the launcher it hands GPU starts to (those it
+# does not offer to the start server, or the server does not take). One of its own, beside the
+# others, since it puts install's --config before the `prestart` dockerd passes.
+DOCKER_LAUNCHER = "/usr/local/libexec/oci-gpu-hook/nvidia-container-runtime-hook-python"
 MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
 # The environment every runtime gives the hook (hooks.d, CDI hooks, test bundles): the one list.
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
@@ -237,11 +247,13 @@ def _options(argv_prefix) -> list:
     return list(argv_prefix[len(program) :] if argv_prefix[: len(program)] == program else argv_prefix[1:])
 
 
-def docker_hook_text(argv_prefix) -> str:
+def docker_hook_text(argv_prefix, behind_prefilter: bool = False) -> str:
     """The program dockerd runs as `nvidia-container-runtime-hook prestart` for `docker run --gpus`:
-    a launcher of this install (no shell in front of it), with argv_prefix's options."""
+    a launcher of this install (no shell in front of it), with argv_prefix's options;
+    behind_prefilter: the one at DOCKER_LAUNCHER, which the pre-filter in that program's place runs."""
+    who = f"the pre-filter at {DOCKER_HOOK} runs this" if behind_prefilter else "dockerd runs the program of this name"
     note = (
-        f"{DOCKER_HOOK_MARKER}: dockerd runs the program of this name\n"
+        f"{DOCKER_HOOK_MARKER}: {who}\n"
         "# (found on its PATH when it starts) for `docker run --gpus`; it gives the container its GPUs\n"
         "# with oci-gpu-hook. Removed by `oci-gpu-hook uninstall`.\n"
     )
@@ -334,11 +346,18 @@ def node_service_text(argv_prefix, description: str, *args: str, flag: str = "--
     )
 
 
-def start_socket_text() -> str:
+# The first line of the start server's units, as install writes them and as the RPM ships them
+# (rpm/oci-gpu-hook.spec writes its units with these functions, not a copy of their text).
+START_UNITS_BY_INSTALL = "Written by `oci-gpu-hook install --start-server`."
+START_UNITS_BY_PACKAGE = (f"Shipped by the oci-gpu-hook RPM, not enabled: `systemctl enable --now {START_SOCKET}` "
+                          "(or `oci-gpu-hook install --start-server`) turns it on.")  # fmt: skip
+
+
+def start_socket_text(note: str = START_UNITS_BY_INSTALL) -> str:
     """The start server's socket unit: systemd listens from boot and starts the server on the first
     offer (a pre-filter that finds nothing listening gives its start to Python instead)."""
     return (
-        "# Written by `oci-gpu-hook install --start-server`.\n"
+        f"# {note}\n"
         "[Unit]\n"
         "Description=oci-gpu-hook start server socket (GPU container starts from a warm process)\n"
         "\n"
@@ -357,14 +376,14 @@ def start_socket_text() -> str:
     )
 
 
-def start_service_text(argv_prefix) -> str:
+def start_service_text(argv_prefix, note: str = START_UNITS_BY_INSTALL) -> str:
     """The start server's service. KillMode=process: stopping or restarting the server (an upgrade)
     signals the server alone; a worker that is giving a container its GPUs finishes that start (or
     rolls it back) instead of being killed half-way. No sandboxing options: each worker joins a
     container's mount namespace from the host's, and one of systemd's own would stand between."""
     command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + [rule.START_SERVER])
     return (
-        "# Written by `oci-gpu-hook install --start-server`.\n"
+        f"# {note}\n"
         "[Unit]\n"
         "Description=oci-gpu-hook start server (GPU container starts from a warm process)\n"
         f"Requires={START_SOCKET}\n"
@@ -436,6 +455,25 @@ def launcher_entries(with_prefilter: bool) -> list:
             Entry(launcher.LAUNCHER, program, mode=0o755)]  # fmt: skip
 
 
+def docker_entries(argv_prefix, with_prefilter: bool) -> list:
+    """Docker's program: the launcher, with argv_prefix's options; or, with_prefilter, the compiled
+    pre-filter in its place, built to run that launcher at DOCKER_LAUNCHER and to offer each start
+    to the start server first (with the same options), where one listens. dockerd runs the program
+    only for `--gpus` (a plain `docker run` gets no hook), so the starts it sees ask for GPUs and go
+    on, to the server or the launcher: the gain is the server's, whose warm worker saves the
+    interpreter's start and the imports. Without one the pre-filter would only cost an exec more,
+    so planned() asks for it only with the start server (install --start-server)."""
+    if not with_prefilter:
+        return [Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755, set_aside=DOCKER_HOOK_SAVED)]
+    from oci_gpu_hook.toolkit import prefilter
+
+    options = _options(argv_prefix)
+    program = prefilter.build_bytes(DOCKER_LAUNCHER, options, start_server=rule.START_SERVER_SOCKET)
+    # The launcher first: the pre-filter is never in place without what it runs.
+    return [Entry(DOCKER_LAUNCHER, docker_hook_text(argv_prefix, behind_prefilter=True), mode=0o755),
+            Entry(DOCKER_HOOK, program, mode=0o755, set_aside=DOCKER_HOOK_SAVED)]  # fmt: skip
+
+
 def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False, root: str = "/",
             with_prefilter: bool = False, start_server: bool = False) -> list:  # fmt: skip
     entries = []
@@ -450,7 +488,7 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
     if "containerd" in runtimes:
         entries += containerd_entries(root, argv_prefix)
     if "docker" in runtimes:
-        entries.append(Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755, set_aside=DOCKER_HOOK_SAVED))
+        entries += docker_entries(argv_prefix, with_prefilter and start_server)
     entries.append(Entry(CONFIG_FILE, config_text(), only_if_absent=True))
     entries += [
         Entry(f"{UNIT_DIR}/{SERVICE}", service_text(argv_prefix)),
@@ -478,12 +516,27 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
         entries.append(Entry(f"{UNIT_DIR}/multi-user.target.wants/{DEVICE_PLUGIN_SERVICE}",
                              link=f"../{DEVICE_PLUGIN_SERVICE}"))  # fmt: skip
     if start_server:
-        entries += [
-            Entry(f"{UNIT_DIR}/{START_SOCKET}", start_socket_text()),
-            Entry(f"{UNIT_DIR}/{START_SERVICE}", start_service_text(argv_prefix)),
-            Entry(f"{UNIT_DIR}/sockets.target.wants/{START_SOCKET}", link=f"../{START_SOCKET}"),
-        ]
+        entries += start_server_entries(root, argv_prefix)
     return entries
+
+
+def start_server_entries(root: str, argv_prefix) -> list:
+    """The start server's units and the link that starts its socket at boot. Where runtimes run the
+    RPM's program and the RPM ships the units (PACKAGE_UNIT_DIR), only the link, to the package's
+    socket (what `systemctl enable` writes): copies in UNIT_DIR would shadow the package's units,
+    so that an upgrade's were never read. The package's service is the one install would write
+    even with a --config: the server reads no configuration (each worker runs the hook with the
+    hook entry's own arguments)."""
+    link = f"{UNIT_DIR}/sockets.target.wants/{START_SOCKET}"
+    if argv_prefix[0] == INSTALLED_PATH:
+        with Tree(root) as tree:
+            packaged = all(os.path.isfile(tree.resolve(f"{PACKAGE_UNIT_DIR}/{unit}"))
+                           for unit in (START_SOCKET, START_SERVICE))  # fmt: skip
+        if packaged:
+            return [Entry(link, link=f"{PACKAGE_UNIT_DIR}/{START_SOCKET}")]
+    return [Entry(f"{UNIT_DIR}/{START_SOCKET}", start_socket_text()),
+            Entry(f"{UNIT_DIR}/{START_SERVICE}", start_service_text(argv_prefix)),
+            Entry(link, link=f"../{START_SOCKET}")]  # fmt: skip
 
 
 def containerd_entries(root: str, argv_prefix) -> list:
@@ -510,7 +563,8 @@ def _installable_paths() -> set:
     # podman, and their paths are named here anyway.
     entries = planned(("docker",), [launcher.LAUNCHER], node_services=True, device_plugin=True, start_server=True)
     return {e.path for e in entries} | {HOOKS_D_FILE, CRIO_DROPIN, PODMAN_DROPIN, launcher.PYTHON_LAUNCHER,
-                                        containerd.BASE_SPEC, containerd.DROPIN, containerd.CONFIG}  # fmt: skip
+                                        DOCKER_LAUNCHER, containerd.BASE_SPEC, containerd.DROPIN,
+                                        containerd.CONFIG}  # fmt: skip
 
 
 def _edited_ok(edited) -> bool:
@@ -710,10 +764,10 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing.
-    prefilter: put the compiled pre-filter where runtimes run the launcher (True: or fail; False:
-    never; None: where a C compiler is found and builds it, else the launcher, and warn(line), when
-    given, hears why). start_server: the start server's units too (only with a pre-filter, which
-    is what offers it starts)."""
+    prefilter: put the compiled pre-filter where runtimes run the launcher, and as Docker's program
+    (True: or fail; False: never; None: where a C compiler is found and builds it, else the
+    launcher, and warn(line), when given, hears why). start_server: the start server's units too
+    (only with a pre-filter, which is what offers it starts)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
@@ -725,16 +779,26 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     return lines
 
 
-def _check_offers(tree: Tree, argv_prefix, entries) -> None:
+def _check_offers(tree: Tree, argv_prefix, entries, runtimes=()) -> None:
     """--start-server: what runtimes run must be a pre-filter (only it offers starts to the server):
-    the one this install writes, or the RPM's /usr/bin/oci-gpu-hook."""
+    the one this install writes, or the RPM's /usr/bin/oci-gpu-hook. For Docker alone, its own
+    program, which install builds as a pre-filter with the start server (docker_entries)."""
     from oci_gpu_hook.toolkit import prefilter
+
+    if set(runtimes) == {"docker"} and any(e.path == DOCKER_HOOK and isinstance(e.content, bytes) for e in entries):
+        return
 
     program = next((e.content for e in entries if e.path == argv_prefix[0] and isinstance(e.content, bytes)), None)
     if program is not None and prefilter.MARKER in program:
         return
     if program is None and prefilter.is_prefilter(tree.entry(argv_prefix[0])):
-        return
+        # One built without the units' socket (an RPM from before the start server) offers the
+        # server nothing: the units would run a server no start ever reaches.
+        if prefilter.offers_to(tree.entry(argv_prefix[0])) == rule.START_SERVER_SOCKET:
+            return
+        raise InstallError(f"--start-server: {tree.shown(argv_prefix[0])} is a pre-filter built without the start "
+                           f"server's socket ({rule.START_SERVER_SOCKET}), so it would offer the server no start: "
+                           "upgrade the package that installed it")  # fmt: skip
     raise InstallError(f"--start-server: runtimes run {argv_prefix[0]}, which is not the pre-filter, and only "
                        "the pre-filter offers starts to the server (install --prefilter builds it, with a C "
                        "compiler)")  # fmt: skip
@@ -799,8 +863,8 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
     else:
         entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, start_server)
     if start_server:
-        _check_offers(tree, argv_prefix, entries)
-    if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK) for e in entries):
+        _check_offers(tree, argv_prefix, entries, runtimes)
+    if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK, DOCKER_LAUNCHER) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(tree, entries)
     _check_configuration(tree, argv_prefix)

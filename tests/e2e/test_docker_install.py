@@ -4,28 +4,55 @@ and finds nvidia-container-runtime-hook on its own PATH, in /usr/bin where insta
 test-only flag or PATH (tests/dockercheck.HostDockerd: a private mount namespace with overlays,
 so the host's files are untouched). uninstall leaves /etc, /usr/local and /usr/bin as they were
 (root, runc, busybox, gcc, dockerd, docker, unshare).
+
+Installed with --start-server (and gcc), install's program there is the compiled pre-filter, which
+runs a launcher of its own (install.DOCKER_LAUNCHER); with the start server listening (started as
+its unit would start it, on the socket the pre-filter offers to, a private tmpfs here), the start
+is the server's worker's: its log records say "via": "start server". Without --start-server, the
+program is the launcher itself (no "via").
 """
 
+import json
+
+import pytest
 from dockercheck import HostDockerd
 from hookcheck import listed_uuids
 
 from oci_gpu_hook.toolkit import containers, install
 
 
-def test_install_then_plain_docker_run_gpus_gives_exactly_the_gpu(simulated_host, require, tmp_path):
+@pytest.mark.parametrize("start_server", [False, True], ids=["python", "start server"])
+def test_install_then_plain_docker_run_gpus_gives_exactly_the_gpu(simulated_host, require, tmp_path, start_server):
     require("root", "runc", "busybox", "gcc", "dockerd", "docker", "unshare")
     host = simulated_host(gpus=4, mig=[2])
     rootfs = containers.make_rootfs(str(tmp_path / "rootfs"))
     cli = containers.hook_command(f"{host['root']}/config.yaml")
-    with HostDockerd(str(tmp_path), cli, rootfs, "localhost/ocigpu-docker-install:test") as daemon:
-        out = daemon.client.run("1", "nvidia-smi -L", daemon.tag)
+    cidfile = str(tmp_path / "cid")
+    with HostDockerd(str(tmp_path), cli, rootfs, "localhost/ocigpu-docker-install:test", start_server) as daemon:
+        client = daemon.client
+        out = client(*client.run_args("1"), "--cidfile", cidfile, daemon.tag, "nvidia-smi", "-L")
     assert daemon.before["install"]["rc"] == 0, daemon.before["install"]
-    assert f"wrote {install.DOCKER_HOOK}" in daemon.before["install"]["stdout"]
+    wrote = daemon.before["install"]["stdout"]
+    assert f"wrote {install.DOCKER_HOOK}" in wrote, wrote
+    # The pre-filter with its own launcher behind it only with the start server (install.docker_entries).
+    assert (f"wrote {install.DOCKER_LAUNCHER}" in wrote) == start_server, wrote
     assert out.returncode == 0, out.stderr
     assert listed_uuids(out.stdout) == [host["gpus"][0]["uuid"]]
-    assert (
-        daemon.after["uninstall"]["rc"] == 0 and f"removed {install.DOCKER_HOOK}" in daemon.after["uninstall"]["stdout"]
-    )
+    # The hook's records of this start: configured, by the server's worker or by the launcher.
+    with open(cidfile) as f:
+        container = f.read().strip()
+    with open(f"{host['root']}/hook.log") as f:
+        entries = [e for e in map(json.loads, f) if e["container"] == container]
+    assert [e["message"] for e in entries] == ["GPU devices configured"], entries
+    assert entries[0].get("via") == ("start server" if start_server else None), entries
+    if start_server:
+        with open(daemon.server_log) as f:
+            log = f.read()
+        assert "not taken" not in log and "Traceback" not in log, log
+    removed = daemon.after["uninstall"]["stdout"]
+    assert daemon.after["uninstall"]["rc"] == 0, daemon.after["uninstall"]
+    assert f"removed {install.DOCKER_HOOK}" in removed
+    assert (f"removed {install.DOCKER_LAUNCHER}" in removed) == start_server, removed
     # dockerd's own key aside (it writes one when it starts), the configuration is as it was.
     for state in (daemon.before, daemon.after):
         state["tree"]["/etc"].pop("docker/key.json", None)

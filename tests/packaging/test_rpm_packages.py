@@ -11,6 +11,8 @@ import yaml
 
 SITELIB = "/usr/lib/python3.9/site-packages"  # RHEL 9's system python3
 PYTHON_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-python"
+START_SOCKET = "/usr/lib/systemd/system/oci-gpu-hook-start.socket"  # the start server's units (%{_unitdir})
+START_SERVICE = "/usr/lib/systemd/system/oci-gpu-hook-start.service"
 MAIN_PATHS = {
     "/usr/bin/oci-gpu-hook",
     PYTHON_LAUNCHER,
@@ -22,6 +24,8 @@ MAIN_PATHS = {
     f"{SITELIB}/oci_gpu_hook-0.1.0.dist-info/METADATA",
     f"{SITELIB}/oci_gpu_hook-0.1.0.dist-info/entry_points.txt",
     "/usr/share/containers/oci/hooks.d/oci-gpu-hook.json",
+    START_SOCKET,
+    START_SERVICE,
     "/etc/oci-gpu-hook",
     "/etc/oci-gpu-hook/config.yaml",
     "/usr/share/doc/oci-gpu-hook-0.1.0/README.md",
@@ -73,6 +77,7 @@ def test_config_is_noreplace_and_hook_executable(rpms):
     assert "c" in flags and "n" in flags  # %config(noreplace)
     assert entries["/usr/bin/oci-gpu-hook"][-1] == "-rwxr-xr-x"
     assert entries[PYTHON_LAUNCHER][-1] == "-rwxr-xr-x"
+    assert entries[START_SOCKET] == entries[START_SERVICE] == ["-rw-r--r--"]  # no flags: not %config
 
 
 def test_selinux_scriptlets_install_and_remove_at_priority_200(rpms):
@@ -83,7 +88,61 @@ def test_selinux_scriptlets_install_and_remove_at_priority_200(rpms):
         r"semodule .*-s targeted .*-X 200 .*-i /usr/share/selinux/packages/targeted/oci_gpu_hook\.pp\.bz2", post
     ), post
     assert re.search(r"\$1 -eq 0", postun) and re.search(r"semodule .*-X 200 .*-r oci_gpu_hook", postun), postun
-    assert "scriptlet" not in rpm_query("--scripts", rpms["main"])  # the hook package needs none
+
+
+def scriptlets(rpm) -> dict:
+    """{"postinstall": text, "preuninstall": text, ...}: an RPM's scriptlets, as rpm shows them."""
+    parts = re.split(r"^(\w+) scriptlet \(using [^)]*\):$", rpm_query("--scripts", rpm), flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_the_start_server_is_not_enabled_stopped_on_removal_and_restarted_on_upgrade(rpms):
+    """The hook package's scriptlets, as Debian's rpm builds them (the spec's stand-ins for the
+    systemd macros): installing enables and starts nothing (administrators opt in); removing
+    stops and disables both units; an upgrade restarts a running server, so that it runs the new
+    code (the socket stays open: starts offered meanwhile wait for it)."""
+    found = scriptlets(rpms["main"])
+    assert sorted(found) == ["postinstall", "postuninstall", "preuninstall"], found
+    assert not re.search(r"\b(enable|preset|start|restart|try-restart)\b", found["postinstall"]), found["postinstall"]
+    preun = found["preuninstall"]
+    assert re.search(r"\$1 -eq 0", preun), preun  # removal, not the old package's half of an upgrade
+    assert "disable --now oci-gpu-hook-start.socket oci-gpu-hook-start.service" in preun, preun
+    postun = found["postuninstall"]
+    assert re.search(r"if \[ \$1 -ge 1 \]; then\s+systemctl try-restart oci-gpu-hook-start.service\b", postun), postun
+    for text in found.values():  # each systemctl call only where systemd is, and never failing the transaction
+        assert all(line.rstrip().endswith("|| :") for line in text.splitlines() if "systemctl " in line
+                   and "command -v" not in line), text  # fmt: skip
+
+
+def test_start_server_units_are_installs_own_and_not_enabled(rpms, pk, tmp_path, require):
+    """The units are the ones install writes (toolkit/install.py, the one place their text is):
+    the socket at the path the pre-filter offers to, the service running the packaged program.
+    Nothing in the package enables them: systemd's own tool, run on the package's files, says
+    "disabled", and enables them when asked, as an administrator does."""
+    require("systemctl")
+    from oci_gpu_hook.start import rule
+    from oci_gpu_hook.toolkit import install
+
+    root = pk.extract_rpm(rpms["main"], str(tmp_path / "main"))
+    with open(os.path.join(root, START_SOCKET[1:])) as f:
+        socket_unit = f.read()
+    with open(os.path.join(root, START_SERVICE[1:])) as f:
+        service_unit = f.read()
+    assert f"\nListenSequentialPacket={rule.START_SERVER_SOCKET}\n" in socket_unit
+    assert "\nExecStart=/usr/bin/oci-gpu-hook start-server\n" in service_unit
+    assert socket_unit == install.start_socket_text(install.START_UNITS_BY_PACKAGE)
+    assert service_unit == install.start_service_text(["/usr/bin/oci-gpu-hook"], install.START_UNITS_BY_PACKAGE)
+    files = rpm_query("-l", rpms["main"]).split()
+    assert not [f for f in files if re.search(r"\.(wants|requires)/|system-preset", f)], files
+
+    def is_enabled():
+        done = subprocess.run(["systemctl", f"--root={root}", "is-enabled", "oci-gpu-hook-start.socket"],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        return (done.stdout + done.stderr).strip()
+
+    assert is_enabled() == "disabled"
+    pk.run(["systemctl", f"--root={root}", "enable", "oci-gpu-hook-start.socket"])
+    assert is_enabled() == "enabled"
 
 
 def test_requires_name_rhel9_packages(rpms):
@@ -123,9 +182,61 @@ def test_packaged_console_script_runs(rpms, pk, tmp_path):
     assert prefilter.is_prefilter(program)
     with open(program, "rb") as f:
         assert prefilter.MARKER + PYTHON_LAUNCHER.encode() + b"\0" in f.read()
+    from oci_gpu_hook.start import rule
+
+    assert prefilter.offers_to(program) == rule.START_SERVER_SOCKET  # built as install builds it
     env = dict(os.environ, PYTHONPATH=os.path.join(root, SITELIB[1:]))
     proc = subprocess.run([sys.executable, script, "--version"], capture_output=True, text=True, env=env)
     assert proc.returncode == 0 and "0.1.0" in proc.stdout, proc
+
+
+def test_installed_package_enables_the_start_server_only_when_asked(rpms, tmp_path, require):
+    """The package installed for real (rpm -i, its scriptlets run) on a host of the test's own: a
+    private mount namespace with overlays over /etc, /usr and /var/lib (tests/privatehost.py), and
+    an rpm database of its own. The start server is not enabled; `oci-gpu-hook install
+    --start-server` enables the package's units (the one link `systemctl enable` makes, no copies
+    in /etc/systemd/system to shadow them) and uninstall disables them; an administrator's own
+    `systemctl enable` is undone when the package is removed, and /etc/systemd/system is then as
+    it was."""
+    require("root", "rpm", "systemctl", "unshare")
+    from privatehost import run
+
+    from oci_gpu_hook.toolkit import containers
+
+    rpm, cli = ["rpm", "--dbpath", str(tmp_path / "rpmdb")], containers.hook_command()
+    unit = "oci-gpu-hook-start.socket"
+    link = f"/etc/systemd/system/sockets.target.wants/{unit}"
+    steps = [
+        {"tree": ["/etc/systemd/system"]},
+        {"run": [*rpm, "--initdb"]},
+        {"run": [*rpm, "-i", "--nodeps", rpms["main"]]},
+        {"run": ["systemctl", "is-enabled", unit]},
+        {"run": [*cli, "install", "--runtime", "runc", "--start-server"]},
+        {"run": ["systemctl", "is-enabled", unit]},
+        {"run": ["readlink", link]},
+        {"run": ["ls", "/etc/systemd/system"]},
+        {"run": [*cli, "uninstall"]},
+        {"run": ["systemctl", "is-enabled", unit]},
+        {"run": ["systemctl", "enable", unit]},
+        {"run": ["systemctl", "is-enabled", unit]},
+        {"run": [*rpm, "-e", "oci-gpu-hook"]},
+        {"run": ["ls", "-a", os.path.dirname(link)]},
+        {"tree": ["/etc/systemd/system"]},
+    ]
+    work = tmp_path / "host"
+    work.mkdir()
+    (before, _initdb, installed, fresh, install, enabled, value, listing, uninstall, after_uninstall, _enable,
+     by_admin, removed, wants, after) = run(str(work), ["/etc", "/usr", "/var/lib"], steps)  # fmt: skip
+    for done in (installed, install, uninstall, removed):
+        assert done["rc"] == 0, done
+    assert fresh["stdout"].strip() == "disabled", fresh  # the package enables nothing
+    assert enabled["stdout"].strip() == "enabled", (enabled, install)
+    assert value["stdout"].strip() == START_SOCKET, value
+    assert "oci-gpu-hook-start" not in listing["stdout"], listing  # no copies shadowing the package's
+    assert after_uninstall["stdout"].strip() == "disabled", (after_uninstall, uninstall)
+    assert by_admin["stdout"].strip() == "enabled", by_admin
+    assert unit not in wants["stdout"].split(), (wants, removed)  # removal disabled it
+    assert after == before
 
 
 def test_default_config_validates_with_every_key_uncommented(pk, tmp_path):

@@ -146,6 +146,24 @@ def test_gpu_domain_is_mcs_constrained_and_in_system_r(policy_build):
     assert DOMAIN in roles
 
 
+def test_start_server_domain_may_tell_systemd_of_a_scope(pk, policy_build, tmp_path):
+    """The start server (install --start-server) runs where systemd puts a program with no domain
+    of its own: install's program under /usr/local/libexec is usr_t, and refpolicy has no
+    transition from init_t for usr_t, so on Debian the server and its workers are init_t (the node
+    VM's start_server scenario saw that). A worker tells systemd the GPU nodes of the container's
+    scope (SetUnitProperties), which systemd checks as system:start on its own label (a transient
+    unit has none): the runtime's unconfined_t has it, Debian's init_t not, and systemd refused
+    every served start's DeviceAllow= (a daemon-reload would then take the GPU away). The module
+    adds that one permission to init_t, and nothing else on it."""
+    base, gpu = policy_build["base_policy"], policy_build["gpu_policy"]
+    assert "start" in sesearch_perms(base, "unconfined_t", "init_t", "system")  # the runtime's domain
+    before = sesearch_perms(base, "init_t", "init_t", "system")
+    assert "start" not in before
+    assert sesearch_perms(gpu, "init_t", "init_t", "system") - before == {"start"}
+    cil = pk.module_cil(policy_build["module"], str(tmp_path))
+    assert re.findall(r"\(allow init_t [^\n]*", cil) == ["(allow init_t init_t (system (start)))"]
+
+
 def test_module_labels_no_host_files(pk):
     with open(os.path.join(pk.selinux_dir, f"{pk.module}.fc")) as f:
         entries = [line for line in f if line.strip() and not line.lstrip().startswith("#")]
@@ -183,6 +201,8 @@ def test_module_compiles_against_rhel_targeted_policy_with_container_selinux(pk,
     assert "(type gpu_container_t)" in cil
     assert "(typeattributeset mcs_constrained_type (gpu_container_t ))" in cil
     assert not re.search(r"\(allow container_t ", cil)
+    # the start server's rule is Debian's alone: Fedora's init_t has every system permission on itself
+    assert not re.search(r"\(allow init_t ", cil)
 
 
 def test_hook_domain_runs_ldconfig_in_its_own_domain(policy_build):

@@ -327,17 +327,28 @@ NVIDIAS_HOOK = "#!/bin/sh\n# stands in for NVIDIA's nvidia-container-runtime-hoo
         ("docker, NVIDIA's program", doctor.WARN, "not oci-gpu-hook's"),
         ("docker, ours not executable", doctor.FAIL, "not executable"),
         ("docker, ours", doctor.PASS, "runs oci-gpu-hook"),
+        ("docker, ours, the pre-filter", doctor.PASS, f"(the pre-filter, then {install.DOCKER_LAUNCHER};"),
+        ("docker, ours, the pre-filter without its launcher", doctor.FAIL, f"{install.DOCKER_LAUNCHER}, which it runs"),
+        ("docker, ours, the pre-filter in front of another", doctor.FAIL, "not the launcher install writes"),
         ("docker, NVIDIA's first on the PATH", doctor.WARN, "/usr/local/bin/nvidia-container-runtime-hook"),
     ],
 )
-def test_docker_check(setup, state, status, words):
+def test_docker_check(setup, state, status, words, require):
     host, config, root, mountinfo = setup
     if state != "no docker":
         _executable(root + "/usr/bin/dockerd", "#!/bin/sh\n")
     if state.endswith("NVIDIA's program"):
         _executable(root + install.DOCKER_HOOK, NVIDIAS_HOOK)
     if "ours" in state or "first on the PATH" in state:
-        install.install(root, ("docker",), ["/usr/bin/oci-gpu-hook"])
+        with_prefilter = "pre-filter" in state  # Docker's program: the pre-filter, or the launcher
+        if with_prefilter:
+            require("gcc")
+        install.install(root, ("docker",), ["/usr/bin/oci-gpu-hook"], prefilter=with_prefilter)
+    if state.endswith("without its launcher"):
+        os.unlink(root + install.DOCKER_LAUNCHER)
+    if state.endswith("in front of another"):
+        os.unlink(root + install.DOCKER_LAUNCHER)
+        _executable(root + install.DOCKER_LAUNCHER, NVIDIAS_HOOK)
     if state.endswith("not executable"):
         os.chmod(root + install.DOCKER_HOOK, 0o644)
     if state.endswith("first on the PATH"):

@@ -133,8 +133,9 @@ NVIDIAS_HOOK = b"#!/bin/sh\n# stands in for NVIDIA's nvidia-container-runtime-ho
 
 
 def test_docker_round_trip_and_the_program(root):
+    """Without the pre-filter (--no-prefilter, or no compiler): Docker's program is the launcher."""
     before = snapshot(root)
-    lines = install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"])
+    lines = install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"], prefilter=False)
     program = root + install.DOCKER_HOOK
     assert f"wrote {program}" in lines
     assert os.stat(program).st_mode & 0o777 == 0o755
@@ -143,15 +144,82 @@ def test_docker_round_trip_and_the_program(root):
     assert text.startswith(f"#!{sys.executable} -IS\n") and install.DOCKER_HOOK_MARKER in text
     assert launcher.is_launcher(program)
     assert text.rstrip().endswith("sys.exit(main(options=['--config', '/etc/gpu/config.yaml']))")
-    assert install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"]) == []
+    assert not os.path.lexists(root + install.DOCKER_LAUNCHER)
+    assert install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"], prefilter=False) == []
     install.uninstall(root)
     assert snapshot(root) == before
 
 
+def test_docker_program_is_the_prefilter_in_front_of_a_launcher_of_its_own(root, require):
+    """With a compiler and the start server: dockerd runs the compiled pre-filter (no interpreter
+    of its own; it offers the start to the start server), which runs a launcher of Docker's own
+    carrying the --config (dockerd passes only `prestart`); both in the manifest, both removed by
+    uninstall. Without the start server, the launcher itself (the pre-filter would only add an exec:
+    every start dockerd runs the program for asks for a GPU)."""
+    require("gcc")
+    from oci_gpu_hook.start import rule
+    from oci_gpu_hook.toolkit import prefilter
+
+    before = snapshot(root)
+    argv_prefix = PREFIX + ["--config", "/etc/gpu/config.yaml"]
+    install.install(root, ("docker",), argv_prefix, prefilter=True)
+    program, python = root + install.DOCKER_HOOK, root + install.DOCKER_LAUNCHER
+    assert launcher.is_launcher(program) and not os.path.lexists(python)
+    install.uninstall(root)
+    assert snapshot(root) == before
+    lines = install.install(root, ("docker",), argv_prefix, prefilter=True, start_server=True)
+    assert f"wrote {program}" in lines and f"wrote {python}" in lines
+    assert lines.index(f"wrote {python}") < lines.index(f"wrote {program}")  # never one without the other
+    assert prefilter.is_prefilter(program) and prefilter.runs(program) == install.DOCKER_LAUNCHER
+    with open(program, "rb") as f:
+        data = f.read()
+    # It offers starts to the start server, with the launcher's options first.
+    assert prefilter.offers_to(program) == rule.START_SERVER_SOCKET and b"/etc/gpu/config.yaml\0" in data
+    text = open(python).read()
+    assert launcher.is_launcher(python) and text.startswith(f"#!{sys.executable} -IS\n")
+    assert install.DOCKER_HOOK_MARKER in text and install.DOCKER_HOOK in text
+    assert text.rstrip().endswith("sys.exit(main(options=['--config', '/etc/gpu/config.yaml']))")
+    assert os.stat(program).st_mode & 0o777 == os.stat(python).st_mode & 0o777 == 0o755
+    with open(root + install.MANIFEST) as f:
+        assert {install.DOCKER_HOOK, install.DOCKER_LAUNCHER} <= set(json.load(f)["files"])
+    assert install.install(root, ("docker",), argv_prefix, prefilter=True, start_server=True) == []  # the same
+    lines = install.uninstall(root)
+    assert f"removed {program}" in lines and f"removed {python}" in lines
+    assert snapshot(root) == before
+
+
+def test_docker_prefilter_takes_dockerds_command_line(root, require):
+    """dockerd runs `nvidia-container-runtime-hook prestart` (nothing else: moby's nvidia driver),
+    and install's options are the launcher's, so that command line is a runtime's for the
+    pre-filter: a container that asks for no GPU is answered by it (exit 0, nothing said), and a
+    command line that is not dockerd's goes to the launcher (which is not there under this root)."""
+    require("gcc")
+    import prefilter_corpus
+
+    install.install(root, ("docker",), PREFIX + ["--config", "/etc/gpu/config.yaml"], prefilter=True,
+                    start_server=True)  # fmt: skip
+    bundle = os.path.join(root, "bundle")
+    os.mkdir(bundle)
+    with open(os.path.join(bundle, "config.json"), "wb") as f:
+        f.write(prefilter_corpus.config_bytes(prefilter_corpus.config()))
+    data = prefilter_corpus.expanded(prefilter_corpus.STATE, bundle)
+
+    def run(*args):
+        return subprocess.run(["nvidia-container-runtime-hook", *args], executable=root + install.DOCKER_HOOK,
+                              input=data, capture_output=True, env={"PATH": "/usr/bin:/bin"}, timeout=30)  # fmt: skip
+
+    done = run("prestart")
+    assert (done.returncode, done.stdout, done.stderr) == (0, b"", b"")
+    if not os.path.lexists(install.DOCKER_LAUNCHER):  # this host's own, from a real install: it would run
+        done = run("--config", "/etc/gpu/config.yaml", "prestart")  # the options twice: not dockerd's
+        assert done.returncode == 70 and f"cannot run {install.DOCKER_LAUNCHER}".encode() in done.stderr, done
+
+
 def test_the_docker_program_hands_over_its_arguments(root):
     """What dockerd runs (`nvidia-container-runtime-hook prestart`) reaches the hook's own command
-    line: shown here with --version, which needs no container, run from an empty environment."""
-    install.install(root, ("docker",), install.interpreter_command())
+    line: shown here with --version, which needs no container, run from an empty environment (the
+    launcher; the pre-filter runs it at its host path, not under this root)."""
+    install.install(root, ("docker",), install.interpreter_command(), prefilter=False)
     out = subprocess.run([root + install.DOCKER_HOOK, "--version"], capture_output=True, text=True, env={},
                          cwd="/")  # fmt: skip
     assert out.returncode == 0 and "oci-gpu-hook" in out.stdout, out.stderr
@@ -173,16 +241,49 @@ def test_nvidias_program_is_never_replaced_unless_told(root):
     assert snapshot(root) == before  # refused before writing anything
 
 
-def test_replacing_nvidias_program_and_uninstall_restores_it(root):
+def docker_program_is_ours(root) -> bool:
+    """Whether Docker's program under root is install's: the launcher, or the pre-filter running
+    Docker's launcher."""
+    from oci_gpu_hook.toolkit import prefilter
+
+    program = root + install.DOCKER_HOOK
+    if prefilter.runs(program) == install.DOCKER_LAUNCHER:
+        program = root + install.DOCKER_LAUNCHER
+    with open(program, "rb") as f:
+        return install.DOCKER_HOOK_MARKER.encode() in f.read()
+
+
+@pytest.mark.parametrize("with_prefilter", [False, True], ids=["launcher", "prefilter"])
+def test_replacing_nvidias_program_and_uninstall_restores_it(root, with_prefilter, require):
+    if with_prefilter:
+        require("gcc")
     plant_nvidias_hook(root)
     before = snapshot(root)
-    lines = install.install(root, ("docker",), PREFIX, replace_nvidia_hook=True)
+    lines = install.install(root, ("docker",), PREFIX, replace_nvidia_hook=True, prefilter=with_prefilter,
+                            start_server=with_prefilter)  # fmt: skip
     assert f"moved {root + install.DOCKER_HOOK} to {root + install.DOCKER_HOOK_SAVED}" in lines
     assert open(root + install.DOCKER_HOOK_SAVED, "rb").read() == NVIDIAS_HOOK
-    assert install.DOCKER_HOOK_MARKER in open(root + install.DOCKER_HOOK).read()
+    assert docker_program_is_ours(root)
+    assert os.path.lexists(root + install.DOCKER_LAUNCHER) == with_prefilter
     lines = install.uninstall(root)
     assert f"restored {root + install.DOCKER_HOOK}" in lines
     assert snapshot(root) == before  # NVIDIA's file back, byte for byte, with its mode and mtime
+
+
+def test_docker_program_upgraded_to_the_prefilter_keeps_nvidias_aside(root, require):
+    """An install whose Docker program was the launcher (an older one, or --no-prefilter), in
+    NVIDIA's program's place, installed again with the pre-filter: the program becomes the
+    pre-filter, NVIDIA's stays aside, and uninstall removes both of install's files and puts it back."""
+    require("gcc")
+    plant_nvidias_hook(root)
+    before = snapshot(root)
+    install.install(root, ("docker",), PREFIX, replace_nvidia_hook=True, prefilter=False)
+    lines = install.install(root, ("docker",), PREFIX, prefilter=True, start_server=True)
+    assert lines[:2] == [f"wrote {root + install.DOCKER_LAUNCHER}", f"updated {root + install.DOCKER_HOOK}"], lines
+    assert docker_program_is_ours(root) and open(root + install.DOCKER_HOOK_SAVED, "rb").read() == NVIDIAS_HOOK
+    lines = install.uninstall(root)
+    assert f"restored {root + install.DOCKER_HOOK}" in lines
+    assert snapshot(root) == before
 
 
 def test_node_services_round_trip_and_units(root):
@@ -926,3 +1027,84 @@ def test_podman_s_append_marker_adds_to_the_list_before(root):
         f.write('[engine]\nhooks_dir = ["/opt/more", {append = true}]\n')
     dirs, source = runtime_config.podman_hooks_dirs(root)
     assert (dirs, source) == ([PACKAGES, "/opt/more"], "/etc/containers/containers.conf.d/10-more.conf")
+
+
+def _rpm_start_server(root, socket=True, units=True):
+    """What the RPM puts in a tree for the start server (rpm/oci-gpu-hook.spec): /usr/bin/oci-gpu-hook,
+    the pre-filter built as the spec builds it (socket: with the start server's socket, as from
+    this version on), and units: the two units in /usr/lib/systemd/system, as the spec writes them."""
+    from oci_gpu_hook.start import rule
+    from oci_gpu_hook.toolkit import prefilter
+
+    os.makedirs(root + "/usr/bin")
+    prefilter.build(root + install.INSTALLED_PATH, "/usr/libexec/oci-gpu-hook/oci-gpu-hook-python",
+                    start_server=rule.START_SERVER_SOCKET if socket else None)  # fmt: skip
+    if units:
+        os.makedirs(root + install.PACKAGE_UNIT_DIR)
+        with open(f"{root}{install.PACKAGE_UNIT_DIR}/{install.START_SOCKET}", "w") as f:
+            f.write(install.start_socket_text(install.START_UNITS_BY_PACKAGE))
+        with open(f"{root}{install.PACKAGE_UNIT_DIR}/{install.START_SERVICE}", "w") as f:
+            f.write(install.start_service_text(PREFIX, install.START_UNITS_BY_PACKAGE))
+
+
+def _is_enabled(root, unit):
+    """systemd's own answer, offline, for the tree: enabled, disabled, or its error."""
+    done = subprocess.run(["systemctl", f"--root={root}", "is-enabled", unit], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    return (done.stdout + done.stderr).strip()
+
+
+@pytest.mark.parametrize("config", [None, "/etc/oci-gpu-hook/other.yaml"], ids=["default", "config"])
+def test_start_server_on_an_rpm_host_enables_the_packages_units(root, require, config):
+    """On a host where the RPM ships the start server's units, install --start-server enables them,
+    as `systemctl enable` does (one link to the package's socket), and writes no copies in
+    /etc/systemd/system: those would shadow the package's units, whose next version an upgrade
+    installs. With a --config too: the server reads none (each worker runs the hook's own
+    arguments). uninstall removes the link, leaving the package's units as they were."""
+    require("root", "gcc", "systemctl")
+    _rpm_start_server(root)
+    before = snapshot(root)
+    assert _is_enabled(root, install.START_SOCKET) == "disabled"
+    prefix = PREFIX + (["--config", config] if config else [])
+    lines = install.install(root, ("runc",), prefix, start_server=True)
+    link = f"{root}{install.UNIT_DIR}/sockets.target.wants/{install.START_SOCKET}"
+    assert f"wrote {link}" in lines
+    assert os.readlink(link) == f"{install.PACKAGE_UNIT_DIR}/{install.START_SOCKET}"
+    assert _is_enabled(root, install.START_SOCKET) == "enabled"
+    for unit in (install.START_SOCKET, install.START_SERVICE):
+        assert not os.path.lexists(f"{root}{install.UNIT_DIR}/{unit}"), unit
+    # The very link systemd's own enable makes, in a copy of the tree before install.
+    copy = os.path.join(os.path.dirname(root), "enabled-by-systemctl")
+    subprocess.run(["cp", "-a", root, copy], check=True)
+    os.unlink(copy + link[len(root) :])
+    subprocess.run(["systemctl", f"--root={copy}", "enable", install.START_SOCKET], capture_output=True, check=True)
+    assert os.readlink(copy + link[len(root) :]) == os.readlink(link)
+    assert install.install(root, ("runc",), prefix, start_server=True) == []  # again: nothing to change
+    install.uninstall(root)
+    assert _is_enabled(root, install.START_SOCKET) == "disabled"
+    assert snapshot(root) == before
+
+
+def test_start_server_without_the_packages_units_writes_its_own(root, require):
+    """/usr/bin/oci-gpu-hook a pre-filter but no units shipped beside it: install writes its own."""
+    require("root", "gcc", "systemctl")
+    _rpm_start_server(root, units=False)
+    install.install(root, ("runc",), PREFIX, start_server=True)
+    with open(f"{root}{install.UNIT_DIR}/{install.START_SERVICE}") as f:
+        assert f.read() == install.start_service_text(PREFIX)
+    link = f"{root}{install.UNIT_DIR}/sockets.target.wants/{install.START_SOCKET}"
+    assert os.readlink(link) == f"../{install.START_SOCKET}"
+    assert _is_enabled(root, install.START_SOCKET) == "enabled"
+
+
+def test_start_server_refuses_a_prefilter_that_offers_no_start(root, require):
+    """A pre-filter built without the start server's socket (an RPM from before it) would never
+    offer the server a start: install --start-server says so in one line and writes nothing."""
+    require("root", "gcc")
+    _rpm_start_server(root, socket=False)
+    before = snapshot(root)
+    with pytest.raises(HookError) as e:
+        install.install(root, ("runc",), PREFIX, start_server=True)
+    assert e.value.message.startswith(f"--start-server: {root}{install.INSTALLED_PATH} is a pre-filter built "
+                                      "without the start server's socket")  # fmt: skip
+    assert "\n" not in e.value.message and snapshot(root) == before

@@ -4,7 +4,11 @@ Python rule, on one corpus (prefilter_corpus.py) and on seeded random edits of i
   configure GPUs or fail), and on the corpus's plain cases exactly there;
 - everything else goes to the Python hook with the same arguments and the same state bytes;
 - a bad state, a missing bundle and an oversized config get the Python hook's line and status;
-- it opens nothing but config.json and runs nothing but the Python hook.
+- it opens nothing but config.json and runs nothing but the Python hook;
+- built with the start server's socket (offer_to_server), only as root and only to a root peer,
+  it offers the starts Python would get; a start the server takes ends as its worker says (one
+  line and 70 when the worker ends without a verdict), and one no server takes (no socket, a
+  stale one, "not taken") is the Python hook's, as without a server.
 The corpus and the random edits run twice: through the build install makes (with -Werror here, so
 that a new warning fails the suite and not a host's install), and through the same main built with
 AddressSanitizer and UBSan, every check on, alignment included, stopping at the first report. Only
@@ -14,17 +18,24 @@ an arena of its own cannot. The runtimes run it in tests/e2e/test_prefilter_runt
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
+import sys
+import tempfile
+import threading
 
 import hookcheck
 import prefilter_corpus
 import pytest
+import startservercheck
 
-from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start import prestart, rule, spec, state
 from oci_gpu_hook.toolkit import install, launcher, prefilter
 
@@ -296,6 +307,18 @@ def test_install_falls_back_to_the_launcher_where_the_compiler_cannot_build(brok
     assert f"wrote {root}{launcher.LAUNCHER}" in done.stdout.splitlines()
 
 
+def test_docker_program_stays_the_launcher_where_the_compiler_cannot_build(broken_compiler, hook_cli):
+    """Docker's program, which is the pre-filter where one is built, falls back the same way: the
+    launcher with the --config, at dockerd's path, and no launcher of its own beside the others."""
+    root, env = broken_compiler
+    done = hook_cli("--config", "/etc/gpu.yaml", "install", "--root", root, "--runtime", "docker", env=env)
+    assert done.returncode == 0 and "could not be built" in done.stderr, done.stderr
+    program = root + install.DOCKER_HOOK
+    assert launcher.is_launcher(program) and not os.path.lexists(root + install.DOCKER_LAUNCHER)
+    with open(program) as f:
+        assert f.read().rstrip().endswith("sys.exit(main(options=['--config', '/etc/gpu.yaml']))")
+
+
 def test_install_prefilter_fails_in_one_line_and_writes_nothing(broken_compiler, hook_cli):
     """--prefilter asks for it: the same compiler is a one-line error, and the tree is unchanged."""
     root, env = broken_compiler
@@ -305,3 +328,216 @@ def test_install_prefilter_fails_in_one_line_and_writes_nothing(broken_compiler,
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
     assert "cannot build the pre-filter" in done.stderr and "errno.h" in done.stderr, done.stderr
     assert hookcheck.tree(root, contents=True, times=True) == before
+
+
+# --- the start server's client (offer_to_server; the server's side: tests/start/test_server.py) --
+# Each test runs with the build install makes and with the sanitized one: the offer, the verdict,
+# the fallbacks and the one line are the pre-filter's own C code.
+
+NOBODY = 65534
+
+
+def socket_of(place: str) -> str:
+    return os.path.join(place, "sock", "start.sock")
+
+
+@pytest.fixture(scope="module")
+def server_place(require_module):
+    """A directory of root's, 0700, for the offering pre-filters and their socket (in sock/, a
+    directory of root's, 0700, as the server requires)."""
+    with startservercheck.socket_directory() as top:
+        os.mkdir(os.path.dirname(socket_of(top)), 0o700)
+        yield top
+
+
+@pytest.fixture(scope="module", params=["strict", "sanitized"])
+def offering(request, server_place):
+    """(a pre-filter offering to socket_of(server_place), in front of this checkout's Python hook;
+    the environment to run it in)."""
+    sanitized = request.param == "sanitized"
+    flags = STRICT + (SANITIZERS if sanitized else ())
+    program, _ = startservercheck.prefilter(os.path.join(server_place, request.param), socket_of(server_place), flags)
+    return program, SANITIZER_ENV if sanitized else {}
+
+
+def ends_alike(one, other) -> None:
+    assert (one.returncode, one.stderr, one.stdout) == (other.returncode, other.stderr, other.stdout)
+
+
+def test_a_start_the_server_takes_ends_as_its_worker_says(offering, server_place, live_container, tmp_path):
+    """A refused GPU request: the Python hook's status and line, through the pre-filter's stdout
+    and stderr; a GPU start: made, exit 0, nothing said. Both ran in the server's workers."""
+    program, env = offering
+    container = live_container(startservercheck.GPU_ENV)
+    config = startservercheck.config(container[4], tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    with startservercheck.started(socket_of(server_place), tmp_path / "server.log") as running:
+        alone = startservercheck.python_hook(config, data)
+        refused = startservercheck.run(program, config, data, env)
+        made = startservercheck.run(program, config, container[0].encode(), env)
+    assert alone.returncode == Exit.REQUEST and hookcheck.one_clear_line(alone.stderr)
+    ends_alike(refused, alone)
+    assert (made.returncode, made.stderr, made.stdout) == (0, b"", b""), made.stderr
+    with open(f"/proc/{container[2]}/mountinfo") as f:
+        assert any(line.split()[4].endswith("/rootfs/dev/nvidia0") for line in f), "no GPU in the container"
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, "start server", "start server"]
+    assert running.refusals() == []
+
+
+def passing_listener(path: str, offers: list) -> threading.Thread:
+    """A listener of root's at path that takes one offer, reads its state to the end (a server
+    may read before it refuses), closes its descriptors and answers "not taken"."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+
+    def answer():
+        with listener:
+            conn, _ = listener.accept()
+        with conn:
+            fds = array.array("i")
+            data, ancillary, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(8 * fds.itemsize))
+            for _, _, more in ancillary:
+                fds.frombytes(more[: len(more) - len(more) % fds.itemsize])
+            state = b""
+            while fds and (chunk := os.read(fds[0], 1 << 16)):
+                state += chunk
+            offers.append((data, len(fds), state))
+            for fd in fds:
+                os.close(fd)
+            conn.send(b"p")
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("listener", ["no-socket", "stale-socket", "not-taken"])
+def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, host, tmp_path, listener):
+    """No socket, a socket no one listens on (a server killed), a server that answers "not
+    taken" after reading the state: the start is the Python hook's, from the state's first byte,
+    as without a server."""
+    program, env = offering
+    path = socket_of(server_place)
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    offers = []
+    try:
+        if listener == "stale-socket":
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
+                stale.bind(path)
+        elif listener == "not-taken":
+            thread = passing_listener(path, offers)
+        alone = startservercheck.python_hook(config, data)
+        fronted = startservercheck.run(program, config, data, env)
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
+    ends_alike(fronted, alone)
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
+    if listener == "not-taken":
+        thread.join(60)
+        assert offers == [(startservercheck.payload("--config", config, "prestart"), 3, data)]
+
+
+def test_a_prefilter_not_run_as_root_never_offers(server_place, tmp_path):
+    """Rootless: with the server's socket open to all, a pre-filter run as uid 65534 still goes
+    straight to its Python hook; the server sees no connection (it says every offer it refuses)."""
+    top = tempfile.mkdtemp(prefix="ogh-nobody-", dir="/tmp")  # all may read it: nobody runs it
+    path = socket_of(server_place)
+    try:
+        os.chmod(top, 0o755)
+        hook = os.path.join(top, "python-hook")
+        with open(hook, "w") as f:
+            f.write("#!/bin/sh\ncat > /dev/null\nexit 42\n")
+        os.chmod(hook, 0o755)
+        program = prefilter.build(os.path.join(top, "prefilter"), hook, start_server=path, flags=STRICT)
+        bundle = os.path.join(top, "bundle")
+        os.mkdir(bundle, 0o755)
+        place_config(bundle, prefilter_corpus.config_bytes(prefilter_corpus.config(["NVIDIA_VISIBLE_DEVICES=0"])))
+        os.chmod(os.path.join(bundle, "config.json"), 0o644)
+        data = prefilter_corpus.expanded(prefilter_corpus.STATE, bundle)
+        os.chmod(server_place, 0o711)
+        os.chmod(os.path.dirname(path), 0o755)
+        with startservercheck.started(path, tmp_path / "server.log") as running:
+            os.chmod(path, 0o666)
+            done = subprocess.run([program, "prestart"], input=data, capture_output=True, user=NOBODY,
+                                  group=NOBODY, extra_groups=[], env=startservercheck.ENV, timeout=60)  # fmt: skip
+            log = running.log()
+    finally:
+        os.chmod(os.path.dirname(path), 0o700)
+        os.chmod(server_place, 0o700)
+        shutil.rmtree(top)
+    assert (done.returncode, done.stderr) == (DEFERRED, b""), done.stderr
+    assert [line.startswith(startservercheck.LISTENING) for line in log] == [True], log
+
+
+NOBODY_LISTENS = """
+import array, json, os, socket, sys
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(sys.argv[1])
+listener.listen(8)
+print("ready", flush=True)
+got = []
+while True:
+    conn, _ = listener.accept()
+    with conn:
+        fds = array.array("i")
+        data, ancillary, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(8 * fds.itemsize))
+        if data == b"done":
+            break
+        for _, _, more in ancillary:
+            fds.frombytes(more[: len(more) - len(more) % fds.itemsize])
+        got.append([len(data), len(fds)])
+        for fd in fds:
+            os.close(fd)
+print(json.dumps(got), flush=True)
+"""
+
+
+def test_a_listener_that_is_not_root_is_offered_nothing(offering, server_place, host, tmp_path):
+    """A process of uid 65534 listening at the server's path (its directory made that user's):
+    the pre-filter sees the peer is not root and runs Python; the listener gets no byte and no
+    descriptor (the state and the runtime's stdout and stderr stay with root)."""
+    program, env = offering
+    path = socket_of(server_place)
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    python = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    os.chmod(server_place, 0o711)
+    os.chown(os.path.dirname(path), NOBODY, NOBODY)
+    try:
+        listener = subprocess.Popen([python, "-I", "-c", NOBODY_LISTENS, path], stdout=subprocess.PIPE, cwd="/",
+                                    user=NOBODY, group=NOBODY, extra_groups=[])  # fmt: skip
+        try:
+            assert listener.stdout.readline() == b"ready\n"
+            alone = startservercheck.python_hook(config, data)
+            fronted = startservercheck.run(program, config, data, env)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as done:
+                done.connect(path)
+                done.send(b"done")
+            got = json.loads(listener.communicate(timeout=60)[0])
+        finally:
+            if listener.poll() is None:
+                listener.kill()
+                listener.wait()
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
+        os.chown(os.path.dirname(path), 0, 0)
+        os.chmod(server_place, 0o700)
+    ends_alike(fronted, alone)
+    assert all(entry == [0, 0] for entry in got), f"the listener got {got} (bytes, descriptors)"
+
+
+def test_a_worker_killed_before_its_verdict_is_one_line_and_exit_70(offering, server_place, host, tmp_path):
+    """Once offered, a start never goes to Python too (the worker may have changed the container):
+    a worker that ends without replying leaves the pre-filter its one line, and EX_SOFTWARE."""
+    program, env = offering
+    with startservercheck.started(socket_of(server_place), tmp_path / "server.log"):
+        offered, worker, _ = startservercheck.stalled_start(program, host, tmp_path, env)
+        os.kill(worker, signal.SIGKILL)
+        out, err = offered.communicate(timeout=60)
+    assert (offered.returncode, out) == (Exit.INTERNAL, b"")
+    assert err == (b"oci-gpu-hook: the start server's worker ended without a verdict (killed?); the server's log "
+                   b"says why (journalctl -u oci-gpu-hook-start.service)\n")  # fmt: skip

@@ -47,6 +47,11 @@
 
 /* What tells the program apart from others at its path (toolkit/prefilter.py, is_prefilter). */
 __attribute__((used)) static const char MARKER[] = "oci-gpu-hook pre-filter: runs " PYTHON_HOOK;
+#ifdef START_SERVER
+/* And the socket it offers starts to (toolkit/prefilter.py, offers_to): the copy offer_to_server
+ * makes is built from immediate stores, so the path is nowhere else in the program as one string. */
+__attribute__((used)) static const char OFFERS_MARKER[] = "oci-gpu-hook pre-filter: offers starts to " START_SERVER;
+#endif
 
 #define MAX_DEPTH 64 /* deeper documents go to Python, whose limit is far above this */
 #define INTERNAL_EXIT 70

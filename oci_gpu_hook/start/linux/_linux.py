@@ -47,6 +47,7 @@ MOUNT_ATTR_RDONLY = 0x1
 MOUNT_ATTR_NOSUID = 0x2
 MOUNT_ATTR_NODEV = 0x4
 MOUNT_ATTR_NOEXEC = 0x8
+MOUNT_ATTR_NOSYMFOLLOW = 0x00200000
 FSOPEN_CLOEXEC = 1
 FSCONFIG_SET_STRING = 1
 FSCONFIG_CMD_CREATE = 6
@@ -61,6 +62,8 @@ RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_IN_ROOT = 0x10
 
 MOUNT_FLAGS = {"ro": MS_RDONLY, "nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+MOUNT_ATTRS = {"ro": MOUNT_ATTR_RDONLY, "nosuid": MOUNT_ATTR_NOSUID, "nodev": MOUNT_ATTR_NODEV,
+               "noexec": MOUNT_ATTR_NOEXEC}  # fmt: skip
 
 
 def _check(result: int, what: str, path: str = None) -> int:
@@ -112,8 +115,10 @@ class _MountAttr(ctypes.Structure):
                 ("propagation", ctypes.c_uint64), ("userns_fd", ctypes.c_uint64)]  # fmt: skip
 
 
-def mount_setattr(fd: int, attr_set: int, recursive: bool = True) -> None:
-    attr = _MountAttr(attr_set, 0, 0, 0)
+def mount_setattr(fd: int, attr_set: int, recursive: bool = True, attr_clr: int = 0, propagation: int = 0) -> None:
+    """The mount open at fd (its root): attr_set set, attr_clr cleared, propagation (MS_PRIVATE...)
+    made, in one call; with recursive, every mount below it too."""
+    attr = _MountAttr(attr_set, attr_clr, propagation, 0)
     flags = AT_EMPTY_PATH | (AT_RECURSIVE if recursive else 0)
     _check(_libc.syscall(_nr("mount_setattr"), fd, b"", flags, ctypes.byref(attr), ctypes.sizeof(attr)),
            "mount_setattr")  # fmt: skip
@@ -210,6 +215,14 @@ def mount_flags(names) -> int:
     for name in names:
         flags |= MOUNT_FLAGS[name]
     return flags
+
+
+def mount_attrs(names) -> int:
+    """mount_flags() as mount_setattr's MOUNT_ATTR_* bits."""
+    attrs = 0
+    for name in names:
+        attrs |= MOUNT_ATTRS[name]
+    return attrs
 
 
 # libselinux, loaded on first use: only containers with a mount label on SELinux hosts pay for it.

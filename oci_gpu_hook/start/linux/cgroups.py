@@ -65,7 +65,11 @@ def is_within(cgroup: str, container_cgroup: str) -> bool:
 def _where_mounted(relative: str, mountinfo_text: str, fstype: str, option: str | None = None) -> str | None:
     """Where this process sees the cgroup relative (a path inside a hierarchy) of a hierarchy of
     fstype (and, for v1, with option among its super options) mounted."""
-    for mount in mountinfo.parse(mountinfo_text):
+    # Only that type's lines are parsed: apply reads the container's whole mount table on every GPU
+    # start, mostly other mounts (" - " is the separator alone: mountinfo escapes spaces in paths).
+    wanted = f" - {fstype} "
+    lines = "\n".join(line for line in mountinfo_text.splitlines() if wanted in line)
+    for mount in mountinfo.parse(lines):
         if mount.fstype != fstype or (option is not None and option not in mount.super_options):
             continue
         root = mount.root

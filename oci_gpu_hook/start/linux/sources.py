@@ -63,16 +63,20 @@ class HostSources:
     def open(self, path: str, kind: str) -> int:
         """O_PATH descriptor of path, checked. Raises FileNotFoundError when it is absent and
         UntrustedSource when it must not be used."""
-        fd = self._resolve(path, 0)
+        return self.open_stat(path, kind)[0]
+
+    def open_stat(self, path: str, kind: str):
+        """open(), and the os.stat_result of what it opened (the checks' own: an O_PATH descriptor
+        names one inode for good, so its identity needs no second fstat)."""
+        fd, st = self._resolve(path, 0)
         try:
-            st = os.fstat(fd)
             if st.st_uid != userns.root_uid():
                 raise UntrustedSource(path, f"owned by uid {st.st_uid}, not root")
             if not KINDS[kind](st.st_mode):
                 raise UntrustedSource(path, f"not a {KIND_NAMES[kind]}")
             if kind in ("file", "dir") and st.st_mode & 0o022:
                 raise UntrustedSource(path, "writable by others than root")
-            return fd
+            return fd, st
         except BaseException:
             os.close(fd)
             raise
@@ -96,8 +100,11 @@ class HostSources:
         """Descriptor of a directory that only root can change (not to be closed by the caller)."""
         if path in self._dirs:
             return self._dirs[path]
-        fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC) if path == "/" else self._resolve(path, links)
-        st = os.fstat(fd)
+        if path == "/":
+            fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            st = os.fstat(fd)
+        else:
+            fd, st = self._resolve(path, links)
         if not stat.S_ISDIR(st.st_mode):
             os.close(fd)
             raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
@@ -107,16 +114,17 @@ class HostSources:
         self._dirs[path] = fd
         return fd
 
-    def _resolve(self, path: str, links: int) -> int:
-        """O_PATH descriptor of path's last component, in a directory only root can change;
-        root-owned symlinks are followed (on the host, /lib -> usr/lib is common)."""
+    def _resolve(self, path: str, links: int):
+        """(O_PATH descriptor, its os.stat_result) of path's last component, in a directory only
+        root can change; root-owned symlinks are followed (on the host, /lib -> usr/lib is common)."""
         if not path.startswith("/"):
             raise UntrustedSource(path, "not an absolute path")
         path = "/" + os.path.normpath(path).lstrip("/")  # normpath keeps a leading '//'
         parent, name = os.path.split(path)
         dir_fd = self._directory(parent, links)
         if not name:
-            return os.dup(dir_fd)
+            fd = os.dup(dir_fd)
+            return fd, os.fstat(fd)
         if userns.unprivileged() and os.fstat(dir_fd).st_mode & 0o022:
             # A sticky directory others may write (/tmp): any user can make an entry there, and
             # in a user namespace theirs shows as the overflow uid, as root's do (rootless podman).
@@ -124,7 +132,7 @@ class HostSources:
         fd = os.open(name, _O_PATH, dir_fd=dir_fd)
         st = os.fstat(fd)
         if not stat.S_ISLNK(st.st_mode):
-            return fd
+            return fd, st
         os.close(fd)
         if st.st_uid != userns.root_uid():
             raise UntrustedSource(path, f"a symlink owned by uid {st.st_uid}, not root")

@@ -1,0 +1,431 @@
+"""The start server (start/server.py, `oci-gpu-hook start-server`) run as a program, offered starts
+by real pre-filters over its socket (the pre-filter's own side: tests/toolkit/test_prefilter.py):
+- a start it takes is the Python hook's: the same exit status and line, the same container, log
+  records that say "via": "start server", the budget counted from the pre-filter's own start;
+- an offer it does not take (another version, other descriptors, not a runtime's command, not
+  root's) is answered "not taken", with nothing done and none of its descriptors kept, and said
+  in its log;
+- it listens on the socket systemd passes, or on one of its own (bind: in a directory only root
+  may write, mode 0600, a stale socket replaced, a live one refused); SIGTERM stops it, removes
+  its own socket, and a worker in flight finishes its start.
+The pre-filter the server's tests use runs a Python hook that does not exist: a start that went
+to Python instead would end in its "cannot run" line, so a result equal to the Python hook's is
+the server's. Every server listens in a directory of the test's own and is stopped by its pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import time
+
+import hookcheck
+import pytest
+import startservercheck
+from startservercheck import COMMAND, GPU_ENV, Server
+
+from oci_gpu_hook.errors import Exit
+from oci_gpu_hook.start import budget, inventory_cache, rule, server, settings
+from oci_gpu_hook.toolkit import prefilter
+from oci_gpu_hook.toolkit.install import interpreter_command
+
+STRICT = ("-Werror",)  # as tests/toolkit/test_prefilter.py builds it: a new warning fails here
+NO_PYTHON = "/nonexistent/oci-gpu-hook-python"
+
+
+@pytest.fixture(scope="module")
+def place(require):
+    """The module's directory (root's, 0700): the socket its pre-filters offer to, and them."""
+    require("root", "gcc")
+    with startservercheck.socket_directory() as top:
+        yield top
+
+
+@pytest.fixture(scope="module")
+def socket_path(place):
+    return os.path.join(place, "start.sock")
+
+
+@pytest.fixture(scope="module")
+def offering(place, socket_path):
+    """A pre-filter offering to socket_path whose Python hook does not exist."""
+    return prefilter.build(os.path.join(place, "offering"), NO_PYTHON, start_server=socket_path, flags=STRICT)
+
+
+@pytest.fixture
+def running(socket_path, tmp_path):
+    with startservercheck.started(socket_path, tmp_path / "server.log") as listening:
+        yield listening
+
+
+def same_as_python(program, config: str, data: bytes) -> subprocess.CompletedProcess:
+    """program's run of this start, asserted to end as the Python hook's own run of it does."""
+    alone = startservercheck.python_hook(config, data)
+    fronted = startservercheck.run(program, config, data)
+    assert alone.returncode != 0 and hookcheck.one_clear_line(alone.stderr), alone.stderr
+    assert (fronted.returncode, fronted.stderr, fronted.stdout) == (alone.returncode, alone.stderr, alone.stdout)
+    return fronted
+
+
+def without_time(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "time"}
+
+
+def identity_of(path: str) -> tuple:
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
+
+
+# --- a start the server takes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["no-such-gpu", "broken-config"])
+def test_a_refused_start_is_the_python_hooks_own(host, offering, running, tmp_path, case):
+    """The worker's exit status and line reach the runtime through the pre-filter as the Python
+    hook's own; its log record is the hook's, with "via": "start server"."""
+    config = startservercheck.config(host, tmp_path)
+    if case == "broken-config":
+        with open(config, "a") as f:
+            f.write("deadline_seconds: banana\n")  # a GPU request fails on it, before any log
+    data = startservercheck.gpu_error_state(tmp_path)
+    same_as_python(offering, config, data)
+    records = startservercheck.log_records(config)
+    if case == "no-such-gpu":
+        alone, served = records
+        assert "no GPU 7" in alone["message"] and "via" not in alone
+        assert served.pop("via") == "start server"
+        assert without_time(served) == without_time(alone)
+    else:
+        assert records == []
+    assert running.log()[1:] == []  # taken: no refusal, and nothing of the start in the server's log
+
+
+def mounts_in(container) -> list:
+    """(mount point under the rootfs, the source's root, type) of the container's mounts."""
+    _, bundle, pid, _, _ = container
+    rootfs = os.path.realpath(os.path.join(bundle, "rootfs"))
+    return sorted((m[0][len(rootfs) :], *m[1:]) for m in hookcheck.mountinfo(pid) if m[0].startswith(rootfs + "/"))
+
+
+def test_a_gpu_start_is_the_python_hooks_own(live_container, offering, running, tmp_path):
+    """Two live containers asking for GPU 0, one started by the Python hook, one through the
+    server: the same mounts in its namespace, the same device rules, the same rootfs files."""
+    containers = {"python": live_container(GPU_ENV), "server": live_container(GPU_ENV)}
+    config = startservercheck.config(containers["python"][4], tmp_path)
+    seen = {}
+    for name, container in containers.items():
+        state, bundle, pid, cgroup, _ = container
+        program = offering if name == "server" else interpreter_command()
+        done = startservercheck.run(program, config, state.encode())
+        assert (done.returncode, done.stderr, done.stdout) == (0, b"", b""), done.stderr
+        rootfs = hookcheck.tree(os.path.join(bundle, "rootfs"), contents=True)
+        seen[name] = (mounts_in(container), hookcheck.device_rules(cgroup), rootfs)
+    assert any(m[0] == "/dev/nvidia0" for m in seen["server"][0]), seen["server"][0]
+    assert seen["server"] == seen["python"]
+    alone, served = startservercheck.log_records(config)
+    assert served["message"] == alone["message"] == "GPU devices configured"
+    assert served["via"] == "start server" and "via" not in alone
+    assert served["devices"] == alone["devices"] and "/dev/nvidia0" in served["devices"][0], served
+    records = startservercheck.container_records(config)
+    assert sorted(r["pid"] for r in records if r["outcome"] == "started") == sorted(c[2] for c in containers.values())
+
+
+def test_the_budget_counts_from_the_prefilters_start(live_container, offering, running, tmp_path):
+    """deadline_seconds 2.5. A pre-filter that offers at once to a server (and any spare worker)
+    older than that: the start is made. One that waited 3.5 s for its state before offering: the
+    worker finds the budget spent before the container is changed, and the record counts the
+    wait. Neither the server's age nor the worker's own start is the budget's start."""
+    deadline, held = 2.5, 3.5
+    fresh, late = live_container(GPU_ENV), live_container(GPU_ENV)
+    config = startservercheck.config(fresh[4], tmp_path, f"deadline_seconds: {deadline}\n")
+    inventory_cache.load(settings.load(config))  # a fresh cache: the budget goes to the start alone
+    before = hookcheck.observe(late)
+    # Started now, it offers once it has its state: when it is older than the deadline.
+    waiting = subprocess.Popen([offering, "--config", config, "prestart"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=startservercheck.ENV)  # fmt: skip
+    while budget.process_age(running.pid) < held:
+        time.sleep(0.05)
+    done = startservercheck.run(offering, config, fresh[0].encode())
+    assert (done.returncode, done.stderr) == (0, b""), done.stderr
+    while budget.process_age(waiting.pid) < held:
+        time.sleep(0.05)
+    out, err = waiting.communicate(late[0].encode(), timeout=120)
+    assert waiting.returncode == Exit.APPLY, err
+    assert "the hook's deadline passed before the container was changed" in hookcheck.one_clear_line(err)
+    hookcheck.assert_rolled_back(before, hookcheck.observe(late))
+    (record,) = [r for r in startservercheck.container_records(config) if r["pid"] == late[2]]
+    assert record["outcome"] == "failed" and record["duration_seconds"] >= held, record
+
+
+# --- offers it does not take --------------------------------------------------------------------
+
+
+def refused_offer(case: str, config: str) -> tuple:
+    """(the payload, how many descriptors) of an offer the server must refuse."""
+    runtime = ("--config", config, "prestart")
+    return {
+        "another-version": (startservercheck.payload(*runtime, version="oci-gpu-hook start 0"), 3),
+        "no-descriptors": (startservercheck.payload(*runtime), 0),
+        "two-descriptors": (startservercheck.payload(*runtime), 2),
+        "four-descriptors": (startservercheck.payload(*runtime), 4),
+        "eight-descriptors": (startservercheck.payload(*runtime), 8),
+        "not-a-runtime-command": (startservercheck.payload("--config", config, "info"), 3),
+        "two-commands": (startservercheck.payload("--config", config, "prestart", "prestart"), 3),
+        "unended": (startservercheck.payload(*runtime)[:-1], 3),
+        "too-large": (startservercheck.payload("--config", "/" + "x" * 9000, "prestart"), 3),
+    }[case]
+
+
+WHY = {
+    "another-version": "an offer of another version (b'oci-gpu-hook start 0'; this server: oci-gpu-hook start 1)",
+    "no-descriptors": "an offer with 0 descriptors, not 3",
+    "two-descriptors": "an offer with 2 descriptors, not 3",
+    "four-descriptors": "an offer with 4 descriptors, not 3",
+    "eight-descriptors": "an offer larger than the pre-filter sends",
+    "not-a-runtime-command": "an offer of a command that is not a runtime's (prestart, createRuntime)",
+    "two-commands": "an offer of a command that is not a runtime's (prestart, createRuntime)",
+    "unended": "an offer whose arguments do not end",
+    "too-large": "an offer larger than the pre-filter sends",
+}
+
+
+@pytest.mark.parametrize("case", sorted(WHY))
+def test_an_offer_it_does_not_take_is_answered_and_kept_nowhere(host, offering, socket_path, running, tmp_path, case):
+    """Reply "p" (the pre-filter then runs Python), its reason in the server's log, no hook run
+    (no log record), and every descriptor it came with closed at once: the server keeps none.
+    The server then takes the next offer as before."""
+    config = startservercheck.config(host, tmp_path)
+    data, count = refused_offer(case, config)
+    state = startservercheck.state_memfd(startservercheck.gpu_error_state(tmp_path))
+    read, write = os.pipe()
+    try:
+        fds = ([state] + [write] * 7)[:count]
+        assert startservercheck.offer(socket_path, data, fds) == server.PASS
+        os.close(write)
+        write = None
+        os.set_blocking(read, False)
+        assert os.read(read, 1) == b"", "nothing may be written to a descriptor of an offer not taken"
+    finally:
+        for fd in (state, read, write):
+            if fd is not None:
+                os.close(fd)
+    assert running.refusals() == [WHY[case]]
+    assert startservercheck.log_records(config) == []
+    same_as_python(offering, config, startservercheck.gpu_error_state(tmp_path))
+    assert running.refusals() == [WHY[case]]
+
+
+def test_a_prefilter_of_another_version_gets_the_python_hook(host, running, socket_path, tmp_path, monkeypatch):
+    """After an upgrade, a pre-filter built for another server version: its offer is refused, and
+    the start is the Python hook's, as without a server."""
+    monkeypatch.setattr(rule, "START_SERVER_VERSION", "oci-gpu-hook start 0")
+    program, _ = startservercheck.prefilter(tmp_path / "old", socket_path, STRICT)
+    config = startservercheck.config(host, tmp_path)
+    same_as_python(program, config, startservercheck.gpu_error_state(tmp_path))
+    assert running.refusals() == [WHY["another-version"]]
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
+
+
+NOBODY_OFFERS = """
+import array, json, os, socket, sys
+read, write = os.pipe()
+state = os.memfd_create("state")
+os.write(state, bytes.fromhex(sys.argv[3]))
+os.lseek(state, 0, os.SEEK_SET)
+with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+    s.settimeout(60)
+    s.connect(sys.argv[1])
+    fds = array.array("i", [state, write, write])
+    s.sendmsg([bytes.fromhex(sys.argv[2])], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    reply = s.recv(16)
+os.close(write)
+os.set_blocking(read, False)
+try:
+    kept = os.read(read, 1) != b""
+except BlockingIOError:
+    kept = True
+print(json.dumps({"reply": reply.decode(), "kept": kept}))
+"""
+
+
+def test_an_offer_from_another_user_is_not_taken(host, place, socket_path, running, run_as_nobody, tmp_path):
+    """The socket's mode keeps other users out; with that mode widened, the server still takes
+    no offer but root's: uid 65534's well-formed offer is refused, nothing run, nothing kept."""
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    os.chmod(place, 0o755)
+    os.chmod(socket_path, 0o666)
+    try:
+        done = run_as_nobody(["-c", NOBODY_OFFERS, socket_path, startservercheck.payload("--config", config,
+                              "prestart").hex(), data.hex()], modules=(), capture_output=True, timeout=120)  # fmt: skip
+    finally:
+        os.chmod(place, 0o700)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"reply": "p", "kept": False}
+    (why,) = running.refusals()
+    assert why.startswith("an offer from uid 65534 (pid ") and why.endswith("): only root's are taken"), why
+    assert startservercheck.log_records(config) == []
+
+
+# --- listening, stopping ------------------------------------------------------------------------
+
+# systemd's socket activation: the socket at descriptor 3, LISTEN_PID the server's own pid (the
+# shell's, which exec keeps), LISTEN_FDS their number. The socket comes in as the shell's stdin.
+ACTIVATED = 'export LISTEN_PID=$$ LISTEN_FDS="$1"; shift; exec "$@" 3<&0 </dev/null'
+
+
+def activated(log, listener: socket.socket, count: str = "1", *more) -> Server:
+    return Server(log, command=["sh", "-c", ACTIVATED, "sh", count, *COMMAND, *more], stdin=listener.fileno())
+
+
+def test_the_socket_systemd_passes_is_served_and_left_to_systemd(host, place, offering, socket_path, tmp_path):
+    """Served there, and not its own: it stays when the server stops (systemd listens on it for
+    the next start). The server is given a --socket too: it must not bind it."""
+    config = startservercheck.config(host, tmp_path)
+    own = os.path.join(place, "own.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(socket_path)
+        listener.listen(8)
+        identity = identity_of(socket_path)
+        with activated(tmp_path / "server.log", listener, "1", "--socket", own).wait_listening() as running:
+            assert not os.path.lexists(own)
+            same_as_python(offering, config, startservercheck.gpu_error_state(tmp_path))
+            assert startservercheck.log_records(config)[-1]["via"] == "start server"
+            assert running.stop() == 0
+        assert running.log()[-1] == startservercheck.STOPPED
+        assert identity_of(socket_path) == identity, "the server removed the socket systemd listens on"
+    finally:
+        listener.close()
+        os.unlink(socket_path)
+
+
+@pytest.mark.parametrize(
+    "kind, count, why",
+    [(socket.SOCK_STREAM, "1",
+      "systemd passed a socket that is not a Unix SOCK_SEQPACKET socket (ListenSequentialPacket=)"),
+     (socket.SOCK_SEQPACKET, "2", "systemd passed 2 sockets; the start server takes one")],
+)  # fmt: skip
+def test_a_socket_systemd_passes_that_it_cannot_serve_is_refused(place, tmp_path, kind, count, why):
+    """One line in its log and exit 1; it does not go on to listen on a socket of its own."""
+    own = os.path.join(place, "own.sock")
+    with socket.socket(socket.AF_UNIX, kind) as listener:
+        listener.bind(os.path.join(place, "passed.sock"))
+        listener.listen(8)
+        try:
+            with activated(tmp_path / "server.log", listener, count, "--socket", own) as refused:
+                assert refused.proc.wait(60) == Exit.GENERAL
+        finally:
+            os.unlink(os.path.join(place, "passed.sock"))
+    assert refused.log() == [f"oci-gpu-hook start-server: {why}"]
+    assert not os.path.lexists(own)
+
+
+def test_a_server_not_started_by_systemd_listens_on_its_own_socket(place, tmp_path):
+    """LISTEN_PID names another process (the variables were inherited): they are not this
+    server's, and it binds its --socket."""
+    own = os.path.join(place, "own.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        command = ["sh", "-c", 'export LISTEN_PID=1 LISTEN_FDS=1; exec "$@" 3<&0 </dev/null', "sh", *COMMAND,
+                   "--socket", own]  # fmt: skip
+        with Server(tmp_path / "server.log", command=command, stdin=listener.fileno()).wait_listening() as running:
+            assert stat.S_ISSOCK(os.lstat(own).st_mode)
+            assert running.log()[0] == f"{startservercheck.LISTENING}{own}"
+    assert not os.path.lexists(own)
+
+
+@pytest.fixture
+def umask_zero():
+    """bind's mode may not come from the caller's umask."""
+    old = os.umask(0)
+    yield
+    os.umask(old)
+
+
+def test_bind_makes_a_socket_only_root_may_use(place, umask_zero):
+    path = os.path.join(place, "bound.sock")
+    with server.bind(path) as listener:
+        try:
+            st = os.lstat(path)
+            assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == 0
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
+                client.connect(path)
+            assert listener.accept()[0].close() is None
+        finally:
+            os.unlink(path)
+
+
+def test_bind_replaces_a_stale_socket_and_refuses_a_live_one(place):
+    path = os.path.join(place, "bound.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
+        stale.bind(path)  # a server killed with its socket left: nothing listens
+    try:
+        with server.bind(path) as listener:
+            with pytest.raises(server.ServerError, match="another start server listens there"):
+                server.bind(path)
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as client:
+                client.connect(path)  # the live one is untouched
+            listener.accept()[0].close()
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("change", ["group-writable", "world-writable", "not-roots", "a-file-there", "a-link"])
+def test_bind_refuses_a_place_others_control(place, change):
+    """The pre-filter trusts what answers at the path: a directory another user may write (or
+    owns), or a path that is not a socket, is refused, and nothing there is changed."""
+    directory = os.path.join(place, change)
+    os.mkdir(directory, 0o700)
+    path = os.path.join(directory, "start.sock")
+    if change == "group-writable":
+        os.chmod(directory, 0o770)
+    elif change == "world-writable":
+        os.chmod(directory, 0o1777)
+    elif change == "not-roots":
+        os.chown(directory, 65534, 65534)
+    elif change == "a-file-there":
+        with open(path, "w") as f:
+            f.write("kept\n")
+    else:
+        os.symlink(os.path.join(place, "elsewhere.sock"), path)
+    before = hookcheck.tree(directory, contents=True, times=True)
+    with pytest.raises(server.ServerError):
+        server.bind(path)
+    assert hookcheck.tree(directory, contents=True, times=True) == before
+
+
+@pytest.mark.parametrize("mode", [None, 0o640], ids=["as-bound", "chmod-0640"])
+def test_sigterm_stops_it_and_removes_its_own_socket(socket_path, running, mode):
+    """Its own socket, even with another mode given it meanwhile (an administrator's chmod)."""
+    if mode is not None:
+        os.chmod(socket_path, mode)
+    assert running.stop() == 0
+    assert running.log()[-1] == startservercheck.STOPPED
+    assert not os.path.lexists(socket_path)
+
+
+def test_a_socket_that_is_no_longer_its_own_is_left(socket_path, running):
+    """Another server's socket bound where its own was: stopping removes only its own."""
+    os.unlink(socket_path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as other:
+        other.bind(socket_path)
+        try:
+            identity = identity_of(socket_path)
+            assert running.stop() == 0
+            assert identity_of(socket_path) == identity
+        finally:
+            os.unlink(socket_path)
+
+
+def test_a_worker_in_flight_finishes_its_start_after_sigterm(host, offering, socket_path, running, tmp_path):
+    offered, worker, fifo = startservercheck.stalled_start(offering, host, tmp_path)
+    assert running.stop() == 0
+    assert not os.path.lexists(socket_path)
+    assert offered.poll() is None
+    (record,) = [json.loads(line) for line in startservercheck.read_fifo(fifo).splitlines()]  # it goes on
+    out, err = offered.communicate(timeout=60)
+    assert offered.returncode == Exit.REQUEST and "no GPU 7" in hookcheck.one_clear_line(err), err
+    assert record["via"] == "start server" and "no GPU 7" in record["message"]

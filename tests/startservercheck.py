@@ -1,0 +1,233 @@
+"""The start server (start/server.py) run as a program of the test's own, on a socket in a private
+directory, stopped by its pid; the pre-filters that offer it starts (start/csrc/prefilter.c); and
+offers written by hand. Shared by tests/start/test_server.py (the server's side) and
+tests/toolkit/test_prefilter.py (the pre-filter's).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+import hookcheck
+
+from oci_gpu_hook.start import rule
+from oci_gpu_hook.toolkit.install import interpreter_command
+
+# As a unit would run it: this interpreter and this checkout, isolated, in the hooks' environment.
+COMMAND = [*interpreter_command(), rule.START_SERVER]
+ENV = hookcheck.HOOK_ENV
+LISTENING = "oci-gpu-hook start-server: listening on "
+NOT_TAKEN = "oci-gpu-hook start-server: not taken: "
+STOPPED = "oci-gpu-hook start-server: stopped"
+GPU_ERROR_ENV = ["NVIDIA_VISIBLE_DEVICES=7"]  # two simulated GPUs: refused by the plan, nothing done
+GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_DRIVER_CAPABILITIES": "utility,compute"}
+
+
+@contextlib.contextmanager
+def socket_directory():
+    """A directory of root's, mode 0700, for the test's socket and programs: in /tmp itself (a
+    socket's path has 108 bytes, and pytest's directories can be longer), removed after."""
+    top = tempfile.mkdtemp(prefix="ogh-start-", dir="/tmp")
+    try:
+        yield top
+    finally:
+        shutil.rmtree(top)
+
+
+class Server:
+    """`oci-gpu-hook start-server` as a process of the test's own; its log (its stderr) in a file.
+    command: another command line (socket activation puts a shell in front); popen: more of
+    Popen's arguments (stdin: the socket systemd would pass)."""
+
+    def __init__(self, log_path, socket_path=None, command=None, env=None, **popen):
+        self.log_path = str(log_path)
+        argv = command or [*COMMAND, "--socket", socket_path]
+        popen.setdefault("stdin", subprocess.DEVNULL)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, env=env or ENV, **popen)
+        self.pid = self.proc.pid
+
+    def log(self) -> list:
+        with open(self.log_path) as f:
+            return f.read().splitlines()
+
+    def refusals(self) -> list:
+        return [line[len(NOT_TAKEN) :] for line in self.log() if line.startswith(NOT_TAKEN)]
+
+    def wait_listening(self, timeout: float = 60) -> Server:
+        deadline = time.monotonic() + timeout  # a hang guard: it listens within a second
+        while not any(line.startswith(LISTENING) for line in self.log()):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the start server exited ({self.proc.returncode}): {self.log()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the start server did not listen within {timeout} s: {self.log()}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 60) -> int:
+        """SIGTERM by its pid; its exit status."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the start server did not stop on SIGTERM within {timeout} s") from None
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def started(socket_path, log_path) -> Server:
+    """A server listening on socket_path: a context manager that stops it."""
+    return Server(log_path, socket_path).wait_listening()
+
+
+def prefilter(directory, socket_path, flags=()) -> tuple:
+    """(a pre-filter offering to socket_path, the launcher of this checkout it runs otherwise)."""
+    os.makedirs(str(directory), exist_ok=True)
+    return hookcheck.prefilter_for_this_checkout(directory, start_server=str(socket_path), flags=tuple(flags))
+
+
+def config(host, directory, extra: str = "") -> str:
+    """The simulated host's configuration with a log file and a records directory of the test's
+    own (directory/hook.log, directory/records), and the YAML lines extra."""
+    directory = str(directory)
+    own = f"logging: {{level: info, file: {directory}/hook.log}}\nrecords_directory: {directory}/records\n"
+    return hookcheck.config_with(host, directory, own + extra)
+
+
+def log_records(config_path: str) -> list:
+    """The records the hook wrote to the log file of config(...), oldest first."""
+    path = os.path.join(os.path.dirname(config_path), "hook.log")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def container_records(config_path: str) -> list:
+    directory = os.path.join(os.path.dirname(config_path), "records")
+    found = []
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        with open(os.path.join(directory, name)) as f:
+            found.append(json.load(f))
+    return found
+
+
+def gpu_error_state(directory) -> bytes:
+    """The state of a container (its bundle in directory) asking for a GPU the host does not have:
+    the hook refuses it at its plan, before the container is touched."""
+    bundle = os.path.join(str(directory), "bundle")
+    os.makedirs(bundle, exist_ok=True)
+    doc = {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"args": ["sh"], "env": GPU_ERROR_ENV}}
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(doc, f)
+    state = {"ociVersion": "1.0.2", "id": "refused", "status": "created", "pid": 4242, "bundle": bundle}
+    return json.dumps(state).encode()
+
+
+def run(program, config_path: str, data: bytes, env=None, **kwargs) -> subprocess.CompletedProcess:
+    """program (a pre-filter, or the hook's own argv prefix) as a runtime runs the hook."""
+    argv = [program] if isinstance(program, str) else list(program)
+    return subprocess.run([*argv, "--config", config_path, "prestart"], input=data, capture_output=True,
+                          env={**ENV, **(env or {})}, timeout=120, **kwargs)  # fmt: skip
+
+
+def python_hook(config_path: str, data: bytes) -> subprocess.CompletedProcess:
+    """The Python hook alone, as a runtime runs it without a pre-filter."""
+    return run(interpreter_command(), config_path, data)
+
+
+def payload(*argv: str, version: str = rule.START_SERVER_VERSION) -> bytes:
+    """An offer's bytes as the pre-filter writes them."""
+    return b"".join(item.encode() + b"\0" for item in (version, *argv))
+
+
+def offer(socket_path: str, data: bytes, fds) -> bytes:
+    """Send an offer by hand (data, descriptors fds); the reply (b"" if the server closed)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(60)  # a hang guard
+        s.connect(socket_path)
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        s.sendmsg([data], ancillary)
+        return s.recv(16)
+
+
+def state_memfd(data: bytes) -> int:
+    fd = os.memfd_create("state")
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def pipe_holders(fd: int) -> list:
+    """Pids of the processes with a descriptor on the pipe fd is an end of."""
+    target = f"pipe:[{os.fstat(fd).st_ino}]"
+    holders = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            links = [os.readlink(f"/proc/{entry}/fd/{n}") for n in os.listdir(f"/proc/{entry}/fd")]
+        except OSError:
+            continue  # gone meanwhile, or a descriptor closed while listed
+        if target in links:
+            holders.append(int(entry))
+    return holders
+
+
+def stalled_start(program, host, tmp_path, env=None) -> tuple:
+    """A start offered to a server (program: a pre-filter) whose worker waits: the hook's log is a
+    FIFO, which the worker opens to record the refused GPU, and there it waits until the test
+    reads. (the pre-filter's Popen, the worker's pid, the FIFO's path)."""
+    config_path = config(host, tmp_path)
+    fifo = str(tmp_path / "hook.log")
+    os.mkfifo(fifo, 0o600)
+    data = gpu_error_state(tmp_path)
+    (tmp_path / "state").write_bytes(data)
+    with open(tmp_path / "state", "rb") as state:
+        offered = subprocess.Popen([program, "--config", config_path, "prestart"], stdin=state, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, env={**ENV, **(env or {})})  # fmt: skip
+    deadline = time.monotonic() + 60  # a hang guard
+    while True:  # the worker: whoever else holds the pre-filter's stderr
+        holders = set(pipe_holders(offered.stderr.fileno())) - {os.getpid(), offered.pid}
+        if holders:
+            (worker,) = holders
+            return offered, worker, fifo
+        assert offered.poll() is None, offered.communicate()
+        assert time.monotonic() < deadline, "no worker took the start"
+        time.sleep(0.01)
+
+
+def read_fifo(path: str, timeout: float = 60) -> bytes:
+    """All a writer writes to the FIFO at path, once one opens it; opening it here lets a writer
+    waiting in its own open go on. Fails if nothing comes within timeout (a hang guard)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    data = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            # Linux reports no hang-up on a FIFO no writer has opened yet: select waits for one.
+            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise AssertionError(f"{path}: nothing written within {timeout} s")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return data
+            data += chunk
+    finally:
+        os.close(fd)
