@@ -16,6 +16,9 @@ LDCACHE_REFRESH = "ldcache-refresh"
 START_SERVER = "start-server"
 START_SERVER_SOCKET = "/run/oci-gpu-hook/start.sock"
 START_SERVER_VERSION = "oci-gpu-hook start 1"
+# The hook's own environment variables (OCI_GPU_HOOK_CONFIG, _DEBUG, _FAULT_AT) all start so: a start
+# server's worker has the server's environment, so the pre-filter offers it no start while one is set.
+HOOK_ENV_PREFIX = "OCI_GPU_HOOK_"
 
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 NO_DEVICES = "void"  # in the device list: not a GPU container, whatever else it names

@@ -42,6 +42,7 @@ DEFAULT_SOCKET = rule.START_SERVER_SOCKET
 MAX_OFFER_BYTES = len(VERSION) + 1 + 8192  # the pre-filter's payload room
 DESCRIPTORS = 3  # the state, stdout, stderr
 PASS = b"p"
+TAKEN = b"a"
 VERDICT = b"v"
 WARM_AFTER_SECONDS = 0.05
 OFFER_TIMEOUT_SECONDS = 1.0
@@ -135,6 +136,46 @@ def _peer(conn: socket.socket) -> tuple:
     return pid, uid, gid
 
 
+_SO_PEERPIDFD = 77  # Linux 6.5: a pidfd of the peer as it connected (socket.SO_PEERPIDFD from Python 3.13)
+
+
+def _caps_and_mount_ns(pid) -> tuple:
+    """(effective capabilities, mount namespace inode) of a process, from procfs."""
+    with open(f"/proc/{pid}/status", "rb") as f:
+        caps = next(int(line.split()[1], 16) for line in f if line.startswith(b"CapEff:"))
+    return caps, os.stat(f"/proc/{pid}/ns/mnt").st_ino
+
+
+def _peer_lacks(conn: socket.socket, pid: int) -> str:
+    """What the offering process lacks to have its start run by this server ("" when nothing).
+
+    uid 0 is not enough: a worker acts with the server's capabilities, so the peer must hold all of
+    them (a container's root with its capabilities dropped, given a view of /run, must not borrow
+    them), and in the server's mount namespace, where the worker reads the bundle and the
+    configuration the offer names (a runtime in a namespace of its own gets its start from Python,
+    in its own). Read from procfs by the pid the kernel gave at connect time; where the kernel gives
+    a pidfd of the peer, that it is still the same process after the reads is checked through it."""
+    try:
+        pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+    except OSError:
+        pidfd = None  # an older kernel (RHEL 9's 5.14): the pid alone (docs/security.md)
+    try:
+        caps, mount_ns = _caps_and_mount_ns(pid)
+        if pidfd is not None:
+            signal.pidfd_send_signal(pidfd, 0)  # raises ProcessLookupError: it exited meanwhile
+    except (OSError, StopIteration, ValueError):
+        return "cannot read what it may do (gone?)"
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+    own_caps, own_mount_ns = _caps_and_mount_ns("self")
+    if caps & own_caps != own_caps:
+        return f"it lacks capabilities the worker would use (its effective {caps:#x}, the server's {own_caps:#x})"
+    if mount_ns != own_mount_ns:
+        return "it is in another mount namespace than the server (its bundle and configuration are named in its own)"
+    return ""
+
+
 def receive(conn: socket.socket) -> tuple:
     """(Offer or None, why not): the offer on conn, checked. Descriptors of an offer that is not
     taken are closed here."""
@@ -158,9 +199,14 @@ def receive(conn: socket.socket) -> tuple:
             os.close(fd)
         return None, why
 
+    if not payload and not fds:
+        return None, ""  # connected and closed, offering nothing (a second server's probe): no offer
     pid, uid, _ = _peer(conn)
     if uid != 0:  # the socket's mode keeps others out; this holds even if that mode were changed
         return refuse(f"an offer from uid {uid} (pid {pid}): only root's are taken")
+    lacks = _peer_lacks(conn, pid)
+    if lacks:
+        return refuse(f"an offer from pid {pid}: {lacks}")
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         return refuse("an offer larger than the pre-filter sends")
     if len(fds) != DESCRIPTORS:
@@ -184,6 +230,7 @@ def work(conn: socket.socket, offer: Offer) -> None:
     """In a worker: become the hook's process for this start, run it, reply, exit."""
     code = 70
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the hook's own process
         for target, fd in enumerate(offer.fds):
             os.dup2(fd, target)  # inheritable, as the hook's own 0 to 2 are
         for fd in offer.fds:
@@ -217,7 +264,7 @@ def _become_worker(listener: socket.socket) -> None:
     os.umask(0o022)  # what runtimes give their hooks, whatever the server was started with
     for name in ("SIGCHLD", "SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the hook's own process
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a spare waits; work() answers a SIGINT as the hook does
 
 
 class Spare:
@@ -236,11 +283,14 @@ class Spare:
             theirs.close()
             raise
         if pid == 0:
-            ours.close()
-            _become_worker(listener)
-            if warm:
-                self._warm(theirs, config)
-            self._wait(theirs)  # never returns
+            try:  # nothing raised here may unwind into the server's code (its socket's removal)
+                ours.close()
+                _become_worker(listener)
+                if warm:
+                    self._warm(theirs, config)
+                self._wait(theirs)  # never returns
+            finally:
+                os._exit(70)
         theirs.close()
         self.pid, self.socket = pid, ours
 
@@ -299,11 +349,18 @@ def serve(listener: socket.socket) -> None:
     def reap(*_):
         while True:
             try:
-                pid, _ = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if os.WIFSIGNALED(status):
+                # os.write, not _log: this handler may run while _log writes through sys.stderr.
+                line = f"oci-gpu-hook start-server: worker {pid} was killed by signal {os.WTERMSIG(status)}\n"
+                try:
+                    os.write(2, line.encode())
+                except OSError:
+                    pass
 
     def stop(*_):
         stopping.append(True)
@@ -328,17 +385,20 @@ def serve(listener: socket.socket) -> None:
         with conn:
             offer, why = receive(conn)
             if offer is None:
-                _log(f"not taken: {why}")
-                _reply(conn, PASS)
+                if why:
+                    _log(f"not taken: {why}")
+                    _reply(conn, PASS)
                 continue
-            taken = spare is not None and spare.hand(conn, offer)
+            # Said before any worker has it: a pre-filter that hears nothing (a server stopped
+            # with offers queued) knows nothing was done, and gives its start to Python.
+            taken = _reply(conn, TAKEN)
+            if taken and not (spare is not None and spare.hand(conn, offer)):
+                if not _fork_worker(listener, conn, offer):
+                    _say(offer.fds[2], "the start server could not start a worker for this start (its log says why)")
+                    _reply(conn, VERDICT + bytes([70]))
             spare, config = None, hook_config(offer.argv)
-            if not taken:
-                taken = _fork_worker(listener, conn, offer)
             for fd in offer.fds:
                 os.close(fd)
-            if not taken:
-                _reply(conn, PASS)
     if spare is not None:
         spare.socket.close()  # it sees the pair closed and exits
     _log("stopped")
@@ -357,16 +417,31 @@ def _fork_worker(listener: socket.socket, conn: socket.socket, offer: Offer) -> 
         _log(f"not taken: cannot fork a worker: {e.strerror}")
         return False
     if pid == 0:
-        _become_worker(listener)
-        work(conn, offer)  # never returns
+        try:  # nothing raised here may unwind into the server's code (its socket's removal)
+            _become_worker(listener)
+            work(conn, offer)  # never returns
+        finally:
+            os._exit(70)
     return True
 
 
-def _reply(conn: socket.socket, message: bytes) -> None:
+def _reply(conn: socket.socket, message: bytes) -> bool:
+    """False when the pre-filter is gone (its runtime's timeout): nothing is done for it then."""
     try:
         conn.send(message)
+        return True
     except OSError:
-        pass  # the pre-filter is gone (its runtime's timeout): nothing was done
+        return False
+
+
+def _say(fd: int, message: str) -> None:
+    """One line to the runtime, on the pre-filter's stderr (the offer's), as the hook says it."""
+    from oci_gpu_hook.errors import PROG, printable
+
+    try:
+        os.write(fd, f"{PROG}: {printable(message)}\n".encode())
+    except OSError:
+        pass
 
 
 def main(socket_path: str | None) -> int:

@@ -68,6 +68,7 @@ def header(python_hook: str, launcher_options=(), start_server: str | None = Non
         f"#define RULE_LAUNCHER_OPTIONS {1 if launcher_options else 0}",
         f"#define RULE_MAX_INT_DIGITS {max_int_digits()}u",
         f"#define START_SERVER_VERSION {_c_string(rule.START_SERVER_VERSION)}",
+        f"#define START_SERVER_ENV_PREFIX {_c_string(rule.HOOK_ENV_PREFIX)}",
     ]
     if start_server is not None:
         lines.append(f"#define START_SERVER {_c_string(start_server)}")

@@ -440,6 +440,7 @@ def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, hos
         assert offers == [(startservercheck.payload("--config", config, "prestart"), 3, data)]
 
 
+@pytest.mark.another_user  # runs a program as uid 65534: tests/test_checkout_location.py
 def test_a_prefilter_not_run_as_root_never_offers(server_place, tmp_path):
     """Rootless: with the server's socket open to all, a pre-filter run as uid 65534 still goes
     straight to its Python hook; the server sees no connection (it says every offer it refuses)."""
@@ -495,6 +496,7 @@ print(json.dumps(got), flush=True)
 """
 
 
+@pytest.mark.another_user  # runs a program as uid 65534: tests/test_checkout_location.py
 def test_a_listener_that_is_not_root_is_offered_nothing(offering, server_place, host, tmp_path):
     """A process of uid 65534 listening at the server's path (its directory made that user's):
     the pre-filter sees the peer is not root and runs Python; the listener gets no byte and no

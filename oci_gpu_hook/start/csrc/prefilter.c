@@ -16,15 +16,17 @@
  * It opens nothing but config.json, runs nothing but PYTHON_HOOK, and allocates only from a
  * bounded arena.
  *
- * Built with START_SERVER (`install --start-server`), it first offers what it would hand to
- * Python to the start server listening there (start/server.py): a warm process that already paid
- * for the interpreter and the imports, which most of a GPU start cost (docs/performance.md,
- * round 4). The offer is one message: the arguments, and as descriptors the state (a memfd) and
- * this program's stdout and stderr, so that the server's worker reads the same state and says what
- * it says to the runtime directly. The reply is the exit status (or "not taken": Python's). Only root offers, only to
- * a server that is root; where no server answers (none installed, stopped, not root), the start
- * goes to Python as without it. Once the offer is sent there is no going back to Python: the
- * worker may have changed the container, and a second hook on top of it is not the same start.
+ * Built with START_SERVER (install's, the RPM's), it first offers what it would hand to Python to
+ * the start server listening there (start/server.py): a warm process that already paid for the
+ * interpreter and the imports, which most of a GPU start cost (docs/performance.md). The offer is
+ * one message: the arguments, and as descriptors the state (a memfd) and this program's stdout and
+ * stderr, so that the server's worker reads the same state and says what it says to the runtime
+ * directly. The replies are "taken" and then the exit status, or "not taken", or nothing: then the
+ * start is Python's, as where no server listens (none installed, stopped, not root). Only root
+ * offers (the server also wants all of its own capabilities and its mount namespace), only to a
+ * server that is root, and only when no OCI_GPU_HOOK_ variable is set here (the worker has the
+ * server's environment, not this one). Once "taken" is heard there is no going back to Python:
+ * the worker may have changed the container, and a second hook on top of it is not the same start.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -598,6 +600,10 @@ static ssize_t read_config(const struct value *bundle, unsigned char *buffer, si
 static int offer_to_server(char **argv, int statefd) {
     if (geteuid() != 0) /* rootless: the server is root's, and acts as root */
         return NO_SERVER;
+    extern char **environ;
+    for (char **e = environ; *e; e++) /* what the hook reads of its environment a worker lacks */
+        if (strncmp(*e, START_SERVER_ENV_PREFIX, sizeof START_SERVER_ENV_PREFIX - 1) == 0)
+            return NO_SERVER;
     struct sockaddr_un address = {.sun_family = AF_UNIX};
     _Static_assert(sizeof START_SERVER <= sizeof address.sun_path, "the start server's path fits a socket address");
     memcpy(address.sun_path, START_SERVER, sizeof START_SERVER);
@@ -648,22 +654,32 @@ static int offer_to_server(char **argv, int statefd) {
         close(s);
         return NO_SERVER;
     }
-    /* The reply: 'v' and the exit status, or 'p' (passed: not taken, nothing done; the server
-     * refused the offer, say an older server after an upgrade). */
+    /* The replies: 'p' (passed: not taken, nothing done: the server refused the offer, say an older
+     * server after an upgrade), or 'a' (taken: said before any worker has it) and then 'v' and the
+     * exit status. Nothing at all (the server stopped with this offer queued, or a unit that
+     * could not start it) is nothing done too: Python's. */
     unsigned char reply[2];
     ssize_t got;
     do
         got = recv(s, reply, sizeof reply, 0);
     while (got < 0 && errno == EINTR);
-    close(s);
-    if (got == 1 && reply[0] == 'p')
+    if (got <= 0 || (got == 1 && reply[0] == 'p')) {
+        close(s);
         return lseek(statefd, 0, SEEK_SET) == 0 ? NO_SERVER : INTERNAL_EXIT;
-    if (got != 2 || reply[0] != 'v') {
-        fprintf(stderr, "oci-gpu-hook: the start server's worker ended without a verdict (killed?); "
-                        "the server's log says why (journalctl -u oci-gpu-hook-start.service)\n");
-        return INTERNAL_EXIT;
     }
-    return reply[1];
+    if (got == 1 && reply[0] == 'a') {
+        do
+            got = recv(s, reply, sizeof reply, 0);
+        while (got < 0 && errno == EINTR);
+        if (got == 2 && reply[0] == 'v') {
+            close(s);
+            return reply[1];
+        }
+    }
+    close(s);
+    fprintf(stderr, "oci-gpu-hook: the start server's worker ended without a verdict (killed?); "
+                    "the server's log says why (journalctl -u oci-gpu-hook-start.service)\n");
+    return INTERNAL_EXIT;
 }
 #endif
 
