@@ -65,12 +65,16 @@ class Server:
         return [line[len(NOT_TAKEN) :] for line in self.log() if line.startswith(NOT_TAKEN)]
 
     def wait_listening(self, timeout: float = 60) -> Server:
-        deadline = time.monotonic() + timeout  # a hang guard: it listens within a second
-        while not any(line.startswith(LISTENING) for line in self.log()):
+        return self.wait_for(LISTENING, timeout)
+
+    def wait_for(self, start: str, timeout: float = 60) -> Server:
+        """Once its log has a line that starts so (timeout: a hang guard, it takes milliseconds)."""
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith(start) for line in self.log()):
             if self.proc.poll() is not None:
                 raise AssertionError(f"the start server exited ({self.proc.returncode}): {self.log()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"the start server did not listen within {timeout} s: {self.log()}")
+                raise AssertionError(f"the start server did not log {start!r} within {timeout} s: {self.log()}")
             time.sleep(0.01)
         return self
 
@@ -191,27 +195,52 @@ def pipe_holders(fd: int) -> list:
     return holders
 
 
-def stalled_start(program, host, tmp_path, env=None) -> tuple:
-    """A start offered to a server (program: a pre-filter) whose worker waits: the hook's log is a
+@contextlib.contextmanager
+def stalled_start(program, host, tmp_path, server: Server, env=None):
+    """A start offered to server (program: a pre-filter) whose worker waits: the hook's log is a
     FIFO, which the worker opens to record the refused GPU, and there it waits until the test
-    reads. (the pre-filter's Popen, the worker's pid, the FIFO's path)."""
+    reads. Yields (the pre-filter's Popen, the worker's pid, the FIFO's path); afterwards a worker
+    or pre-filter still there is killed by its pid."""
     config_path = config(host, tmp_path)
     fifo = str(tmp_path / "hook.log")
     os.mkfifo(fifo, 0o600)
-    data = gpu_error_state(tmp_path)
-    (tmp_path / "state").write_bytes(data)
+    (tmp_path / "state").write_bytes(gpu_error_state(tmp_path))
     with open(tmp_path / "state", "rb") as state:
         offered = subprocess.Popen([program, "--config", config_path, "prestart"], stdin=state, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, env={**ENV, **(env or {})})  # fmt: skip
-    deadline = time.monotonic() + 60  # a hang guard
-    while True:  # the worker: whoever else holds the pre-filter's stderr
-        holders = set(pipe_holders(offered.stderr.fileno())) - {os.getpid(), offered.pid}
-        if holders:
-            (worker,) = holders
-            return offered, worker, fifo
-        assert offered.poll() is None, offered.communicate()
-        assert time.monotonic() < deadline, "no worker took the start"
-        time.sleep(0.01)
+    worker = None
+    try:
+        deadline = time.monotonic() + 60  # a hang guard
+        while worker is None:
+            # The worker: the server's child that holds the pre-filter's stderr (the server itself
+            # holds it too for a moment, until the worker has it).
+            for pid in set(pipe_holders(offered.stderr.fileno())) - {os.getpid(), offered.pid, server.pid}:
+                if parent(pid) == server.pid:
+                    worker = pid
+            assert worker is not None or offered.poll() is None, offered.communicate()
+            assert time.monotonic() < deadline, "no worker took the start"
+            time.sleep(0.01)
+        yield offered, worker, fifo
+    finally:
+        if worker is not None and parent(worker) in (server.pid, 1):  # its server's, or orphaned
+            try:
+                os.kill(worker, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if offered.poll() is None:
+            offered.kill()
+        offered.wait()
+        offered.stdout.close()
+        offered.stderr.close()
+
+
+def parent(pid: int):
+    """pid's parent's pid, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def read_fifo(path: str, timeout: float = 60) -> bytes:

@@ -421,11 +421,11 @@ def test_a_socket_that_is_no_longer_its_own_is_left(socket_path, running):
 
 
 def test_a_worker_in_flight_finishes_its_start_after_sigterm(host, offering, socket_path, running, tmp_path):
-    offered, worker, fifo = startservercheck.stalled_start(offering, host, tmp_path)
-    assert running.stop() == 0
-    assert not os.path.lexists(socket_path)
-    assert offered.poll() is None
-    (record,) = [json.loads(line) for line in startservercheck.read_fifo(fifo).splitlines()]  # it goes on
-    out, err = offered.communicate(timeout=60)
+    with startservercheck.stalled_start(offering, host, tmp_path, running) as (offered, worker, fifo):
+        assert running.stop() == 0
+        assert not os.path.lexists(socket_path)
+        assert offered.poll() is None
+        (record,) = [json.loads(line) for line in startservercheck.read_fifo(fifo).splitlines()]  # it goes on
+        out, err = offered.communicate(timeout=60)
     assert offered.returncode == Exit.REQUEST and "no GPU 7" in hookcheck.one_clear_line(err), err
     assert record["via"] == "start server" and "no GPU 7" in record["message"]

@@ -384,9 +384,10 @@ def test_a_start_the_server_takes_ends_as_its_worker_says(offering, server_place
     assert running.refusals() == []
 
 
-def passing_listener(path: str, offers: list) -> threading.Thread:
+def passing_listener(path: str, offers: list, reply: bytes) -> threading.Thread:
     """A listener of root's at path that takes one offer, reads its state to the end (a server
-    may read before it refuses), closes its descriptors and answers "not taken"."""
+    may read before it refuses), closes its descriptors and answers reply: "not taken", or
+    nothing (b"": a server stopped with the offer queued)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(1)
@@ -405,18 +406,19 @@ def passing_listener(path: str, offers: list) -> threading.Thread:
             offers.append((data, len(fds), state))
             for fd in fds:
                 os.close(fd)
-            conn.send(b"p")
+            if reply:
+                conn.send(reply)
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     return thread
 
 
-@pytest.mark.parametrize("listener", ["no-socket", "stale-socket", "not-taken"])
+@pytest.mark.parametrize("listener", ["no-socket", "stale-socket", "not-taken", "no-answer"])
 def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, host, tmp_path, listener):
     """No socket, a socket no one listens on (a server killed), a server that answers "not
-    taken" after reading the state: the start is the Python hook's, from the state's first byte,
-    as without a server."""
+    taken" or closes without a word after reading the state: the start is the Python hook's,
+    from the state's first byte, as without a server."""
     program, env = offering
     path = socket_of(server_place)
     config = startservercheck.config(host, tmp_path)
@@ -426,8 +428,8 @@ def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, hos
         if listener == "stale-socket":
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
                 stale.bind(path)
-        elif listener == "not-taken":
-            thread = passing_listener(path, offers)
+        elif listener in ("not-taken", "no-answer"):
+            thread = passing_listener(path, offers, b"p" if listener == "not-taken" else b"")
         alone = startservercheck.python_hook(config, data)
         fronted = startservercheck.run(program, config, data, env)
     finally:
@@ -435,7 +437,7 @@ def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, hos
             os.unlink(path)
     ends_alike(fronted, alone)
     assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
-    if listener == "not-taken":
+    if listener in ("not-taken", "no-answer"):
         thread.join(60)
         assert offers == [(startservercheck.payload("--config", config, "prestart"), 3, data)]
 
@@ -536,10 +538,11 @@ def test_a_worker_killed_before_its_verdict_is_one_line_and_exit_70(offering, se
     """Once offered, a start never goes to Python too (the worker may have changed the container):
     a worker that ends without replying leaves the pre-filter its one line, and EX_SOFTWARE."""
     program, env = offering
-    with startservercheck.started(socket_of(server_place), tmp_path / "server.log"):
-        offered, worker, _ = startservercheck.stalled_start(program, host, tmp_path, env)
-        os.kill(worker, signal.SIGKILL)
-        out, err = offered.communicate(timeout=60)
+    with startservercheck.started(socket_of(server_place), tmp_path / "server.log") as running:
+        with startservercheck.stalled_start(program, host, tmp_path, running, env) as (offered, worker, _):
+            os.kill(worker, signal.SIGKILL)
+            out, err = offered.communicate(timeout=60)
+        running.wait_for(f"oci-gpu-hook start-server: worker {worker} was killed by signal {signal.SIGKILL:d}")
     assert (offered.returncode, out) == (Exit.INTERNAL, b"")
     assert err == (b"oci-gpu-hook: the start server's worker ended without a verdict (killed?); the server's log "
                    b"says why (journalctl -u oci-gpu-hook-start.service)\n")  # fmt: skip
