@@ -1,0 +1,360 @@
+"""Attacks on the start server's newest checks (start/server.py, start/csrc/prefilter.c; docs/security.md,
+"The start server (issue 41): threat model"), each with a real server on a socket of the test's own and
+real processes offering to it:
+- a uid-0 process whose capabilities were dropped (all of them, through a read-only bind of the
+  socket's directory in a mount namespace of its own, as a container's root given a view of /run;
+  or one of them, in the server's namespace) borrows none of the server's: "not taken", its
+  capability reason in the server's log, no worker forked, nothing of the hook run;
+- a process with every capability in another mount namespace: "not taken", the namespace reason;
+- the replies: a taken offer hears "a", then "v" and the exit status; an offer queued in a server
+  that stops (or is killed) before accepting it hears nothing, and its start is Python's, never 70;
+- a pre-filter with any OCI_GPU_HOOK_ variable in its environment offers nothing;
+- SIGINT to a waiting spare worker ends that spare alone: the server and its socket go on;
+- a worker killed mid-start: the pre-filter's one line and exit 70, the worker and the signal in
+  the server's log.
+Each server is stopped by its pid (startservercheck.Server); the socket is in a directory of root's.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import hookcheck
+import pytest
+import startservercheck
+
+from oci_gpu_hook.errors import Exit
+from oci_gpu_hook.start import server
+from oci_gpu_hook.start.apply import FAULT_ENV
+from oci_gpu_hook.toolkit import prefilter
+from oci_gpu_hook.toolkit.install import interpreter_command
+
+STRICT = ("-Werror",)
+HANG_GUARD = 60  # seconds: each wait below ends within one in a working run
+STUB_EXIT = 42
+# The Python hook of the stub pre-filter: says it ran, with which arguments, and gives back the state
+# it was handed (so that the state is seen to come from its first byte).
+STUB_HOOK = f'#!/bin/sh\necho "python hook: $*" >&2\ncat\nexit {STUB_EXIT}\n'
+DROP_ALL = ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+CAP_SYS_ADMIN = 21
+# A container's root given a view of the socket's directory: a mount namespace of its own in which
+# that directory is bound read-only (that it is, checked), then its capabilities dropped.
+READ_ONLY_VIEW = ('mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && ! touch "$1/probe" 2>/dev/null '
+                  '&& shift && exec "$@"')  # fmt: skip
+OWN_MOUNT_NAMESPACE = ["unshare", "--mount", "--propagation", "private"]
+WITHOUT_VERDICT = (b"oci-gpu-hook: the start server's worker ended without a verdict (killed?); the server's log "
+                   b"says why (journalctl -u oci-gpu-hook-start.service)\n")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def place(require):
+    """The module's directory (root's, 0700): the pre-filters, and sock/ (root's, 0700) their socket."""
+    require("root", "gcc", "setpriv", "unshare")
+    with startservercheck.socket_directory() as top:
+        os.mkdir(os.path.join(top, "sock"), 0o700)
+        yield top
+
+
+@pytest.fixture(scope="module")
+def socket_path(place):
+    return os.path.join(place, "sock", "start.sock")
+
+
+@pytest.fixture(scope="module")
+def stub(place, socket_path):
+    """A pre-filter offering to socket_path in front of STUB_HOOK."""
+    hook = os.path.join(place, "python-hook")
+    with open(hook, "w") as f:
+        f.write(STUB_HOOK)
+    os.chmod(hook, 0o700)
+    return prefilter.build(os.path.join(place, "stub"), hook, start_server=socket_path, flags=STRICT)
+
+
+@pytest.fixture(scope="module")
+def real(place, socket_path):
+    """A pre-filter offering to socket_path in front of this checkout's Python hook."""
+    return startservercheck.prefilter(os.path.join(place, "real"), socket_path, STRICT)[0]
+
+
+@pytest.fixture
+def running(socket_path, tmp_path):
+    with startservercheck.started(socket_path, tmp_path / "server.log") as listening:
+        yield listening
+
+
+# --- processes, as procfs shows them ------------------------------------------------------------
+
+
+def children(pid: int) -> list:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:  # the server is single-threaded
+        return [int(child) for child in f.read().split()]
+
+
+def state_of(pid: int) -> str:
+    """R, S, T, Z, ... ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+
+
+def effective_caps(pid) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+
+
+def wait_for(what: str, test):
+    """test()'s first true value; fails after HANG_GUARD seconds."""
+    deadline = time.monotonic() + HANG_GUARD
+    while True:
+        value = test()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"no {what} within {HANG_GUARD} s"
+        time.sleep(0.01)
+
+
+def the_spare(running: startservercheck.Server) -> int:
+    """The server's one child, its spare worker, once it waits (asleep) for an offer."""
+
+    def waiting():
+        found = children(running.pid)
+        return found[0] if len(found) == 1 and state_of(found[0]) == "S" else 0
+
+    return wait_for("spare worker waiting", waiting)
+
+
+def socket_inodes(pid: int) -> set:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found.add(link[len("socket:[") : -1])
+    return found
+
+
+def waits_for_a_reply(pid: int) -> bool:
+    """The pre-filter pid has connected and sent its offer: its socket is connected (/proc/net/unix:
+    state 03) and it sleeps, which after connect it does only in recv (its sendmsg cannot block on a
+    new connection's empty queue)."""
+    inodes = socket_inodes(pid)
+    with open("/proc/net/unix") as f:
+        rows = [line.split() for line in f][1:]
+    return any(row[6] in inodes and row[5] == "03" for row in rows) and state_of(pid) == "S"
+
+
+@contextlib.contextmanager
+def offering(argv: list, data: bytes, directory):
+    """argv (a pre-filter, and what is put in front of it) started as a runtime starts the hook, its
+    state data in a file (as runc passes it); yields the Popen, killed by its pid if still there."""
+    with open(os.path.join(str(directory), "state"), "wb") as f:
+        f.write(data)
+    with open(os.path.join(str(directory), "state"), "rb") as state:
+        offered = subprocess.Popen(argv, stdin=state, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   env=startservercheck.ENV)  # fmt: skip
+    try:
+        yield offered
+    finally:
+        if offered.poll() is None:
+            offered.kill()
+        offered.communicate()
+
+
+def killed_lines(running: startservercheck.Server) -> list:
+    return [line for line in running.log() if " was killed by signal " in line]
+
+
+# --- who may offer: capabilities, the mount namespace -------------------------------------------
+
+
+LACKS_CAPS = "it lacks capabilities the worker would use (its effective {:#x}, the server's {:#x})"
+OTHER_NAMESPACE = "it is in another mount namespace than the server (its bundle and configuration are named in its own)"
+
+
+def in_front(case: str, socket_path: str) -> tuple:
+    """(the command put in front of the pre-filter, its effective capabilities as a function of
+    the server's, the reason the server must give) for each kind of peer."""
+    own_view = [*OWN_MOUNT_NAMESPACE, "sh", "-c", READ_ONLY_VIEW, "sh", os.path.dirname(socket_path)]
+    drop_one = ["setpriv", "--bounding-set=-sys_admin", "--no-new-privs", "--"]
+    return {
+        "no-capabilities-read-only-view": ([*own_view, *DROP_ALL], lambda own: 0, LACKS_CAPS),
+        "no-capabilities": (DROP_ALL, lambda own: 0, LACKS_CAPS),
+        "no-cap_sys_admin": (drop_one, lambda own: own & ~(1 << CAP_SYS_ADMIN), LACKS_CAPS),
+        "another-mount-namespace": (OWN_MOUNT_NAMESPACE, None, OTHER_NAMESPACE),
+    }[case]
+
+
+@pytest.mark.parametrize("case", ["no-capabilities-read-only-view", "no-capabilities", "no-cap_sys_admin",
+                                  "another-mount-namespace"])  # fmt: skip
+def test_a_root_peer_that_lacks_what_a_worker_has_is_not_taken(host, stub, socket_path, running, tmp_path, case):
+    """uid 0 is not enough: its offer is answered "not taken" and its start is Python's (the stub
+    hook's, from the state's first byte); the server's log gives the reason with the peer's pid;
+    the spare worker is still the one that waited before (no worker forked), and no hook ran (no
+    log record)."""
+    front, caps_of, why = in_front(case, socket_path)
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    spare = the_spare(running)
+    own = effective_caps(running.pid)
+    with offering([*front, stub, "--config", config, "prestart"], data, tmp_path) as offered:
+        out, err = offered.communicate(timeout=HANG_GUARD)
+    assert (offered.returncode, err, out) == (STUB_EXIT, f"python hook: --config {config} prestart\n".encode(), data)
+    if caps_of is not None:
+        why = why.format(caps_of(own), own)
+    assert running.refusals() == [f"an offer from pid {offered.pid}: {why}"]  # unshare, sh, setpriv exec it
+    assert the_spare(running) == spare
+    assert startservercheck.log_records(config) == []
+
+
+# --- the replies --------------------------------------------------------------------------------
+
+
+def replies(path: str, data: bytes, fds) -> list:
+    """Send an offer by hand; every message the server sends back, to its end (b"")."""
+    got = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(HANG_GUARD)
+        s.connect(path)
+        s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        while not got or got[-1]:
+            got.append(s.recv(16))
+    return got
+
+
+def test_a_taken_offer_hears_taken_then_the_verdict(host, socket_path, running, tmp_path):
+    """b"a" before the worker has it, then b"v" and the Python hook's own exit status, then the
+    end; the worker's line on the offer's stderr, as the Python hook says it."""
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    alone = startservercheck.python_hook(config, data)
+    state = startservercheck.state_memfd(data)
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        got = replies(socket_path, startservercheck.payload("--config", config, "prestart"), [state, out_w, err_w])
+        for fd in (out_w, err_w):
+            os.close(fd)
+        out, err = os.read(out_r, 1 << 16), os.read(err_r, 1 << 16)
+    finally:
+        for fd in (state, out_r, err_r):
+            os.close(fd)
+    assert alone.returncode == Exit.REQUEST and hookcheck.one_clear_line(alone.stderr)
+    assert got == [server.TAKEN, server.VERDICT + bytes([alone.returncode]), b""]
+    assert (out, err) == (alone.stdout, alone.stderr)
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, "start server"]
+
+
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_an_offer_queued_in_a_server_that_stops_is_pythons(host, real, socket_path, running, tmp_path, how):
+    """The server stopped (SIGSTOP) with a pre-filter's offer queued behind its accept, then
+    SIGTERM (and SIGCONT) or SIGKILL: it never accepts the offer, the pre-filter hears nothing, and
+    the start is the Python hook's own, whole (the same status and line, no "via" in the records),
+    never exit 70."""
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    alone = startservercheck.python_hook(config, data)
+    the_spare(running)
+    os.kill(running.pid, signal.SIGSTOP)
+    try:
+        wait_for("stopped server", lambda: state_of(running.pid) == "T")
+        with offering([real, "--config", config, "prestart"], data, tmp_path) as offered:
+            try:
+                wait_for("offer queued", lambda: waits_for_a_reply(offered.pid) or offered.poll() is not None)
+                assert offered.poll() is None, offered.communicate()
+                if how == "sigterm":
+                    os.kill(running.pid, signal.SIGTERM)  # pending when it continues: accept is interrupted
+            finally:
+                os.kill(running.pid, signal.SIGKILL if how == "sigkill" else signal.SIGCONT)
+            out, err = offered.communicate(timeout=HANG_GUARD)
+        assert running.proc.wait(HANG_GUARD) == (0 if how == "sigterm" else -signal.SIGKILL)
+    finally:
+        if how == "sigkill" and os.path.lexists(socket_path):
+            os.unlink(socket_path)  # a killed server's socket, left behind
+    assert offered.returncode != Exit.INTERNAL, err
+    assert (offered.returncode, err, out) == (alone.returncode, alone.stderr, alone.stdout)
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
+    assert running.refusals() == []
+
+
+# --- the pre-filter's environment ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variable", ["OCI_GPU_HOOK_DEBUG=1", "OCI_GPU_HOOK_NOT_A_SETTING="])
+def test_a_prefilter_with_a_hook_variable_offers_nothing(host, real, running, tmp_path, variable):
+    """A worker has the server's environment, not the pre-filter's: with any OCI_GPU_HOOK_
+    variable set (even empty, even one the hook does not know), the start is the Python hook's in
+    that environment; the server takes nothing (its spare still waiting, nothing in its log)."""
+    name, _, value = variable.partition("=")
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    spare = the_spare(running)
+    alone = startservercheck.run(interpreter_command(), config, data, {name: value})
+    fronted = startservercheck.run(real, config, data, {name: value})
+    assert alone.returncode == Exit.REQUEST and hookcheck.one_clear_line(alone.stderr)
+    assert (fronted.returncode, fronted.stderr, fronted.stdout) == (alone.returncode, alone.stderr, alone.stdout)
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
+    assert the_spare(running) == spare
+    assert running.log()[1:] == []
+
+
+# --- signals to the server's children -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("spare_kind", ["cold", "warm"])
+def test_sigint_to_a_waiting_spare_ends_that_spare_alone(host, real, socket_path, running, tmp_path, spare_kind):
+    """An operator's SIGINT (or a terminal's) to the spare: it dies of it, as a hook's process
+    would, without running any of the server's code (which removes the socket on its way out);
+    the server logs it and goes on, on the same socket file, taking the next start. cold: the
+    spare forked at the server's start; warm: one forked after a start, warmed with its settings."""
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    first = the_spare(running)
+    if spare_kind == "warm":
+        startservercheck.run(real, config, data)
+        wait_for("new spare", lambda: the_spare(running) != first)
+    spare = the_spare(running)
+    identity = os.lstat(socket_path).st_ino
+    os.kill(spare, signal.SIGINT)
+    wait_for("spare reaped", lambda: spare not in children(running.pid))
+    assert running.proc.poll() is None
+    assert os.path.lexists(socket_path), "the server's socket was removed"
+    assert os.lstat(socket_path).st_ino == identity
+    alone = startservercheck.python_hook(config, data)
+    served = startservercheck.run(real, config, data)
+    assert (served.returncode, served.stderr, served.stdout) == (alone.returncode, alone.stderr, alone.stdout)
+    assert startservercheck.log_records(config)[-1]["via"] == "start server"
+    # The server reaped the spare in its SIGCHLD handler, which logs before it returns: done, since
+    # the server has served a start since.
+    line = f"oci-gpu-hook start-server: worker {spare} was killed by signal {signal.SIGINT.value}"
+    assert killed_lines(running) == [line]
+    assert running.refusals() == []
+
+
+def test_a_worker_killed_mid_start_is_one_line_exit_70_and_logged(live_container, real, socket_path, tmp_path):
+    """The server's environment reaches its workers: OCI_GPU_HOOK_FAULT_AT=1:kill there makes the
+    worker SIGKILL itself at the plan's first operation, after "taken". The pre-filter never runs
+    Python then: its one line and exit 70; the server's log names that worker (the spare that took
+    the start) and the signal."""
+    container = live_container(startservercheck.GPU_ENV)
+    config = startservercheck.config(container[4], tmp_path)
+    env = {**startservercheck.ENV, FAULT_ENV: "1:kill"}
+    with startservercheck.Server(tmp_path / "server.log", socket_path, env=env).wait_listening() as running:
+        spare = the_spare(running)
+        done = startservercheck.run(real, config, container[0].encode())
+        # The pre-filter hears the end when the worker's descriptors close, before the server is
+        # told: stopped once it has reaped the worker (in the handler that logs it).
+        wait_for("worker reaped", lambda: spare not in children(running.pid))
+    line = f"oci-gpu-hook start-server: worker {spare} was killed by signal {signal.SIGKILL.value}"
+    assert killed_lines(running) == [line]
+    assert running.refusals() == []
+    assert (done.returncode, done.stdout, done.stderr) == (Exit.INTERNAL, b"", WITHOUT_VERDICT)
+    assert [r.get("via") for r in startservercheck.log_records(config)] == []
