@@ -167,6 +167,8 @@ class Applier:
         with no_deadline_between():
             mount()
             self.undo.add(f"unmount {target}", lambda: _linux.umount2(where, flags))
+        if stat.S_ISDIR(got.st_mode):  # it may cover a directory the rootfs remembers resolving
+            self.rootfs.forget_directories()
         mounted = self.undo.keep_fd(os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd))
         self._mounts[target] = mounted
         return mounted
@@ -276,7 +278,7 @@ class Applier:
     def _write_new(self, target: str, data: bytes, mode: int) -> None:
         """A new file at target (O_EXCL: nothing the image put there is written through)."""
         parent, name = os.path.split(target)
-        parent_fd = self.undo.keep_fd(self.rootfs.ensure_dir(parent, self.undo))
+        parent_fd = self.rootfs.directory(parent, self.undo)
         self.rootfs.may_create(parent_fd, target)
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=parent_fd)
         self.undo.add(f"remove file {target}", lambda: os.unlink(name, dir_fd=parent_fd))

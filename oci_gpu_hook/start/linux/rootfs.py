@@ -195,11 +195,22 @@ class Rootfs:
         self.fd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         self.labeler = labeler  # labels.Labeler when SELinux wants what we create labelled
         self.guard = None  # MountGuard when what is created must die with the container (the hook)
+        self._dirs: dict = {}  # directory path's components -> descriptor kept in self._dirs_undo
+        self._dirs_undo = None
+        self._may_create: set = set()  # those descriptors the guard has let create (see may_create)
 
     def may_create(self, dir_fd: int, path: str) -> None:
         """Raise ForeignMount (nothing done) if a new entry in dir_fd would outlive the container."""
-        if self.guard is not None:
-            self.guard.check(dir_fd, path)
+        if self.guard is None:
+            return
+        # A descriptor directory() keeps: its verdict holds for good (the guard judges the mount
+        # it is on, which stays its mount) while the undo log holds it open (no closed number
+        # reused for another directory: close() empties the log's fds).
+        if dir_fd in self._may_create and self._dirs_undo.fds:
+            return
+        self.guard.check(dir_fd, path)
+        if dir_fd in self._dirs.values():
+            self._may_create.add(dir_fd)
 
     def created(self, dir_fd: int, name: str) -> None:
         if self.labeler is not None:
@@ -280,23 +291,41 @@ class Rootfs:
 
     def ensure_dir(self, path: str, undo: UndoLog) -> int:
         """O_PATH descriptor of directory path, creating missing components (recorded in undo)."""
+        return os.dup(self.directory(path, undo))
+
+    def directory(self, path: str, undo: UndoLog) -> int:
+        """ensure_dir()'s descriptor of directory path, kept in undo (the caller must not close
+        it), and remembered: the same directory asked for again with the same undo log (the
+        thirty libraries and fifty symlinks of an 8-GPU start share a few directories) is not
+        resolved again. A descriptor stays the directory it was resolved to; what could make the
+        path name another one since is the hook's own doing, and forget_directories() is called
+        for it: a mount onto a directory (which may cover a remembered one) and a replaced entry.
+        Making a missing entry cannot: nothing remembered was resolved through a missing one."""
+        key = tuple(_split(path))
+        if self._dirs_undo is not undo or not undo.fds:  # another log, or this one closed
+            self._dirs, self._dirs_undo, self._may_create = {}, undo, set()
+        fd = self._dirs.get(key)
+        if fd is None:
+            fd = self._dirs[key] = undo.keep_fd(self._ensure_dir(path, undo))
+        return fd
+
+    def forget_directories(self) -> None:
+        """The rootfs's tree may have changed (see directory()): resolve every directory again."""
+        self._dirs = {}
+
+    def _ensure_dir(self, path: str, undo: UndoLog) -> int:
         try:
             fd = self.open(path)
         except FileNotFoundError:
             parent, name = os.path.split(path.rstrip("/"))
-            parent_fd = self.ensure_dir(parent or "/", undo)
-            try:
-                self.may_create(parent_fd, path)
-            except ForeignMount:
-                os.close(parent_fd)
-                raise
+            parent_fd = self.directory(parent or "/", undo)
+            self.may_create(parent_fd, path)
             undo.intend("dir", path)
             try:
                 os.mkdir(name, 0o755, dir_fd=parent_fd)
             except FileExistsError:
                 # A dangling symlink: it points nowhere inside the rootfs; never create its target.
                 raise OSError(errno.EEXIST, "a dangling symlink or a race is in the way", path) from None
-            undo.keep_fd(parent_fd)
             undo.add(f"remove directory {path}", lambda: os.rmdir(name, dir_fd=parent_fd))
             self.created(parent_fd, name)
             fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
@@ -317,7 +346,7 @@ class Rootfs:
             fd = self.open(path)
         except FileNotFoundError:
             parent, name = os.path.split(path)
-            return self._new_file(undo.keep_fd(self.ensure_dir(parent, undo)), name, path, mode, undo)
+            return self._new_file(self.directory(parent, undo), name, path, mode, undo)
         return self._existing_target(fd, os.fstat(fd), path, device)
 
     def ensure_target_in(self, path: str, mode: int, undo: UndoLog, device=None):
@@ -328,7 +357,7 @@ class Rootfs:
         twice. An entry that is a symlink is resolved as ensure_target() resolves it (the
         mount's check of the entry then refuses it)."""
         parent, name = os.path.split(path)
-        parent_fd = undo.keep_fd(self.ensure_dir(parent, undo))
+        parent_fd = self.directory(parent, undo)
         try:
             fd = os.open(name, _O_PATH | os.O_NOFOLLOW, dir_fd=parent_fd)
         except FileNotFoundError:
@@ -372,30 +401,26 @@ class Rootfs:
         """Create symlink path -> value; returns 'created', 'present' or 'kept' (the image's own
         file stays: an image may ship its own library on purpose)."""
         parent, name = os.path.split(path)
-        parent_fd = self.ensure_dir(parent, undo)
+        parent_fd = self.directory(parent, undo)
         try:
-            try:
-                st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                self.may_create(parent_fd, path)
-                undo.intend("symlink", path, value)
-                os.symlink(value, name, dir_fd=parent_fd)
-                undo.keep_fd(os.dup(parent_fd))
-                fd = undo.fds[-1]
-                undo.add(f"remove symlink {path}", lambda: os.unlink(name, dir_fd=fd))
-                self.created(fd, name)
-                return "created"
-            if stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=parent_fd) == value:
-                return "present"
-            return "kept"
-        finally:
-            os.close(parent_fd)
+            st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            self.may_create(parent_fd, path)
+            undo.intend("symlink", path, value)
+            os.symlink(value, name, dir_fd=parent_fd)
+            undo.add(f"remove symlink {path}", lambda: os.unlink(name, dir_fd=parent_fd))
+            self.created(parent_fd, name)
+            return "created"
+        if stat.S_ISLNK(st.st_mode) and os.readlink(name, dir_fd=parent_fd) == value:
+            return "present"
+        return "kept"
 
     def replace_file(self, directory: str, dir_fd: int, name: str, data: bytes, mode: int, undo: UndoLog) -> None:
         """Put a new file with data at name in the directory open at dir_fd, by rename: whatever
         is there (a device node, FIFO, hard link or symlink the image planted) is replaced as a
         directory entry, never opened or written through. Undone by swapping the old entry back."""
         temporary = f".{name}.oci-gpu-hook-{os.getpid()}"
+        self.forget_directories()  # the entry replaced may have been a symlink to a directory
         self.may_create(dir_fd, f"{directory.rstrip('/')}/{name}")
         undo.intend("temp", f"{directory.rstrip('/')}/{temporary}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -131,3 +131,96 @@ def test_the_hooks_own_tmpfs_is_owned_without_reading_the_mount_tables(tmp_path,
     assert "error" not in result, result["error"] if "error" in result else ""
     assert result["verdict"] == "owned"
     assert result["read_container_table"] == result["read_host_table"] == (not own)
+
+
+def test_entries_in_one_directory_share_its_descriptor_resolved_once(image):
+    """An 8-GPU start makes some ninety targets and symlinks in a few directories: each directory
+    is resolved once per undo log (its descriptor kept there), not once per entry; what is made
+    through it is undone through it."""
+    root, rootfs, undo = image
+    first, _, a = rootfs.ensure_target_in("/usr/lib/a.so", 0o644, undo)
+    kept = len(undo.fds)
+    second, _, b = rootfs.ensure_target_in("/usr/lib/b.so", 0o644, undo)
+    assert rootfs.ensure_symlink("/usr/lib/a.so.1", "a.so", undo) == "created"
+    os.close(a)
+    os.close(b)
+    assert first == second and len(undo.fds) == kept
+    assert identity(first) == identity(str(root / "usr/lib"))
+    other = UndoLog()  # another start's log: never a descriptor the first one closes
+    try:
+        third, _, c = rootfs.ensure_target_in("/usr/lib/c.so", 0o644, other)
+        os.close(c)
+        assert third in other.fds and third not in undo.fds
+        assert other.rollback() == []
+    finally:
+        other.close()
+    assert undo.rollback() == []
+    assert sorted(os.listdir(root / "usr/lib")) == ["elsewhere.so", "link.so", "present.so"]
+
+
+def test_a_closed_undo_logs_directories_are_resolved_again(image):
+    """The remembered descriptors are the undo log's: once it has closed them, their numbers may
+    name anything, so a directory asked for again is resolved again."""
+    root, rootfs, undo = image
+    rootfs.directory("/usr/lib", undo)
+    undo.close()
+    fd = rootfs.directory("/usr/lib", undo)
+    assert fd in undo.fds and identity(fd) == identity(str(root / "usr/lib"))
+
+
+def _guard_checks_in_a_private_namespace(directory: str) -> dict:
+    """In a forked child with a mount namespace of its own: a rootfs with a volume (a host
+    directory bound at /vol); two files made in /usr/lib and two tried in /vol, through a guard
+    whose checks are counted."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        result = {}
+        try:
+            os.close(read_end)
+            host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
+            _linux.unshare(_linux.CLONE_NEWNS)
+            _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+            for made in ("rootfs/usr/lib", "rootfs/vol", "volume"):
+                os.makedirs(f"{directory}/{made}")
+            _linux.mount(f"{directory}/rootfs", f"{directory}/rootfs", None, _linux.MS_BIND)
+            _linux.mount(f"{directory}/volume", f"{directory}/rootfs/vol", None, _linux.MS_BIND)
+            rootfs, undo = Rootfs(f"{directory}/rootfs"), UndoLog()
+            guard = rootfs.guard = MountGuard(rootfs.fd, rootfs.path, host_mountinfo)
+            checked = []
+            judge = guard.check
+            guard.check = lambda fd, path: (checked.append(path), judge(fd, path))[1]
+            for name in ("a.so", "b.so"):
+                os.close(rootfs.ensure_target_in(f"/usr/lib/{name}", 0o644, undo)[2])
+            rootfs.ensure_symlink("/usr/lib/a.so.1", "a.so", undo)
+            result["checked"] = list(checked)
+            result["refused"] = []
+            for name in ("a", "b"):
+                try:
+                    rootfs.ensure_target_in(f"/vol/{name}", 0o644, undo)
+                except ForeignMount as e:
+                    result["refused"].append(e.filename)
+            result["volume"] = os.listdir(f"{directory}/volume")
+            result["rollback"] = undo.rollback()
+            undo.close()
+        except BaseException as e:  # reported to the test, which fails with it
+            result["error"] = repr(e)
+        finally:
+            os.write(write_end, json.dumps(result).encode())
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+def test_the_guard_judges_a_remembered_directory_once_and_a_volume_every_time(tmp_path, require):
+    """A directory the rootfs remembers is judged once (its descriptor stays on its mount); a
+    refusal is not remembered: each entry the hook would make in a volume is refused."""
+    require("root")
+    result = _guard_checks_in_a_private_namespace(str(tmp_path))
+    assert "error" not in result, result["error"] if "error" in result else ""
+    assert result["checked"] == ["/usr/lib/a.so"]
+    assert result["refused"] == ["/vol/a", "/vol/b"]
+    assert result["volume"] == [] and result["rollback"] == []
