@@ -78,38 +78,20 @@ def test_a_target_of_the_wrong_type_is_refused(image, what):
         rootfs.ensure_target_in("/usr/lib/wrong.so", 0o644, undo)
 
 
-def _guard_in_a_private_namespace(directory: str, own: bool) -> dict:
-    """In a forked child with a mount namespace of its own: a fresh tmpfs on directory, which the
-    guard is told of (own) or not; whether a file may be made in it, and which mount tables the
-    guard read."""
+def _in_a_private_namespace(body) -> dict:
+    """body(result, host_mountinfo) run in a forked child with a mount namespace of its own (the
+    host's mount table opened first, in the test's namespace, as apply opens the hook's before
+    joining the container's); the dict it fills, or {"error": ...} with what it raised."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         result = {}
         try:
             os.close(read_end)
-            # Opened in the test's own namespace, as apply opens the hook's before joining the container's.
             host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
             _linux.unshare(_linux.CLONE_NEWNS)
             _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
-            os.makedirs(f"{directory}/rootfs/tmp", exist_ok=True)
-            rootfs = Rootfs(f"{directory}/rootfs")
-            _linux.mount(directory, directory, None, _linux.MS_BIND)  # the rootfs's own mount
-            rootfs.close()
-            rootfs = Rootfs(f"{directory}/rootfs")
-            guard = MountGuard(rootfs.fd, rootfs.path, host_mountinfo)
-            target = rootfs.open("/tmp")
-            _linux.mount("tmpfs", f"/proc/self/fd/{target}", "tmpfs", 0, "mode=0755")
-            mounted = rootfs.open("/tmp")
-            if own:
-                guard.own(mounted)
-            try:
-                guard.check(mounted, "/tmp")
-                result["verdict"] = "owned"
-            except ForeignMount as e:
-                result["verdict"] = e.strerror
-            result["read_container_table"] = bool(guard._mounts)
-            result["read_host_table"] = guard._host_text is not None
+            body(result, host_mountinfo)
         except BaseException as e:  # reported to the test, which fails with it
             result["error"] = repr(e)
         finally:
@@ -120,6 +102,33 @@ def _guard_in_a_private_namespace(directory: str, own: bool) -> dict:
         data = f.read()
     os.waitpid(pid, 0)
     return json.loads(data)
+
+
+def _guard_in_a_private_namespace(directory: str, own: bool) -> dict:
+    """A fresh tmpfs on directory, which the guard is told of (own) or not; whether a file may be
+    made in it, and which mount tables the guard read."""
+
+    def body(result, host_mountinfo):
+        os.makedirs(f"{directory}/rootfs/tmp", exist_ok=True)
+        rootfs = Rootfs(f"{directory}/rootfs")
+        _linux.mount(directory, directory, None, _linux.MS_BIND)  # the rootfs's own mount
+        rootfs.close()
+        rootfs = Rootfs(f"{directory}/rootfs")
+        guard = MountGuard(rootfs.fd, rootfs.path, host_mountinfo)
+        target = rootfs.open("/tmp")
+        _linux.mount("tmpfs", f"/proc/self/fd/{target}", "tmpfs", 0, "mode=0755")
+        mounted = rootfs.open("/tmp")
+        if own:
+            guard.own(mounted)
+        try:
+            guard.check(mounted, "/tmp")
+            result["verdict"] = "owned"
+        except ForeignMount as e:
+            result["verdict"] = e.strerror
+        result["read_container_table"] = bool(guard._mounts)
+        result["read_host_table"] = guard._host_text is not None
+
+    return _in_a_private_namespace(body)
 
 
 @pytest.mark.parametrize("own", [True, False])
@@ -169,50 +178,34 @@ def test_a_closed_undo_logs_directories_are_resolved_again(image):
 
 
 def _guard_checks_in_a_private_namespace(directory: str) -> dict:
-    """In a forked child with a mount namespace of its own: a rootfs with a volume (a host
-    directory bound at /vol); two files made in /usr/lib and two tried in /vol, through a guard
-    whose checks are counted."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        result = {}
-        try:
-            os.close(read_end)
-            host_mountinfo = os.open("/proc/self/mountinfo", os.O_RDONLY | os.O_CLOEXEC)
-            _linux.unshare(_linux.CLONE_NEWNS)
-            _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
-            for made in ("rootfs/usr/lib", "rootfs/vol", "volume"):
-                os.makedirs(f"{directory}/{made}")
-            _linux.mount(f"{directory}/rootfs", f"{directory}/rootfs", None, _linux.MS_BIND)
-            _linux.mount(f"{directory}/volume", f"{directory}/rootfs/vol", None, _linux.MS_BIND)
-            rootfs, undo = Rootfs(f"{directory}/rootfs"), UndoLog()
-            guard = rootfs.guard = MountGuard(rootfs.fd, rootfs.path, host_mountinfo)
-            checked = []
-            judge = guard.check
-            guard.check = lambda fd, path: (checked.append(path), judge(fd, path))[1]
-            for name in ("a.so", "b.so"):
-                os.close(rootfs.ensure_target_in(f"/usr/lib/{name}", 0o644, undo)[2])
-            rootfs.ensure_symlink("/usr/lib/a.so.1", "a.so", undo)
-            result["checked"] = list(checked)
-            result["refused"] = []
-            for name in ("a", "b"):
-                try:
-                    rootfs.ensure_target_in(f"/vol/{name}", 0o644, undo)
-                except ForeignMount as e:
-                    result["refused"].append(e.filename)
-            result["volume"] = os.listdir(f"{directory}/volume")
-            result["rollback"] = undo.rollback()
-            undo.close()
-        except BaseException as e:  # reported to the test, which fails with it
-            result["error"] = repr(e)
-        finally:
-            os.write(write_end, json.dumps(result).encode())
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
+    """A rootfs with a volume (a host directory bound at /vol); two files made in /usr/lib and two
+    tried in /vol, through a guard whose checks are counted."""
+
+    def body(result, host_mountinfo):
+        for made in ("rootfs/usr/lib", "rootfs/vol", "volume"):
+            os.makedirs(f"{directory}/{made}")
+        _linux.mount(f"{directory}/rootfs", f"{directory}/rootfs", None, _linux.MS_BIND)
+        _linux.mount(f"{directory}/volume", f"{directory}/rootfs/vol", None, _linux.MS_BIND)
+        rootfs, undo = Rootfs(f"{directory}/rootfs"), UndoLog()
+        guard = rootfs.guard = MountGuard(rootfs.fd, rootfs.path, host_mountinfo)
+        checked = []
+        judge = guard.check
+        guard.check = lambda fd, path: (checked.append(path), judge(fd, path))[1]
+        for name in ("a.so", "b.so"):
+            os.close(rootfs.ensure_target_in(f"/usr/lib/{name}", 0o644, undo)[2])
+        rootfs.ensure_symlink("/usr/lib/a.so.1", "a.so", undo)
+        result["checked"] = list(checked)
+        result["refused"] = []
+        for name in ("a", "b"):
+            try:
+                rootfs.ensure_target_in(f"/vol/{name}", 0o644, undo)
+            except ForeignMount as e:
+                result["refused"].append(e.filename)
+        result["volume"] = os.listdir(f"{directory}/volume")
+        result["rollback"] = undo.rollback()
+        undo.close()
+
+    return _in_a_private_namespace(body)
 
 
 def test_the_guard_judges_a_remembered_directory_once_and_a_volume_every_time(tmp_path, require):
