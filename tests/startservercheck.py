@@ -15,16 +15,22 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
 import hookcheck
 
 from oci_gpu_hook.start import rule
-from oci_gpu_hook.toolkit.install import interpreter_command
+from oci_gpu_hook.toolkit import launcher
 
 # As a unit would run it: this interpreter and this checkout, isolated, in the hooks' environment.
-COMMAND = [*interpreter_command(), rule.START_SERVER]
+# The checkout is put on the path by the command itself, as a launcher does (launcher.py): -I
+# leaves the working directory out, and a checkout the interpreter has no install of (a locked
+# clone's, tests/test_checkout_location.py) would not be found by `-m`.
+CHECKOUT = [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {launcher.package_parent()!r}); "
+            "from oci_gpu_hook.hook import main; sys.exit(main())"]  # fmt: skip
+COMMAND = [*CHECKOUT, rule.START_SERVER]
 ENV = hookcheck.HOOK_ENV
 LISTENING = "oci-gpu-hook start-server: listening on "
 NOT_TAKEN = "oci-gpu-hook start-server: not taken: "
@@ -154,7 +160,7 @@ def run(program, config_path: str, data: bytes, env=None, **kwargs) -> subproces
 
 def python_hook(config_path: str, data: bytes) -> subprocess.CompletedProcess:
     """The Python hook alone, as a runtime runs it without a pre-filter."""
-    return run(interpreter_command(), config_path, data)
+    return run(CHECKOUT, config_path, data)
 
 
 def payload(*argv: str, version: str = rule.START_SERVER_VERSION) -> bytes:

@@ -340,10 +340,12 @@ def test_docker_check(setup, state, status, words, require):
     if state.endswith("NVIDIA's program"):
         _executable(root + install.DOCKER_HOOK, NVIDIAS_HOOK)
     if "ours" in state or "first on the PATH" in state:
-        with_prefilter = "pre-filter" in state  # Docker's program: the pre-filter, or the launcher
+        # Docker's program: the pre-filter (install puts it there with the start server), or the launcher
+        with_prefilter = "pre-filter" in state
         if with_prefilter:
             require("gcc")
-        install.install(root, ("docker",), ["/usr/bin/oci-gpu-hook"], prefilter=with_prefilter)
+        install.install(root, ("docker",), ["/usr/bin/oci-gpu-hook"], prefilter=with_prefilter,
+                        start_server=with_prefilter)  # fmt: skip
     if state.endswith("without its launcher"):
         os.unlink(root + install.DOCKER_LAUNCHER)
     if state.endswith("in front of another"):
