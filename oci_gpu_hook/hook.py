@@ -15,13 +15,10 @@ from __future__ import annotations
 import os
 import sys
 
-from oci_gpu_hook.errors import PROG, Exit, answer, say  # noqa: F401 - PROG: the program's name, for callers
+from oci_gpu_hook.errors import Exit, answer
 from oci_gpu_hook.start.rule import LDCACHE_REFRESH, RUNTIME_COMMANDS, START_SERVER, is_runtime_command, split_config
 
 INTERNAL_ERROR_EXIT = Exit.INTERNAL
-
-
-report = say  # one line on stderr (errors.say)
 
 
 def run(argv, as_program: bool = False) -> int:

@@ -396,17 +396,12 @@ def serve(listener: socket.socket) -> None:
                 if not _fork_worker(listener, conn, offer):
                     _say(offer.fds[2], "the start server could not start a worker for this start (its log says why)")
                     _reply(conn, VERDICT + bytes([70]))
-            spare, config = None, hook_config(offer.argv)
+            spare, config = None, rule.split_config(offer.argv)[0]  # the next spare warms with it
             for fd in offer.fds:
                 os.close(fd)
     if spare is not None:
         spare.socket.close()  # it sees the pair closed and exits
     _log("stopped")
-
-
-def hook_config(argv) -> str | None:
-    """The --config of a runtime command's argv (the spare's next warm-up reads it)."""
-    return rule.split_config(argv)[0]
 
 
 def _fork_worker(listener: socket.socket, conn: socket.socket, offer: Offer) -> bool:

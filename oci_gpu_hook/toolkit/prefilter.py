@@ -93,17 +93,23 @@ def is_prefilter(path: str) -> bool:
     return data.startswith(b"\x7fELF") and MARKER in data
 
 
-def runs(path: str) -> str | None:
-    """The Python hook the pre-filter at path runs (its PYTHON_HOOK, written after MARKER), or None
-    when path is not a pre-filter (doctor follows Docker's program to the launcher it runs)."""
+def _marked(path: str, marker: bytes) -> str | None:
+    """The text after marker (to its NUL) in the pre-filter at path, or None: not a pre-filter, or
+    one without that marker."""
     try:
         with open(path, "rb") as f:
             data = f.read(1 << 20)
     except OSError:
         return None
-    at = data.find(MARKER) if data.startswith(b"\x7fELF") else -1
+    at = data.find(marker) if data.startswith(b"\x7fELF") and MARKER in data else -1
     end = data.find(b"\0", at) if at >= 0 else -1
-    return data[at + len(MARKER) : end].decode("ascii", "replace") if end >= 0 else None
+    return data[at + len(marker) : end].decode("ascii", "replace") if end >= 0 else None
+
+
+def runs(path: str) -> str | None:
+    """The Python hook the pre-filter at path runs (its PYTHON_HOOK, written after MARKER), or None
+    when path is not a pre-filter (doctor follows Docker's program to the launcher it runs)."""
+    return _marked(path, MARKER)
 
 
 OFFERS_MARKER = b"oci-gpu-hook pre-filter: offers starts to "
@@ -113,14 +119,7 @@ def offers_to(path: str) -> str | None:
     """The start server's socket the pre-filter at path offers starts to (its START_SERVER, written
     after OFFERS_MARKER), or None: not a pre-filter, or one built without a socket (install
     --start-server refuses to wire a server to that one: no start would ever reach it)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(1 << 20)
-    except OSError:
-        return None
-    at = data.find(OFFERS_MARKER) if data.startswith(b"\x7fELF") and MARKER in data else -1
-    end = data.find(b"\0", at) if at >= 0 else -1
-    return data[at + len(OFFERS_MARKER) : end].decode("ascii", "replace") if end >= 0 else None
+    return _marked(path, OFFERS_MARKER)
 
 
 def max_int_digits() -> int:
