@@ -17,11 +17,10 @@ root's 0700 home is).
 import json
 import os
 import pwd
-import shutil
 import sys
-import tempfile
 
 import pytest
+import usercheck
 from hookcheck import listed_uuids
 from privatehost import run
 
@@ -66,17 +65,8 @@ def _hook_paths() -> list:
 @pytest.fixture(scope="module")
 def world(require):
     require("root", "podman", "runc", "busybox", "gcc", "unshare", "useradd", "runuser", "newuidmap", "newgidmap")
-    from oci_gpu_hook.toolkit.simulate import simulate
-
-    # Not pytest's tmp_path: it lies in root's 0700 /tmp/pytest-of-root, where no user may go.
-    top = tempfile.mkdtemp(prefix="oci-gpu-hook-rootless-", dir="/tmp")
-    os.chmod(top, 0o755)
-    try:
-        host = simulate(f"{top}/host", gpus=4, scramble_minors=True)
-        containers.make_rootfs(f"{top}/rootfs")
-        yield top, host
-    finally:
-        shutil.rmtree(top)
+    with usercheck.rootless_world("oci-gpu-hook-rootless-") as made:
+        yield made
 
 
 def _scenario(top: str, host: dict, name: str, chmods: dict):

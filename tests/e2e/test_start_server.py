@@ -20,11 +20,10 @@ host, the image and the bundle lie in a directory every user may enter, removed 
 import contextlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 
 import pytest
+import usercheck
 from hookcheck import listed_uuids
 from privatehost import Session
 
@@ -156,14 +155,7 @@ def _scenario(top: str, host: dict) -> tuple:
 @pytest.fixture(scope="module")
 def world(require):
     require("root", "podman", "runc", "busybox", "gcc", "unshare", "useradd", "runuser", "newuidmap", "newgidmap")
-    from oci_gpu_hook.toolkit.simulate import simulate
-
-    # Not pytest's tmp_path: it lies in root's 0700 /tmp/pytest-of-root, where no user may go.
-    top = tempfile.mkdtemp(prefix="oci-gpu-hook-start-server-", dir="/tmp")
-    os.chmod(top, 0o755)
-    try:
-        host = simulate(f"{top}/host", gpus=4, scramble_minors=True)
-        containers.make_rootfs(f"{top}/rootfs")
+    with usercheck.rootless_world("oci-gpu-hook-start-server-") as (top, host):
         env = {"NVIDIA_VISIBLE_DEVICES": "2"}
         containers.make_bundle(f"{top}/bundle", args=GPU_COMMAND, env=env, config_file=None, with_hook=False)
         with open(f"{top}/bundle/rootfs/etc/hostname", "w") as f:  # podman writes one; runc leaves it to the bundle
@@ -181,8 +173,6 @@ def world(require):
                 servers.append(f.read())
         yield {"host": host, "r": results, "log": log, "records": records, "servers": servers, "uid": uid,
                "config": f"{host['root']}/config.yaml"}  # fmt: skip
-    finally:
-        shutil.rmtree(top)
 
 
 def _started(world, step: str, gpu: int) -> list:

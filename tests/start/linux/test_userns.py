@@ -4,10 +4,9 @@ uid 65534), not of a uid_map written for the test."""
 
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
+import usercheck
 
 from oci_gpu_hook.start.linux import userns
 
@@ -38,16 +37,12 @@ def test_the_host_is_no_user_namespace(require):
 
 
 def test_in_a_user_namespace_root_is_the_overflow_uid(run_as_nobody):
-    top = tempfile.mkdtemp(prefix="oci-gpu-hook-userns-", dir="/tmp")  # pytest's tmp_path is root's alone
-    try:
-        os.chmod(top, 0o755)
+    with usercheck.shared_directory("oci-gpu-hook-userns-") as top:  # as /etc is: root's alone, open to all
         config = os.path.join(top, "config.yaml")
         with open(config, "w") as f:
             f.write("cgroups: auto\n")
         os.chmod(config, 0o644)  # root's, as a host's configuration is
         done = run_as_nobody(["-c", IN_A_USER_NAMESPACE, config], capture_output=True, text=True)
-    finally:
-        shutil.rmtree(top)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     with open("/proc/sys/kernel/overflowuid") as f:
@@ -93,9 +88,9 @@ def test_a_users_entry_in_a_sticky_directory_is_not_taken_for_roots_in_a_user_na
     a directory every user may write has an owner that cannot be told there: it is not used."""
     from oci_gpu_hook.start.linux import sources
 
-    top = tempfile.mkdtemp(prefix="oci-gpu-hook-userns-", dir="/tmp")  # pytest's tmp_path is root's alone
-    try:
-        os.chmod(top, 0o755)
+    # The sticky directory is the test's own, as /tmp is: not /tmp itself, whose mode is the
+    # machine's (1777 on Debian, 0755 in some sandboxes), and where solid_dir could not lie.
+    with usercheck.shared_directory("oci-gpu-hook-userns-") as top:
         sticky = os.path.join(top, "tmp")  # as /tmp is
         os.mkdir(sticky)
         os.chmod(sticky, 0o1777)
@@ -115,8 +110,6 @@ def test_a_users_entry_in_a_sticky_directory_is_not_taken_for_roots_in_a_user_na
             host.close()
         done = run_as_nobody(["-c", IN_A_STICKY_DIRECTORY, users, link, roots, solid_dir], capture_output=True,
                              text=True)  # fmt: skip
-    finally:
-        shutil.rmtree(top)
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout)
     assert got[solid_dir] == "used"
