@@ -6,13 +6,18 @@ container the hook, on a simulated host with 2 A100-40GB GPUs (tests/kubeletchec
   with the real program's interface) and sets its defaults (20480M per GPU, 50% of the threads);
   the kubelet's Allocate for a replica gives the pod CUDA_MPS_PIPE_DIRECTORY and its limits, the
   daemon's pipe directory (the pod's own nvidia-cuda-mps-control reaches the daemon through it)
-  and the daemon's /dev/shm; stopping the plugin quits the daemon.
+  and the daemon's /dev/shm, through the links the runtime resolves to the daemon's generation; a
+  pod that quits the daemon has it started again in a new generation, which the next pod reaches;
+  stopping the plugin quits the daemon.
 - imex.channelIDs [1]: a pod given a GPU also gets /dev/nvidia-caps-imex-channels/channel1 (the
   major /proc/devices gives nvidia-caps-imex-channels, minor 1), usable (the device cgroup lets
   it through), and not channel0.
 """
 
 import os
+import shutil
+import tempfile
+import time
 
 import kubeletcheck
 import pytest
@@ -45,7 +50,7 @@ def daemon_record(host) -> list:
 
 def test_mps_replicas_daemon_defaults_and_the_clients_answer(cluster):
     node, host, hook_config, tmp = cluster
-    root = str(tmp / "mps")
+    root = tempfile.mkdtemp(prefix="mps-", dir="/tmp")  # short: the daemon's socket paths have 107 bytes
     pipe = os.path.join(root, "nvidia.com/gpu/pipe")
     doc = {"version": "v1", "flags": {"mpsRoot": root, "plugin": {"deviceListStrategy": "envvar"}},
            "sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}}  # fmt: skip
@@ -55,16 +60,19 @@ def test_mps_replicas_daemon_defaults_and_the_clients_answer(cluster):
     plugin = kubeletcheck.DevicePlugin(hook_config, node, tmp, doc, "plugin-mps")
     try:
         node.wait_for_resource("nvidia.com/gpu", 4)
-        # The daemon got its defaults through its stdin commands before the resource was offered.
-        told = [line for line in daemon_record(host)[before:] if line.startswith(pipe + " ")]
-        assert [line[len(pipe) + 1 :] for line in told if "Cmd:" in line] == [
+        # The daemon got its defaults through its stdin commands before the resource was offered,
+        # in its generation, which the clients' pipe link names.
+        first = os.path.realpath(pipe)
+        assert os.path.dirname(os.path.dirname(first)) == os.path.join(root, "nvidia.com/gpu"), first
+        told = [line for line in daemon_record(host)[before:] if line.startswith(first + " ")]
+        assert [line[len(first) + 1 :] for line in told if "Cmd:" in line] == [
             f"Cmd:set_default_device_pinned_mem_limit 0 {share}M",
             f"Cmd:set_default_device_pinned_mem_limit 1 {share}M",
             "Cmd:set_default_active_thread_percentage 50",
         ], told
         assert os.path.exists(os.path.join(pipe, "control"))
-        # The daemon's /dev/shm is the MPS root's shm directory, not the host's.
-        assert os.path.exists(os.path.join(root, "shm", "cuda.shm.sim"))
+        # The daemon's /dev/shm is its generation's, which the resource's shm link names, not the host's.
+        assert os.path.exists(os.path.join(root, "nvidia.com/gpu/shm", "cuda.shm.sim"))
         assert not os.path.exists("/dev/shm/cuda.shm.sim")
 
         show = (
@@ -78,18 +86,36 @@ def test_mps_replicas_daemon_defaults_and_the_clients_answer(cluster):
         assert f"pipe={mps.CONTAINER_ROOT}/nvidia.com/gpu/pipe mem=0={share}M threads=50\n" in log, log
         assert "cuda.shm.sim\n" in log, log  # the daemon's /dev/shm
         assert "50.0\n" in log, log  # the pod's own control program reached the daemon through the pipe
-        assert daemon_record(host)[-1] == f"{pipe} Cmd:get_default_active_thread_percentage"
+        assert daemon_record(host)[-1] == f"{first} Cmd:get_default_active_thread_percentage"
         # failRequestsGreaterThanOne is on for MPS unless the file says otherwise (as NVIDIA's).
         node.add_pod("mps-two", "sleep 3600", limits={"nvidia.com/gpu": 2})
         refused = node.wait_for_phase("mps-two", "Failed")["status"]
         assert refused.get("reason") == "UnexpectedAdmissionError", refused
-        for name in ("mps-a", "mps-two"):
+        # A client pod (root in its container) quits the shared daemon: the plugin's next round
+        # starts it again in a new generation, and a pod created then reaches that one (the
+        # runtime resolved the links when it made the container), with a /dev/shm of its own.
+        quit = "echo quit | nvidia-cuda-mps-control; echo x > /dev/shm/left-by-mps-quit; echo done; sleep 3600"
+        node.add_pod("mps-quit", quit, limits={"nvidia.com/gpu": 1})
+        node.wait_for_log("mps-quit", "done")
+        deadline = time.monotonic() + 60  # a hang guard only
+        while os.path.realpath(pipe) == first or not os.path.exists(os.path.join(pipe, "control")):
+            assert time.monotonic() < deadline, plugin.output()
+            time.sleep(0.2)
+        second = os.path.realpath(pipe)
+        assert not os.path.exists(first)  # the quit daemon's generation went
+        node.add_pod("mps-b", show, limits={"nvidia.com/gpu": 1})
+        log = node.wait_for_log("mps-b", "done")
+        assert "50.0\n" in log and "left-by-mps-quit" not in log, log
+        assert daemon_record(host)[-1] == f"{second} Cmd:get_default_active_thread_percentage"
+        for name in ("mps-a", "mps-two", "mps-quit", "mps-b"):
             node.remove_pod(name)
     finally:
         assert plugin.stop() == 0, plugin.output()
-    assert daemon_record(host)[-2:] == [f"{pipe} Cmd:quit", f"{pipe} Exit with status 0"]
+    assert daemon_record(host)[-2:] == [f"{second} Cmd:quit", f"{second} Exit with status 0"]
     assert not os.path.exists(os.path.join(pipe, "control"))
-    assert "nvidia.com/gpu: MPS daemon stopped" in plugin.log_path.read_text()
+    output = plugin.log_path.read_text()
+    assert "nvidia.com/gpu: MPS daemon stopped" in output and "the MPS daemon is gone" in output, output
+    shutil.rmtree(root)
 
 
 def test_imex_channel_reaches_the_pod(cluster):

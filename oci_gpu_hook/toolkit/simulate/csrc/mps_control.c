@@ -9,7 +9,10 @@
  * SIM_ROOT/mps-control.log as "<pipe directory> <command>", the simulated host's record of what
  * every daemon was told. While it runs, <pipe directory>/nvidia-cuda-mps-control.pid holds its pid,
  * as the real one's does. The daemon also makes cuda.shm.sim in the /dev/shm it sees, as the real
- * server makes its cuda.shm.* files, so tests can see which /dev/shm that is. */
+ * server makes its cuda.shm.* files, so tests can see which /dev/shm that is. It opens those names
+ * as the real one does (strace of driver 550's: control_lock, then the pid file, each O_CREAT
+ * without O_NOFOLLOW, as root): a link put at one of them is written through, which is why the
+ * device plugin gives each daemon a directory and a /dev/shm no pod has had (node/mps.py). */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -126,6 +129,10 @@ static int daemon_main(void)
             close(null);
     }
     close(ready[0]);
+    char lock_path[300];
+    snprintf(lock_path, sizeof lock_path, "%s/control_lock", pipe_dir);
+    int lock = open(lock_path, O_WRONLY | O_CREAT | O_CLOEXEC, 0666); /* held while it runs */
+    (void)lock;
     FILE *shm = fopen("/dev/shm/cuda.shm.sim", "w");
     if (shm)
         fclose(shm);
