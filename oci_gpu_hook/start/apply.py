@@ -18,7 +18,7 @@ import time
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start.budget import no_deadline_between
-from oci_gpu_hook.start.linux import _linux, cgroups, labels, ldconfig, userns
+from oci_gpu_hook.start.linux import _linux, cgroups, labels, ldconfig, mountinfo, userns
 from oci_gpu_hook.start.linux.journal import Journal, journal_directory
 from oci_gpu_hook.start.linux.rootfs import ForeignMount, MountGuard, Rootfs, UndoLog
 from oci_gpu_hook.start.linux.rootfs import mount_id as _mount_id
@@ -324,12 +324,11 @@ class Applier:
             mode = found if wanted == "auto" else wanted
             if mode == "none":
                 raise ApplyError("the container is in no device cgroup; set 'cgroups: off' to skip device rules")
-            with open("/proc/self/mountinfo") as f:
-                mountinfo = f.read()
+            table = mountinfo.read_text()  # the container's, names as the os module decodes them
             if mode == "v1":
-                directory = cgroups.v1_devices_path(text, mountinfo)
+                directory = cgroups.v1_devices_path(text, table)
             else:
-                directory = cgroups.v2_path(text, mountinfo)
+                directory = cgroups.v2_path(text, table)
             if directory is None:
                 raise ApplyError(
                     f"the {mode} device cgroup of pid {self.state.pid} is not mounted where the hook can see it"
@@ -604,23 +603,29 @@ def apply(plan: Plan, state: ContainerState, spec: Spec, settings: Settings, bud
         error.undo_failures = report["undo_failures"]
         raise error
     if "cgroup" in report:
-        _tell_systemd(report)
+        _tell_systemd(report, budget)
     if meanwhile is not None:
         meanwhile()
     return report
 
 
-def _tell_systemd(report: dict) -> None:
+def _tell_systemd(report: dict, budget=None) -> None:
     """systemd's own view of a scope it owns gets the devices the hook allowed, so that a
     `systemctl daemon-reload` (which re-applies that view) keeps them (start/linux/systemd.py).
     Back in the hook's own mount namespace: systemd's socket and /run are the host's, never a
-    path the container's namespace resolves. Not telling it is said in the log, never fatal: the
-    container has its devices now."""
-    from oci_gpu_hook.start.linux import systemd
-
+    path the container's namespace resolves. The apply has committed: the container has its
+    devices and its record is still to be written, so nothing here may fail the start. Not
+    telling systemd, for whatever reason (what its socket sent included), is a note in the log.
+    The exchange gets systemd.TIMEOUT at most, and no more than is left of the hook's budget."""
     started = time.perf_counter()
     directory, allowed = report.pop("cgroup")
-    note = systemd.keep_devices(directory, allowed)
+    try:
+        from oci_gpu_hook.start.linux import systemd
+
+        seconds = systemd.TIMEOUT if budget is None else min(systemd.TIMEOUT, budget.remaining())
+        note = systemd.keep_devices(directory, allowed, timeout=seconds)
+    except Exception as e:  # keep_devices says its own failures; this is for a bug around it
+        note = f"systemd not told of the GPU nodes of {directory}: internal error: {type(e).__name__}: {e}"
     if note:
         report["skipped"].append(note)
     report["timings"]["systemd"] = (time.perf_counter() - started) * 1e3

@@ -207,6 +207,53 @@ def test_an_include_loop_is_bounded(tmp_path):
     assert len(text.splitlines()) == ldconfig.MAX_CONF_FILES and notes
 
 
+def _odd_image(root) -> None:
+    """An ld.so.conf naming directories, and including files, whose names are not UTF-8; a
+    library in the first directory, which only ld.so.conf names."""
+    etc = os.fsencode(root / "etc")
+    os.makedirs(etc + b"/ld.so.conf.d")
+    os.makedirs(os.fsencode(root) + b"/opt/\xff\xfe-lib")
+    shutil.copy(os.path.realpath(containers._host_libc()), os.fsencode(root) + b"/opt/\xff\xfe-lib/libc.so.6")
+    with open(etc + b"/ld.so.conf", "wb") as f:
+        f.write(b"/opt/\xff\xfe-lib\ninclude /etc/ld.so.conf.d/\xfe*.conf\n")
+    with open(etc + b"/ld.so.conf.d/\xfe1.conf", "wb") as f:
+        f.write(b"/opt/\xfd-other\n")
+    os.mkfifo(etc + b"/ld.so.conf.d/\xfe2.conf")  # said, never opened
+
+
+def test_names_in_the_configuration_are_kept_as_the_image_wrote_them(tmp_path):
+    """Names are bytes (issue 46, item 7): a directory named in ld.so.conf, an include pattern
+    and the file it matches, none of them UTF-8, are read, matched and handed on as the very
+    bytes the image wrote (os.fsencode of what flatten_conf gives), and a note names the FIFO."""
+    root = tmp_path / "rootfs"
+    _odd_image(root)
+    rootfs = Rootfs(str(root))
+    try:
+        text, notes = ldconfig.flatten_conf(rootfs)
+    finally:
+        rootfs.close()
+    assert os.fsencode(text) == b"/opt/\xff\xfe-lib\n/opt/\xfd-other\n"
+    assert notes == ["/etc/ld.so.conf.d/\udcfe2.conf in the image ignored: not a regular file with one link"]
+
+
+def test_ldconfig_indexes_a_directory_with_a_non_utf8_name(tmp_path, require):
+    """The sandboxed ldconfig gets the image's ld.so.conf with its bytes: the library in the
+    directory only it names is in the cache, under that directory's own name."""
+    require("root")
+    from oci_gpu_hook.start import ldcache
+
+    root = tmp_path / "rootfs"
+    _odd_image(root)
+    rootfs = Rootfs(str(root))
+    try:
+        conf, _ = ldconfig.flatten_conf(rootfs)
+        data = ldconfig.Sandbox(rootfs.fd, conf, [], timeout=20).result()
+    finally:
+        rootfs.close()
+    paths = [os.fsencode(entry.path) for entry in ldcache.parse(data, "the new cache")]
+    assert b"/opt/\xff\xfe-lib/libc.so.6" in paths, paths
+
+
 @pytest.mark.parametrize(
     "name,pattern,hit",
     [("a.conf", "*.conf", True), ("a.conf", "?.conf", True), ("ab.conf", "?.conf", False),

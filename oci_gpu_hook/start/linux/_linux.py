@@ -74,7 +74,10 @@ def _check(result: int, what: str, path: str = None) -> int:
 
 
 def _bytes(value):
-    return value.encode() if isinstance(value, str) else value
+    """A path (or option) for the kernel as the os module passes it (os.fsencode): a name read
+    from a rootfs may hold bytes that are not UTF-8, kept as lone surrogates by os.fsdecode, and
+    must reach the kernel as those bytes, never fail a strict encode (issue 46, item 7)."""
+    return os.fsencode(value) if isinstance(value, str) else value
 
 
 def mount(source, target: str, fstype, flags: int, data=None) -> None:
@@ -83,7 +86,7 @@ def mount(source, target: str, fstype, flags: int, data=None) -> None:
 
 
 def umount2(target: str, flags: int = 0) -> None:
-    _check(_libc.umount2(target.encode(), flags), "umount", target)
+    _check(_libc.umount2(_bytes(target), flags), "umount", target)
 
 
 def setns(fd: int, nstype: int) -> None:
@@ -102,11 +105,11 @@ def pidfd_open(pid: int) -> int:
 
 
 def open_tree(dir_fd: int, path: str, flags: int) -> int:
-    return _check(_libc.syscall(_nr("open_tree"), dir_fd, path.encode(), flags), "open_tree", path)
+    return _check(_libc.syscall(_nr("open_tree"), dir_fd, _bytes(path), flags), "open_tree", path)
 
 
 def move_mount(from_fd: int, from_path: str, to_fd: int, to_path: str, flags: int) -> None:
-    result = _libc.syscall(_nr("move_mount"), from_fd, from_path.encode(), to_fd, to_path.encode(), flags)
+    result = _libc.syscall(_nr("move_mount"), from_fd, _bytes(from_path), to_fd, _bytes(to_path), flags)
     _check(result, "move_mount", to_path)
 
 
@@ -126,10 +129,10 @@ def mount_setattr(fd: int, attr_set: int, recursive: bool = True, attr_clr: int 
 
 def fsmount_new(fstype: str, options: dict, attrs: int) -> int:
     """A new, detached filesystem of fstype (fsopen, fsconfig, fsmount); returns the mount's fd."""
-    fs = _check(_libc.syscall(_nr("fsopen"), fstype.encode(), FSOPEN_CLOEXEC), "fsopen", fstype)
+    fs = _check(_libc.syscall(_nr("fsopen"), _bytes(fstype), FSOPEN_CLOEXEC), "fsopen", fstype)
     try:
         for key, value in options.items():
-            result = _libc.syscall(_nr("fsconfig"), fs, FSCONFIG_SET_STRING, key.encode(), value.encode(), 0)
+            result = _libc.syscall(_nr("fsconfig"), fs, FSCONFIG_SET_STRING, _bytes(key), _bytes(value), 0)
             _check(result, f"fsconfig {key}={value}", fstype)
         _check(_libc.syscall(_nr("fsconfig"), fs, FSCONFIG_CMD_CREATE, None, None, 0), "fsconfig create", fstype)
         return _check(_libc.syscall(_nr("fsmount"), fs, FSMOUNT_CLOEXEC, attrs), "fsmount", fstype)
@@ -138,11 +141,11 @@ def fsmount_new(fstype: str, options: dict, attrs: int) -> int:
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
-    _check(_libc.syscall(_nr("pivot_root"), new_root.encode(), put_old.encode()), "pivot_root", new_root)
+    _check(_libc.syscall(_nr("pivot_root"), _bytes(new_root), _bytes(put_old)), "pivot_root", new_root)
 
 
 def renameat2(old_dir_fd: int, old: str, new_dir_fd: int, new: str, flags: int) -> None:
-    _check(_libc.renameat2(old_dir_fd, old.encode(), new_dir_fd, new.encode(), flags), "renameat2", new)
+    _check(_libc.renameat2(old_dir_fd, _bytes(old), new_dir_fd, _bytes(new), flags), "renameat2", new)
 
 
 def drop_bounding_set() -> None:
@@ -158,6 +161,20 @@ def drop_bounding_set() -> None:
 
 def set_no_new_privs() -> None:
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+# What changes a directory's files: written, made, removed, renamed in or out, their modes changed.
+IN_CHANGES = 0x2 | 0x4 | 0x8 | 0x40 | 0x80 | 0x100 | 0x200 | 0x400 | 0x800
+
+
+def inotify_init1(flags: int) -> int:
+    return _check(_libc.inotify_init1(flags), "inotify_init1")
+
+
+def inotify_add_watch(fd: int, path: str, mask: int) -> int:
+    return _check(_libc.inotify_add_watch(fd, _bytes(path), ctypes.c_uint32(mask)), "inotify_add_watch", path)
 
 
 def set_parent_death_signal(signum: int) -> None:
@@ -206,7 +223,7 @@ class _OpenHow(ctypes.Structure):
 
 def openat2(dir_fd: int, path: str, flags: int, resolve: int, mode: int = 0) -> int:
     how = _OpenHow(flags, mode, resolve)
-    fd = _libc.syscall(_nr("openat2"), dir_fd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+    fd = _libc.syscall(_nr("openat2"), dir_fd, _bytes(path), ctypes.byref(how), ctypes.sizeof(how))
     return _check(fd, "openat2", path)
 
 
@@ -242,7 +259,7 @@ def is_selinux_enabled() -> bool:
 
 def lsetfilecon(path: str, context: str) -> None:
     """Label path itself (a final symlink is not followed)."""
-    _check(_selinux_lib().lsetfilecon(path.encode(), context.encode()), "lsetfilecon", path)
+    _check(_selinux_lib().lsetfilecon(_bytes(path), _bytes(context)), "lsetfilecon", path)
 
 
 def bpf(cmd: int, attr: bytearray, what: str = "bpf") -> int:

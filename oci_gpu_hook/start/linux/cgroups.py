@@ -22,8 +22,8 @@ class CgroupError(HookError):
 
 def read_cgroup_file(pid: int, proc: str = "/proc") -> str:
     try:
-        with open(f"{proc}/{pid}/cgroup") as f:
-            return f.read()
+        with open(f"{proc}/{pid}/cgroup", "rb") as f:
+            return os.fsdecode(f.read())  # a cgroup's name is bytes too (mountinfo.read_text)
     except OSError as e:
         raise CgroupError(f"{proc}/{pid}/cgroup: {e.strerror} (has the container process exited?)") from None
 
@@ -68,7 +68,7 @@ def _where_mounted(relative: str, mountinfo_text: str, fstype: str, option: str 
     # Only that type's lines are parsed: apply reads the container's whole mount table on every GPU
     # start, mostly other mounts (" - " is the separator alone: mountinfo escapes spaces in paths).
     wanted = f" - {fstype} "
-    lines = "\n".join(line for line in mountinfo_text.splitlines() if wanted in line)
+    lines = "\n".join(line for line in mountinfo_text.split("\n") if wanted in line)
     for mount in mountinfo.parse(lines):
         if mount.fstype != fstype or (option is not None and option not in mount.super_options):
             continue

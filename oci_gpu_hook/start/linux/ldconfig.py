@@ -184,7 +184,7 @@ class _ConfReader:
         if not self._one_more():
             return
         text = self._text(path)
-        for raw in text.splitlines():
+        for raw in text.split("\n"):  # as ldconfig reads it: splitlines() would also break at \x1c, \x85
             line = raw.split("#", 1)[0].strip()
             word = line.split(None, 1)[0] if line else ""
             if word == "include" and line[7:8] in (" ", "\t"):
@@ -204,7 +204,10 @@ class _ConfReader:
                 self.notes.append(f"{path} in the image ignored: not a regular file with one link")
                 return ""
             with open(os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-                return f.read(MAX_CONF_BYTES).decode("utf-8", "replace")
+                # Its lines are names of directories and files, bytes: decoded as the os module
+                # decodes names, so that one that is not UTF-8 is opened (an include) and handed
+                # to ldconfig (Sandbox: os.fsencode) as the very bytes the image wrote.
+                return os.fsdecode(f.read(MAX_CONF_BYTES))
         finally:
             os.close(fd)
 
@@ -264,8 +267,8 @@ class Sandbox:
                 needs = " (it needs Linux 5.12 or newer)" if e.errno == errno.ENOSYS else ""
                 raise LdconfigError(f"cannot make the ldconfig sandbox{needs}: {e.strerror}") from None
             conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self.out)
-            with os.fdopen(conf_fd, "w") as f:
-                f.write(conf)
+            with os.fdopen(conf_fd, "wb") as f:
+                f.write(os.fsencode(conf))  # the image's bytes again (_ConfReader._text)
             argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
             self.pid, self.errors = _start_sandboxed(self.exe, argv, rootfs_fd, self.out)
         except BaseException:

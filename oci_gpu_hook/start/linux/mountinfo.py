@@ -5,6 +5,8 @@ Standard library only and no `re`: apply reads it on every GPU start to find the
 
 from __future__ import annotations
 
+import os
+
 
 class Mount:
     """One mountinfo line; root and mountpoint unescaped."""
@@ -17,13 +19,15 @@ class Mount:
 
 
 def unescape(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as \\ooo (octal)."""
+    """mountinfo escapes space, tab, newline and backslash as \\ooo (octal); a byte so written
+    comes back as os.fsdecode gives it, as the rest of the name does (see read_text())."""
     if "\\" not in field:
         return field  # nearly every field: no copy, character by character
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and len(field[i + 1 : i + 4]) == 3 and field[i + 1 : i + 4].isdigit():
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
+        digits = field[i + 1 : i + 4] if field[i] == "\\" else ""
+        if len(digits) == 3 and digits < "400" and all(c in "01234567" for c in digits):
+            out.append(os.fsdecode(bytes([int(digits, 8)])))
             i += 4
         else:
             out.append(field[i])
@@ -32,11 +36,14 @@ def unescape(field: str) -> str:
 
 
 def parse(text: str) -> list[Mount]:
-    """The mounts of a mountinfo text, in its order; malformed lines are skipped."""
+    """The mounts of a mountinfo text, in its order; malformed lines are skipped. Split on what
+    the kernel writes between lines and fields, a newline and a space (both escaped in names),
+    never on what str.split() and splitlines() also take (\\x1c-\\x1f, \\x85, U+2028: a name
+    may hold those as they are, and they must not make a line or a field of it)."""
     mounts = []
-    for line in text.splitlines():
+    for line in text.split("\n"):
         pre, sep, post = line.partition(" - ")
-        fields, post_fields = pre.split(), post.split()
+        fields, post_fields = pre.split(" "), post.split(" ")
         if not sep or len(fields) < 5 or not post_fields or not fields[0].isdigit():
             continue
         options = tuple(post_fields[2].split(",")) if len(post_fields) >= 3 else ()
@@ -45,6 +52,14 @@ def parse(text: str) -> list[Mount]:
     return mounts
 
 
+def read_text(path: str = "/proc/self/mountinfo") -> str:
+    """The table as text, its names decoded as the os module decodes names (os.fsdecode: a byte
+    that is not UTF-8 is kept as a lone surrogate, and a path made of it opens the same file).
+    A mount point is whatever name a directory has, an image's included: one that is not UTF-8
+    must not fail the reader (issue 46, item 7)."""
+    with open(path, "rb") as f:
+        return os.fsdecode(f.read())
+
+
 def read(path: str = "/proc/self/mountinfo") -> list[Mount]:
-    with open(path) as f:
-        return parse(f.read())
+    return parse(read_text(path))

@@ -164,7 +164,7 @@ class MountGuard:
         if self._host_text is None:
             self._host_text = _read_all(self.host_mountinfo)
         wanted = device.encode()
-        for line in self._host_text.splitlines():
+        for line in self._host_text.split(b"\n"):  # a name may hold a bare \r, which splitlines() breaks at
             fields = line.split(None, 3)
             if len(fields) > 2 and fields[2] == wanted:
                 return f"{where} is a host tmpfs ({mount.source}) bound whole"

@@ -29,18 +29,29 @@ from __future__ import annotations
 import _socket  # the C core of socket: the same calls, without its enum wrappers (the start path's rule)
 import os
 import struct
+import time
+
+from oci_gpu_hook.errors import printable
 
 PRIVATE_SOCKET = "/run/systemd/private"
 SCOPE_INTERFACE = "org.freedesktop.systemd1.Scope"  # where a scope's DevicePolicy and DeviceAllow are
-TIMEOUT = 2.0  # seconds for the whole exchange: systemd answers in milliseconds
+# Seconds for the whole exchange (connecting, authenticating, every call and reply), one deadline
+# and never one per recv: a peer that dribbles a byte now and then would hold each recv's own
+# timeout off for ever. systemd answers in milliseconds; the hook's budget may leave less.
+TIMEOUT = 2.0
 MAX_MESSAGE = 1 << 20
+MAX_NAME = 255  # D-Bus's longest error (interface) name: a longer one is cut, not carried into the log
+# What systemd allows in a unit name (unit_name_is_valid: letters, digits and ":-_.\\@"): a cgroup
+# directory named otherwise is no unit of systemd's, and its name is never sent.
+_UNIT_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:-_.\\@")
 
 _METHOD_CALL, _METHOD_RETURN, _ERROR = 1, 2, 3
 _PATH, _INTERFACE, _MEMBER, _ERROR_NAME, _REPLY_SERIAL, _DESTINATION, _SIGNATURE = 1, 2, 3, 4, 5, 6, 8
 
 
 class SystemdError(Exception):
-    """systemd was there and said no, or the exchange broke: the message says which."""
+    """systemd was there and said no, or the exchange broke: the message says which. The one
+    exception the reading of what the socket sent raises, whatever bytes came (issue 46)."""
 
 
 # --- the wire format (little endian), as much of it as one call needs ----------------------------
@@ -136,7 +147,9 @@ def device_allow_body(unit: str, devices) -> object:
 
 def parse_reply(data: bytes):
     """(type, reply serial, error name, first string of the body, body signature, body) of one
-    message, and its length; None while data holds less than one whole message."""
+    message, and its length; None while data holds less than one whole message. Whatever the
+    bytes, SystemdError is all it raises: every read is bounded by the message's own fields, and
+    a field of the wrong type, a length past its end or a name that is not text is malformed."""
     if len(data) < 16:
         return None
     if data[:1] != b"l":
@@ -150,91 +163,87 @@ def parse_reply(data: bytes):
         raise SystemdError("systemd sent an oversized message")
     if len(data) < total:
         return None
-    reply_serial, error_name, signature = None, "", ""
-    at = 16
-    while at < end_of_fields:
+    fields = _header_fields(data, end_of_fields)
+    reply_serial = _field(fields, _REPLY_SERIAL, "u", None)
+    error_name = _field(fields, _ERROR_NAME, "s", "")[:MAX_NAME]
+    signature = _field(fields, _SIGNATURE, "g", "")
+    text = ""
+    if signature.startswith("s"):
+        if body_length < 4:
+            raise SystemdError("systemd sent a malformed message (a string body without its length)")
+        (length,) = struct.unpack_from("<I", data, body_at)
+        text = data[body_at + 4 : min(total, body_at + 4 + min(length, 1024))].decode("utf-8", "replace")
+    return (kind, reply_serial, error_name, text, signature, bytes(data[body_at:total])), total
+
+
+def _header_fields(data: bytes, end: int) -> dict:
+    """{code: (type, value)} of the header fields in data[16:end], each 8-aligned: a byte code,
+    a one-type signature, the value (a string or object path, a signature, or a uint32)."""
+
+    def need(at: int, size: int) -> None:
+        if at + size > end:
+            raise SystemdError("systemd sent a malformed message (a header field runs past the header)")
+
+    fields, at = {}, 16
+    while True:
         at += -at % 8
+        if at >= end:
+            return fields
+        need(at, 2)
         code, size = data[at], data[at + 1]
-        kind_sig = data[at + 2 : at + 2 + size].decode()
+        need(at + 2, size + 1)
+        kind = data[at + 2 : at + 2 + size].decode("ascii", "replace")
         at += 3 + size
-        if kind_sig in ("s", "o"):
+        if kind in ("s", "o", "u"):
             at += -at % 4
-            (length,) = struct.unpack_from("<I", data, at)
-            value = data[at + 4 : at + 4 + length].decode("utf-8", "replace")
-            at += 5 + length
-        elif kind_sig == "g":
-            length = data[at]
-            value = data[at + 1 : at + 1 + length].decode()
-            at += 2 + length
-        elif kind_sig == "u":
-            at += -at % 4
+            need(at, 4)
             (value,) = struct.unpack_from("<I", data, at)
             at += 4
+            if kind != "u":
+                need(at, value + 1)
+                value, at = data[at : at + value].decode("utf-8", "replace"), at + value + 1
+        elif kind == "g":
+            need(at, 1)
+            length = data[at]
+            need(at + 1, length + 1)
+            value, at = data[at + 1 : at + 1 + length].decode("ascii", "replace"), at + 2 + length
         else:
-            raise SystemdError(f"systemd sent a header field of type {kind_sig!r}, not expected")
-        if code == _REPLY_SERIAL:
-            reply_serial = value
-        elif code == _ERROR_NAME:
-            error_name = value
-        elif code == _SIGNATURE:
-            signature = value
-    text = ""
-    if signature.startswith("s") and body_length >= 4:
-        (length,) = struct.unpack_from("<I", data, body_at)
-        text = data[body_at + 4 : body_at + 4 + min(length, 1024)].decode("utf-8", "replace")
-    return (kind, reply_serial, error_name, text, signature, bytes(data[body_at:total])), total
+            raise SystemdError(f"systemd sent a header field of type {kind!r}, not expected")
+        fields[code] = (kind, value)
+
+
+def _field(fields: dict, code: int, kind: str, default):
+    """The value of header field code, which must be of type kind when it is there."""
+    if code not in fields:
+        return default
+    got, value = fields[code]
+    if got != kind:
+        raise SystemdError(f"systemd sent a malformed message (header field {code} of type {got!r}, not {kind!r})")
+    return value
 
 
 # --- the exchange -----------------------------------------------------------------------------
 
 
-def _call(sock, message: bytes, serial: int):
-    """Send one call and wait for its reply: (body signature, body); raise SystemdError on an
-    error reply. Messages that are not the reply (a bus's signals) are skipped."""
-    sock.sendall(message)
-    data = b""
-    while True:
-        parsed = parse_reply(data)
-        if parsed is None:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise SystemdError("systemd closed the connection without answering")
-            data += chunk
-            continue
-        (kind, reply_serial, error_name, text, signature, body), length = parsed
-        data = data[length:]
-        if reply_serial == serial and kind == _ERROR:
-            raise SystemdError(f"{error_name}: {text}" if text else error_name)
-        if reply_serial == serial and kind == _METHOD_RETURN:
-            return signature, body
-
-
-def _authenticate(sock) -> None:
-    """SASL EXTERNAL with our uid (the peer checks it against the socket's credentials)."""
-    sock.sendall(b"\0AUTH EXTERNAL " + str(os.geteuid()).encode().hex().encode() + b"\r\n")
-    answer = b""
-    while not answer.endswith(b"\r\n"):
-        chunk = sock.recv(512)
-        if not chunk or len(answer) > 4096:
-            raise SystemdError("systemd's socket did not finish the authentication")
-        answer += chunk
-    if not answer.startswith(b"OK "):
-        raise SystemdError(f"systemd refused the authentication: {answer.strip().decode('ascii', 'replace')}")
-    sock.sendall(b"BEGIN\r\n")
-
-
 class _Connection:
     """One authenticated connection to systemd (or, for a test, to a bus with a stand-in), for a
-    few calls in a row. Connecting raises FileNotFoundError/ConnectionRefusedError when nothing
-    listens at address."""
+    few calls in a row, all within one deadline (timeout seconds from connecting): every send and
+    recv waits only for what is left of it. Connecting raises FileNotFoundError or
+    ConnectionRefusedError when nothing listens at address; anything else that goes wrong,
+    SystemdError."""
 
-    def __init__(self, address: str, bus: bool):
+    def __init__(self, address: str, bus: bool, timeout: float = TIMEOUT):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
         self.sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
         self.serial = 0
         try:
-            self.sock.settimeout(TIMEOUT)
-            self.sock.connect(address)
-            _authenticate(self.sock)
+            self._left()
+            try:
+                self.sock.connect(address)
+            except _socket.timeout:
+                raise self._late() from None
+            self._authenticate()
             if bus:  # a message bus (dbus-daemon) wants Hello first; systemd's private socket does not
                 self.call("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus", "Hello", "",
                           lambda w: None)  # fmt: skip
@@ -242,11 +251,64 @@ class _Connection:
             self.sock.close()
             raise
 
+    def _late(self) -> SystemdError:
+        return SystemdError(f"systemd did not answer within {self.timeout:.1f} s")
+
+    def _left(self) -> None:
+        """Let the socket's next call wait only for what is left of the deadline."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise self._late()
+        self.sock.settimeout(left)
+
+    def _send(self, data: bytes) -> None:
+        self._left()
+        try:
+            self.sock.sendall(data)  # its timeout is for all of it (Python 3.5 and later)
+        except _socket.timeout:
+            raise self._late() from None
+
+    def _recv(self, size: int) -> bytes:
+        self._left()
+        try:
+            return self.sock.recv(size)
+        except _socket.timeout:
+            raise self._late() from None
+
+    def _authenticate(self) -> None:
+        """SASL EXTERNAL with our uid (the peer checks it against the socket's credentials)."""
+        self._send(b"\0AUTH EXTERNAL " + str(os.geteuid()).encode().hex().encode() + b"\r\n")
+        answer = b""
+        while not answer.endswith(b"\r\n"):
+            chunk = self._recv(512)
+            if not chunk or len(answer) > 4096:
+                raise SystemdError("systemd's socket did not finish the authentication")
+            answer += chunk
+        if not answer.startswith(b"OK "):
+            refused = answer.strip()[:200].decode("ascii", "replace")
+            raise SystemdError(f"systemd refused the authentication: {refused}")
+        self._send(b"BEGIN\r\n")
+
     def call(self, destination: str, path: str, interface: str, member: str, signature: str, write_body):
-        """(signature, body) of the reply; SystemdError on an error reply."""
+        """(body signature, body) of the reply; SystemdError on an error reply. Messages that are
+        not the reply (a bus's signals) are skipped, within the deadline."""
         self.serial += 1
-        message = method_call(self.serial, destination, path, interface, member, signature, write_body)
-        return _call(self.sock, message, self.serial)
+        self._send(method_call(self.serial, destination, path, interface, member, signature, write_body))
+        data = b""
+        while True:
+            parsed = parse_reply(data)
+            if parsed is None:
+                chunk = self._recv(65536)
+                if not chunk:
+                    raise SystemdError("systemd closed the connection without answering")
+                data += chunk
+                continue
+            (kind, reply_serial, error_name, text, signature, body), length = parsed
+            data = data[length:]
+            if reply_serial == self.serial and kind == _ERROR:
+                raise SystemdError(f"{error_name}: {text}" if text else error_name or "an error without a name")
+            if reply_serial == self.serial and kind == _METHOD_RETURN:
+                return signature, body
 
     def close(self) -> None:
         self.sock.close()
@@ -317,31 +379,40 @@ def _set_device_allow(conn: _Connection, unit: str, devices) -> None:
 
 def scope_of(cgroup_dir: str) -> str | None:
     """The systemd scope a container's cgroup directory is, or None: only the cgroup itself, never
-    an ancestor (a container under a user's session scope must not change the session's devices)."""
+    an ancestor (a container under a user's session scope must not change the session's devices),
+    and only a name systemd could have given (its characters: a name read from mountinfo holds
+    any bytes)."""
     name = os.path.basename(cgroup_dir.rstrip("/"))
-    return name if name.endswith(".scope") and "/" not in name and len(name) <= 255 else None
+    if name.endswith(".scope") and len(name) <= 255 and set(name) <= _UNIT_CHARACTERS:
+        return name
+    return None
 
 
-def keep_devices(cgroup_dir: str, devices, address: str = PRIVATE_SOCKET, bus: bool = False):
+def keep_devices(cgroup_dir: str, devices, address: str | None = None, bus: bool = False,
+                 timeout: float = TIMEOUT):  # fmt: skip
     """After the hook allowed devices in cgroup_dir: tell systemd, when it owns the cgroup and
     filters its devices. Returns a note for the start's log record, or None when done or when
-    there is nothing to do (no systemd, not its scope, no device list of its own). address: a
-    test's bus instead of systemd's private socket; bus: it is a message bus (dbus-daemon), which
-    wants Hello first."""
+    there is nothing to do (no systemd, not its scope, no device list of its own). Never raises:
+    it runs after the apply committed (the container has its devices, and its record must still
+    be written), so whatever breaks here, whatever the socket sent, is a note. address: a test's
+    bus instead of systemd's private socket (PRIVATE_SOCKET, read at the call); bus: it is a
+    message bus (dbus-daemon), which wants Hello first; timeout: seconds for the whole exchange
+    (the caller's budget may leave less)."""
     unit = scope_of(cgroup_dir)
     if unit is None or not devices:
         return None
+    if timeout <= 0:
+        return _not_told(unit, SystemdError("the hook's deadline had passed"))
     try:
-        conn = _Connection(address, bus)
+        conn = _Connection(address or PRIVATE_SOCKET, bus, timeout)
     except (FileNotFoundError, ConnectionRefusedError):
         return None  # no systemd listening (not a systemd host, or a stale /run): nothing to tell
-    except (OSError, SystemdError) as e:
+    except Exception as e:
         return _not_told(unit, e)
     try:
-        if not filters_devices(conn, unit):
-            return None  # systemd re-applies no device list to it: nothing to lose on a reload
-        _set_device_allow(conn, unit, devices)
-    except (OSError, SystemdError) as e:  # socket.timeout is an OSError
+        if filters_devices(conn, unit):  # else systemd re-applies no device list: nothing to lose
+            _set_device_allow(conn, unit, devices)
+    except Exception as e:
         return _not_told(unit, e)
     finally:
         conn.close()
@@ -349,8 +420,11 @@ def keep_devices(cgroup_dir: str, devices, address: str = PRIVATE_SOCKET, bus: b
 
 
 def _not_told(unit: str, e: Exception) -> str:
-    if isinstance(e, _socket.timeout):
-        why = f"systemd did not answer within {TIMEOUT:.0f} s"
-    else:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-    return f"systemd not told of the GPU nodes of {unit} (a daemon-reload will take them away): {why}"
+    if isinstance(e, SystemdError):
+        why = str(e)
+    elif isinstance(e, OSError):
+        why = e.strerror or str(e)
+    else:  # a bug of this module's: said, with its kind, rather than failing the start
+        why = f"internal error: {type(e).__name__}: {e}"
+    # what a peer sent (an error's name and text) is one printable line in the log, as the rest
+    return f"systemd not told of the GPU nodes of {unit} (a daemon-reload will take them away): {printable(why)}"

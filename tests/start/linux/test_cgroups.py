@@ -1,6 +1,8 @@
 """Pure: where a process's device cgroup is (v1 and v2), mountinfo's escapes, and which v1 rules
 a cgroup already grants."""
 
+import os
+
 import pytest
 
 from oci_gpu_hook.start.linux import cgroups, mountinfo
@@ -80,6 +82,27 @@ def test_mountinfo_one_parser():
     last = mounts[-1]
     assert (last.root, last.mountpoint, last.fstype, last.source) == ("/a b", "/mnt/with space", "overlay", "over lay")
     assert mounts[3].super_options == ("rw", "devices")
+
+
+def test_mountinfo_names_are_bytes(tmp_path):
+    """A mount point is any name a directory has, an image's included (issue 46, item 7): bytes
+    that are not UTF-8 come back as os.fsdecode gives them (a path that opens the same file),
+    and characters str.split() and splitlines() take for breaks (\\x1c, \\x1e, \\x85 as
+    UTF-8, U+2028, a bare \\r) stay inside the name; the kernel breaks only at a newline and a
+    space, which it escapes in names."""
+    odd = b"/rootfs/usr/\xff\xfe-lib/libcuda.so.1"
+    tricky = "/rootfs/a\x1cb\x1ec\x85d\u2028e\rf".encode()
+    table = tmp_path / "mountinfo"
+    table.write_bytes(
+        b"22 1 0:21 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        b"131 22 254:0 /host-library " + odd + b" rw,relatime - ext4 /dev/vda rw\n"
+        b"132 22 0:52 / " + tricky + b" rw,relatime - tmpfs tmpfs rw\n"
+        b"133 22 0:53 / /rootfs/esc\\377aped rw - tmpfs tmpfs rw\n"
+    )
+    mounts = mountinfo.read(str(table))
+    assert [m.mount_id for m in mounts] == [22, 131, 132, 133]
+    assert [os.fsencode(m.mountpoint) for m in mounts] == [b"/", odd, tricky, b"/rootfs/esc\xffaped"]
+    assert mounts[2].fstype == "tmpfs" and mounts[2].super_options == ("rw",)
 
 
 NO_V1_DEVICES = MOUNTINFO.replace(" cgroup cgroup rw,devices", " cgroup cgroup rw,cpu")

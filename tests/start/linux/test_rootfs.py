@@ -217,3 +217,63 @@ def test_the_guard_judges_a_remembered_directory_once_and_a_volume_every_time(tm
     assert result["checked"] == ["/usr/lib/a.so"]
     assert result["refused"] == ["/vol/a", "/vol/b"]
     assert result["volume"] == [] and result["rollback"] == []
+
+
+ODD = b"\xff\xfe-lib"  # a directory name that is not UTF-8 (issue 46, item 7)
+
+
+def _odd_link_in_a_private_namespace(directory: str, openat2: bool) -> dict:
+    """A rootfs whose /usr/lib64 is a link to usr/b'\\xff\\xfe-lib', its own mount: a library
+    target and its symlink made through the link, a file bound onto the target (the mount table
+    then names the odd directory), and a fresh tmpfs at /dev judged by the guard afterwards (it
+    reads that table); openat2 False: the O_NOFOLLOW walk of kernels without it."""
+    from oci_gpu_hook.start.linux import mountinfo
+    from oci_gpu_hook.start.linux import rootfs as rootfs_module
+
+    def body(result, host_mountinfo):
+        top = os.fsencode(directory)
+        os.makedirs(top + b"/rootfs/usr/" + ODD)
+        os.makedirs(top + b"/rootfs/dev")
+        os.symlink(ODD, top + b"/rootfs/usr/lib64")
+        with open(top + b"/host-library", "wb") as f:
+            f.write(b"the driver's library\n")
+        _linux.mount(f"{directory}/rootfs", f"{directory}/rootfs", None, _linux.MS_BIND)
+        rootfs_module._openat2_works = None if openat2 else False
+        rootfs, undo = Rootfs(f"{directory}/rootfs"), UndoLog()
+        rootfs.guard = MountGuard(rootfs.fd, rootfs.path, host_mountinfo)
+        parent, name, target = rootfs.ensure_target_in("/usr/lib64/libcuda.so.1", 0o644, undo)
+        source = os.open(f"{directory}/host-library", os.O_PATH | os.O_CLOEXEC)
+        _linux.mount(f"/proc/self/fd/{source}", f"/proc/self/fd/{target}", None, _linux.MS_BIND)
+        result["symlink"] = rootfs.ensure_symlink("/usr/lib64/libcuda.so", "libcuda.so.1", undo)
+        dev = rootfs.open("/dev")
+        _linux.mount("tmpfs", f"/proc/self/fd/{dev}", "tmpfs", 0, "mode=0755")
+        fresh = rootfs.open("/dev")
+        rootfs.guard.check(fresh, "/dev")  # judged from the mount table, which holds the odd name
+        result["dev"] = "may create"
+        odd = os.fsdecode(b"/usr/" + ODD + b"/libcuda.so.1")  # a name as os.fsdecode gives it
+        with open(rootfs.open(odd, os.O_RDONLY), "rb") as f:
+            result["read through the odd name"] = f.read().decode()
+        mounted = os.fsdecode(top + b"/rootfs/usr/" + ODD + b"/libcuda.so.1")
+        result["listed"] = mounted in [m.mountpoint for m in mountinfo.read()]
+        result["entries"] = sorted(os.fsencode(n).hex() for n in os.listdir(top + b"/rootfs/usr/" + ODD))
+        for fd in (target, source, dev, fresh):
+            os.close(fd)
+        undo.close()
+        rootfs.close()
+
+    return _in_a_private_namespace(body)
+
+
+@pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "walk"])
+def test_a_link_to_a_directory_with_a_non_utf8_name_is_used_as_any_other(tmp_path, require, openat2):
+    """Names in a rootfs are bytes: /usr/lib64 -> b'\\xff\\xfe-lib' gets the library and its
+    symlink in that directory, a path naming it opens, and the mount table that then lists it
+    is read (the guard's verdict on /dev): nothing decodes a name strictly (case X3 failed the
+    start with UnicodeDecodeError there)."""
+    require("root")
+    result = _odd_link_in_a_private_namespace(str(tmp_path), openat2)
+    assert "error" not in result, result["error"] if "error" in result else ""
+    assert result["symlink"] == "created" and result["dev"] == "may create"
+    assert result["read through the odd name"] == "the driver's library\n"
+    assert result["listed"]
+    assert result["entries"] == sorted(n.hex() for n in (b"libcuda.so", b"libcuda.so.1"))

@@ -13,9 +13,11 @@ import os
 import signal
 import struct
 import subprocess
+import sys
 import textwrap
 import time
 
+import dbuspeer
 import pytest
 
 from oci_gpu_hook.start.linux import systemd
@@ -256,3 +258,230 @@ def test_a_property_reply_is_read_as_d_bus_marshals_it():
         systemd.read_variant("v", policy, "a(ss)")
     with pytest.raises(systemd.SystemdError, match="not a variant"):
         systemd.read_variant("s", policy, "s")
+
+
+# --- what a hostile peer can do (issue 46, item 5) -----------------------------------------------
+#
+# The client runs after the apply committed: whatever its socket sends, SystemdError is all that
+# reading it raises, keep_devices never raises (a note for the log), and the whole exchange ends
+# within one deadline. The peer is tests/dbuspeer.py, on a socket of the test's own.
+
+SCOPE = "/sys/fs/cgroup/machine.slice/libpod-0123abcd.scope"
+
+
+def _allow_list_reply(serial: int) -> bytes:
+    """Properties.Get's answer for DeviceAllow: a variant a(ss) of one entry."""
+    entry = struct.pack("<I", 9) + b"/dev/null\0\0\0" + struct.pack("<I", 2) + b"rw\0"
+    body = b"\x05a(ss)\0\0" + struct.pack("<I", len(entry)) + entry
+    return dbuspeer.reply(dbuspeer.METHOD_RETURN, 9, [(dbuspeer.REPLY_SERIAL, "u", serial),
+                                                      (dbuspeer.SIGNATURE, "g", "v")], body)  # fmt: skip
+
+
+def _done(serial: int) -> bytes:
+    return dbuspeer.reply(dbuspeer.METHOD_RETURN, 10, [(dbuspeer.REPLY_SERIAL, "u", serial)])
+
+
+SIGNAL = dbuspeer.reply(dbuspeer.SIGNAL, 11, [(dbuspeer.PATH, "o", "/org/freedesktop/systemd1"),
+                                              (dbuspeer.INTERFACE, "s", "org.freedesktop.systemd1.Manager"),
+                                              (dbuspeer.MEMBER, "s", "Reloading"), (dbuspeer.SIGNATURE, "g", "b")],
+                        b"\x01\0\0\0")  # fmt: skip
+# Whole exchanges as systemd answers them (strict; auto with a list; refused), each a list of the
+# replies to the client's calls in turn. The fuzz mutates the last reply of a prefix of one: a
+# peer that answered a call wrongly and then waited for the next would hold the client until its
+# deadline, for nothing the test looks at.
+EXCHANGES = [
+    [SIGNAL + dbuspeer.property_reply(1, "strict"), _done(2)],
+    [dbuspeer.property_reply(1, "auto"), _allow_list_reply(2), _done(3)],
+    [dbuspeer.property_reply(1, "closed"),
+     dbuspeer.error_reply(2, "org.freedesktop.systemd1.NoSuchUnit", "Unit libpod-0123abcd.scope not loaded.")],
+]  # fmt: skip
+
+
+def _mutations(rng, seed: bytes):
+    """Mutations of seed as a fuzzer makes them: bytes flipped or set, runs cut, inserted or
+    repeated, a length or count field set to a large or small value, the whole cut short."""
+    data = bytearray(seed)
+    for _ in range(rng.randrange(1, 4)):
+        how = rng.randrange(6)
+        at = rng.randrange(len(data)) if data else 0
+        if how == 0 and data:
+            data[at] ^= 1 << rng.randrange(8)
+        elif how == 1 and data:
+            data[at] = rng.choice((0x00, 0x7F, 0x80, 0xFF, ord("s"), ord("g"), ord("u"), ord("v"), ord("a")))
+        elif how == 2:
+            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        elif how == 3:
+            del data[at : at + rng.randrange(1, 9)]
+        elif how == 4 and len(data) >= 4:
+            at = rng.randrange(len(data) - 3) & ~3
+            data[at : at + 4] = struct.pack("<I", rng.choice((0, 1, 3, 255, 4096, 1 << 19, 0xFFFFFFFF)))
+        else:
+            data = data[: rng.randrange(len(data) + 1)]
+    return bytes(data)
+
+
+def test_parse_reply_raises_systemd_error_alone_whatever_the_bytes():
+    """20,000 mutations of real replies (and random bytes): a parse, None (more to come) or
+    SystemdError, never another exception (once: UnicodeDecodeError and AttributeError)."""
+    import random
+
+    rng = random.Random(46)
+    seeds = [reply for exchange in EXCHANGES for reply in exchange] + [dbuspeer.GARBAGE]
+    outcomes = {"parsed": 0, "incomplete": 0, "refused": 0}
+    for case in range(20000):
+        data = _mutations(rng, rng.choice(seeds)) if case % 10 else bytes(rng.randrange(256) for _ in range(64))
+        try:
+            parsed = systemd.parse_reply(data)
+        except systemd.SystemdError:
+            outcomes["refused"] += 1
+            continue
+        outcomes["incomplete" if parsed is None else "parsed"] += 1
+        if parsed is not None:
+            (kind, reply_serial, error_name, text, signature, body), length = parsed
+            assert isinstance(error_name, str) and isinstance(text, str) and isinstance(signature, str)
+            assert reply_serial is None or isinstance(reply_serial, int)
+            assert length <= len(data) and isinstance(body, bytes)
+    assert all(outcomes.values()), outcomes  # the mutations reach every outcome
+
+
+def test_keep_devices_never_raises_whatever_its_peer_answers(tmp_path):
+    """5,000 exchanges with a peer whose last reply is mutated: keep_devices answers None or
+    one line that says systemd was not told; nothing is raised, and none of them waits for its
+    deadline (the peer ends each connection after its last reply)."""
+    import random
+
+    rng = random.Random(5)
+    current = {}
+    notes = set()
+    started = time.monotonic()
+    with dbuspeer.Peer(str(tmp_path / "private"), lambda: (current["replies"], 0.0)) as peer:
+        for _ in range(5000):
+            exchange = rng.choice(EXCHANGES)
+            cut = rng.randrange(1, len(exchange) + 1)
+            current["replies"] = exchange[: cut - 1] + [_mutations(rng, exchange[cut - 1])]
+            note = systemd.keep_devices(SCOPE, DEVICES, str(tmp_path / "private"))
+            assert note is None or (note.startswith("systemd not told of the GPU nodes of libpod-0123abcd.scope")
+                                    and "\n" not in note and len(note) < 1500), note  # fmt: skip
+            notes.add(note if note is None else note.split(": ", 1)[1][:40])
+    assert peer.connections == 5000
+    assert None in notes and len(notes) > 5, notes  # both outcomes, and many reasons
+    assert time.monotonic() - started < 60
+
+
+def _dribbling_peer(tmp_path, interval=0.5):
+    """A peer that answers the first call with a whole, valid reply, a byte every interval."""
+    return dbuspeer.Peer(str(tmp_path / "private"), lambda: ([dbuspeer.property_reply(1, "strict")], interval))
+
+
+@pytest.mark.parametrize("timeout", [None, 0.5], ids=["its-own-deadline", "the-budgets-deadline"])
+def test_a_dribbling_peer_is_left_at_the_exchanges_one_deadline(tmp_path, timeout):
+    """A reply dribbled a byte every half second keeps each recv under any per-recv timeout (the
+    whole reply would take about 30 s): the exchange ends at its one deadline, TIMEOUT or the
+    shorter one the caller's budget leaves, and says so."""
+    limit = systemd.TIMEOUT if timeout is None else timeout
+    with _dribbling_peer(tmp_path) as peer:
+        started = time.monotonic()
+        if timeout is None:
+            note = systemd.keep_devices(SCOPE, DEVICES, str(tmp_path / "private"))
+        else:
+            note = systemd.keep_devices(SCOPE, DEVICES, str(tmp_path / "private"), timeout=timeout)
+        took = time.monotonic() - started
+    assert peer.connections == 1
+    assert limit - 0.1 <= took < limit + 0.5, took
+    assert note == ("systemd not told of the GPU nodes of libpod-0123abcd.scope (a daemon-reload will take them "
+                    f"away): systemd did not answer within {limit:.1f} s")  # fmt: skip
+
+
+def test_after_the_apply_systemd_gets_what_is_left_of_the_budget(tmp_path, monkeypatch):
+    """apply's call after the commit: the exchange is bounded by the hook's budget as well
+    (here 0.4 s left), and with nothing left it is not begun; either way a note in the report,
+    and the report goes on (the container record is written after it)."""
+    from oci_gpu_hook.start import apply
+    from oci_gpu_hook.start.budget import Budget
+
+    monkeypatch.setattr(systemd, "PRIVATE_SOCKET", str(tmp_path / "private"))  # systemd's, on a real host
+
+    def report():
+        return {"cgroup": (SCOPE, DEVICES), "skipped": [], "timings": {}}
+
+    with _dribbling_peer(tmp_path) as peer:
+        started, left = time.monotonic(), report()
+        apply._tell_systemd(left, Budget(0.4, age=0.0))
+        took = time.monotonic() - started
+        spent = report()
+        apply._tell_systemd(spent, Budget(0.0, age=0.0))
+    assert took < 0.9, took
+    assert left["skipped"] == [systemd._not_told("libpod-0123abcd.scope", systemd.SystemdError(
+        "systemd did not answer within 0.4 s"))]  # fmt: skip
+    assert spent["skipped"] == [systemd._not_told("libpod-0123abcd.scope", systemd.SystemdError(
+        "the hook's deadline had passed"))]  # fmt: skip
+    assert peer.connections == 1 and "systemd" in left["timings"]
+
+
+def test_a_cgroup_name_systemd_could_not_have_given_is_no_scope():
+    """scope_of: names read from mountinfo hold any bytes; only systemd's characters make a unit
+    name that is sent (unit_path and the marshalling encode it)."""
+    assert systemd.scope_of("/sys/fs/cgroup/machine.slice/libpod-0a.scope") == "libpod-0a.scope"
+    assert systemd.scope_of("/sys/fs/cgroup/app.slice/app-x@1\\x2d2:a_b.scope/") == "app-x@1\\x2d2:a_b.scope"
+    for odd in ("libpod-\udcff.scope", "a b.scope", "caf\u00e9.scope", "x\n.scope"):
+        assert systemd.scope_of(f"/sys/fs/cgroup/machine.slice/{odd}") is None, odd
+
+
+def test_garbage_from_systemds_socket_after_the_apply_is_a_note_and_the_start_succeeds(live_container, tmp_path,
+                                                                                       require):  # fmt: skip
+    """End to end (case D3): the real hook starts a GPU container whose device cgroup is a scope,
+    and what listens on systemd's private socket (in a mount namespace of the test's own, where
+    /run/systemd is a fresh tmpfs) answers its first call with garbage that once raised
+    UnicodeDecodeError out of the client. The apply had committed: the start succeeds (rc 0,
+    nothing on stderr), the container has its GPU and its device rule, its record is written, and
+    the log record of the start says that systemd was not told, and why."""
+    require("root", "unshare")
+    import hookcheck
+    import privatehost
+
+    from oci_gpu_hook.start import container_record
+
+    state, bundle, pid, cgroup, host = live_container({"NVIDIA_VISIBLE_DEVICES": "0"})
+    scope = cgroup + ".scope"  # what systemd names a container's cgroup: the hook then tells it
+    os.mkdir(scope)
+    container_id = f"systemd-peer-{os.getpid()}-{time.monotonic_ns()}"
+    state_file = tmp_path / "state.json"
+    state_file.write_text(json.dumps({**json.loads(state), "id": container_id}))
+    work = tmp_path / "private-host"
+    work.mkdir()
+    socket_path = "/run/systemd/private"
+    try:
+        with open(os.path.join(scope, "devices.deny"), "w") as f:
+            f.write("a")
+        with open(os.path.join(scope, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        peer, hook = privatehost.run(
+            str(work), (), tmpfs=["/run/systemd" if os.path.isdir("/run/systemd") else "/run"],
+            steps=[{"daemon": [sys.executable, "-I", dbuspeer.__file__, socket_path, "garbage"],
+                    "ready": ["test", "-S", socket_path]},
+                   {"run": ["sh", "-c", 'exec "$@" < "$0"', str(state_file),
+                            *hookcheck.hook_command(f"{host['root']}/config.yaml"), "prestart"],
+                    "env": hookcheck.HOOK_ENV}],
+        )  # fmt: skip
+        rules = hookcheck.device_rules(scope)
+    finally:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(pid))  # back where the fixture removes it from
+        hookcheck.remove_cgroup(scope)
+    assert peer["rc"] == 0, peer["stderr"]
+    assert (hook["rc"], hook["stderr"]) == (0, ""), hook["stderr"]
+    minor = host["gpus"][0]["minor"]
+    assert f"c 195:{minor} rw" in rules.splitlines(), rules
+    with open(f"/proc/{pid}/mountinfo") as f:
+        assert any(line.split()[4].endswith(f"/dev/nvidia{minor}") for line in f)
+    with open(os.path.join(host["root"], "containers", container_record.file_name(container_id)), "rb") as f:
+        record = container_record.parse(f.read())
+    assert record is not None and (record["outcome"], record["pid"]) == ("started", pid), record
+    assert [d["gpu_uuid"] for d in record["devices"]] == [host["gpus"][0]["uuid"]], record
+    with open(f"{host['root']}/hook.log") as f:
+        starts = [entry for entry in map(json.loads, f) if entry["container"] == container_id]
+    assert [entry["message"] for entry in starts] == ["GPU devices configured"], starts
+    unit = os.path.basename(scope)
+    note = (f"systemd not told of the GPU nodes of {unit} (a daemon-reload will take them away): "
+            "systemd sent a header field of type '\ufffd', not expected")  # fmt: skip
+    assert note in starts[0]["skipped"], starts[0]["skipped"]
