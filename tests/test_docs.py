@@ -134,11 +134,15 @@ def test_the_manifest_check_sees_what_it_refuses():
 
 
 def test_the_docs_point_to_the_one_manifest_set():
-    """Each page that explains a part of the DaemonSet names the file it is in, and make image."""
+    """Each page that explains a part of the DaemonSet names the file it is in, and make image;
+    each that explains the labels' pod (its own since issue 46) names its file too."""
     for path in ("docs/deploy.md", "docs/kubernetes.md", "docs/monitoring.md", "docs/watchdog.md"):
         text = read(path)
         assert "deploy/kubernetes/30-daemonset.yaml" in text or "`30-daemonset.yaml`" in text, path
         assert "make image" in text, path
+    for path in ("docs/deploy.md", "docs/kubernetes.md", "docs/monitoring.md", "docs/security.md"):
+        text = read(path)
+        assert "deploy/kubernetes/31-labels.yaml" in text or "`31-labels.yaml`" in text, path
 
 
 # --- The README's install table: scripts/setup-host.sh and pyproject.toml -------------------------

@@ -26,8 +26,15 @@ def exporter(obj, listen):
               help="Keep running: rewrite the file whenever the driver or GPUs change.")  # fmt: skip
 @click.option("--heartbeat", metavar="FILE",
               help="With --watch: touch FILE after every round, for a liveness probe.")  # fmt: skip
+@click.option("--cached-inventory", is_flag=True,
+              help="Take the inventory from inventory_cache as the node's other services keep it, never from "
+                   "the host itself (for a labels process that sees neither the driver nor /dev).")  # fmt: skip
+@click.option("--prepare-for", metavar="GID", type=click.IntRange(min=1),
+              help="As root, before labels runs as a user of group GID: make the feature file's directory (a "
+                   "hidden one of its own in NFD's features.d) writable by GID, link the file's name in "
+                   "features.d to it, and exit.")  # fmt: skip
 @click.pass_obj
-def labels(obj, output, watch, heartbeat):
+def labels(obj, output, watch, heartbeat, cached_inventory, prepare_for):
     """Write the node's GPU labels (GPU feature discovery names) for NFD's local source."""
     from oci_gpu_hook.errors import UsageError
     from oci_gpu_hook.node import features
@@ -38,17 +45,24 @@ def labels(obj, output, watch, heartbeat):
         raise UsageError("--watch writes a file: it cannot be used with --output -")
     if heartbeat and not watch:
         raise UsageError("--heartbeat needs --watch: a single run has no rounds to beat")
+    if prepare_for is not None:
+        if output == "-" or watch or cached_inventory:
+            raise UsageError("--prepare-for prepares the feature file's directory and exits: it takes only --output")
+        link = features.prepare(output or settings.node.features_file, prepare_for)
+        click.echo(f"{link}: prepared for group {prepare_for}")
+        return 0
     if output == "-":
-        inventory = inventory_cache.load(settings)
+        inventory = features.cached_inventory(settings) if cached_inventory else inventory_cache.load(settings)
         click.echo(features.render(features.for_node(settings, inventory)), nl=False)
         return 0
     output = output or settings.node.features_file
     if watch:
         from oci_gpu_hook.node import say
 
-        features.watch(settings, output, watch, lambda m: say("labels", m), heartbeat=heartbeat)
+        features.watch(settings, output, watch, lambda m: say("labels", m), heartbeat=heartbeat,
+                       cached=cached_inventory)  # fmt: skip
         return 0
-    changed = features.refresh(settings, output)
+    changed = features.refresh(settings, output, cached_inventory)
     click.echo(f"{output}: {'written' if changed else 'unchanged'}")
     return 0
 

@@ -318,19 +318,128 @@ def for_node(settings, inventory) -> dict:
                    host_facts(settings.node.sys_root, inventory), shared, strategy)  # fmt: skip
 
 
-def refresh(settings, output: str) -> bool:
+def cached_inventory(settings):
+    """The inventory as the node's other services last cached it (inventory_cache), taken as they
+    left it: not checked against the host's fingerprint and never rebuilt here. For a labels
+    process that sees neither the driver's files nor /dev nor NVML (the DaemonSet's labels pod):
+    the services that do see them write the cache again as soon as the host changes. Read only
+    when they (or this user) can have written it, as the hook reads its cache (read_trusted)."""
+    from oci_gpu_hook.errors import InventoryError
+    from oci_gpu_hook.start import inventory_cache, jsonio
+    from oci_gpu_hook.start.inventory import Inventory
+    from oci_gpu_hook.start.settings import read_trusted
+
+    path = settings.inventory_cache
+    try:
+        doc = jsonio.loads(read_trusted(path, inventory_cache.MAX_BYTES))
+    except FileNotFoundError:
+        raise InventoryError(f"{path}: no inventory cached yet (the services that read the driver write it)") from None
+    except OSError as e:
+        raise InventoryError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:  # not a regular file, not root's alone, too large, not JSON
+        raise InventoryError(f"{path}: not used: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != inventory_cache.FORMAT:
+        found = doc.get("format") if isinstance(doc, dict) else None
+        raise InventoryError(f"{path}: an inventory of format {found!r}, not {inventory_cache.FORMAT}: written by "
+                             "another version of the node services")  # fmt: skip
+    try:
+        return Inventory.from_json(doc["inventory"])
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise InventoryError(f"{path}: not an inventory") from None
+
+
+def refresh(settings, output: str, cached: bool = False) -> bool:
     """Labels from the current inventory (rediscovered when the driver changed: the inventory
-    cache's fingerprint) written to output; True when the file changed."""
+    cache's fingerprint; with cached, the cache as it is: cached_inventory) written to output;
+    True when the file changed."""
     from oci_gpu_hook.start import inventory_cache
 
-    labels = for_node(settings, inventory_cache.load(settings))
+    inventory = cached_inventory(settings) if cached else inventory_cache.load(settings)
+    labels = for_node(settings, inventory)
     try:
         return write(output, labels)
     except OSError as e:
         raise LabelError(f"{output}: {e.strerror or e}") from None
 
 
-def watch(settings, output: str, interval: float, log, rounds: int | None = None, heartbeat: str | None = None) -> None:
+def prepare(output: str, group: int) -> str:
+    """Make the feature file output writable by a labels process of group `group` that may write
+    nothing else of NFD's: root (uid 0, no capability needed: features.d is root's) does this
+    before it runs, as the DaemonSet's init container. output must lie in a hidden directory of
+    its own directly inside NFD's features.d (features.d/.oci-gpu-hook/oci-gpu-hook: NFD skips
+    names that start with a dot). That directory is made root's and the group's, mode 0775, and in
+    features.d the file's name becomes a relative link to it, which NFD reads through (a file
+    left there by an earlier version is replaced). Every step is on descriptors, links not
+    followed. Returns the link's path."""
+    directory = os.path.dirname(os.path.abspath(output))
+    features_d, own, name = os.path.dirname(directory), os.path.basename(directory), os.path.basename(output)
+    if not own.startswith(".") or own in (".", "..") or not name or name.startswith("."):
+        raise LabelError(f"{output}: to be prepared, the feature file must be in a hidden directory of its own "
+                         f"inside NFD's features.d (such as features.d/.oci-gpu-hook/oci-gpu-hook)")  # fmt: skip
+    try:
+        parent = os.open(features_d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise LabelError(f"{features_d}: no such directory (is NFD installed?)") from None
+    except OSError as e:
+        raise LabelError(f"{features_d}: {e.strerror or e}") from None
+    try:
+        _own_directory(parent, features_d, own, group)
+        _link(parent, features_d, name, f"{own}/{name}")
+    finally:
+        os.close(parent)
+    return os.path.join(features_d, name)
+
+
+def _own_directory(parent: int, features_d: str, own: str, group: int) -> None:
+    import stat
+
+    path = os.path.join(features_d, own)
+    try:
+        os.mkdir(own, 0o700, dir_fd=parent)  # 0700 until it is the group's
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise LabelError(f"{path}: {e.strerror or e}") from None
+    try:
+        fd = os.open(own, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except OSError as e:  # a link (ELOOP) or a file (ENOTDIR) there
+        raise LabelError(f"{path}: not a directory ({e.strerror or e})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise LabelError(f"{path}: owned by uid {st.st_uid}, not {os.geteuid()}: remove it")
+        try:
+            os.fchown(fd, -1, group)
+            os.fchmod(fd, 0o775)
+        except OSError as e:
+            raise LabelError(f"{path}: cannot give it to group {group} ({e.strerror or e}): run this as its owner, "
+                             f"in group {group}") from None  # fmt: skip
+    finally:
+        os.close(fd)
+
+
+def _link(parent: int, features_d: str, name: str, target: str) -> None:
+    path = os.path.join(features_d, name)
+    try:
+        if os.readlink(name, dir_fd=parent) == target:
+            return
+    except OSError:
+        pass  # absent, or not a link: replaced below
+    temporary = f".{name}.{os.urandom(6).hex()}.tmp"
+    try:
+        os.symlink(target, temporary, dir_fd=parent)
+        # A directory at the name is not replaced (EISDIR): only a file or a link is.
+        os.rename(temporary, name, src_dir_fd=parent, dst_dir_fd=parent)
+    except OSError as e:
+        try:
+            os.unlink(temporary, dir_fd=parent)
+        except OSError:
+            pass
+        raise LabelError(f"{path}: cannot link it to {target}: {e.strerror or e}") from None
+
+
+def watch(settings, output: str, interval: float, log, rounds: int | None = None, heartbeat: str | None = None,
+          cached: bool = False) -> None:  # fmt: skip
     """refresh() every interval seconds; an error is logged once until it clears. heartbeat: a
     file touched after every round, failed or not (node.beat)."""
     from oci_gpu_hook.node import beat
@@ -338,7 +447,7 @@ def watch(settings, output: str, interval: float, log, rounds: int | None = None
     last_error = None
     while rounds is None or rounds > 0:
         try:
-            if refresh(settings, output):
+            if refresh(settings, output, cached):
                 log(f"{output}: labels written")
             last_error = None
         except HookError as e:

@@ -4,9 +4,11 @@
 inventory as JSON, atomically, with a fingerprint of what it was built from: the driver version
 banner, the GPUs procfs lists, the device nodes and the driver root's ld.so.cache. The hook
 recomputes the fingerprint (a few stat calls and two small reads) and uses the cache only when it
-still matches, and only when it is a regular file of the hook's own user that no one else may
-write (settings.read_trusted): its paths become mount sources. Anything else counts as stale:
-rediscovered, and replaced by the rewrite. Standard library only: this is on the start path.
+still matches, and only when it is a regular file of the hook's own uid (settings.CACHE_UID, for
+a hook running as root) that no one else may write (settings.read_trusted): its paths become
+mount sources, so a file of root's, which a uid 0 without capabilities may have written, will
+not do. Anything else counts as stale: rediscovered, and replaced by the rewrite
+(settings.write_trusted). Standard library only: this is on the start path.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 
 from oci_gpu_hook.start import driver, files, jsonio
 from oci_gpu_hook.start.inventory import Inventory, host_path
-from oci_gpu_hook.start.settings import Settings, read_trusted
+from oci_gpu_hook.start.settings import Settings, read_trusted, write_trusted
 
 FORMAT = 5  # 2: GPUs list their DRM nodes; 3: MIG devices their profile and memory; 4: libraries
 # what they need, and why NVML did not answer; 5: MIG devices their attributes (SMs, engines)
@@ -122,13 +124,14 @@ def _identity(st) -> tuple:
 
 
 def write(settings: Settings, inventory: Inventory, print_=None) -> None:
-    """Write atomically: readers see the old file or the new one, never a torn one."""
+    """Write atomically: readers see the old file or the new one, never a torn one; the hook's own
+    (settings.write_trusted). OSError: nothing written (a root without CAP_CHOWN writes none)."""
     import json
 
     path = settings.inventory_cache
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     doc = {"format": FORMAT, "fingerprint": print_ or fingerprint(settings), "inventory": inventory.to_json()}
-    files.write_atomically(path, json.dumps(doc, separators=(",", ":")).encode())
+    write_trusted(path, json.dumps(doc, separators=(",", ":")).encode(), durable=True)
 
 
 # Of the hook's budget, what a rebuild with NVML must leave for the plan, the mounts and ldconfig.

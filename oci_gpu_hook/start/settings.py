@@ -9,11 +9,14 @@ hook (prestart, load(cache=True)) also keeps a validated file compiled, as JSON,
 /run/oci-gpu-hook, keyed by the file's path, inode, size and modification time, and reads that
 while the file is unchanged. Only the hook: the commands people and services run read the file
 itself and leave /run/oci-gpu-hook alone, so that a command run with --config on a file of one's
-own leaves nothing on the host, where the hook may not even be installed.
+own leaves nothing on the host, where the hook may not even be installed. What the hook keeps
+(this copy, the inventory cache) is CACHE_UID's, a uid no process runs as (write_trusted), and
+used only while it is (trusted): see CACHE_UID for why root's own would not do.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -28,6 +31,20 @@ ENV_VAR = "OCI_GPU_HOOK_CONFIG"
 SCHEMAS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas")
 SCHEMA_PATH = os.path.join(SCHEMAS_DIR, "config.schema.json")
 MAX_CONFIG_BYTES = 1 << 20
+# The owner of the files the hook keeps for itself (the compiled settings, the inventory cache):
+# they decide what containers get and where mounts come from. Not root: a process of uid 0
+# without a single capability (a container's root with its capabilities dropped, given a
+# hostPath of the host's /run) is still the owner of every file of root's, and may rewrite,
+# chmod or replace them and make new ones in root's directories. What it may not do is make a
+# file of another uid, or write or chmod one (that takes CAP_CHOWN, CAP_DAC_OVERRIDE,
+# CAP_FOWNER). So the hook, with those capabilities, gives what it keeps to this uid, which no
+# process runs as, and trusts nothing else there. 65533: in 65520-65533, which systemd's uid
+# map (UIDS-GIDS.md) leaves unused; past distributions' users (to 60000), systemd-homed's and
+# its dynamic users' (to 65519); below every range handed to user namespaces (subuid's from
+# 100000, the kubelet's from 65536, systemd-nspawn's from 524288), where a container's process
+# could hold it; and not 65534, the overflow uid, which daemons run as and which every unmapped
+# owner shows as in a user namespace.
+CACHE_UID = 65533
 
 
 class LoggingSettings(Record):
@@ -205,12 +222,34 @@ def compiled_path(path: str) -> str:
     return os.path.join(RUN_DIR, "settings" + path.replace("_", "__").replace("/", "_") + ".json")
 
 
-def trusted(st) -> bool:
-    """Owned by the hook's own user, or by the host's root (what root's hook keeps, as a rootless
-    hook in a user namespace sees it), and writable by it alone: only a hook can have written it."""
+def cache_owners() -> tuple:
+    """Whose files trusted() takes. For root: CACHE_UID's alone, since what a uid 0 without
+    capabilities may write is root's. For another user: also its own, which only it (or root)
+    can have written, and which can give it nothing it could not do itself. In a user namespace
+    (rootless podman) only its own: there CACHE_UID, the host's root and every other user
+    outside it all show as the overflow uid, a file of the host's nobody as much as root's."""
     from oci_gpu_hook.start.linux import userns
 
-    return st.st_uid in (os.geteuid(), userns.root_uid()) and not st.st_mode & 0o022
+    if userns.unprivileged():
+        return (os.geteuid(),)
+    return (CACHE_UID,) if os.geteuid() == 0 else (CACHE_UID, os.geteuid())
+
+
+def trusted(st) -> bool:
+    """Owned by one of cache_owners() and writable by it alone: only the hook (or this user
+    itself) can have written it."""
+    return st.st_uid in cache_owners() and not st.st_mode & 0o022
+
+
+def _trusted_directory(st) -> bool:
+    """A directory of the hook's (root's, CACHE_UID's; this user's own) that no one else may write.
+    Not what makes its files safe (trusted() does that: a uid 0 without capabilities may rename
+    root's directory, and every entry of it, but make no file that passes); only that no other
+    user can rename the hook's own files around in it."""
+    from oci_gpu_hook.start.linux import userns
+
+    owners = (os.geteuid(),) if userns.unprivileged() else (0, CACHE_UID, os.geteuid())
+    return st.st_uid in owners and not st.st_mode & 0o022
 
 
 def read_trusted(path: str, limit: int, seen: list | None = None) -> bytes:
@@ -225,8 +264,9 @@ def read_trusted(path: str, limit: int, seen: list | None = None) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise ValueError("not a regular file")
         if not trusted(st):
+            owners = " or ".join(str(uid) for uid in cache_owners())
             raise ValueError(f"owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}: only a file of "
-                             f"uid {os.geteuid()} that no one else may write is used")  # fmt: skip
+                             f"uid {owners} that no one else may write is used")  # fmt: skip
 
     def check_and_see(st):
         check(st)
@@ -239,11 +279,59 @@ def read_trusted(path: str, limit: int, seen: list | None = None) -> bytes:
     return data
 
 
+def write_trusted(path: str, data: bytes, durable: bool = False) -> None:
+    """Replace path with a file of data that trusted() takes: for root, CACHE_UID's, mode 0644.
+
+    The file is made without a name (O_TMPFILE), written, given its mode and owner, and only then
+    linked into path's directory, under a new random name, and renamed over path. A file of
+    root's, even for a moment, could be opened for writing by a uid 0 without capabilities, who
+    would go on writing through that descriptor once the file was CACHE_UID's. All of it through
+    one descriptor of the directory, which must not be a symlink. Raises OSError (nothing is
+    replaced): among them a filesystem without O_TMPFILE, and a root that may not chown (no
+    CAP_CHOWN), whose file no reader would take."""
+    from oci_gpu_hook.start.linux import userns
+
+    directory, name = os.path.split(path)
+    dir_fd = os.open(directory or ".", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fchmod(fd, 0o644)  # first: without CAP_FOWNER, root may not chmod CACHE_UID's file
+            if os.geteuid() == 0 and not userns.unprivileged():
+                os.fchown(fd, CACHE_UID, -1)
+            if durable:
+                os.fsync(fd)
+            for _ in range(16):
+                temporary = f".{name}.{os.urandom(6).hex()}.tmp"
+                try:  # with a dir_fd, linkat(AT_SYMLINK_FOLLOW): how an O_TMPFILE file gets a name
+                    os.link(f"/proc/self/fd/{fd}", temporary, dst_dir_fd=dir_fd)
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise OSError(errno.EEXIST, "no free temporary name", directory)
+        finally:
+            os.close(fd)
+        try:
+            os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except BaseException:
+            try:
+                os.unlink(temporary, dir_fd=dir_fd)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(dir_fd)
+
+
 def _read_compiled(path: str, key) -> dict | None:
     if key is None:
         return None
     try:
-        if not trusted(os.stat(RUN_DIR)):  # whoever may write it could rename our files around
+        if not _trusted_directory(os.stat(RUN_DIR)):  # whoever may write it could rename our files around
             return None
         doc = jsonio.loads(read_trusted(compiled_path(path), MAX_CONFIG_BYTES))
     except (OSError, ValueError):
@@ -262,7 +350,7 @@ def _write_compiled(path: str, key, data: dict) -> None:
         os.makedirs(RUN_DIR, mode=0o755, exist_ok=True)
         text = json.dumps({"path": path, "key": key, "settings": data})
         # Not durable: a compiled copy lost in a crash is rebuilt from the file on the next start.
-        files.write_atomically(compiled_path(path), text.encode(), durable=False)
+        write_trusted(compiled_path(path), text.encode())
     except OSError:
         pass  # a read-only /run costs speed, not correctness
 
@@ -270,28 +358,64 @@ def _write_compiled(path: str, key, data: dict) -> None:
 def read_config_file(path: str, what: str = "the configuration file") -> str:
     """A configuration file's text, at most MAX_CONFIG_BYTES. It decides what containers get (and
     the device plugin's, what the kubelet is told), so it must be root's (or this user's) and
-    writable by no one else: checked on the descriptor that is read."""
+    writable by no one else: checked on the descriptor that is read.
+
+    In a user namespace (rootless podman runs its hooks in the user's) the host's root shows as
+    the overflow uid, as every other user outside the namespace does, the host's nobody too: such
+    a file is taken as root's only where every directory on the way to it is one that none but
+    its owner may write and that shows as root's (the walk of mount sources, sources.HostSources),
+    so not from /tmp or any directory others may write, where another user may have put it.
+    What that cannot tell is a directory of another user's (or nobody's) that shows as root's
+    (docs/security.md, rootless podman); install refuses to name a configuration in one."""
 
     from oci_gpu_hook.start.linux import userns
 
-    owners = (userns.root_uid(), os.geteuid())  # the host's root as this process sees it (rootless podman)
+    # The host's root as this process sees it: the overflow uid in a user namespace (rootless podman).
+    owners = (userns.root_uid(), os.geteuid())
+    seen = []
 
     def check(st):
         if st.st_uid not in owners or st.st_mode & 0o022:
             whose = f"owned by uid {st.st_uid}" if st.st_uid not in owners else "writable by others"
             raise ConfigError(f"{path}: {what} is {whose}: it decides what containers get, so it must be root's "
                               "and writable by no one else")  # fmt: skip
+        seen.append(st)
 
     try:
         raw = files.read_bounded(path, MAX_CONFIG_BYTES, regular=True, check=check)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read {what}: {e.strerror}") from None
+    if userns.unprivileged() and seen[0].st_uid != os.geteuid():
+        _check_way_in_a_user_namespace(path, what, seen[0])
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {what} is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{path}: {what} is not UTF-8 text") from None
+
+
+def _check_way_in_a_user_namespace(path: str, what: str, read) -> None:
+    """ConfigError unless the file that was read (its stat: read) is the one a walk through
+    directories no one but root may change, as far as a user namespace can tell, reaches at path
+    (sources.HostSources, the mount sources' walk: in a user namespace it crosses no directory
+    others may write, sticky or not)."""
+    from oci_gpu_hook.start.linux import sources
+
+    walk = sources.HostSources()
+    try:
+        fd, walked = walk.open_stat(os.path.abspath(path), "file")
+        os.close(fd)
+    except sources.UntrustedSource as e:
+        raise ConfigError(f"{path}: {what} is not root's as far as this user namespace can tell ({e.why}): the "
+                          "host's root shows here as every other user outside it does, so root's file is taken "
+                          "only from directories no one else may write") from None  # fmt: skip
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read {what}: {e.strerror}") from None
+    finally:
+        walk.close()
+    if (walked.st_dev, walked.st_ino) != (read.st_dev, read.st_ino):
+        raise ConfigError(f"{path}: {what} was replaced while it was read")
 
 
 def load_yaml(text: str, where: str = "the document", libyaml: bool = True):

@@ -16,6 +16,12 @@ the drop-in holds the CRI plugin's whole section as containerd reads it without 
 IMPORT_LINE, first, which uninstall removes, leaving the file byte for byte as it was. Without a
 config.toml (containerd's defaults hold), install writes one that imports the drop-in, and
 uninstall removes it.
+
+So the drop-in is a copy, frozen when install ran: CRI settings the administrators add to
+config.toml afterwards (enable_selinux, restrict_oom_score_adj, ...) are overridden by it. What
+install froze, doctor watches (frozen_verdict): it asks containerd what install would write now
+and says FAIL, naming the settings, where the drop-in holds anything else; running install
+again writes the drop-in afresh.
 """
 
 from __future__ import annotations
@@ -98,10 +104,11 @@ def without_import(data: bytes) -> bytes:
     return data[len(line) :] if data.startswith(line) else data
 
 
-def plan(tree, hook: dict) -> tuple:
-    """(config.toml's text with the import, whether install creates the file (else it edits the
-    administrators' file), the drop-in's text, the base spec's text). ContainerdError when
-    containerd's configuration cannot take them."""
+def wanted(tree) -> tuple:
+    """(config.toml's text with the import, whether install creates the file, the CRI plugin's
+    section the drop-in must hold now): containerd's own reading of config.toml without the
+    import (`containerd config dump`), base_runtime_spec added for every runtime. ContainerdError
+    when containerd's configuration cannot take it."""
     shown = tree.shown(CONFIG)
     if os.path.islink(tree.entry(CONFIG)):  # edited in place, it would become a file: not as it was
         raise ContainerdError(f"{shown}: a symlink, which install does not edit: wire base_runtime_spec by hand "
@@ -137,12 +144,20 @@ def plan(tree, hook: dict) -> tuple:
             raise ContainerdError(f"{shown}: runtime {name} already has base_runtime_spec {spec}: add the hook's "
                                   f"prestart entry from {BASE_SPEC} to that file by hand")  # fmt: skip
         runtime["base_runtime_spec"] = BASE_SPEC
+    return config_text, created, cri
+
+
+def plan(tree, hook: dict) -> tuple:
+    """(config.toml's text with the import, whether install creates the file (else it edits the
+    administrators' file), the drop-in's text, the base spec's text). ContainerdError when
+    containerd's configuration cannot take them."""
+    config_text, created, cri = wanted(tree)
     dropin = (
         "# Written by `oci-gpu-hook install --runtime containerd`, imported by config.toml; removed by\n"
         "# `oci-gpu-hook uninstall`. containerd replaces a plugin's whole section with an imported one,\n"
         "# so this is the CRI plugin's section as containerd read it then (`containerd config dump`)\n"
         f"# with base_runtime_spec = {BASE_SPEC} for every runtime: after changing CRI settings in\n"
-        "# config.toml, run install again.\n"
+        "# config.toml, run install again (`oci-gpu-hook doctor` says FAIL until then).\n"
         "version = 2\n\n" + toml_tables({"plugins": {CRI: cri}})
     )
     return config_text, created, dropin, base_spec_text(hook)
@@ -207,7 +222,44 @@ def hook_verdict(root: str) -> tuple:
                 merged = dump(None if data is None else data.decode("utf-8", "replace"))
         except (ContainerdError, ConfigFileError, ValueError) as e:
             return "FAIL", f"{e} (containerd cannot read its configuration)", "correct the file"
-        return _verdict(root, tree, merged)
+        verdict = _verdict(root, tree, merged)
+        return (frozen_verdict(tree) or verdict) if verdict[0] == "PASS" else verdict
+
+
+def frozen_verdict(tree) -> tuple | None:
+    """(FAIL, summary, fix) where the drop-in no longer holds what install would write now: CRI
+    settings changed in config.toml since (or containerd's defaults, with a new containerd), which
+    the drop-in's copy overrides; None where it still does, or config.toml imports no drop-in of
+    install's. Both sides are containerd's own reading: the drop-in's section alone (it replaces
+    the whole of config.toml's) and config.toml without the import (wanted)."""
+    data = read_config(tree)
+    if data is None or not data.startswith(IMPORT_LINE.encode()):
+        return None
+    try:
+        frozen = dump(tree.read(DROPIN).decode("utf-8", "replace")).get("plugins", {}).get(CRI) or {}
+        now = wanted(tree)[2]
+    except (ContainerdError, ConfigFileError, ValueError) as e:
+        return "FAIL", f"{e} (config.toml changed since install copied its CRI settings into {DROPIN})", FIX
+    except OSError as e:
+        return "FAIL", f"{tree.shown(DROPIN)}: unreadable ({e.strerror}), though config.toml imports it", FIX
+    changed = _differences(now, frozen)
+    if not changed:
+        return None
+    named = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+    return ("FAIL", f"CRI settings in {tree.shown(CONFIG)} changed since install copied them into {DROPIN}, "
+            f"which containerd runs with instead: {named}", FIX)  # fmt: skip
+
+
+def _differences(now: dict, frozen: dict, path: str = "") -> list:
+    """The dotted keys whose values differ between two sections (a key one lacks counts)."""
+    changed = []
+    for key in sorted(set(now) | set(frozen)):
+        a, b, name = now.get(key), frozen.get(key), f"{path}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += _differences(a, b, name + ".")
+        elif a != b or (key in now) != (key in frozen):
+            changed.append(name)
+    return changed
 
 
 def _verdict(root: str, tree, merged: dict) -> tuple:

@@ -14,11 +14,17 @@ import time
 import pytest
 import yaml
 
+from oci_gpu_hook.start import settings
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Each privileged container, and why (30-daemonset.yaml): NVML opens the device nodes; the
 # exporter reads /proc/<pid>/cgroup in the host's cgroup namespace; the watchdog kills.
 PRIVILEGED = {"device-plugin", "exporter", "watchdog"}
 SERVING = {"device-plugin", "exporter"}  # the only ones with a readiness probe
+
+
+NODE, LABELS = "oci-gpu-hook-node", "oci-gpu-hook-labels"  # the two DaemonSets (30-, 31-labels.yaml)
+FEATURES_D = "/etc/kubernetes/node-feature-discovery/features.d"
 
 
 def documents() -> list:
@@ -34,35 +40,66 @@ def one(kind: str) -> dict:
     return doc
 
 
-def pod_spec() -> dict:
-    return one("DaemonSet")["spec"]["template"]["spec"]
+def pod_specs() -> dict:
+    """{DaemonSet name: its pod's spec}."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in documents() if d["kind"] == "DaemonSet"}
 
 
-def containers() -> dict:
-    return {c["name"]: c for c in pod_spec()["containers"]}
+def pod_spec(name: str = NODE) -> dict:
+    return pod_specs()[name]
+
+
+def containers(init: bool = False) -> dict:
+    """{name: container} of every pod (the names are unique across them), with init: the init
+    containers too."""
+    kinds = ("containers", "initContainers") if init else ("containers",)
+    return {c["name"]: c for spec in pod_specs().values() for kind in kinds for c in spec.get(kind, [])}
+
+
+def pod_of(container: str) -> str:
+    """The name of the DaemonSet whose pod runs container."""
+    (name,) = [n for n, s in pod_specs().items() if container in {c["name"] for c in s["containers"]
+                                                                  + s.get("initContainers", [])}]  # fmt: skip
+    return name
+
+
+def host_mounts(container: dict, spec: dict) -> dict:
+    """{mountPath: (the host path it shows, the mount)} of a container's hostPath volumes (a
+    subPath's, the path below the volume's)."""
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    found = {}
+    for mount in container["volumeMounts"]:
+        host = volumes[mount["name"]].get("hostPath", {}).get("path")
+        if host is not None:
+            found[mount["mountPath"]] = (os.path.join(host, mount.get("subPath", "")).rstrip("/") or "/", mount)
+    return found
 
 
 def test_only_the_containers_that_need_it_are_privileged():
-    privileged = {name for name, c in containers().items() if (c.get("securityContext") or {}).get("privileged")}
+    privileged = {name for name, c in containers(init=True).items()
+                  if (c.get("securityContext") or {}).get("privileged")}  # fmt: skip
     assert privileged == PRIVILEGED
+    # And only their pod has the host's namespaces: labels has a pod of its own for that.
+    namespaces = ("hostPID", "hostNetwork", "hostIPC")
+    shared = {name: [k for k in namespaces if spec.get(k)] for name, spec in pod_specs().items()}
+    assert shared == {NODE: ["hostPID", "hostNetwork"], LABELS: []}
+    assert {c["name"] for c in pod_spec(NODE)["containers"]} == PRIVILEGED
 
 
 def test_no_container_leaves_its_termination_log_in_a_host_directory():
     """The kubelet makes the file at terminationMessagePath (default /dev/termination-log) as a
     mount point in the container's tree; where that path is inside a hostPath volume (/dev is the
     host's), the file is made in the host's directory, and stays there after the pod is gone."""
-    host_paths = {v["name"] for v in pod_spec()["volumes"] if "hostPath" in v}
-    for name, container in containers().items():
+    for name, container in containers(init=True).items():
         path = container.get("terminationMessagePath", "/dev/termination-log")
-        for mount in container["volumeMounts"]:
-            if mount["name"] in host_paths:
-                inside = path == mount["mountPath"] or path.startswith(mount["mountPath"].rstrip("/") + "/")
-                assert not inside, f"{name}: {path} is in the host's {mount['mountPath']}"
+        for mount_path in host_mounts(container, pod_spec(pod_of(name))):
+            inside = path == mount_path or path.startswith(mount_path.rstrip("/") + "/")
+            assert not inside, f"{name}: {path} is in the host's {mount_path}"
 
 
 def test_labels_runs_with_nothing_it_does_not_need():
     """Round 4, class 9: all four containers were privileged. labels reads the inventory the
-    others cache and writes one file into features.d (tests/node/test_features.py runs it so)."""
+    others cache and writes one file (tests/node/test_features.py runs it so)."""
     labels = containers()["labels"]
     context = labels["securityContext"]
     assert context["privileged"] is False and context["allowPrivilegeEscalation"] is False
@@ -70,14 +107,54 @@ def test_labels_runs_with_nothing_it_does_not_need():
     assert context["readOnlyRootFilesystem"] is True
     assert context["seccompProfile"] == {"type": "RuntimeDefault"}
     writable = {m["mountPath"] for m in labels["volumeMounts"] if not m.get("readOnly")}
-    assert writable == {"/etc/kubernetes/node-feature-discovery/features.d", "/run/oci-gpu-hook-node"}
-    volumes = {v["name"]: v for v in pod_spec()["volumes"]}
-    mounted = {m["name"] for m in labels["volumeMounts"]}
-    assert "run" not in mounted and "device-plugins" not in mounted  # the records, the kubelet's sockets
+    assert writable == {f"{FEATURES_D}/.oci-gpu-hook", "/run/oci-gpu-hook-node"}
+    volumes = {v["name"]: v for v in pod_spec(LABELS)["volumes"]}
     (beats,) = [m["name"] for m in labels["volumeMounts"] if m["mountPath"] == "/run/oci-gpu-hook-node"]
     assert "emptyDir" in volumes[beats] and "hostPath" not in volumes[beats]
-    # The kubelet's default /dev/termination-log cannot be made in a read-only /dev.
     assert labels["terminationMessagePath"].startswith("/run/oci-gpu-hook-node/")
+
+
+def test_labels_is_no_one_on_the_host():
+    """Issue 46, item 2: labels was uid 0 in the host's user and PID namespaces, with the host's
+    / mounted read-only, which is read-only only at its top (the host's /run under it was
+    writable); as root it rewrote the hook's compiled settings there, signalled root's processes
+    and connected to root's sockets. Now: a pod of its own with none of the host's namespaces, a
+    uid and gid that are not root's, and of the host's paths only the node pod's inventory cache
+    (read-only) and its own directory in features.d. Its init container is uid 0 only to make that
+    directory in root's features.d: no capability, nothing else of the host's, and it gives the
+    directory to the labels' group."""
+    spec = pod_spec(LABELS)
+    assert not any(spec.get(k) for k in ("hostPID", "hostNetwork", "hostIPC"))
+    (labels,) = spec["containers"]
+    (init,) = spec["initContainers"]
+    context = labels["securityContext"]
+    assert context["runAsUser"] != 0 and context["runAsGroup"] != 0 and context["runAsNonRoot"] is True
+    # Nor the uid no process may run as, whose files the hook and the services trust as their own.
+    assert settings.CACHE_UID not in (context["runAsUser"], context["runAsGroup"])
+    config = yaml.safe_load(one("ConfigMap")["data"]["config.yaml"])
+    features_file = config["node"]["features_file"]
+    own = os.path.dirname(features_file)
+    assert os.path.dirname(own) == FEATURES_D and os.path.basename(own).startswith(".")  # NFD skips it
+    mounts = host_mounts(labels, spec)
+    assert {path: (host, m.get("readOnly", False)) for path, (host, m) in mounts.items()} == {
+        "/var/cache/oci-gpu-hook": ("/var/cache/oci-gpu-hook-node", True),
+        own: (own, False),
+    }  # fmt: skip
+    (cache,) = [m for path, (_, m) in mounts.items() if path == "/var/cache/oci-gpu-hook"]
+    assert cache["recursiveReadOnly"] == "IfPossible"  # recursive where the runtime can (containerd 2)
+    assert os.path.dirname(config["inventory_cache"]) == "/var/cache/oci-gpu-hook"
+    # The node pod's cache is that same host directory.
+    (node_cache,) = {h for c in pod_spec(NODE)["containers"] for p, (h, _) in host_mounts(c, pod_spec(NODE)).items()
+                     if p == "/var/cache/oci-gpu-hook"}  # fmt: skip
+    assert node_cache == "/var/cache/oci-gpu-hook-node"
+    command = labels["command"]
+    assert command[command.index("labels") + 1 :][:1] == ["--cached-inventory"]  # it sees no driver to check it by
+    init_context = init["securityContext"]
+    assert init_context["runAsUser"] == 0 and init_context["runAsGroup"] == context["runAsGroup"]
+    assert init_context["capabilities"] == {"drop": ["ALL"]} and init_context["allowPrivilegeEscalation"] is False
+    assert init_context["privileged"] is False and init_context["readOnlyRootFilesystem"] is True
+    assert init["command"][-2:] == ["--prepare-for", str(context["runAsGroup"])]
+    assert {path: host for path, (host, _) in host_mounts(init, spec).items()} == {FEATURES_D: FEATURES_D}
 
 
 def test_what_an_unprivileged_container_may_write_is_its_own():
@@ -93,29 +170,42 @@ def test_what_an_unprivileged_container_may_write_is_its_own():
             continue
         writable = {m["name"] for m in c["volumeMounts"] if not m.get("readOnly")}
         for other, o in containers().items():
-            if other != name:
+            if other != name and pod_of(other) == pod_of(name):
                 shared = writable & {m["name"] for m in o["volumeMounts"]}
                 assert not shared, f"{name} may write {sorted(shared)}, which {other} mounts too"
+        # Across pods, by the host's paths: what it may write, no other container sees. (Its init
+        # container has finished before it starts, and opens nothing in its directory.)
+        mine = [host for host, m in host_mounts(c, pod_spec(pod_of(name))).values() if not m.get("readOnly")]
+        for other, o in containers().items():
+            if other != name:
+                for host, _ in host_mounts(o, pod_spec(pod_of(other))).values():
+                    for path in mine:
+                        assert not (host + "/").startswith(path + "/") and not (path + "/").startswith(host + "/"), (
+                            f"{name} may write the host's {path}, which {other} mounts ({host})")  # fmt: skip
 
 
 def test_host_paths_must_exist_but_the_records_directory():
     """features.d was DirectoryOrCreate: the kubelet made the directory that labels itself will
     not make (NFD makes it). Only /run/oci-gpu-hook may be made (the hook's records; the hook
     checks the mode of what it writes into)."""
-    types = {v["hostPath"]["path"]: v["hostPath"]["type"] for v in pod_spec()["volumes"] if "hostPath" in v}
-    assert types["/etc/kubernetes/node-feature-discovery/features.d"] == "Directory"
+    types = {v["hostPath"]["path"]: v["hostPath"]["type"] for spec in pod_specs().values() for v in spec["volumes"]
+             if "hostPath" in v}  # fmt: skip
+    assert types[FEATURES_D] == "Directory"
     # And the MPS root, in /run (emptied at boot): the plugin checks that what it makes there is
-    # root's alone (mps.make_directories).
-    assert {path for path, kind in types.items() if kind != "Directory"} == {"/run/oci-gpu-hook", "/run/nvidia/mps"}
+    # root's alone (mps.make_directories). The inventory cache, in root's /var/cache: the node
+    # pod writes it; the labels pod reads only what its services can have written (read_trusted).
+    assert {path for path, kind in types.items() if kind != "Directory"} == {
+        "/run/oci-gpu-hook", "/run/nvidia/mps", "/var/cache/oci-gpu-hook-node"}  # fmt: skip
 
 
 def test_every_container_has_requests_a_memory_limit_and_a_liveness_probe():
-    for name, c in containers().items():
+    for name, c in containers(init=True).items():
         resources = c["resources"]
         assert set(resources["requests"]) == {"cpu", "memory"}, name
         assert set(resources["limits"]) == {"memory"}, name  # no CPU limit: throttling delays kills and scrapes
-        assert "livenessProbe" in c, name
-        assert ("readinessProbe" in c) == (name in SERVING), name
+        if name in containers():  # an init container runs to its end: no probe
+            assert "livenessProbe" in c, name
+            assert ("readinessProbe" in c) == (name in SERVING), name
 
 
 def test_the_exporters_probes_use_its_port_and_its_index():
@@ -223,7 +313,7 @@ def test_the_mps_directories_the_plugin_answers_with_are_the_hosts():
     assert root == plugin_config.DEFAULT_MPS_ROOT  # the ConfigMap keeps NVIDIA's default
     volumes = {v["name"]: v for v in pod_spec()["volumes"]}
     plugin = containers()["device-plugin"]
-    made = [mps.pipe_dir(root, "nvidia.com/gpu"), mps.log_dir(root, "nvidia.com/gpu"), mps.shm_dir(root)]
+    made = [where(root, "nvidia.com/gpu") for where in (mps.pipe_dir, mps.log_dir, mps.shm_dir)]
     for path in made:
         mounts = [m for m in plugin["volumeMounts"] if path.startswith(m["mountPath"].rstrip("/") + "/")]
         assert len(mounts) == 1, f"{path}: in no volume of the device plugin's: its container's own"
@@ -232,7 +322,7 @@ def test_the_mps_directories_the_plugin_answers_with_are_the_hosts():
         assert host == mount["mountPath"], f"{path}: {mount['mountPath']} is not the host's {mount['mountPath']}"
         assert not mount.get("readOnly"), mount
     (mount,) = [m for m in plugin["volumeMounts"] if m["mountPath"] == root]
-    assert mount.get("mountPropagation") == "Bidirectional", mount  # the shm tmpfs, mounted under it
+    assert mount.get("mountPropagation") == "Bidirectional", mount  # the daemons' tmpfs, mounted under it
     others = {n for n, c in containers().items() if n != "device-plugin" for m in c["volumeMounts"]
               if m["name"] == mount["name"]}  # fmt: skip
     assert not others, others

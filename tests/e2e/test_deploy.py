@@ -1,18 +1,25 @@
-"""The node services as a DaemonSet (issue 28, second part): deploy/build-image.py builds the image
-offline, it is imported into the cluster's containerd (tests/kubecheck.py), and the manifests in
-deploy/kubernetes/ are applied with kubectl. For the simulated host the test changes only what
-names the host: the image's configuration (the simulated driver root, the hook's records
-directory), hostPath volumes for those two, a port of its own for the exporter, no NFD
-nodeSelector (NFD is not here: the test makes the features.d directory NFD would), and no
-HostToContainer propagation (this machine's / is not a shared mount: it has no systemd). The
-hook on the node accepts the device plugin's volume-mounts answer and not the variable from
-unprivileged containers, as docs/deploy.md says to set it. Then, through the API:
-- the DaemonSet's pod runs on the node, all four services in it, ready; every exec probe, run in
-  its container as the kubelet runs it, passes;
-- the labels container, without any capability, writes the feature file its configuration
-  names, read here where the pod's hostPath volume puts it on the host: exactly the simulated
-  host's labels (its description, not the code under test), with the MIG strategy of the
-  plugin's file in the ConfigMap;
+"""The node services as DaemonSets (issue 28, second part; issue 46 gave the labels a pod of their
+own): deploy/build-image.py builds the image offline, it is imported into the cluster's
+containerd (tests/kubecheck.py), and the manifests in deploy/kubernetes/ are applied with
+kubectl. For the simulated host the test changes only what names the host: the image's
+configuration (the simulated driver root, sysfs and the hook's records directory), hostPath
+volumes for those (the simulated root read-only for labels, whose sysfs it is), the host paths
+of the inventory cache, features.d and the MPS root (the test's own), a port of its own for the
+exporter, no NFD nodeSelector (NFD is not here: the test makes the features.d directory NFD
+would), no HostToContainer propagation (this machine's / is not a shared mount: it has no
+systemd), and the host's network for the labels pod too (this cluster has no CNI plugin to give
+a pod a network of its own). The hook on the node accepts the device plugin's volume-mounts
+answer and not the variable from unprivileged containers, as docs/deploy.md says to set it.
+Then, through the API:
+- the node pod runs on the node with its three services ready, and the labels pod with its one;
+  every exec probe, run in its container as the kubelet runs it, passes;
+- the labels container, another user than root without any capability, writes the feature file
+  its configuration names, read here as NFD reads it (through the link its init container made
+  in features.d): exactly the simulated host's labels (its description, not the code under
+  test), with the MIG strategy of the plugin's file in the ConfigMap;
+- that container is no one on the host (issue 46): not uid 0, in a PID namespace of its own, it
+  can signal no process of the host's, connect to none of its sockets and write nothing under
+  any host path it has but its own directory;
 - the watchdog says what it watches, and its heartbeat (what its liveness probe reads) beats;
 - the exporter answers on IPv6 and IPv4;
 - the device plugin registers from inside the pod: the node offers nvidia.com/gpu, and no plugin
@@ -24,7 +31,7 @@ unprivileged containers, as docs/deploy.md says to set it. Then, through the API
 - ready means answering: a stopped exporter (its port still accepting connections) is taken out
   of ready by its readiness probe, and is ready again, the same process, once it answers;
 - no container was restarted by its liveness probe meanwhile;
-- deleting the DaemonSet takes the GPUs off the node's allocatable resources.
+- deleting the DaemonSets takes the GPUs off the node's allocatable resources.
 (tests/deploy/test_manifests.py checks the manifests themselves without a cluster.)
 """
 
@@ -33,6 +40,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 import urllib.request
 
@@ -43,12 +51,16 @@ import pytest
 import yaml
 from hookcheck import listed_uuids
 
+from oci_gpu_hook.start.rule import START_SERVER_SOCKET
+
 pytestmark = pytest.mark.host(gpus=3, mig=[], needs=("runc", "busybox", "containerd", "ctr", "openssl"))
 
 REPO = kubeletcheck.REPO
 PORT = 19400
 NS = "oci-gpu-hook"
 SERVICES = ("device-plugin", "exporter", "labels", "watchdog")  # each container is named after its command
+NODE, LABELS = "oci-gpu-hook-node", "oci-gpu-hook-labels"  # the DaemonSets, each its pod's app.kubernetes.io/name
+PODS = {NODE: ["device-plugin", "exporter", "watchdog"], LABELS: ["labels"]}
 LIMIT = 256 << 20  # the GPU pod's own memory limit (OCI_GPU_HOOK_GPU_MEMORY_LIMIT)
 
 
@@ -93,19 +105,27 @@ def manifests(host, tmp, records: str) -> list:
             spec = doc["spec"]["template"]["spec"]
             spec.pop("nodeSelector")
             moved = {"/run/oci-gpu-hook": str(tmp / "run"), "/etc/kubernetes/node-feature-discovery/features.d":
-                     str(tmp / "features"), "/run/nvidia/mps": str(tmp / "mps")}  # fmt: skip
+                     str(tmp / "features"), "/run/nvidia/mps": str(tmp / "mps"),
+                     "/var/cache/oci-gpu-hook-node": str(tmp / "cache")}  # fmt: skip
             for volume in spec["volumes"]:
                 if "hostPath" in volume and volume["hostPath"]["path"] in moved:
                     volume["hostPath"]["path"] = moved[volume["hostPath"]["path"]]  # the type stays
             spec["volumes"].append({"name": "simulated-host", "hostPath": {"path": root, "type": "Directory"}})
-            spec["volumes"].append({"name": "records", "hostPath": {"path": str(tmp / "run"), "type": "Directory"}})
+            node_pod = doc["metadata"]["name"] == NODE
+            if node_pod:
+                spec["volumes"].append({"name": "records", "hostPath": {"path": str(tmp / "run"), "type": "Directory"}})
+            else:
+                spec["hostNetwork"] = True  # no CNI plugin here to give the pod a network of its own
             for container in spec["containers"]:
                 # HostToContainer needs / to be a shared mount, as systemd makes it; this machine
                 # has no systemd, and its / is private.
                 for mount in container["volumeMounts"]:
                     mount.pop("mountPropagation", None)
-                container["volumeMounts"].append({"name": "simulated-host", "mountPath": root})
-                container["volumeMounts"].append({"name": "records", "mountPath": str(tmp / "run")})
+                if node_pod:
+                    container["volumeMounts"].append({"name": "simulated-host", "mountPath": root})
+                    container["volumeMounts"].append({"name": "records", "mountPath": str(tmp / "run")})
+                else:  # its sysfs (the node's own /sys in the pod), read-only as that is
+                    container["volumeMounts"].append({"name": "simulated-host", "mountPath": root, "readOnly": True})
                 for port in container.get("ports", []):
                     port["containerPort"] = PORT
     (tmp / "run").mkdir(exist_ok=True)
@@ -117,8 +137,15 @@ def allocatable(cluster) -> str | None:
     return (cluster.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")
 
 
-def daemonset_pod(cluster) -> dict:
-    (pod,) = cluster.get("pods", "-n", NS)["items"]
+def daemonset_pod(cluster, name: str = NODE) -> dict:
+    (pod,) = cluster.get("pods", "-n", NS, "-l", f"app.kubernetes.io/name={name}")["items"]
+    return pod
+
+
+def pod_with(cluster, container: str) -> dict:
+    """The namespace's pod that runs container."""
+    (pod,) = [p for p in cluster.get("pods", "-n", NS)["items"]
+              if container in {c["name"] for c in p["spec"]["containers"]}]  # fmt: skip
     return pod
 
 
@@ -153,27 +180,50 @@ def configured(cluster) -> tuple:
     return yaml.safe_load(data["config.yaml"]), yaml.safe_load(data["device-plugin.yaml"])
 
 
+def host_mounts(pod: dict, container: str) -> dict:
+    """{mountPath: the host path there} of the container's hostPath volumes (with a subPath, the
+    path below the volume's)."""
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    found = {}
+    for mount in container_spec(pod, container)["volumeMounts"]:
+        if "hostPath" in volumes[mount["name"]]:
+            host = os.path.join(volumes[mount["name"]]["hostPath"]["path"], mount.get("subPath", ""))
+            found[mount["mountPath"]] = host.rstrip("/") or "/"
+    return found
+
+
 def on_the_host(pod: dict, container: str, path: str) -> str:
     """Where path, in the pod's container, lies on the host: through the hostPath volume mounted
     at its directory or above (a path on no such volume is the pod's own, and lost with it)."""
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    mounts = container_spec(pod, container)["volumeMounts"]
-    for mount in sorted(mounts, key=lambda m: len(m["mountPath"]), reverse=True):
-        prefix = mount["mountPath"].rstrip("/") + "/"
-        if path.startswith(prefix) and "hostPath" in volumes[mount["name"]]:
-            return os.path.join(volumes[mount["name"]]["hostPath"]["path"], path[len(prefix) :])
+    for mount_path, host in sorted(host_mounts(pod, container).items(), key=lambda m: len(m[0]), reverse=True):
+        prefix = mount_path.rstrip("/") + "/"
+        if path.startswith(prefix):
+            return os.path.join(host, path[len(prefix) :])
     raise AssertionError(f"{container}: {path} is on none of the pod's hostPath volumes")
 
 
-def run_probe(cluster, pod: dict, container: str, probe: str) -> int:
-    """The container's exec probe, run in it as the kubelet runs it (the CRI's exec, through
-    containerd); its exit status."""
-    command = container_spec(pod, container)[probe]["exec"]["command"]
+def in_the_container(pod: dict, container: str, host_path: str) -> list:
+    """Every path at which the container sees host_path (through each hostPath volume that holds
+    it), and host_path itself, in case its own tree has one."""
+    found = [host_path]
+    for mount_path, host in host_mounts(pod, container).items():
+        if host_path == host or host_path.startswith(host.rstrip("/") + "/"):
+            found.append(mount_path.rstrip("/") + host_path[len(host.rstrip("/")) :])
+    return found
+
+
+def exec_in(cluster, pod: dict, container: str, command: list, timeout: float = 60):
+    """command run in the pod's container as the kubelet runs an exec probe (the CRI's exec,
+    through containerd: the container's user, capabilities and namespaces)."""
     container_id = container_status(pod, container)["containerID"].split("://", 1)[1]
-    out = cluster.ctr("tasks", "exec", "--fifo-dir", os.path.join(cluster.containerd_dir, "fifo"), "--exec-id",
-                      f"probe-{time.monotonic_ns()}", container_id, *command, check=False,
-                      timeout=60)  # fmt: skip
-    return out.returncode
+    return cluster.ctr("tasks", "exec", "--fifo-dir", os.path.join(cluster.containerd_dir, "fifo"), "--exec-id",
+                       f"probe-{time.monotonic_ns()}", container_id, *command, check=False,
+                       timeout=timeout)  # fmt: skip
+
+
+def run_probe(cluster, pod: dict, container: str, probe: str) -> int:
+    """The container's exec probe, run in it as the kubelet runs it; its exit status."""
+    return exec_in(cluster, pod, container, container_spec(pod, container)[probe]["exec"]["command"]).returncode
 
 
 def metrics(cluster) -> str:
@@ -187,20 +237,24 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
 
     def running():
         pods = cluster.get("pods", "-n", NS)["items"]
-        return len(pods) == 1 and all(s.get("ready") for s in pods[0]["status"].get("containerStatuses") or [{}])
+        return len(pods) == len(PODS) and all(s.get("ready") for pod in pods
+                                              for s in pod["status"].get("containerStatuses") or [{}])  # fmt: skip
 
-    cluster.wait_until(running, 120, "the DaemonSet's pod with its four services ready")
-    pod = daemonset_pod(cluster)
-    assert pod["spec"]["nodeName"] == cluster.node_name
-    assert sorted(s["name"] for s in pod["status"]["containerStatuses"]) == list(SERVICES)
+    cluster.wait_until(running, 120, "the DaemonSets' pods with their four services ready")
+    pods = {name: daemonset_pod(cluster, name) for name in PODS}
+    pod, labels_pod = pods[NODE], pods[LABELS]
+    for name, services in PODS.items():
+        assert pods[name]["spec"]["nodeName"] == cluster.node_name
+        assert sorted(s["name"] for s in pods[name]["status"]["containerStatuses"]) == services
+    assert sorted(sum(PODS.values(), [])) == list(SERVICES)
     cluster.wait_until(lambda: allocatable(cluster) == "3", 60, "the pod's plugin to offer three GPUs")
     # Every exec probe passes where the kubelet runs it: the image's python3, the paths it reads
     # as the container sees them (the heartbeats come after each service's first round).
-    exec_probes = [(c["name"], probe) for c in pod["spec"]["containers"]
+    exec_probes = [(p, c["name"], probe) for p in pods.values() for c in p["spec"]["containers"]
                    for probe in ("readinessProbe", "livenessProbe") if "exec" in c.get(probe, {})]  # fmt: skip
-    assert {name for name, _ in exec_probes} == {"device-plugin", "labels", "watchdog"}
-    for name, probe in exec_probes:
-        passes = lambda name=name, probe=probe: run_probe(cluster, pod, name, probe) == 0  # noqa: E731
+    assert {name for _, name, _ in exec_probes} == {"device-plugin", "labels", "watchdog"}
+    for in_pod, name, probe in exec_probes:
+        passes = lambda in_pod=in_pod, name=name, probe=probe: run_probe(cluster, in_pod, name, probe) == 0  # noqa: E731
         cluster.wait_until(passes, 60, f"{name}'s {probe} to pass")
     # The only device plugin running is the pod's: every such process is in the pod's cgroup.
     plugins = [pid for pid, argv in hookcheck.command_lines().items() if b"device-plugin" in argv]
@@ -208,17 +262,23 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
     for pid in plugins:
         with open(f"/proc/{pid}/cgroup") as f:
             assert f"pod{pod['metadata']['uid']}" in f.read(), pid
-    # labels: no capability, no new privileges, and still its file in features.d.
+    # labels: another user than root, no capability, no new privileges, and still its file in
+    # features.d (test_the_labels_container_is_no_one_on_the_host says what it cannot do).
     (labels,) = [pid for pid, argv in hookcheck.command_lines().items() if b"labels" in argv and b"--heartbeat" in argv]
     with open(f"/proc/{labels}/status") as f:
         status = dict(line.split(":", 1) for line in f.read().splitlines())
     assert [status[k].strip() for k in ("CapEff", "CapPrm", "CapBnd", "NoNewPrivs")] == ["0000000000000000"] * 3 + ["1"]
-    # Its feature file, read where the DaemonSet's hostPath volume puts the file its configuration
-    # names (NFD's features.d; here the test's directory): the simulated host's labels, with the
+    uid = container_spec(labels_pod, "labels")["securityContext"]["runAsUser"]
+    assert uid != 0 and status["Uid"].split() == [str(uid)] * 4, status["Uid"]
+    # Its feature file, read as NFD reads it: features.d/oci-gpu-hook (here the test's directory),
+    # the link the init container made to the file the labels' configuration names, in the one
+    # directory of features.d the labels may write. The simulated host's labels, with the
     # strategy of the plugin's file in the ConfigMap, which the labels read as the plugin does.
     config, plugin = configured(cluster)
-    features = on_the_host(pod, "labels", config["node"]["features_file"])
-    assert features == str(tmp / "features" / "oci-gpu-hook")
+    written_at = on_the_host(labels_pod, "labels", config["node"]["features_file"])
+    assert written_at == str(tmp / "features" / ".oci-gpu-hook" / "oci-gpu-hook")
+    features = str(tmp / "features" / "oci-gpu-hook")
+    assert os.readlink(features) == ".oci-gpu-hook/oci-gpu-hook"
     expected = hookcheck.expected_labels(host, plugin["flags"]["migStrategy"])
 
     def written() -> dict:
@@ -237,7 +297,9 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
     # The literal values of this 3-GPU A100 host, so that a wrong description cannot agree with itself.
     assert [labels[f"nvidia.com/{k}"] for k in ("gpu.count", "gpu.product", "mig.strategy", "gpu.replicas")] == [
         "3", "NVIDIA-A100-SXM4-40GB", "none", "1"]  # fmt: skip
-    assert f"oci-gpu-hook labels: {config['node']['features_file']}: labels written" in cluster.log_of(pod, "labels")
+    assert os.stat(written_at).st_uid == uid
+    assert f"oci-gpu-hook labels: {config['node']['features_file']}: labels written" in cluster.log_of(
+        labels_pod, "labels")  # fmt: skip
     # The watchdog says what it watches (the hook's records), and beats: its liveness probe's file
     # (in the watchdog's own emptyDir) is touched again after each scan.
     watchdog = service_pid(pod, "watchdog")
@@ -336,13 +398,168 @@ def test_ready_means_the_exporter_answers(deployed):
     assert service_pid(daemonset_pod(cluster), "exporter") == pid
 
 
-def test_deleting_the_daemonset_takes_the_gpus_off_the_node(deployed):
+# Run in the labels container with its python3, as an exec probe runs (its user, no capability):
+# what it can do to the host. argv[1], JSON: host pids to signal (0: is it there, may I), socket
+# paths to connect to, the host paths it has (each walked, submounts and all, to make a file in
+# each directory and open each file for writing: nothing is truncated or left), and its own
+# directory (expected writable, not walked). Prints what succeeded, as JSON.
+REACH = r"""
+import json, os, socket, stat, sys
+
+plan = json.loads(sys.argv[1])
+found = {"uid": os.getuid(), "gid": os.getgid(), "groups": sorted(os.getgroups())}
+with open("/proc/1/cmdline", "rb") as f:
+    found["pid 1"] = [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]
+found["signalled"] = []
+for pid in plan["pids"]:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        continue
+    found["signalled"].append(pid)
+found["connected"] = []
+for path in plan["sockets"]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        try:
+            s.connect(path)
+        except OSError:
+            continue
+    found["connected"].append(path)
+points = {}
+with open("/proc/self/mountinfo") as f:
+    for line in f:
+        fields = line.split()
+        points[fields[4].encode().decode("unicode_escape")] = fields[fields.index("-") + 1]
+# The kernel's own interfaces are not walked: opening one of their files may act.
+kernel = {p for p, kind in points.items() if kind in ("proc", "sysfs", "debugfs", "tracefs", "securityfs",
+                                                      "configfs", "bpf", "cgroup", "cgroup2", "fusectl")}
+tops = plan["tops"]
+under = lambda path, top: path == top or path.startswith(top.rstrip("/") + "/")
+places = sorted(set(tops) | {p for p in points if any(under(p, t) for t in tops)})
+found["submounts"] = sorted(set(places) - set(tops))
+written, looked = set(), 0
+for place in (p for p in places if p not in kernel):
+    for directory, dirs, files in os.walk(place):
+        dirs[:] = [d for d in dirs if os.path.join(directory, d) not in kernel]
+        looked += 1 + len(files)
+        if looked > 50000:
+            found["cut short"] = directory
+            break
+        probe = os.path.join(directory, ".reach-probe")
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        except OSError:
+            pass
+        else:
+            os.unlink(probe)
+            written.add(directory)
+        if under(directory, plan["own"]):
+            dirs[:] = []
+            continue
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):
+                    continue
+                os.close(os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK))
+            except OSError:
+                continue
+            written.add(path)
+found["writable"] = sorted(written)
+print(json.dumps(found))
+"""
+
+
+def accepts(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX) as client:
+        client.settimeout(5)
+        try:
+            client.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+def test_the_labels_container_is_no_one_on_the_host(deployed):
+    """Issue 46, item 2. labels was root in all but its capabilities: uid 0 in the host's user and
+    PID namespaces, with the host's / read-only at /host. A read-only bind is read-only at its top
+    only: the host's /run under it was writable, and from there it rewrote the hook's compiled
+    settings; it stopped and killed root's processes, and connected to root-only sockets (the
+    runtime's, systemd's). Now, from inside the running container, as its exec probes run: its
+    uid is not 0 and its PID namespace is its own (its pid 1 is labels itself); it can signal
+    none of root's processes on the host (containerd, the kubelet, the exporter, this test);
+    it can connect to none of the host's sockets (containerd's, the kubelet's device-plugin
+    socket, the start server's and, where the labels pod would see them, root-only sockets this
+    test listens on in the inventory cache and in its features.d directory); and it can write
+    nothing under any host path it has, submounts included, but its own directory in
+    features.d."""
+    cluster, host, tmp = deployed
+
+    def ready():
+        statuses = pod_with(cluster, "labels")["status"].get("containerStatuses") or []
+        return any(s["name"] == "labels" and s.get("ready") for s in statuses)
+
+    cluster.wait_until(ready, 120, "the labels container to be ready")
+    labels_pod, node_pod = pod_with(cluster, "labels"), pod_with(cluster, "exporter")
+    config, _ = configured(cluster)
+    own = os.path.dirname(config["node"]["features_file"])
+    mounts = host_mounts(labels_pod, "labels")
+    listening = []
+    try:
+        # Root's alone (0600), listening, in the host directories the labels pod has: the node
+        # pod's inventory cache, NFD's features.d and, in it, the labels' own directory (those of
+        # them that are there: before issue 46 the cache was an emptyDir).
+        own_on_the_host = os.path.dirname(on_the_host(labels_pod, "labels", f"{own}/x"))
+        for directory in sorted({f"{tmp}/cache", f"{tmp}/features", own_on_the_host}):
+            if not os.path.isdir(directory):
+                continue
+            server = socket.socket(socket.AF_UNIX)
+            path = os.path.join(directory, "root-only.sock")
+            server.bind(path)
+            os.chmod(path, 0o600)
+            server.listen()
+            listening.append((server, path))
+        # Only sockets that take a connection here, from root: so that none taken there means
+        # that the pod could not reach one, not that nothing was listening.
+        reachable = [path for path in [cluster.address, cluster.kubelet_socket, START_SERVER_SOCKET,
+                                       *(path for _, path in listening)] if accepts(path)]  # fmt: skip
+        assert {cluster.address, cluster.kubelet_socket} | {path for _, path in listening} <= set(reachable)
+        plan = {
+            "pids": [cluster.containerd.pid, cluster.kubelet.pid, service_pid(node_pod, "exporter"), os.getpid()],
+            "sockets": sorted({q for p in reachable for q in in_the_container(labels_pod, "labels", p)}),
+            "tops": sorted(mounts),
+            "own": own,
+        }
+        out = exec_in(cluster, labels_pod, "labels", ["/usr/bin/python3", "-I", "-c", REACH, json.dumps(plan)],
+                      timeout=120)  # fmt: skip
+    finally:
+        for server, path in listening:
+            server.close()
+            os.unlink(path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = json.loads(out.stdout)
+    uid = container_spec(labels_pod, "labels")["securityContext"]["runAsUser"]
+    assert found["uid"] == uid != 0 and 0 not in [found["gid"], *found["groups"]], found
+    assert "labels" in found["pid 1"] and "--cached-inventory" in found["pid 1"], found["pid 1"]
+    assert found["signalled"] == [] and found["connected"] == [], found
+    assert found["writable"] == [own] and "cut short" not in found, found
+    # Seen from the host: the labels process is in PID and IPC namespaces of its own, not the
+    # runtime's (the host's, as this test's).
+    (labels,) = [pid for pid, argv in hookcheck.command_lines().items() if b"labels" in argv and b"--heartbeat" in argv]
+    for kind in ("pid", "ipc"):
+        host_ns = os.readlink(f"/proc/{cluster.containerd.pid}/ns/{kind}")
+        assert host_ns == os.readlink(f"/proc/self/ns/{kind}") != os.readlink(f"/proc/{labels}/ns/{kind}"), kind
+    assert not any(host.startswith(f"{tmp}/run") or host == "/" for host in mounts.values()), mounts
+
+
+def test_deleting_the_daemonsets_takes_the_gpus_off_the_node(deployed):
     cluster, host, _ = deployed
     cluster.wait_until(lambda: allocatable(cluster) == "3", 120, "the pod's plugin to offer three GPUs")
     # The probes held all along (a liveness probe that failed would have restarted its container).
-    (pod,) = cluster.get("pods", "-n", NS)["items"]
-    restarts = {s["name"]: s["restartCount"] for s in pod["status"]["containerStatuses"]}
-    assert restarts == dict.fromkeys(("device-plugin", "exporter", "labels", "watchdog"), 0), restarts
-    cluster.kubectl("delete", "-n", NS, "daemonset/oci-gpu-hook-node", "--wait=true", "--timeout=60s")
+    pods = cluster.get("pods", "-n", NS)["items"]
+    restarts = {s["name"]: s["restartCount"] for pod in pods for s in pod["status"]["containerStatuses"]}
+    assert restarts == dict.fromkeys(SERVICES, 0), restarts
+    cluster.kubectl("delete", "-n", NS, f"daemonset/{NODE}", f"daemonset/{LABELS}", "--wait=true", "--timeout=60s")
     cluster.wait_until(lambda: allocatable(cluster) == "0", 60, "the node to offer no GPU")
-    assert cluster.get("pods", "-n", NS)["items"] == []
+    cluster.wait_until(lambda: cluster.get("pods", "-n", NS)["items"] == [], 60, "both pods to be gone")

@@ -4,13 +4,16 @@ The expected values come from the simulator's own summary of the host (its groun
 from the code under test."""
 
 import os
+import pathlib
+import shutil
 import stat
 import subprocess
+import tempfile
 import time
 from types import SimpleNamespace
 
 import pytest
-from hookcheck import expected_common, expected_gpu, expected_mig
+from hookcheck import config_with, expected_common, expected_gpu, expected_mig
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.node import features
@@ -19,6 +22,7 @@ from oci_gpu_hook.start import settings as settings_module
 from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(gpus=8, mig=[2], needs=("pynvml",))
+NOBODY = 65534  # the run_as_nobody fixture's uid and gid
 
 
 @pytest.fixture
@@ -338,6 +342,173 @@ def test_driver_change_refreshes_the_file(tmp_path, require):
     assert features.refresh(s, str(out)) is False
 
 
+# ---- the DaemonSet's labels pod: the cached inventory, a directory of its own in features.d ------
+
+
+def _cache_for(host, tmp_path, **changes) -> str:
+    """A configuration whose inventory cache is tmp_path's, and that cache as root keeps it."""
+    config = config_with(host, tmp_path, f"inventory_cache: {tmp_path}/cache/inventory.json")
+    inventory_cache.load(settings_module.load(config))
+    return config
+
+
+def test_the_cached_inventory_is_taken_as_its_writer_left_it(host, tmp_path):
+    """--cached-inventory: the labels pod sees neither the driver nor /dev, so it cannot check the
+    cache against the host; the node pod, which sees them, keeps the cache current. A cache
+    whose fingerprint is not the host's is still the inventory (its writer replaces it)."""
+    import json
+
+    config = _cache_for(host, tmp_path)
+    s = settings_module.load(config)
+    path = tmp_path / "cache" / "inventory.json"
+    expected = inventory_cache.load(s)
+    doc = json.loads(path.read_text())
+    doc["fingerprint"]["gpus"] = ["another host's"]
+    path.write_text(json.dumps(doc))
+    assert inventory_cache.read(s) is None  # the hook's reader rebuilds it
+    assert features.cached_inventory(s).to_json() == expected.to_json()
+
+
+@pytest.mark.parametrize("case", ["missing", "writable-by-others", "other-format", "not-an-inventory", "a-link"])
+def test_a_cached_inventory_that_cannot_be_used_is_one_line(host, tmp_path, case):
+    """Never a rebuild from the host (labels could not see it), never a file others may change."""
+    import json
+
+    from oci_gpu_hook.errors import InventoryError
+
+    s = settings_module.load(_cache_for(host, tmp_path))
+    path = tmp_path / "cache" / "inventory.json"
+    doc = json.loads(path.read_text())
+    if case == "missing":
+        path.unlink()
+    elif case == "writable-by-others":
+        path.chmod(0o666)
+    elif case == "other-format":
+        path.write_text(json.dumps({**doc, "format": 1}))
+    elif case == "not-an-inventory":
+        path.write_text(json.dumps({**doc, "inventory": {"gpus": 3}}))
+    else:
+        os.rename(path, tmp_path / "cache" / "elsewhere.json")
+        path.symlink_to("elsewhere.json")
+    with pytest.raises(InventoryError) as e:
+        features.cached_inventory(s)
+    message = e.value.message
+    assert message.startswith(f"{path}: ") and "\n" not in message, message
+    assert {
+        "missing": "no inventory cached yet",
+        "writable-by-others": "with mode 0666",
+        "other-format": "an inventory of format 1, not",
+        "not-an-inventory": "not an inventory",
+        "a-link": "Too many levels of symbolic links",
+    }[case] in message, message
+    assert not (tmp_path / "features").exists()
+
+
+def _features_d(tmp_path):
+    """NFD's features.d as NFD's worker makes it (root's, 0755), with another vendor's file and the
+    file an earlier version of the DaemonSet wrote there as root."""
+    features_d = tmp_path / "features.d"
+    features_d.mkdir(mode=0o755)
+    (features_d / "other-vendor").write_text("example.com/thing=1\n")
+    (features_d / "oci-gpu-hook").write_text("nvidia.com/gpu.count=1\n")
+    return features_d
+
+
+def test_the_labels_pod_writes_as_no_one_on_the_host(host, tmp_path, run_as_nobody, require):
+    """The DaemonSet's labels pod (deploy/kubernetes/31-labels.yaml, issue 46): its init container,
+    uid 0 with no capability, in the labels' group, makes features.d/.oci-gpu-hook that group's
+    and links NFD's name to the file in it; then labels, another user altogether (here nobody,
+    65534) with no capability, writes the feature file from the cached inventory, seeing nothing
+    of the simulated host's driver, /dev or /proc (they lie in root's 0700 tmp directory). NFD
+    reads the labels through the link; nothing else in features.d changed."""
+    require("root", "setpriv")
+    place = tempfile.mkdtemp(prefix="oci-gpu-hook-labels-", dir="/tmp")  # where nobody may go
+    try:
+        os.chmod(place, 0o755)
+        shutil.copytree(f"{host['root']}/sys", f"{place}/sys", symlinks=True)  # labels' own /sys
+        features_d = _features_d(pathlib.Path(place))
+        output = f"{features_d}/.oci-gpu-hook/oci-gpu-hook"
+        config = config_with(host, place, f"inventory_cache: {place}/cache/inventory.json\n"
+                             f"node: {{sys_root: {place}, features_file: {output}}}")  # fmt: skip
+        inventory_cache.load(settings_module.load(config))  # the node pod's, root's
+        os.chmod(f"{place}/cache", 0o755)
+        init = ["setpriv", "--regid", str(NOBODY), "--clear-groups", "--bounding-set=-all", "--inh-caps=-all",
+                "--no-new-privs", "--", *hook_command(config), "labels", "--prepare-for", str(NOBODY)]  # fmt: skip
+        prepare = subprocess.run(init, capture_output=True, text=True, timeout=120)
+        assert (prepare.returncode, prepare.stdout, prepare.stderr) == (
+            0, f"{features_d}/oci-gpu-hook: prepared for group {NOBODY}\n", "")  # fmt: skip
+        command = ["-m", "oci_gpu_hook", "--config", config, "labels"]
+        # The CLI's third-party imports: click, and PyYAML and jsonschema's own for the configuration.
+        modules = ("oci_gpu_hook", "click", "yaml", "jsonschema", "jsonschema_specifications", "referencing",
+                   "rpds", "attrs", "attr", "typing_extensions")  # fmt: skip
+        # Without the cache alone it would read the host's driver, and it can see none of it.
+        blind = run_as_nobody(command, modules=modules, capture_output=True, text=True, timeout=120)
+        assert blind.returncode == 4 and len(blind.stderr.splitlines()) == 1, blind.stderr
+        done = run_as_nobody([*command, "--cached-inventory"], modules=modules, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert (done.returncode, done.stdout, done.stderr) == (0, f"{output}: written\n", "")
+        expected = {**expected_common(host, "none", facts=True), **expected_gpu(host, host["gpus"], 1)}
+        assert (features_d / "oci-gpu-hook").read_text() == features.render(expected)  # as NFD reads it
+        assert os.readlink(features_d / "oci-gpu-hook") == ".oci-gpu-hook/oci-gpu-hook"
+        assert sorted(os.listdir(features_d)) == [".oci-gpu-hook", "oci-gpu-hook", "other-vendor"]
+        assert (features_d / "other-vendor").read_text() == "example.com/thing=1\n"
+        paths = (features_d, features_d / ".oci-gpu-hook", pathlib.Path(output))
+        owners = [(st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) for st in map(os.lstat, paths)]
+        assert owners == [(0, 0, 0o755), (0, NOBODY, 0o775), (NOBODY, NOBODY, 0o644)]
+        assert os.listdir(features_d / ".oci-gpu-hook") == ["oci-gpu-hook"]
+    finally:
+        shutil.rmtree(place)
+
+
+def test_preparing_twice_changes_nothing_and_a_wrong_place_is_refused(tmp_path):
+    features_d = _features_d(tmp_path)
+    output = f"{features_d}/.oci-gpu-hook/oci-gpu-hook"
+    assert features.prepare(output, 4242) == f"{features_d}/oci-gpu-hook"
+    first = os.lstat(features_d / "oci-gpu-hook")
+    assert features.prepare(output, 4242) == f"{features_d}/oci-gpu-hook"
+    assert os.lstat(features_d / "oci-gpu-hook").st_ino == first.st_ino  # the link as it was
+    st = os.stat(features_d / ".oci-gpu-hook")
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (os.geteuid(), 4242, 0o775)
+    assert sorted(os.listdir(features_d)) == [".oci-gpu-hook", "oci-gpu-hook", "other-vendor"]
+    # The file straight in features.d, where labels would need all of features.d to write it.
+    with pytest.raises(HookError, match="must be in a hidden directory of its own inside NFD's features.d"):
+        features.prepare(f"{features_d}/oci-gpu-hook", 4242)
+    with pytest.raises(HookError, match="no such directory \\(is NFD installed"):
+        features.prepare(f"{tmp_path}/missing/.oci-gpu-hook/oci-gpu-hook", 4242)
+
+
+@pytest.mark.parametrize("case", ["a-link", "a-file", "another-owner"])
+def test_a_directory_others_made_is_not_taken(tmp_path, case):
+    """Whatever is at features.d/.oci-gpu-hook, the init container only takes a directory of its
+    own uid: a link is not followed (it would give the group a directory elsewhere), a file or
+    another user's directory is left alone. Nothing is linked then."""
+    features_d = _features_d(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    own = features_d / ".oci-gpu-hook"
+    if case == "a-link":
+        own.symlink_to(elsewhere)
+    elif case == "a-file":
+        own.write_text("")
+    else:
+        own.mkdir()
+        os.chown(own, 4243, 4243)
+    with pytest.raises(HookError) as e:
+        features.prepare(f"{own}/oci-gpu-hook", 4242)
+    assert e.value.message.startswith(f"{own}: "), e.value.message
+    assert (features_d / "oci-gpu-hook").read_text() == "nvidia.com/gpu.count=1\n"  # not replaced
+    st = os.stat(elsewhere)
+    assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
+
+
+def test_cli_prepare_takes_only_output(host, hook_cli, tmp_path):
+    for extra in (["--watch", "5"], ["--cached-inventory"], ["--output", "-"]):
+        p = hook_cli("--config", f"{host['root']}/config.yaml", "labels", "--prepare-for", "4242", *extra)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr.strip().endswith("--prepare-for prepares the feature file's directory and exits: it takes "
+                                         "only --output"), p.stderr  # fmt: skip
+
+
 # ---- the command ---------------------------------------------------------------------------------
 
 
@@ -439,10 +610,10 @@ def test_the_device_plugins_configuration_is_the_one_source(simulated_host, tmp_
 
 
 def test_labels_need_no_capability(host, host_settings, tmp_path, require):
-    """The DaemonSet's labels container is not privileged: root's uid with every capability
-    dropped and no new privileges (deploy/kubernetes/30-daemonset.yaml). Run so, `labels --watch`
-    reads the inventory the other containers cache, writes the feature file into a directory of
-    root's (features.d, 0755), and beats after every round for its liveness probe."""
+    """`labels --watch` needs no capability and no new privileges: run so, it reads the inventory
+    the others cache, writes the feature file and beats after every round for its liveness probe.
+    (The DaemonSet's labels run as another user too, from the cached inventory alone:
+    test_the_labels_pod_writes_as_no_one_on_the_host.)"""
     require("root", "setpriv")
     features_d = tmp_path / "features.d"
     features_d.mkdir(mode=0o755)

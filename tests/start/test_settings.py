@@ -187,12 +187,15 @@ hook = [*hook_command(config), "prestart"]
 before = set(os.listdir(RUN))
 report["first_start"] = subprocess.run(hook, input=first, capture_output=True, text=True).returncode
 report["kept"] = sorted(set(os.listdir(RUN)) - before)
-# The kept copy, forged as root's own 0644 file: a start that reads it logs where it says.
+# The kept copy, forged as the hook's own 0644 file (settings.CACHE_UID's): a start that reads it
+# logs where it says.
+from oci_gpu_hook.start.settings import CACHE_UID
 for name in report["kept"][:1]:
     doc = json.load(open(os.path.join(RUN, name)))
     doc["settings"]["logging"]["file"] = forged_log
     with open(os.path.join(RUN, name + ".new"), "w") as f:
         json.dump(doc, f)
+    os.chown(os.path.join(RUN, name + ".new"), CACHE_UID, -1)
     os.rename(os.path.join(RUN, name + ".new"), os.path.join(RUN, name))
     report["second_start"] = subprocess.run(hook, input=second, capture_output=True, text=True).returncode
 json.dump(report, sys.stdout)

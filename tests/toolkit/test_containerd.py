@@ -258,3 +258,57 @@ def test_doctor_reads_an_image_trees_containerd_files_inside_it(tmp_path, requir
         assert "not a regular file" in summary, summary
     else:
         assert "No such file or directory" in summary, summary
+
+
+# Inside the namespace: install; then the administrators set CRI settings of their own in
+# config.toml; containerd and doctor are asked; install again; asked again.
+CHANGED_INSIDE = r"""
+import json, subprocess, sys
+from oci_gpu_hook.toolkit.runtime_config import load_toml
+cli, config, settings = [sys.executable, "-I", "-m", "oci_gpu_hook"], sys.argv[1], json.loads(sys.argv[2])
+CRI = "io.containerd.grpc.v1.cri"
+def run(*argv):
+    p = subprocess.run(list(argv), capture_output=True, text=True, timeout=120)
+    return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+def containerd_line():  # the check's line and the fix's below it
+    lines = run(*cli, "--config", config, "doctor")["stdout"].splitlines()
+    return ["\n".join(lines[i : i + 2]) for i, line in enumerate(lines) if line.split()[1:2] == ["containerd"]]
+def in_force():
+    cri = load_toml(run("containerd", "config", "dump")["stdout"])["plugins"][CRI]
+    return {key: cri[key] for key in settings}
+out = {"install": run(*cli, "--config", config, "install", "--runtime", "containerd", "--no-prefilter")}
+out["doctor_installed"] = containerd_line()
+text = open("/etc/containerd/config.toml").read()
+header = f'[plugins."{CRI}"]\n'
+added = "".join(f"  {key} = true\n" for key in settings)
+with open("/etc/containerd/config.toml", "w") as f:
+    f.write(text.replace(header, header + added, 1))
+out["in_force_changed"] = in_force()
+out["doctor_changed"] = containerd_line()
+out["again"] = run(*cli, "--config", config, "install", "--runtime", "containerd", "--no-prefilter")
+out["in_force_again"] = in_force()
+out["doctor_again"] = containerd_line()
+print(json.dumps(out))
+"""
+
+
+def test_cri_settings_added_after_install_are_watched_by_doctor(tmp_path, require):
+    """Issue 46, item 6: containerd replaces the CRI plugin's whole section with the drop-in's, a
+    copy of config.toml's as install found it. CRI settings the administrators add to config.toml
+    afterwards are not what containerd runs with, and doctor said PASS. Now doctor says FAIL,
+    naming them, with install as the fix; install again writes the drop-in afresh, and they hold."""
+    require("root", "unshare", "containerd", "ctr")
+    config = hook_config(tmp_path)
+    added = ["enable_selinux", "restrict_oom_score_adj", "device_ownership_from_security_context"]
+    out = in_private_etc(tmp_path, USER_CONFIG, CHANGED_INSIDE, config, json.dumps(added))
+    assert out["install"]["rc"] == 0 and out["again"]["rc"] == 0, out
+    (installed,) = out["doctor_installed"]
+    assert installed.startswith("PASS"), out
+    # containerd itself: the drop-in's frozen copy overrides what config.toml now says (K1).
+    assert out["in_force_changed"] == dict.fromkeys(added, False), out
+    (changed,) = out["doctor_changed"]
+    assert changed.startswith("FAIL") and all(key in changed for key in added), out
+    assert containerd.DROPIN in changed and "oci-gpu-hook install --runtime containerd" in changed, out
+    assert out["in_force_again"] == dict.fromkeys(added, True), out
+    (again,) = out["doctor_again"]
+    assert again.startswith("PASS"), out

@@ -135,6 +135,21 @@ def test_inventory_cache_the_hook_would_ignore(setup):
     assert [f[0] for f in found] == ["inventory-cache"] and "unusable" in found[0][1], found
 
 
+def test_an_inventory_cache_of_roots_is_one_the_hook_ignores(setup, require):
+    """Root's own file, as the cache was before issue 46 (and as a uid 0 without capabilities can
+    write it): the hook takes only settings.CACHE_UID's, so doctor says FAIL with the refresh
+    that makes it so; after it, PASS."""
+    require("root")
+    host, config, root, mountinfo = setup
+    os.chown(config.inventory_cache, 0, -1)
+    found = [c for c in run(config, root, mountinfo) if c.id == "inventory-cache"]
+    assert [c.status for c in found] == [doctor.FAIL], found
+    assert f"owned by uid 0 with mode 0644: only a file of uid {settings.CACHE_UID}" in found[0].summary
+    assert found[0].fix == "oci-gpu-hook inventory refresh"
+    inventory_cache.refresh(config)  # the fix, as root runs it
+    assert [c.status for c in run(config, root, mountinfo) if c.id == "inventory-cache"] == [doctor.PASS]
+
+
 def test_cgroup_setting_that_does_not_match_the_host(setup, tmp_path):
     host, config, root, _ = setup
     v2 = tmp_path / "mountinfo-v2"

@@ -8,6 +8,7 @@ import os
 import pytest
 import usercheck
 
+from oci_gpu_hook.start import settings
 from oci_gpu_hook.start.linux import userns
 
 # Run as nobody: a new user namespace where nobody is root, as rootless podman maps its user, and
@@ -115,3 +116,83 @@ def test_a_users_entry_in_a_sticky_directory_is_not_taken_for_roots_in_a_user_na
     assert got[solid_dir] == "used"
     why = "in a directory others may write, whose entries' owners a user namespace cannot tell from root"
     assert got == {users: why, link: why, roots: why, solid_dir: "used"}
+
+
+# In a user namespace as rootless podman makes it: which configuration files are taken as root's,
+# and which files the hook keeps (compiled settings, the inventory cache) it trusts.
+WHOSE_CONFIGURATION = """
+import json, os, sys
+from oci_gpu_hook.errors import ConfigError
+from oci_gpu_hook.start import settings
+from oci_gpu_hook.start.linux import _linux
+outer = os.geteuid()
+_linux.unshare(0x10000000)  # CLONE_NEWUSER
+with open("/proc/self/uid_map", "w") as f:
+    f.write(f"0 {outer} 1")
+out = {"config": {}, "kept": {}}
+kept, configs = json.loads(sys.argv[1]), sys.argv[2:]
+for path in configs:
+    try:
+        settings.read_config_file(path)
+        out["config"][path] = "used"
+    except ConfigError as e:
+        out["config"][path] = str(e)
+for path in kept:
+    out["kept"][path] = settings.trusted(os.stat(path))
+print(json.dumps(out))
+"""
+
+
+def test_a_configuration_is_taken_as_roots_in_a_user_namespace_only_from_roots_directories(run_as_nobody):
+    """Issue 46, item 8: in a rootless hook's user namespace root, every other user outside it and
+    the host's nobody all show as the overflow uid. Another user's file in a directory every user
+    may write (or any file in a directory others may write) passed read_config_file as root's, and
+    any file of theirs settings.trusted, which the compiled settings and the inventory cache must
+    pass. Now a file that shows as root's is taken only at the end of directories no one else may
+    write (the mount sources' walk), the user's own file anywhere, and nothing but the user's own
+    is trusted as a file the hook keeps."""
+    other = 23456  # another local user's uid: not mapped in the namespace, as root is not
+    with usercheck.shared_directory("oci-gpu-hook-userns-") as top:
+        made = {}
+
+        def directory(name, mode, uid=0):
+            path = os.path.join(top, name)
+            os.mkdir(path)
+            os.chmod(path, mode)
+            os.chown(path, uid, uid)
+            return path
+
+        def config(where, name, uid):
+            path = made[name] = os.path.join(where, name)
+            with open(path, "w") as f:
+                f.write("cgroups: auto\n")
+            os.chmod(path, 0o644)
+            os.chown(path, uid, uid)
+            return path
+
+        sticky = directory("tmp", 0o1777)  # as /tmp is
+        config(sticky, "theirs-in-tmp.yaml", other)
+        config(sticky, "roots-in-tmp.yaml", 0)
+        config(sticky, "own-in-tmp.yaml", 65534)  # the user's own: root in the namespace
+        config(directory("open", 0o777), "roots-in-open.yaml", 0)
+        config(directory("group", 0o775), "roots-in-group.yaml", 0)
+        config(top, "roots.yaml", 0)
+        config(directory("theirs", 0o755, other), "theirs-in-theirs.yaml", other)
+        kept = {"roots": made["roots.yaml"], "hooks": os.path.join(top, "hooks.json"), "own": made["own-in-tmp.yaml"]}
+        with open(kept["hooks"], "w") as f:
+            f.write("{}")
+        os.chmod(kept["hooks"], 0o644)
+        os.chown(kept["hooks"], settings.CACHE_UID, 0)  # as the host's hook keeps its files
+        done = run_as_nobody(["-c", WHOSE_CONFIGURATION, json.dumps(list(kept.values())), *made.values()],
+                             capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    words = "is not root's as far as this user namespace can tell"
+    refused = {name for name, path in made.items() if words in got["config"][path]}
+    used = {name for name, path in made.items() if got["config"][path] == "used"}
+    assert refused == {"theirs-in-tmp.yaml", "roots-in-tmp.yaml", "roots-in-open.yaml", "roots-in-group.yaml"}, got
+    # What is left (docs/security.md, rootless podman): a directory of another user's that none
+    # but they may write shows as root's here, and so does their file in it.
+    assert used == {"own-in-tmp.yaml", "roots.yaml", "theirs-in-theirs.yaml"}, got
+    assert got["kept"] == {kept["roots"]: False, kept["hooks"]: False, kept["own"]: True}
+    assert all("\n" not in message for message in got["config"].values())
