@@ -163,19 +163,42 @@ def python_hook(config_path: str, data: bytes) -> subprocess.CompletedProcess:
     return run(CHECKOUT, config_path, data)
 
 
-def payload(*argv: str, version: str = rule.START_SERVER_VERSION) -> bytes:
-    """An offer's bytes as the pre-filter writes them."""
-    return b"".join(item.encode() + b"\0" for item in (version, *argv))
+def version() -> str:
+    """The version line of an offer to a server of this checkout's code."""
+    from oci_gpu_hook.start import server
+
+    return server.version_line(server.code_identity())
 
 
-def offer(socket_path: str, data: bytes, fds) -> bytes:
-    """Send an offer by hand (data, descriptors fds); the reply (b"" if the server closed)."""
+def payload(*argv: str, version: str | None = None) -> bytes:
+    """An offer's bytes as the pre-filter writes them (version: its first line; this code's)."""
+    return b"".join(item.encode() + b"\0" for item in (version or globals()["version"](), *argv))
+
+
+def offer(socket_path: str, data: bytes, fds=(), go=None) -> bytes:
+    """Send an offer by hand (data, descriptors fds with it, as no pre-filter sends them); the
+    reply (b"" if the server closed). go: the descriptors to answer "taken" with "go", as a
+    pre-filter does in time; then every reply to the end."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(60)  # a hang guard
         s.connect(socket_path)
-        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        s.sendmsg([data], ancillary)
-        return s.recv(16)
+        try:
+            s.sendmsg([data], _rights(fds))
+        except BrokenPipeError:
+            pass  # answered and closed at accept: the answer is still there to read
+        reply = s.recv(16)
+        if go is None or reply != b"a":
+            return reply
+        s.sendmsg([b"g"], _rights(go))
+        while True:
+            more = s.recv(16)
+            reply += more
+            if not more:
+                return reply
+
+
+def _rights(fds) -> list:
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
 
 
 def state_memfd(data: bytes) -> int:
@@ -266,3 +289,4 @@ def read_fifo(path: str, timeout: float = 60) -> bytes:
             data += chunk
     finally:
         os.close(fd)
+

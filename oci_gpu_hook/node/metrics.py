@@ -85,6 +85,7 @@ class StartCounters:
     def __init__(self):
         self.seen = set()
         self.starts = 0
+        self.served = 0
         self.failures = {}
         self.buckets = [0] * len(DURATION_BUCKETS)
         self.count = 0
@@ -100,6 +101,8 @@ class StartCounters:
             if key in self.seen:
                 continue
             self.starts += 1
+            if record.get("via") == "start server":
+                self.served += 1
             if record["outcome"] != "started":
                 reason = record.get("reason") or "unknown"
                 self.failures[reason] = self.failures.get(reason, 0) + 1
@@ -116,6 +119,10 @@ class StartCounters:
         starts = Family("oci_gpu_hook_gpu_container_starts_total", "counter",
                         "GPU container starts the hook handled (failed ones included).")  # fmt: skip
         starts.add({}, self.starts)
+        served = Family("oci_gpu_hook_gpu_container_served_starts_total", "counter",
+                        "GPU container starts a start server's worker ran (the others ran in the hook's own "
+                        "process).")  # fmt: skip
+        served.add({}, self.served)
         failures = Family("oci_gpu_hook_gpu_container_failures_total", "counter",
                           "GPU container starts the hook failed, by reason (its exit status's name).")  # fmt: skip
         for reason, n in sorted(self.failures.items()):
@@ -127,7 +134,7 @@ class StartCounters:
         duration.add({"le": "+Inf"}, self.count, "_bucket")
         duration.add({}, self.count, "_count")
         duration.add({}, round(self.total, 6), "_sum")
-        return [starts, failures, duration]
+        return [starts, served, failures, duration]
 
 
 def render(samples, held: dict, memory: list, counters: StartCounters, stale: bool, live_count: int,

@@ -12,10 +12,13 @@ RUNTIME_COMMANDS = ("prestart", "createRuntime")
 # The CDI spec's createContainer hook (ldcache_refresh.py): it runs for each container too.
 LDCACHE_REFRESH = "ldcache-refresh"
 # The start server (server.py): the command that runs it, where it listens (compiled into the
-# pre-filter, which offers it each start Python would get) and the first line of every offer.
+# pre-filter, which offers it each start Python would get), the protocol at the head of every
+# offer's first line (the code's identity follows it: server.version_line), and how long a
+# pre-filter waits for "taken" before the start is Python's (the most a faulty server adds to one).
 START_SERVER = "start-server"
 START_SERVER_SOCKET = "/run/oci-gpu-hook/start.sock"
-START_SERVER_VERSION = "oci-gpu-hook start 1"
+START_SERVER_VERSION = "oci-gpu-hook start 2"
+START_SERVER_TAKE_MS = 250
 # The hook's own environment variables (OCI_GPU_HOOK_CONFIG, _DEBUG, _FAULT_AT) all start so: a start
 # server's worker has the server's environment, so the pre-filter offers it no start while one is set.
 HOOK_ENV_PREFIX = "OCI_GPU_HOOK_"

@@ -3,11 +3,14 @@
 Most of a GPU start in a process of its own is the interpreter's start and the imports, not the
 work (docs/performance.md, round 4). This process pays for both once. The pre-filter built with
 its socket (`install --start-server`, csrc/prefilter.c: offer_to_server) offers it every start it
-would hand to Python, in one SOCK_SEQPACKET message: a version line, the hook's arguments, and
-three descriptors (the state, the pre-filter's stdout and stderr). The server checks the offer,
-forks a worker and goes back to listening. The worker becomes what the Python hook's process
-would have been (the same descriptors 0 to 2, the same arguments, the budget counted from the
-pre-filter's own start), runs the hook (hook.py) and replies with its exit status.
+would hand to Python, in one SOCK_SEQPACKET message: a version line (the protocol's, and the
+identity of the code install built it for) and the hook's arguments. The server checks the
+offering process when it connects and the offer when it comes, gives it to a worker and goes back
+to listening. The worker gets the pre-filter's three descriptors (the state, its stdout and stderr)
+with "go", below. The worker
+becomes what the Python hook's process would have been (the same descriptors 0 to 2, the same
+arguments, the budget counted from the pre-filter's own start), runs the hook (hook.py) and
+replies with its exit status.
 
 Why a worker per start: joining a container's mount namespace takes a process of its own
 (single-threaded, not sharing its filesystem context), and a worker that fails, hangs or is
@@ -16,19 +19,29 @@ checks, forks and reaps: it reads no configuration and no inventory (each worker
 the hook does, so an edit or a refresh counts from the next start) and never runs the hook.
 
 Trust (docs/security.md, "The start server"): only root may offer (the socket is root's, mode
-0600 in a root directory, and the peer's credentials are checked here), and the pre-filter only
-offers to a peer that is root. An offer the server will not take (another version, a command
-that is not a runtime's, the wrong descriptors) is answered "not taken" before anything is done,
-and the pre-filter starts the Python hook as it would without a server.
+0600 in a root directory, and the peer is checked here: uid 0, every capability the server has,
+in the server's user, PID and mount namespaces), and the pre-filter only offers to a peer that is
+root. An offer the server will not take (another version or code, a command that is not a
+runtime's, the wrong descriptors) is answered "not taken" before anything is done, and the
+pre-filter starts the Python hook as it would without a server.
 
-Replies: b"v" and the exit status (one byte); b"p": not taken.
+No start waits on the server (issue 46). The exchange: the worker, once it holds the offer, says
+b"a" (taken); the pre-filter answers b"g" (go), with its three descriptors, only if b"a" came
+within rule.START_SERVER_TAKE_MS of its connect, and the worker does nothing before b"g"; then
+b"v" and the exit status. b"p": not taken. The descriptors travel only with b"g": a runtime waits
+for the end of the hook's stdout and stderr, and copies of them queued in a stopped server's
+socket would hold it there. So a pre-filter that hears nothing in time (a server stopped, busy, out of workers, or
+a late b"a") closes the connection and gives the start to Python, and the worker that would have
+had it sees the connection closed instead of b"g" and exits having done nothing.
 """
 
 from __future__ import annotations
 
 import array
+import errno
 import gc
 import os
+import select
 import signal
 import socket
 import stat
@@ -37,17 +50,32 @@ import time
 
 from oci_gpu_hook.start import rule
 
-VERSION = rule.START_SERVER_VERSION.encode()  # the pre-filter's START_SERVER_VERSION, from the same line
 DEFAULT_SOCKET = rule.START_SERVER_SOCKET
-MAX_OFFER_BYTES = len(VERSION) + 1 + 8192  # the pre-filter's payload room
+MAX_OFFER_BYTES = len(rule.START_SERVER_VERSION) + 64 + 8192  # the pre-filter's payload room, and its version line
 DESCRIPTORS = 3  # the state, stdout, stderr
 PASS = b"p"
 TAKEN = b"a"
+GO = b"g"
 VERDICT = b"v"
+IDENTITY = b"i"  # and the server's code identity: the answer to QUERY (doctor)
+QUERY = f"{rule.START_SERVER_VERSION} ?".encode()
+VIA = "start server"  # the start's log entry and container record say so (report.VIA)
 WARM_AFTER_SECONDS = 0.05
-OFFER_TIMEOUT_SECONDS = 1.0
+# A pre-filter sends its offer as it connects and waits rule.START_SERVER_TAKE_MS for "taken":
+# a connection whose offer has not come by then serves no start.
+OFFER_TIMEOUT_SECONDS = rule.START_SERVER_TAKE_MS / 1000
+GO_TIMEOUT_SECONDS = 5.0  # a worker's wait for "go", far past any pre-filter's wait for "taken"
+STATE_READ_SECONDS = 2.0  # a memfd's read; the bound of a state that is no memfd
+MAX_DEADLINE_SECONDS = 300  # config.schema.json's largest deadline_seconds
+KILL_GRACE_SECONDS = 5.0  # apply's own kill timer's, past the deadline
 LISTEN_BACKLOG = 128  # a node starting many containers at once queues them here, not in refusals
+MAX_PENDING = LISTEN_BACKLOG  # connections whose offer has not come yet
 _SYSTEMD_FIRST_FD = 3  # sd_listen_fds(3): passed sockets start here
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the oci_gpu_hook package
+IDENTITY_DIGITS = 16
+_BYTECODE = "__pycache__"
+_IN_Q_OVERFLOW, _IN_IGNORED, _IN_ISDIR = 0x4000, 0x8000, 0x40000000
+_IN_GONE = 0x400 | 0x800 | _IN_IGNORED  # a watched directory removed or moved: IN_DELETE_SELF, IN_MOVE_SELF
 
 
 class ServerError(Exception):
@@ -121,14 +149,81 @@ def bind(path: str) -> socket.socket:
     return listener
 
 
-# --- one offer ----------------------------------------------------------------------------------
+# --- the code it serves -------------------------------------------------------------------------
 
 
-class Offer:
-    """A checked offer: the hook's arguments, the three descriptors and the offering process."""
+def code_identity(package: str = PACKAGE) -> str:
+    """A digest of the package's Python sources (their paths and bytes): what install compiles into
+    the pre-filter's version line, and what a server computes of the code it loaded. A server of
+    other code (an upgrade since it started, or a pre-filter built for another) takes no start."""
+    import hashlib
 
-    def __init__(self, argv: list, fds: list, pid: int):
-        self.argv, self.fds, self.pid = argv, fds, pid
+    digest = hashlib.sha256()
+    for path in _sources(package):
+        with open(path, "rb") as f:
+            data = f.read()
+        digest.update(os.fsencode(os.path.relpath(path, package)) + b"\0" + len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()[:IDENTITY_DIGITS]
+
+
+def _sources(package: str) -> list:
+    found = []
+    for directory, dirs, names in os.walk(package):
+        dirs[:] = [d for d in dirs if d != _BYTECODE]
+        found.extend(os.path.join(directory, n) for n in names if n.endswith(".py"))
+    return sorted(found)
+
+
+class CodeWatch:
+    """Whether the package's sources changed since the server loaded them, from inotify: watched
+    before the identity is read and the modules are preloaded, so that no change slips between.
+    A worker is a fork of the server: it runs the preloaded modules, and imports from the files
+    whatever it was not given. After an upgrade in place (pip, a copy) those files are another
+    version's, and a start would run a mix of both. So a change ends the server's serving; the
+    next start's offer finds a new server (systemd starts one for it) or none (Python's)."""
+
+    def __init__(self, package: str = PACKAGE):
+        from oci_gpu_hook.start.linux import _linux
+
+        self.fd = _linux.inotify_init1(_linux.IN_NONBLOCK | _linux.IN_CLOEXEC)
+        self.changed = False
+        try:
+            for directory, dirs, _ in os.walk(package):
+                dirs[:] = [d for d in dirs if d != _BYTECODE]
+                _linux.inotify_add_watch(self.fd, directory, _linux.IN_CHANGES)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def read(self) -> bool:
+        """Drain the events; True once a source (or a directory of sources) changed. Bytecode
+        caches written by imports are not changes of the code."""
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return self.changed
+            except OSError:
+                self.changed = True  # an overflow or a lost watch: the code cannot be vouched for
+                return True
+            at = 0
+            while at + 16 <= len(data):
+                mask, length = (
+                    int.from_bytes(data[at + 4 : at + 8], sys.byteorder),
+                    int.from_bytes(data[at + 12 : at + 16], sys.byteorder),
+                )
+                name = data[at + 16 : at + 16 + length].rstrip(b"\0")
+                at += 16 + length
+                if mask & _IN_Q_OVERFLOW or (not name and mask & _IN_GONE):
+                    self.changed = True  # events lost, or a watched directory moved or removed
+                elif name.endswith(b".py") or (mask & _IN_ISDIR and name != _BYTECODE.encode()):
+                    self.changed = True
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# --- who offers ---------------------------------------------------------------------------------
 
 
 def _peer(conn: socket.socket) -> tuple:
@@ -137,58 +232,90 @@ def _peer(conn: socket.socket) -> tuple:
 
 
 _SO_PEERPIDFD = 77  # Linux 6.5: a pidfd of the peer as it connected (socket.SO_PEERPIDFD from Python 3.13)
+_NAMESPACES = ("user", "pid", "mnt")
 
 
-def _caps_and_mount_ns(pid) -> tuple:
-    """(effective capabilities, mount namespace inode) of a process, from procfs."""
+def _caps_and_namespaces(pid) -> tuple:
+    """(effective capabilities, {namespace: inode}) of a process, from procfs."""
+    namespaces = {name: os.stat(f"/proc/{pid}/ns/{name}").st_ino for name in _NAMESPACES}
     with open(f"/proc/{pid}/status", "rb") as f:
         caps = next(int(line.split()[1], 16) for line in f if line.startswith(b"CapEff:"))
-    return caps, os.stat(f"/proc/{pid}/ns/mnt").st_ino
+    return caps, namespaces
 
 
-def _peer_lacks(conn: socket.socket, pid: int) -> str:
-    """What the offering process lacks to have its start run by this server ("" when nothing).
+_OTHER_NAMESPACE = {
+    # Capabilities are a user namespace's: a root that made its own (uid_map "0 0 1") shows every
+    # one of them in procfs, and holds none of the host's.
+    "user": "it is in another user namespace than the server (its capabilities are not the host's)",
+    "pid": "it is in another PID namespace than the server (the pid it gave names another process here)",
+    "mnt": "it is in another mount namespace than the server (its bundle and configuration are named in its own)",
+}
+
+
+def peer_lacks(conn: socket.socket) -> str:
+    """What the connected process lacks to have a start run by this server ("" when nothing),
+    checked at accept(), before anything it sends is read.
 
     uid 0 is not enough: a worker acts with the server's capabilities, so the peer must hold all of
     them (a container's root with its capabilities dropped, given a view of /run, must not borrow
-    them), and in the server's mount namespace, where the worker reads the bundle and the
-    configuration the offer names (a runtime in a namespace of its own gets its start from Python,
-    in its own). Read from procfs by the pid the kernel gave at connect time; where the kernel gives
-    a pidfd of the peer, that it is still the same process after the reads is checked through it."""
+    them), in the server's user namespace (where those capabilities are the host's), its PID
+    namespace (where its pid names it) and its mount namespace (where the worker reads the bundle
+    and the configuration the offer names). Read from procfs by the pid the kernel recorded at
+    connect time; where the kernel gives a pidfd of the peer, that it is still the same process
+    after the reads is checked through it. Only a kernel without SO_PEERPIDFD (ENOPROTOOPT: RHEL
+    9's 5.14) gets the check by pid alone (docs/security.md)."""
+    pid, uid, _ = _peer(conn)
+    if uid != 0:  # the socket's mode keeps others out; this holds even if that mode were changed
+        return f"an offer from uid {uid} (pid {pid}): only root's are taken"
     try:
         pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
-    except OSError:
-        pidfd = None  # an older kernel (RHEL 9's 5.14): the pid alone (docs/security.md)
+    except OSError as e:
+        if e.errno != errno.ENOPROTOOPT:  # the kernel knows the option and cannot say who (it exited)
+            return f"an offer from pid {pid}: cannot tell who offered ({e.strerror})"
+        pidfd = None
     try:
-        caps, mount_ns = _caps_and_mount_ns(pid)
+        caps, namespaces = _caps_and_namespaces(pid)
         if pidfd is not None:
             signal.pidfd_send_signal(pidfd, 0)  # raises ProcessLookupError: it exited meanwhile
     except (OSError, StopIteration, ValueError):
-        return "cannot read what it may do (gone?)"
+        return f"an offer from pid {pid}: cannot read what it may do (gone?)"
     finally:
         if pidfd is not None:
             os.close(pidfd)
-    own_caps, own_mount_ns = _caps_and_mount_ns("self")
+    own_caps, own_namespaces = _caps_and_namespaces("self")
+    for name in ("user", "pid"):  # what the capabilities and the pid mean, before they are compared
+        if namespaces[name] != own_namespaces[name]:
+            return f"an offer from pid {pid}: {_OTHER_NAMESPACE[name]}"
     if caps & own_caps != own_caps:
-        return f"it lacks capabilities the worker would use (its effective {caps:#x}, the server's {own_caps:#x})"
-    if mount_ns != own_mount_ns:
-        return "it is in another mount namespace than the server (its bundle and configuration are named in its own)"
+        return (f"an offer from pid {pid}: it lacks capabilities the worker would use (its effective {caps:#x}, "
+                f"the server's {own_caps:#x})")  # fmt: skip
+    if namespaces["mnt"] != own_namespaces["mnt"]:
+        return f"an offer from pid {pid}: {_OTHER_NAMESPACE['mnt']}"
     return ""
 
 
-def receive(conn: socket.socket) -> tuple:
-    """(Offer or None, why not): the offer on conn, checked. Descriptors of an offer that is not
-    taken are closed here."""
+# --- one offer ----------------------------------------------------------------------------------
+
+
+class Offer:
+    """A checked offer: the hook's arguments and the offering process. Its three descriptors come
+    with "go", to the worker alone (_until_go)."""
+
+    def __init__(self, argv: list, pid: int):
+        self.argv, self.pid = argv, pid
+
+
+def receive(conn: socket.socket, identity: str) -> tuple:
+    """(Offer or None, why not) from a connection whose peer passed peer_lacks() and whose message
+    has come (the read does not wait). An offer carries no descriptor: any that came are closed
+    here. An identity query (doctor) is answered here, and is no offer."""
     fds = array.array("i")
-    # The pre-filter sends its offer as soon as it is connected: a peer that connects and sends
-    # nothing would otherwise hold every start behind it.
-    conn.settimeout(OFFER_TIMEOUT_SECONDS)
     try:
-        payload, ancillary, flags, _ = conn.recvmsg(MAX_OFFER_BYTES + 1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize))
+        payload, ancillary, flags, _ = conn.recvmsg(
+            MAX_OFFER_BYTES + 1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize), socket.MSG_DONTWAIT
+        )
     except OSError as e:
         return None, f"cannot read the offer: {e.strerror or e}"
-    finally:
-        conn.settimeout(None)
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
@@ -201,51 +328,114 @@ def receive(conn: socket.socket) -> tuple:
 
     if not payload and not fds:
         return None, ""  # connected and closed, offering nothing (a second server's probe): no offer
-    pid, uid, _ = _peer(conn)
-    if uid != 0:  # the socket's mode keeps others out; this holds even if that mode were changed
-        return refuse(f"an offer from uid {uid} (pid {pid}): only root's are taken")
-    lacks = _peer_lacks(conn, pid)
-    if lacks:
-        return refuse(f"an offer from pid {pid}: {lacks}")
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
         return refuse("an offer larger than the pre-filter sends")
-    if len(fds) != DESCRIPTORS:
-        return refuse(f"an offer with {len(fds)} descriptors, not {DESCRIPTORS}")
-    if not stat.S_ISREG(os.fstat(fds[0]).st_mode):
-        # The pre-filter's state is a memfd, read to its end at once; a pipe could keep a worker
-        # waiting past every deadline (the budget starts counting after the state is read).
-        return refuse("an offer whose state is not a file")
     head, _, rest = payload.partition(b"\0")
-    if head != VERSION:
-        return refuse(f"an offer of another version ({head[:40]!r}; this server: {VERSION.decode()})")
+    if head == QUERY and not rest and not fds:
+        _reply(conn, IDENTITY + identity.encode())
+        return None, ""
+    if fds:
+        # The runtime's pipes, queued unread in a stopped server's socket, would keep the runtime
+        # waiting for their end: they go to a worker that has said "taken", with "go".
+        return refuse("an offer with descriptors (they come with go, once it is taken)")
+    if head != version_line(identity).encode():
+        return refuse(f"an offer of another version or code ({head[:60]!r}; this server: {version_line(identity)})")
     if not rest.endswith(b"\0"):
         return refuse("an offer whose arguments do not end")
     argv = [os.fsdecode(a) for a in rest[:-1].split(b"\0")]
     if not rule.is_runtime_command(argv):
         return refuse("an offer of a command that is not a runtime's (prestart, createRuntime)")
-    return Offer(argv, fds, pid), ""
+    return Offer(argv, _peer(conn)[0]), ""
+
+
+def version_line(identity: str) -> str:
+    """The first line of every offer to a server of this code (the pre-filter's START_SERVER_VERSION)."""
+    return f"{rule.START_SERVER_VERSION} {identity}"
+
+
+def _until_go(conn: socket.socket) -> list | None:
+    """In a worker that holds an offer: say "taken", then wait for the pre-filter's "go" and its
+    three descriptors (the state, its stdout, its stderr). None when it never comes (the
+    pre-filter's wait for "taken" ended first, and the start is Python's): nothing may be done
+    then, and nothing was."""
+    fds = array.array("i")
+    try:
+        conn.setblocking(True)  # the server's copy was not: one open file, shared
+        conn.send(TAKEN)
+        if not select.select([conn], [], [], GO_TIMEOUT_SECONDS)[0]:
+            return None
+        message, ancillary, flags, _ = conn.recvmsg(2, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize))
+    except OSError:
+        return None
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if message == GO and len(fds) == DESCRIPTORS and not flags & socket.MSG_CTRUNC:
+        return list(fds)
+    for fd in fds:
+        os.close(fd)
+    return None
+
+
+def read_state(fd: int = 0) -> bytes:
+    """The state the offer carried, at most one byte more than the hook reads: the pre-filter wrote
+    it to a memfd before offering, so its read is immediate. A file whose read blocks (tracefs'
+    trace_pipe is a regular file) is cut by a kill timer armed before the read."""
+    from oci_gpu_hook.start import state as state_module
+    from oci_gpu_hook.start.linux import _linux
+
+    timer = _linux.kill_timer(STATE_READ_SECONDS, signal.SIGKILL)
+    try:
+        chunks, left = [], state_module.MAX_STATE_BYTES + 1
+        while left > 0:
+            chunk = os.read(fd, left)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        _linux.timer_delete(timer)
 
 
 def work(conn: socket.socket, offer: Offer) -> None:
-    """In a worker: become the hook's process for this start, run it, reply, exit."""
+    """In a worker: say "taken", wait for "go", become the hook's process for this start, run it,
+    reply, exit. Without "go" it exits having done nothing."""
+    fds = _until_go(conn)
+    if fds is None:
+        os._exit(0)
     code = 70
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the hook's own process
-        for target, fd in enumerate(offer.fds):
+        for target, fd in enumerate(fds):
             os.dup2(fd, target)  # inheritable, as the hook's own 0 to 2 are
-        for fd in offer.fds:
+        for fd in fds:
             if fd > 2:
                 os.close(fd)
+        if not stat.S_ISREG(os.fstat(0).st_mode):
+            # The pre-filter's state is a memfd; a pipe could keep a worker waiting (the read of
+            # a file is bounded too: read_state).
+            _say(2, "internal error: the state the start server was given is not a file")
+            return
+        import io
+
         from oci_gpu_hook.errors import answer
         from oci_gpu_hook.start import budget, prestart, report
+        from oci_gpu_hook.start.linux import _linux
 
         # The budget counts from the pre-filter's start, as it counts from the hook's own
         # process's start without a server: the runtime's clock started there.
-        started = time.monotonic() - budget.process_age(offer.pid)
-        report.VIA = "start server"
+        age = budget.process_age(offer.pid)
+        started = time.monotonic() - age
+        # No runtime's hook timeout stands over a worker (it kills the pre-filter, not this
+        # process): a kill timer at the longest budget a configuration may give, from the
+        # pre-filter's start, armed before anything of the offer is read. The start's own
+        # deadline (apply) is the configured one, within it.
+        _linux.kill_timer(max(1.0, MAX_DEADLINE_SECONDS + KILL_GRACE_SECONDS - age), signal.SIGKILL)
+        report.VIA = VIA
         config = rule.split_config(offer.argv)[0]
         # One line and an exit status whatever happens, as the hook's own process answers (hook.py).
-        code = answer(lambda: prestart.run(config, started=started))
+        code = answer(lambda: prestart.run(config, stdin=io.BytesIO(read_state()), started=started))
     finally:
         try:
             sys.stdout.flush()
@@ -258,9 +448,15 @@ def work(conn: socket.socket, offer: Offer) -> None:
             os._exit(0)
 
 
-def _become_worker(listener: socket.socket) -> None:
-    """In a freshly forked child: nothing of the server's own is kept (its socket, its handlers)."""
+def _become_worker(listener: socket.socket, closing=()) -> None:
+    """In a freshly forked child: nothing of the server's own is kept (its sockets, its handlers)."""
     listener.close()
+    signal.set_wakeup_fd(-1)
+    for fd in closing:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     os.umask(0o022)  # what runtimes give their hooks, whatever the server was started with
     for name in ("SIGCHLD", "SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
@@ -272,9 +468,10 @@ class Spare:
     page tables, ~0.5 ms here) is then off the start's path. The server hands it an offer with
     the pre-filter's connection; a spare whose server is gone (the pair's other end closed) exits."""
 
-    def __init__(self, listener: socket.socket, config: str | None = None, warm: bool = False):
+    def __init__(self, listener: socket.socket, config: str | None = None, warm: bool = False, closing=()):
         """warm: before its offer comes, read the settings of config (the last start's) and the
-        inventory they name, once the start that made this spare has had its moment."""
+        inventory they name, once the start that made this spare has had its moment. closing: the
+        server's other descriptors, closed in the spare."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             pid = os.fork()
@@ -285,7 +482,7 @@ class Spare:
         if pid == 0:
             try:  # nothing raised here may unwind into the server's code (its socket's removal)
                 ours.close()
-                _become_worker(listener)
+                _become_worker(listener, closing)
                 if warm:
                     self._warm(theirs, config)
                 self._wait(theirs)  # never returns
@@ -296,8 +493,6 @@ class Spare:
 
     @staticmethod
     def _warm(pair: socket.socket, config: str | None) -> None:
-        import select
-
         from oci_gpu_hook.start import prestart
 
         # Forked while the previous start's worker runs: on a small machine, reading now would
@@ -315,19 +510,20 @@ class Spare:
                     fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
         except OSError:
             os._exit(0)
-        if not payload or len(fds) != 1 + DESCRIPTORS:  # the server went away: no offer
+        if not payload or len(fds) != 1:  # the server went away: no offer
             os._exit(0)
         pair.close()
         pid = int.from_bytes(payload[:4], sys.byteorder)
         argv = [os.fsdecode(a) for a in payload[4:].split(b"\0")]
-        work(socket.socket(fileno=fds[0]), Offer(argv, list(fds[1:]), pid))
+        work(socket.socket(fileno=fds[0]), Offer(argv, pid))
 
     def hand(self, conn: socket.socket, offer: Offer) -> bool:
-        """Give the spare this offer; False when it cannot take it (it died)."""
+        """Give the spare this offer; False when it cannot take it (it died). Never waits: the
+        pair holds one offer, and a spare takes one."""
         payload = offer.pid.to_bytes(4, sys.byteorder) + b"\0".join(os.fsencode(a) for a in offer.argv)
-        fds = array.array("i", [conn.fileno(), *offer.fds])
+        fds = array.array("i", [conn.fileno()])
         try:
-            self.socket.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+            self.socket.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)], socket.MSG_DONTWAIT)
             return True
         except OSError:
             return False
@@ -335,16 +531,71 @@ class Spare:
             self.socket.close()
 
 
-def serve(listener: socket.socket) -> None:
-    """Accept offers until SIGTERM. Single-threaded: workers are forked, and a fork of a process
-    with other threads could inherit a lock one of them held."""
+def _fork_worker(listener: socket.socket, conn: socket.socket, offer: Offer, closing=()) -> bool:
+    """A worker forked for this offer (no spare could take it); False when none could be."""
+    try:
+        pid = os.fork()
+    except OSError as e:
+        _log(f"cannot fork a worker: {e.strerror}")
+        return False
+    if pid == 0:
+        try:  # nothing raised here may unwind into the server's code (its socket's removal)
+            _become_worker(listener, [fd for fd in closing if fd != conn.fileno()])
+            work(conn, offer)  # never returns
+        finally:
+            os._exit(70)
+    return True
+
+
+# --- the loop -----------------------------------------------------------------------------------
+
+
+class _Watchdog:
+    """systemd's watchdog (WatchdogSec= in the unit): told the server is alive at half its period,
+    from the loop, so that a server that stops looping (stopped, hung) is killed and, by socket
+    activation, replaced. Nothing where systemd set none."""
+
+    def __init__(self):
+        usec, pid = os.environ.pop("WATCHDOG_USEC", None), os.environ.pop("WATCHDOG_PID", None)
+        self.address = os.environ.pop("NOTIFY_SOCKET", None)  # not for the workers' children
+        self.period = None
+        if self.address and usec and usec.isdigit() and int(usec) > 0 and pid in (None, str(os.getpid())):
+            self.period = int(usec) / 2e6
+        self.next = 0.0
+
+    def due_in(self, now: float) -> float | None:
+        return None if self.period is None else max(0.0, self.next - now)
+
+    def tell(self, now: float) -> None:
+        if self.period is None or now < self.next:
+            return
+        self.next = now + self.period
+        address = "\0" + self.address[1:] if self.address.startswith("@") else self.address
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
+                s.sendto(b"WATCHDOG=1", address)
+        except OSError:
+            pass  # systemd gone (a shutdown): nothing to tell
+
+
+def serve(listener: socket.socket, package: str = PACKAGE) -> None:
+    """Accept offers until SIGTERM, or until the code it serves changes on disk (CodeWatch).
+    Single-threaded: workers are forked, and a fork of a process with other threads could inherit
+    a lock one of them held. No peer can hold the loop: the listener and every connection are
+    non-blocking, a peer is checked at accept() before anything it sends is read, a connection
+    whose offer has not come within OFFER_TIMEOUT_SECONDS is closed, and a worker is had (a spare,
+    or a fork) before anything is said; with none, the start is "not taken"."""
     from oci_gpu_hook.start import prestart
 
+    watch = CodeWatch(package)
+    identity = code_identity(package)
     prestart.preload()  # everything a GPU start imports, once, before the first fork
     gc.collect()
     gc.freeze()  # what exists now is never collected: a worker touches none of it to scan it
     gc.disable()  # workers live milliseconds and make no cycles they need freed (hook.main)
+    watchdog = _Watchdog()
     stopping = []
+    listener.setblocking(False)
 
     def reap(*_):
         while True:
@@ -364,69 +615,113 @@ def serve(listener: socket.socket) -> None:
 
     def stop(*_):
         stopping.append(True)
-        listener.close()  # accept() fails at once; running workers finish on their own
 
+    # A signal wakes the poll (Python retries it after a handler that returns): SIGTERM is seen at
+    # once, and a reaped worker's slot too.
+    woken, wake = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake)
     signal.signal(signal.SIGCHLD, reap)
     signal.signal(signal.SIGTERM, stop)
-    _log(f"listening on {listener.getsockname() or 'the socket systemd passed'}")
+    poller = select.poll()
+    for fd in (listener.fileno(), watch.fd, woken):
+        poller.register(fd, select.POLLIN)
+    own = [watch.fd, woken, wake]  # closed in every worker
+    pending = {}  # fileno: (connection, the time its offer must have come by)
+    _log(f"listening on {listener.getsockname() or 'the socket systemd passed'} (code {identity})")
     spare, config = None, None
-    while not stopping:
-        if spare is None:
-            try:
-                spare = Spare(listener, config, warm=config is not None)
-            except OSError as e:
-                _log(f"cannot fork a spare worker: {e.strerror}")
-        try:
-            conn, _ = listener.accept()
-        except OSError:
-            if stopping:
+    try:
+        while not stopping:
+            now = time.monotonic()
+            watchdog.tell(now)
+            if watch.read():
+                _log("the installed code changed since this server started; stopping (the next start starts a new one)")
                 break
-            raise
-        with conn:
-            offer, why = receive(conn)
-            if offer is None:
-                if why:
-                    _log(f"not taken: {why}")
-                    _reply(conn, PASS)
+            if spare is None:
+                try:
+                    spare = Spare(listener, config, warm=config is not None, closing=[*own, *pending])
+                except OSError as e:
+                    _log(f"cannot fork a spare worker: {e.strerror}")
+            waits = [end - now for _, end in pending.values()]
+            if watchdog.due_in(now) is not None:
+                waits.append(watchdog.due_in(now))
+            timeout = None if not waits else max(0, int(min(waits) * 1000) + 1)
+            try:
+                events = poller.poll(timeout)
+            except InterruptedError:
                 continue
-            # Said before any worker has it: a pre-filter that hears nothing (a server stopped
-            # with offers queued) knows nothing was done, and gives its start to Python.
-            taken = _reply(conn, TAKEN)
-            if taken and not (spare is not None and spare.hand(conn, offer)):
-                if not _fork_worker(listener, conn, offer):
-                    _say(offer.fds[2], "the start server could not start a worker for this start (its log says why)")
-                    _reply(conn, VERDICT + bytes([70]))
-            spare, config = None, rule.split_config(offer.argv)[0]  # the next spare warms with it
-            for fd in offer.fds:
-                os.close(fd)
-    if spare is not None:
-        spare.socket.close()  # it sees the pair closed and exits
+            for fd, _ in events:
+                if fd == woken:
+                    _drain(woken)
+                elif fd == listener.fileno():
+                    _accept(listener, pending, poller)
+                elif fd in pending:
+                    conn, _ = pending.pop(fd)
+                    poller.unregister(fd)
+                    spare, config = _take(listener, conn, identity, spare, config, [*own, *pending])
+            now = time.monotonic()
+            for fd in [fd for fd, (_, end) in pending.items() if end <= now]:
+                conn, _ = pending.pop(fd)
+                poller.unregister(fd)
+                _log("not taken: no offer came within the time a pre-filter waits")
+                _reply(conn, PASS)
+                conn.close()
+    finally:
+        for conn, _ in pending.values():
+            conn.close()
+        if spare is not None:
+            spare.socket.close()  # it sees the pair closed and exits
+        signal.set_wakeup_fd(-1)
+        for fd in (woken, wake):
+            os.close(fd)
+        watch.close()
     _log("stopped")
 
 
-def _fork_worker(listener: socket.socket, conn: socket.socket, offer: Offer) -> bool:
-    """A worker forked for this offer (no spare could take it); False when none could be."""
+def _drain(fd: int) -> None:
     try:
-        pid = os.fork()
-    except OSError as e:
-        _log(f"not taken: cannot fork a worker: {e.strerror}")
-        return False
-    if pid == 0:
-        try:  # nothing raised here may unwind into the server's code (its socket's removal)
-            _become_worker(listener)
-            work(conn, offer)  # never returns
-        finally:
-            os._exit(70)
-    return True
-
-
-def _reply(conn: socket.socket, message: bytes) -> bool:
-    """False when the pre-filter is gone (its runtime's timeout): nothing is done for it then."""
-    try:
-        conn.send(message)
-        return True
+        while os.read(fd, 512):
+            pass
     except OSError:
-        return False
+        pass
+
+
+def _accept(listener: socket.socket, pending: dict, poller) -> None:
+    """Every connection waiting: its peer checked now, before its offer is read; a stranger's is
+    answered "not taken" and closed at once."""
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            _log(f"cannot accept: {e.strerror}")  # EMFILE, say: the pre-filters wait, then go to Python
+            return
+        conn.setblocking(False)
+        lacks = peer_lacks(conn)
+        if lacks or len(pending) >= MAX_PENDING:
+            _log(f"not taken: {lacks or 'too many connections wait for their offer'}")
+            _reply(conn, PASS)
+            conn.close()
+            continue
+        pending[conn.fileno()] = (conn, time.monotonic() + OFFER_TIMEOUT_SECONDS)
+        poller.register(conn, select.POLLIN)
+
+
+def _take(listener: socket.socket, conn: socket.socket, identity: str, spare, config, closing) -> tuple:
+    """The offer on conn, to a worker; (the spare left, the configuration the next spare warms with)."""
+    with conn:
+        offer, why = receive(conn, identity)
+        if offer is None:
+            if why:
+                _log(f"not taken: {why}")
+                _reply(conn, PASS)
+            return spare, config
+        # A worker first: it says "taken" itself, once it holds the offer. Without one, nothing
+        # was done, and the pre-filter hears "not taken".
+        if not (spare is not None and spare.hand(conn, offer)) and not _fork_worker(listener, conn, offer, closing):
+            _log("not taken: no worker for it")
+            _reply(conn, PASS)
+        return None, rule.split_config(offer.argv)[0]  # the next spare warms with it
 
 
 def _say(fd: int, message: str) -> None:
@@ -437,6 +732,27 @@ def _say(fd: int, message: str) -> None:
         os.write(fd, f"{PROG}: {printable(message)}\n".encode())
     except OSError:
         pass
+
+
+def _reply(conn: socket.socket, message: bytes) -> bool:
+    """False when the pre-filter is gone (its runtime's timeout): nothing is done for it then."""
+    try:
+        conn.send(message, socket.MSG_DONTWAIT)
+        return True
+    except OSError:
+        return False
+
+
+def ask_identity(path: str = DEFAULT_SOCKET, timeout: float = 2.0) -> str:
+    """The code identity of the server listening at path (doctor); OSError where none answers."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.send(QUERY + b"\0")
+        reply = s.recv(64)
+    if not reply.startswith(IDENTITY):
+        raise OSError(f"{path}: the server did not tell its code (it answered {reply[:16]!r})")
+    return reply[len(IDENTITY) :].decode("ascii", "replace")
 
 
 def main(socket_path: str | None) -> int:
@@ -451,18 +767,18 @@ def main(socket_path: str | None) -> int:
     except ServerError as e:
         _log(str(e))
         return Exit.GENERAL
-    identity = _identity(bound) if bound else None
+    own = _file_identity(bound) if bound else None
     try:
         serve(listener)
     finally:
         # A socket of its own goes with it (systemd's stays: it listens there for the next start).
         # Its own: the same file, whatever mode it was given meanwhile (a chmod leaves it ours).
-        if identity is not None and _identity(bound) == identity:
+        if own is not None and _file_identity(bound) == own:
             os.unlink(bound)
     return Exit.SUCCESS
 
 
-def _identity(path: str):
+def _file_identity(path: str):
     """(device, inode) of path itself, or None where there is nothing."""
     try:
         st = os.lstat(path)

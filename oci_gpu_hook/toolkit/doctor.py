@@ -104,7 +104,8 @@ class Doctor:
         checks = []
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
                      "inventory_cache", "hooks_d", "rootless", "crio", "containerd", "docker", "cgroups", "selinux",
-                     "selinux_policy", "refresh_units", "exporter", "labels", "watchdog", "device_plugin"):  # fmt: skip
+                     "selinux_policy", "refresh_units", "start_server", "exporter", "labels", "watchdog",
+                     "device_plugin"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
                 status, summary, fix = getattr(self, f"check_{name}")()
@@ -399,6 +400,62 @@ class Doctor:
                          "install writes for it: `docker run --gpus` fails", fix  # fmt: skip
         return PASS, (f"{path} runs oci-gpu-hook for `docker run --gpus` (the pre-filter, then {hands_to}; restart "
                       "dockerd after installing it)"), None  # fmt: skip
+
+    def check_start_server(self):
+        """Where install --start-server (or the RPM's units) set it up: it answers on its socket,
+        serves the code that is installed (not a version that kept running through an upgrade),
+        and the pre-filter runtimes run offers it starts with that code's identity. Asking starts
+        the server where systemd listens for it, as the next GPU start would."""
+        from oci_gpu_hook.start import rule, server
+        from oci_gpu_hook.toolkit import prefilter
+        from oci_gpu_hook.toolkit.install import PACKAGE_UNIT_DIR, START_SERVICE, START_SOCKET, UNIT_DIR
+
+        units = [host_path(self.root, f"{d}/{START_SOCKET}") for d in (UNIT_DIR, PACKAGE_UNIT_DIR)]
+        if not any(os.path.exists(u) for u in units):
+            return PASS, "the start server is not installed (install --start-server): GPU starts run in Python", None
+        enabled = os.path.lexists(host_path(self.root, f"{UNIT_DIR}/sockets.target.wants/{START_SOCKET}"))
+        if not enabled:
+            return (PASS, "the start server's units are installed, not enabled: GPU starts run in Python",
+                    f"systemctl enable --now {START_SOCKET}")  # fmt: skip
+        if self.root != "/":
+            return PASS, f"the start server is enabled ({START_SOCKET}); not asked under --root", None
+        installed = server.code_identity()
+        restart = f"systemctl restart {START_SERVICE}"
+        try:
+            serving = server.ask_identity(rule.START_SERVER_SOCKET)
+        except OSError as e:
+            return (WARN, f"the start server does not answer on {rule.START_SERVER_SOCKET} ({e.strerror or e}): every "
+                    f"GPU start runs in Python{systemd_says(self.root, START_SERVICE)}",
+                    f"systemctl start {START_SOCKET}; journalctl -u {START_SERVICE} says why")  # fmt: skip
+        if serving != installed:
+            return (FAIL, f"the start server runs code {serving}, not the installed {installed} (an upgrade since it "
+                    "started): it takes no start, and each runs in Python", restart)  # fmt: skip
+        try:
+            path, _, _ = self.hooks_d_file()
+        except ConfigFileError:
+            path = None
+        hook = None
+        if path is not None:
+            try:
+                with open(path) as f:
+                    hook = json.load(f)["hook"]["path"]
+            except (OSError, ValueError, KeyError, TypeError):
+                hook = None
+        offers = prefilter.offers_as(hook) if hook else None
+        fix = "oci-gpu-hook install --start-server (builds the pre-filter for the installed code)"
+        if hook is None:
+            return WARN, f"the start server serves the installed code ({installed}); no hooks.d file names a hook", fix
+        if offers is None:
+            return (FAIL, f"the start server serves the installed code ({installed}), but {hook} offers it no start",
+                    fix)  # fmt: skip
+        if offers != server.version_line(installed):
+            return (FAIL, f"{hook} offers starts as {offers!r}, the server takes {server.version_line(installed)!r}: "
+                    "each start runs in Python", fix)  # fmt: skip
+        return (
+            PASS,
+            f"the start server serves the installed code ({installed}), and {hook} offers it every GPU start",
+            None,
+        )
 
     def check_exporter(self):
         """Runs: its /metrics answers at the configured address."""

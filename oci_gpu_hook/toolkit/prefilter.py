@@ -44,7 +44,7 @@ def _c_string(value: str) -> str:
 def header(python_hook: str, launcher_options=(), start_server: str | None = None) -> str:
     """prefilter_rule.h: the rule's values, the hook's input limits and the Python hook's path;
     start_server: the start server's socket (start/server.py), offered every start Python would get."""
-    from oci_gpu_hook.start import rule, spec, state
+    from oci_gpu_hook.start import rule, server, spec, state
 
     if not os.path.isabs(python_hook):
         raise PrefilterError(f"{python_hook}: the Python hook's path must be absolute")
@@ -67,7 +67,10 @@ def header(python_hook: str, launcher_options=(), start_server: str | None = Non
         f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in rule.RUNTIME_COMMANDS)}, NULL}}",
         f"#define RULE_LAUNCHER_OPTIONS {1 if launcher_options else 0}",
         f"#define RULE_MAX_INT_DIGITS {max_int_digits()}u",
-        f"#define START_SERVER_VERSION {_c_string(rule.START_SERVER_VERSION)}",
+        # The code this install runs, in the offer's version line: a server of other code (one that
+        # kept running through an upgrade) answers "not taken".
+        f"#define START_SERVER_VERSION {_c_string(server.version_line(server.code_identity()))}",
+        f"#define START_SERVER_TAKE_MS {rule.START_SERVER_TAKE_MS}",
         f"#define START_SERVER_ENV_PREFIX {_c_string(rule.HOOK_ENV_PREFIX)}",
     ]
     if start_server is not None:
@@ -120,6 +123,16 @@ def offers_to(path: str) -> str | None:
     after OFFERS_MARKER), or None: not a pre-filter, or one built without a socket (install
     --start-server refuses to wire a server to that one: no start would ever reach it)."""
     return _marked(path, OFFERS_MARKER)
+
+
+VERSION_MARKER = b"oci-gpu-hook pre-filter: offers as "
+
+
+def offers_as(path: str) -> str | None:
+    """The version line the pre-filter at path offers with (server.version_line: the protocol and
+    the identity of the code it was built for), or None: not a pre-filter, or one that offers
+    to no server."""
+    return _marked(path, VERSION_MARKER)
 
 
 def max_int_digits() -> int:

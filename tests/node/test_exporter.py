@@ -13,7 +13,7 @@ import hookcheck
 import pytest
 from servicecheck import Exporter
 
-from oci_gpu_hook.start import container_record, pids
+from oci_gpu_hook.start import container_record, pids, settings
 from oci_gpu_hook.toolkit.containers import hook_command
 from oci_gpu_hook.toolkit.simulate import control
 
@@ -129,6 +129,7 @@ def test_the_hooks_counters(host, exporter, live_container):
         return sum(values(after, name, **labels)) - sum(values(before, name, **labels))
 
     assert delta("oci_gpu_hook_gpu_container_starts_total") == 2
+    assert delta("oci_gpu_hook_gpu_container_served_starts_total") == 0  # both in the hook's own process
     assert delta("oci_gpu_hook_gpu_container_failures_total", reason="request") == 1
     assert delta("oci_gpu_hook_start_duration_seconds_count") == 2
     assert delta("oci_gpu_hook_start_duration_seconds_bucket", le="+Inf") == 2
@@ -171,10 +172,11 @@ def test_missing_nvml_keeps_the_endpoint_serving(host, exporter, tmp_path):
 
 
 def test_garbage_records_are_logged_once_and_removed(host, exporter):
+    """Garbage in a file of the hook's own (a file it did not write is refused before it is
+    parsed: tests/security/test_untrusted_records.py)."""
     directory = f"{host['root']}/containers"
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    with open(f"{directory}/garbage.json", "w") as f:
-        f.write("{not json")
+    settings.write_trusted(f"{directory}/garbage.json", b"{not json")
     e = exporter()
     e.scrape()
     e.scrape()
@@ -429,3 +431,19 @@ def test_every_address_is_ipv6_and_ipv4(host, exporter, require):
         reply = _ask(e.port, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", address)
         assert _whole_page(reply), (address, reply[0])
     assert f"serving /metrics on :{e.port}" in e.output()
+
+
+def test_starts_a_start_servers_worker_ran_are_counted_apart():
+    """A record says which path ran its start ("via", the start server's workers'; the hook's own
+    process writes none): the served ones are counted in their own counter, each record once."""
+    from oci_gpu_hook.node.metrics import StartCounters
+
+    record = {"outcome": "started", "duration_seconds": 0.01, "reason": None}
+    records = {"a": dict(record, time=1.0, via="start server"), "b": dict(record, time=2.0, via=None),
+               "c": dict(record, time=3.0)}  # fmt: skip
+    counters = StartCounters()
+    counters.observe(records)
+    counters.observe(records)
+    got = {f.name: f for f in counters.families()}
+    assert [v for _, _, v in got["oci_gpu_hook_gpu_container_served_starts_total"].samples] == [1]
+    assert [v for _, _, v in got["oci_gpu_hook_gpu_container_starts_total"].samples] == [3]

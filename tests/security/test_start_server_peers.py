@@ -22,7 +22,9 @@ import contextlib
 import os
 import signal
 import socket
+import stat
 import subprocess
+import sys
 import time
 
 import hookcheck
@@ -179,6 +181,7 @@ def killed_lines(running: startservercheck.Server) -> list:
 
 LACKS_CAPS = "it lacks capabilities the worker would use (its effective {:#x}, the server's {:#x})"
 OTHER_NAMESPACE = "it is in another mount namespace than the server (its bundle and configuration are named in its own)"
+OTHER_USER_NAMESPACE = "it is in another user namespace than the server (its capabilities are not the host's)"
 
 
 def in_front(case: str, socket_path: str) -> tuple:
@@ -191,11 +194,14 @@ def in_front(case: str, socket_path: str) -> tuple:
         "no-capabilities": (DROP_ALL, lambda own: 0, LACKS_CAPS),
         "no-cap_sys_admin": (drop_one, lambda own: own & ~(1 << CAP_SYS_ADMIN), LACKS_CAPS),
         "another-mount-namespace": (OWN_MOUNT_NAMESPACE, None, OTHER_NAMESPACE),
+        # uid_map "0 0 1": root there is the host's uid 0, and procfs shows it every capability,
+        # of its own namespace only; the server's mount namespace, so only the user's tells.
+        "user-namespace-root": (["unshare", "--user", "--map-root-user"], None, OTHER_USER_NAMESPACE),
     }[case]
 
 
 @pytest.mark.parametrize("case", ["no-capabilities-read-only-view", "no-capabilities", "no-cap_sys_admin",
-                                  "another-mount-namespace"])  # fmt: skip
+                                  "another-mount-namespace", "user-namespace-root"])  # fmt: skip
 def test_a_root_peer_that_lacks_what_a_worker_has_is_not_taken(host, stub, socket_path, running, tmp_path, case):
     """uid 0 is not enough: its offer is answered "not taken" and its start is Python's (the stub
     hook's, from the state's first byte); the server's log gives the reason with the peer's pid;
@@ -220,20 +226,23 @@ def test_a_root_peer_that_lacks_what_a_worker_has_is_not_taken(host, stub, socke
 
 
 def replies(path: str, data: bytes, fds) -> list:
-    """Send an offer by hand; every message the server sends back, to its end (b"")."""
+    """Send an offer by hand, and fds with "go" once it is taken (as a pre-filter that heard "taken"
+    in time); every message the server sends back, to its end (b"")."""
     got = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(HANG_GUARD)
         s.connect(path)
-        s.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+        s.send(data)
         while not got or got[-1]:
             got.append(s.recv(16))
+            if got[-1] == server.TAKEN:
+                s.sendmsg([server.GO], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
     return got
 
 
 def test_a_taken_offer_hears_taken_then_the_verdict(host, socket_path, running, tmp_path):
-    """b"a" before the worker has it, then b"v" and the Python hook's own exit status, then the
-    end; the worker's line on the offer's stderr, as the Python hook says it."""
+    """b"a" once a worker has it, then (after b"g" and the descriptors) b"v" and the Python hook's
+    own exit status, then the end; the worker's line on the offer's stderr, as the Python hook says it."""
     config = startservercheck.config(host, tmp_path)
     data = startservercheck.gpu_error_state(tmp_path)
     alone = startservercheck.python_hook(config, data)
@@ -253,12 +262,13 @@ def test_a_taken_offer_hears_taken_then_the_verdict(host, socket_path, running, 
     assert [r.get("via") for r in startservercheck.log_records(config)] == [None, "start server"]
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
-def test_an_offer_queued_in_a_server_that_stops_is_pythons(host, real, socket_path, running, tmp_path, how):
-    """The server stopped (SIGSTOP) with a pre-filter's offer queued behind its accept, then
-    SIGTERM (and SIGCONT) or SIGKILL: it never accepts the offer, the pre-filter hears nothing, and
-    the start is the Python hook's own, whole (the same status and line, no "via" in the records),
-    never exit 70."""
+@pytest.mark.parametrize("then", ["sigcont", "sigterm", "sigkill"])
+def test_a_stopped_server_holds_no_start(host, real, socket_path, running, tmp_path, then):
+    """The server stopped (SIGSTOP), a pre-filter's offer queued behind its accept: the pre-filter
+    waits rule.START_SERVER_TAKE_MS for "taken", no more, and the start is the Python hook's own,
+    whole (the same status and line, no "via"), while the server is still stopped; never exit 70.
+    Then the server continues (and takes the queued connection, whose offerer is gone: nothing
+    is run for it), or is stopped by SIGTERM, or killed: no second start either way."""
     config = startservercheck.config(host, tmp_path)
     data = startservercheck.gpu_error_state(tmp_path)
     alone = startservercheck.python_hook(config, data)
@@ -267,22 +277,195 @@ def test_an_offer_queued_in_a_server_that_stops_is_pythons(host, real, socket_pa
     try:
         wait_for("stopped server", lambda: state_of(running.pid) == "T")
         with offering([real, "--config", config, "prestart"], data, tmp_path) as offered:
-            try:
-                wait_for("offer queued", lambda: waits_for_a_reply(offered.pid) or offered.poll() is not None)
-                assert offered.poll() is None, offered.communicate()
-                if how == "sigterm":
-                    os.kill(running.pid, signal.SIGTERM)  # pending when it continues: accept is interrupted
-            finally:
-                os.kill(running.pid, signal.SIGKILL if how == "sigkill" else signal.SIGCONT)
             out, err = offered.communicate(timeout=HANG_GUARD)
-        assert running.proc.wait(HANG_GUARD) == (0 if how == "sigterm" else -signal.SIGKILL)
+        assert state_of(running.pid) == "T", "the start waited for the server"
+        if then == "sigterm":
+            os.kill(running.pid, signal.SIGTERM)  # pending when it continues
     finally:
-        if how == "sigkill" and os.path.lexists(socket_path):
+        os.kill(running.pid, signal.SIGKILL if then == "sigkill" else signal.SIGCONT)
+    try:
+        if then == "sigcont":
+            gone = f"an offer from pid {offered.pid}: "
+            wait_for("the late connection refused", lambda: any(r.startswith(gone) for r in running.refusals()))
+            assert running.proc.poll() is None
+        else:
+            assert running.proc.wait(HANG_GUARD) == (0 if then == "sigterm" else -signal.SIGKILL)
+    finally:
+        if then == "sigkill" and os.path.lexists(socket_path):
             os.unlink(socket_path)  # a killed server's socket, left behind
-    assert offered.returncode != Exit.INTERNAL, err
     assert (offered.returncode, err, out) == (alone.returncode, alone.stderr, alone.stdout)
     assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
-    assert running.refusals() == []
+
+
+def test_a_late_taken_starts_nothing(host, real, running, tmp_path):
+    """The spare worker stopped (SIGSTOP) when the server hands it an offer: it cannot say "taken"
+    in time, and the start is the Python hook's. Continued, it says "taken" to a pre-filter that
+    has given up: no "go" comes, and it exits having done nothing (no second log record, no
+    verdict anywhere, not killed)."""
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    alone = startservercheck.python_hook(config, data)
+    spare = the_spare(running)
+    os.kill(spare, signal.SIGSTOP)
+    try:
+        fronted = startservercheck.run(real, config, data)
+    finally:
+        os.kill(spare, signal.SIGCONT)
+    assert (fronted.returncode, fronted.stderr, fronted.stdout) == (alone.returncode, alone.stderr, alone.stdout)
+    wait_for("the late spare gone", lambda: spare not in children(running.pid))
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
+    assert killed_lines(running) == [] and running.refusals() == []
+
+
+def _pids_hierarchy() -> str:
+    """Where the pids controller is mounted: its v1 hierarchy, or the unified one where it is enabled."""
+    from oci_gpu_hook.start.linux import mountinfo
+
+    for m in mountinfo.read():
+        if m.fstype == "cgroup" and "pids" in m.super_options:
+            return m.mountpoint
+        if m.fstype == "cgroup2":
+            with open(os.path.join(m.mountpoint, "cgroup.controllers")) as f:
+                if "pids" in f.read().split():
+                    return m.mountpoint
+    raise AssertionError("no cgroup hierarchy with the pids controller: the test cannot limit the server's forks")
+
+
+@contextlib.contextmanager
+def no_forks(pid: int, name: str):
+    """pid alone in a cgroup of its own whose pids.max is 1: it can fork nothing. Moved back to
+    where it was, and the cgroup removed, afterwards."""
+    top = _pids_hierarchy()
+    with open(f"/proc/{pid}/cgroup") as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    v1 = [path for _, controllers, path in lines if "pids" in controllers.split(",")]
+    before = os.path.join(top, (v1[0] if v1 else next(p for h, c, p in lines if h == "0")).lstrip("/"))
+    cgroup = os.path.join(before, name)
+    os.mkdir(cgroup)
+    try:
+        with open(os.path.join(cgroup, "pids.max"), "w") as f:
+            f.write("1")
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        try:
+            yield
+        finally:
+            with open(os.path.join(before, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+    finally:
+        os.rmdir(cgroup)
+
+
+def test_a_server_that_cannot_fork_passes_its_starts_to_python(host, real, running, tmp_path):
+    """pids.max reached: the spare forked before takes one start; the next finds no spare and no
+    worker can be forked: "not taken", and the start is the Python hook's own, never 70."""
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    alone = startservercheck.python_hook(config, data)
+    the_spare(running)
+    with no_forks(running.pid, f"oci-gpu-hook-test-{os.getpid()}"):
+        first = startservercheck.run(real, config, data)
+        second = startservercheck.run(real, config, data)
+    for done in (first, second):
+        assert (done.returncode, done.stderr, done.stdout) == (alone.returncode, alone.stderr, alone.stdout)
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, "start server", None]
+    assert running.refusals() == ["no worker for it"]
+    assert any(line.startswith("oci-gpu-hook start-server: cannot fork") for line in running.log()), running.log()
+
+
+IDLE = """
+import os, socket, sys, time
+held = []
+for _ in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(sys.argv[1])
+    held.append(s)
+print("connected", flush=True)
+sys.stdin.read()  # until the test is done
+for s in held:
+    s.settimeout(10)
+    print(s.recv(16).decode() or "-", flush=True)
+"""
+
+
+@pytest.mark.parametrize("who", ["root", "no-capabilities"])
+def test_idle_connections_hold_no_start(live_container, real, socket_path, running, tmp_path, who):
+    """20 connections that never offer (root's, or a capability-less uid 0's: a container's root
+    given /run), then a GPU start with deadline_seconds 3: it is served ("via": "start server")
+    and gets its GPU. A server that waited for each connection's offer before it looked at the
+    next (1 s each) made such a start fail with "the hook's deadline passed". The stranger's are
+    answered "not taken" at accept, before anything of theirs is read; root's once they had their
+    moment."""
+    container = live_container(startservercheck.GPU_ENV)
+    config = startservercheck.config(container[4], tmp_path, "deadline_seconds: 3\n")
+    front = DROP_ALL if who == "no-capabilities" else []
+    idle = subprocess.Popen([*front, sys.executable, "-I", "-c", IDLE, socket_path, "20"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert idle.stdout.readline() == "connected\n"
+        served = startservercheck.run(real, config, container[0].encode())
+        out, _ = idle.communicate("", timeout=HANG_GUARD)
+    finally:
+        if idle.poll() is None:
+            idle.kill()
+            idle.communicate()
+    assert (served.returncode, served.stderr) == (0, b""), served.stderr
+    (record,) = startservercheck.log_records(config)
+    assert (record["message"], record["via"]) == ("GPU devices configured", "start server"), record
+    assert any(m[0].endswith("/dev/nvidia0") for m in hookcheck.mountinfo(container[2]))
+    assert out.split() == ["p"] * 20
+    if who == "no-capabilities":
+        assert len(running.refusals()) == 20 and all(LACKS_CAPS.split(" (")[0] in r for r in running.refusals())
+    else:
+        assert running.refusals() == ["no offer came within the time a pre-filter waits"] * 20
+
+
+BLOCKING_STATE = """
+import array, os, socket, sys, tempfile
+from oci_gpu_hook.start.linux import _linux
+_linux.unshare(0x20000)  # CLONE_NEWNS: tracefs mounted here alone
+_linux.mount("none", "/", None, 0x40000 | 0x4000)  # MS_PRIVATE | MS_REC
+top = tempfile.mkdtemp()
+_linux.mount("nodev", top, "tracefs", 0)
+fd = os.open(os.path.join(top, "trace_pipe"), os.O_RDONLY)
+channel = socket.socket(fileno=int(sys.argv[1]))
+channel.sendmsg([b"x"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+"""
+
+
+def test_a_state_whose_read_blocks_holds_no_worker(host, socket_path, running, tmp_path):
+    """A root peer (every capability, the server's namespaces) offers tracefs' trace_pipe as its
+    state: a regular file whose read blocks. The worker's kill timer, armed before the read, ends
+    it: "taken", then the end without a verdict, and the worker killed by SIGKILL in the log."""
+    config = startservercheck.config(host, tmp_path)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    with ours, theirs:
+        done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {launcher_parent()!r})\n"
+                               + BLOCKING_STATE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                              capture_output=True, timeout=HANG_GUARD)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        fds = array.array("i")
+        _, ancillary, _, _ = ours.recvmsg(1, socket.CMSG_SPACE(fds.itemsize))
+        fds.frombytes(ancillary[0][2])
+    (state,) = fds
+    assert stat.S_ISREG(os.fstat(state).st_mode)
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        got = replies(socket_path, startservercheck.payload("--config", config, "prestart"), [state, out_w, err_w])
+    finally:
+        for fd in (state, out_r, out_w, err_r, err_w):
+            os.close(fd)
+    assert got == [server.TAKEN, b""]
+    wait_for("the worker reaped", lambda: killed_lines(running))
+    (line,) = killed_lines(running)
+    assert line.endswith(f"was killed by signal {signal.SIGKILL.value}")
+    assert startservercheck.log_records(config) == []
+
+
+def launcher_parent() -> str:
+    from oci_gpu_hook.toolkit import launcher
+
+    return launcher.package_parent()
 
 
 # --- the pre-filter's environment ---------------------------------------------------------------

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import socket
 import stat
 import subprocess
+import sys
 import time
 
 import hookcheck
@@ -29,7 +32,7 @@ from startservercheck import COMMAND, GPU_ENV, Server
 
 from oci_gpu_hook.errors import Exit
 from oci_gpu_hook.start import budget, inventory_cache, rule, server, settings
-from oci_gpu_hook.toolkit import prefilter
+from oci_gpu_hook.toolkit import launcher, prefilter
 from oci_gpu_hook.toolkit.install import interpreter_command
 
 STRICT = ("-Werror",)  # as tests/toolkit/test_prefilter.py builds it: a new warning fails here
@@ -164,26 +167,29 @@ def test_the_budget_counts_from_the_prefilters_start(live_container, offering, r
 
 
 def refused_offer(case: str, config: str) -> tuple:
-    """(the payload, how many descriptors) of an offer the server must refuse."""
+    """(the payload, how many descriptors come with it) of an offer the server must refuse."""
     runtime = ("--config", config, "prestart")
     return {
-        "another-version": (startservercheck.payload(*runtime, version="oci-gpu-hook start 0"), 3),
-        "no-descriptors": (startservercheck.payload(*runtime), 0),
-        "two-descriptors": (startservercheck.payload(*runtime), 2),
-        "four-descriptors": (startservercheck.payload(*runtime), 4),
+        "another-version": (startservercheck.payload(*runtime, version="oci-gpu-hook start 0"), 0),
+        "descriptors-with-the-offer": (startservercheck.payload(*runtime), 3),
+        "one-descriptor": (startservercheck.payload(*runtime), 1),
         "eight-descriptors": (startservercheck.payload(*runtime), 8),
-        "not-a-runtime-command": (startservercheck.payload("--config", config, "info"), 3),
-        "two-commands": (startservercheck.payload("--config", config, "prestart", "prestart"), 3),
-        "unended": (startservercheck.payload(*runtime)[:-1], 3),
-        "too-large": (startservercheck.payload("--config", "/" + "x" * 9000, "prestart"), 3),
+        "not-a-runtime-command": (startservercheck.payload("--config", config, "info"), 0),
+        "two-commands": (startservercheck.payload("--config", config, "prestart", "prestart"), 0),
+        "unended": (startservercheck.payload(*runtime)[:-1], 0),
+        "too-large": (startservercheck.payload("--config", "/" + "x" * 9000, "prestart"), 0),
     }[case]
 
 
+def another(head: str, own: str | None = None) -> str:
+    """The refusal of an offer whose version line is head, by a server whose own is own (this code's)."""
+    return f"an offer of another version or code ({head.encode()!r}; this server: {own or startservercheck.version()})"
+
+
 WHY = {
-    "another-version": "an offer of another version (b'oci-gpu-hook start 0'; this server: oci-gpu-hook start 1)",
-    "no-descriptors": "an offer with 0 descriptors, not 3",
-    "two-descriptors": "an offer with 2 descriptors, not 3",
-    "four-descriptors": "an offer with 4 descriptors, not 3",
+    "another-version": another("oci-gpu-hook start 0"),
+    "descriptors-with-the-offer": "an offer with descriptors (they come with go, once it is taken)",
+    "one-descriptor": "an offer with descriptors (they come with go, once it is taken)",
     "eight-descriptors": "an offer larger than the pre-filter sends",
     "not-a-runtime-command": "an offer of a command that is not a runtime's (prestart, createRuntime)",
     "two-commands": "an offer of a command that is not a runtime's (prestart, createRuntime)",
@@ -218,15 +224,30 @@ def test_an_offer_it_does_not_take_is_answered_and_kept_nowhere(host, offering, 
     assert running.refusals() == [WHY[case]]
 
 
-def test_a_prefilter_of_another_version_gets_the_python_hook(host, running, socket_path, tmp_path, monkeypatch):
-    """After an upgrade, a pre-filter built for another server version: its offer is refused, and
-    the start is the Python hook's, as without a server."""
-    monkeypatch.setattr(rule, "START_SERVER_VERSION", "oci-gpu-hook start 0")
+@pytest.mark.parametrize("built_for", ["another-version", "other-code"])
+def test_a_prefilter_built_for_another_server_gets_the_python_hook(host, running, socket_path, tmp_path, monkeypatch,
+                                                                   built_for):  # fmt: skip
+    """After an upgrade, a pre-filter built for another protocol, or for other code than the
+    server runs (a server that kept running through an upgrade, or a pre-filter install built
+    before one): its offer is refused, and the start is the Python hook's, as without a server."""
+    own = startservercheck.version()
+    if built_for == "another-version":
+        monkeypatch.setattr(rule, "START_SERVER_VERSION", "oci-gpu-hook start 0")
+    else:
+        monkeypatch.setattr(server, "code_identity", lambda package=None: "0123456789abcdef")
+    head = server.version_line(server.code_identity())
     program, _ = startservercheck.prefilter(tmp_path / "old", socket_path, STRICT)
     config = startservercheck.config(host, tmp_path)
     same_as_python(program, config, startservercheck.gpu_error_state(tmp_path))
-    assert running.refusals() == [WHY["another-version"]]
+    assert running.refusals() == [another(head, own)]
     assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
+
+
+def test_the_server_tells_the_code_it_serves(running, socket_path):
+    """doctor asks it: the identity of the code it loaded, the one install compiles into the
+    pre-filter it builds from the same files."""
+    assert server.ask_identity(socket_path) == server.code_identity()
+    assert f"(code {server.code_identity()})" in running.log()[0]
 
 
 NOBODY_OFFERS = """
@@ -239,7 +260,10 @@ with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
     s.settimeout(60)
     s.connect(sys.argv[1])
     fds = array.array("i", [state, write, write])
-    s.sendmsg([bytes.fromhex(sys.argv[2])], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    try:  # the server may have answered and closed at accept, before the offer came
+        s.sendmsg([bytes.fromhex(sys.argv[2])], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+    except BrokenPipeError:
+        pass
     reply = s.recv(16)
 os.close(write)
 os.set_blocking(read, False)
@@ -333,7 +357,7 @@ def test_a_server_not_started_by_systemd_listens_on_its_own_socket(place, tmp_pa
                    "--socket", own]  # fmt: skip
         with Server(tmp_path / "server.log", command=command, stdin=listener.fileno()).wait_listening() as running:
             assert stat.S_ISSOCK(os.lstat(own).st_mode)
-            assert running.log()[0] == f"{startservercheck.LISTENING}{own}"
+            assert running.log()[0].startswith(f"{startservercheck.LISTENING}{own} (code ")
     assert not os.path.lexists(own)
 
 
@@ -429,3 +453,66 @@ def test_a_worker_in_flight_finishes_its_start_after_sigterm(host, offering, soc
         out, err = offered.communicate(timeout=60)
     assert offered.returncode == Exit.REQUEST and "no GPU 7" in hookcheck.one_clear_line(err), err
     assert record["via"] == "start server" and "no GPU 7" in record["message"]
+
+
+# --- the code it serves, systemd's watchdog -----------------------------------------------------
+
+
+def test_a_server_stops_serving_once_its_code_changes(place, tmp_path):
+    """A server of a copy of the package: a bytecode cache written beside the sources is no change
+    (it still answers), a source changed in place is (an upgrade by pip or a copy): it says so,
+    stops and removes its socket, so that no start runs a mix of the old modules it preloaded and
+    new ones a worker would import. Its identity is the copy's, the same as this checkout's."""
+    copy = tmp_path / "installed"
+    shutil.copytree(os.path.join(launcher.package_parent(), "oci_gpu_hook"), copy / "oci_gpu_hook",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    own = os.path.join(place, "copy.sock")
+    command = [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(copy)!r}); "
+               "from oci_gpu_hook.hook import main; sys.exit(main())", rule.START_SERVER, "--socket", own]  # fmt: skip
+    with Server(tmp_path / "server.log", command=command).wait_listening() as running:
+        assert server.ask_identity(own) == server.code_identity(str(copy / "oci_gpu_hook")) == server.code_identity()
+        cache = copy / "oci_gpu_hook" / "start" / "__pycache__"
+        cache.mkdir(exist_ok=True)
+        (cache / "report.cpython-3.pyc").write_bytes(b"not code")
+        assert server.ask_identity(own) == server.code_identity()
+        with open(copy / "oci_gpu_hook" / "start" / "report.py", "a") as f:
+            f.write("# an upgrade\n")
+        assert running.proc.wait(60) == 0
+    assert running.log()[-2:] == [
+        "oci-gpu-hook start-server: the installed code changed since this server started; stopping (the next start "
+        "starts a new one)",
+        startservercheck.STOPPED,
+    ]
+    assert not os.path.lexists(own)
+
+
+def test_systemds_watchdog_is_told_from_the_loop(socket_path, tmp_path):
+    """WatchdogSec= in the unit: systemd passes NOTIFY_SOCKET and WATCHDOG_USEC, and the server
+    says WATCHDOG=1 at half the period from its loop, so that one that stops looping is killed
+    (and a new one started for the next offer). While it is stopped (SIGSTOP) it says nothing."""
+    notify = os.path.join(os.path.dirname(socket_path), "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as systemd:
+        systemd.bind(notify)
+        systemd.settimeout(60)  # a hang guard
+        try:
+            env = {**startservercheck.ENV, "NOTIFY_SOCKET": notify, "WATCHDOG_USEC": "200000"}
+            with Server(tmp_path / "server.log", socket_path, env=env).wait_listening() as running:
+                told = [systemd.recv(64) for _ in range(3)]
+                os.kill(running.pid, signal.SIGSTOP)
+                try:
+                    while True:  # what it said before it stopped
+                        systemd.settimeout(0.5)
+                        try:
+                            systemd.recv(64)
+                        except socket.timeout:
+                            break
+                    systemd.settimeout(1.0)  # five of its periods
+                    with pytest.raises(socket.timeout):
+                        systemd.recv(64)
+                finally:
+                    os.kill(running.pid, signal.SIGCONT)
+                systemd.settimeout(60)
+                assert systemd.recv(64) == b"WATCHDOG=1"  # told again once it loops again
+        finally:
+            os.unlink(notify)
+    assert told == [b"WATCHDOG=1"] * 3

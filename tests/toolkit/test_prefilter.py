@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 import hookcheck
 import prefilter_corpus
@@ -385,9 +386,10 @@ def test_a_start_the_server_takes_ends_as_its_worker_says(offering, server_place
 
 
 def passing_listener(path: str, offers: list, reply: bytes) -> threading.Thread:
-    """A listener of root's at path that takes one offer, reads its state to the end (a server
-    may read before it refuses), closes its descriptors and answers reply: "not taken", or
-    nothing (b"": a server stopped with the offer queued)."""
+    """A listener of root's at path that takes one offer and answers reply: "not taken", nothing
+    (b"": a server stopped with the offer queued), or "taken" too late (b"late": once the
+    pre-filter's wait for it is over). offers gets (the offer, how many descriptors came with it,
+    what came after a late "taken": b"" when the pre-filter had closed, never "go")."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(1)
@@ -400,25 +402,32 @@ def passing_listener(path: str, offers: list, reply: bytes) -> threading.Thread:
             data, ancillary, _, _ = conn.recvmsg(1 << 16, socket.CMSG_SPACE(8 * fds.itemsize))
             for _, _, more in ancillary:
                 fds.frombytes(more[: len(more) - len(more) % fds.itemsize])
-            state = b""
-            while fds and (chunk := os.read(fds[0], 1 << 16)):
-                state += chunk
-            offers.append((data, len(fds), state))
             for fd in fds:
                 os.close(fd)
-            if reply:
+            after = b""
+            if reply == b"late":
+                time.sleep(2 * rule.START_SERVER_TAKE_MS / 1000)
+                try:
+                    conn.send(b"a")
+                    conn.settimeout(60)
+                    after = conn.recv(16)
+                except OSError:
+                    after = b""
+            elif reply:
                 conn.send(reply)
+            offers.append((data, len(fds), after))
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
     return thread
 
 
-@pytest.mark.parametrize("listener", ["no-socket", "stale-socket", "not-taken", "no-answer"])
+@pytest.mark.parametrize("listener", ["no-socket", "stale-socket", "not-taken", "no-answer", "late-taken"])
 def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, host, tmp_path, listener):
     """No socket, a socket no one listens on (a server killed), a server that answers "not
-    taken" or closes without a word after reading the state: the start is the Python hook's,
-    from the state's first byte, as without a server."""
+    taken", closes without a word, or says "taken" only after the pre-filter's wait for it: the
+    start is the Python hook's, from the state's first byte, as without a server. The offer came
+    with no descriptor, and a late "taken" is never answered "go"."""
     program, env = offering
     path = socket_of(server_place)
     config = startservercheck.config(host, tmp_path)
@@ -428,8 +437,9 @@ def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, hos
         if listener == "stale-socket":
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stale:
                 stale.bind(path)
-        elif listener in ("not-taken", "no-answer"):
-            thread = passing_listener(path, offers, b"p" if listener == "not-taken" else b"")
+        elif listener in ("not-taken", "no-answer", "late-taken"):
+            reply = {"not-taken": b"p", "no-answer": b"", "late-taken": b"late"}[listener]
+            thread = passing_listener(path, offers, reply)
         alone = startservercheck.python_hook(config, data)
         fronted = startservercheck.run(program, config, data, env)
     finally:
@@ -437,9 +447,9 @@ def test_a_start_no_server_takes_is_the_python_hooks(offering, server_place, hos
             os.unlink(path)
     ends_alike(fronted, alone)
     assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
-    if listener in ("not-taken", "no-answer"):
+    if listener in ("not-taken", "no-answer", "late-taken"):
         thread.join(60)
-        assert offers == [(startservercheck.payload("--config", config, "prestart"), 3, data)]
+        assert offers == [(startservercheck.payload("--config", config, "prestart"), 0, b"")]
 
 
 @pytest.mark.another_user  # runs a program as uid 65534: tests/test_checkout_location.py

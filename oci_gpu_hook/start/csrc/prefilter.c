@@ -21,16 +21,18 @@
  * interpreter and the imports, which most of a GPU start cost (docs/performance.md). The offer is
  * one message: the arguments, and as descriptors the state (a memfd) and this program's stdout and
  * stderr, so that the server's worker reads the same state and says what it says to the runtime
- * directly. The replies are "taken" and then the exit status, or "not taken", or nothing: then the
- * start is Python's, as where no server listens (none installed, stopped, not root). Only root
+ * directly. The replies are "taken" (answered "go") and then the exit status, or "not taken", or
+ * nothing within START_SERVER_TAKE_MS: then the start is Python's, as where no server listens (none
+ * installed, stopped, hung, not root), and the worker, which acts only on "go", does nothing. Only root
  * offers (the server also wants all of its own capabilities and its mount namespace), only to a
  * server that is root, and only when no OCI_GPU_HOOK_ variable is set here (the worker has the
- * server's environment, not this one). Once "taken" is heard there is no going back to Python:
- * the worker may have changed the container, and a second hook on top of it is not the same start.
+ * server's environment, not this one). Once "go" is said there is no going back to Python: the
+ * worker may have changed the container, and a second hook on top of it is not the same start.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +41,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "prefilter_rule.h"
@@ -53,6 +56,9 @@ __attribute__((used)) static const char MARKER[] = "oci-gpu-hook pre-filter: run
 /* And the socket it offers starts to (toolkit/prefilter.py, offers_to): the copy offer_to_server
  * makes is built from immediate stores, so the path is nowhere else in the program as one string. */
 __attribute__((used)) static const char OFFERS_MARKER[] = "oci-gpu-hook pre-filter: offers starts to " START_SERVER;
+/* And the version line it offers with, the code's identity in it (toolkit/prefilter.py, offers_as:
+ * doctor compares it with the installed code's and the server's). */
+__attribute__((used)) static const char VERSION_MARKER[] = "oci-gpu-hook pre-filter: offers as " START_SERVER_VERSION;
 #endif
 
 #define MAX_DEPTH 64 /* deeper documents go to Python, whose limit is far above this */
@@ -595,8 +601,40 @@ static ssize_t read_config(const struct value *bundle, unsigned char *buffer, si
 #ifdef START_SERVER
 #define NO_SERVER (-1)
 
+/* Milliseconds from now to deadline (CLOCK_MONOTONIC), at least 0. */
+static int ms_until(const struct timespec *deadline) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long ms = (long long)(deadline->tv_sec - now.tv_sec) * 1000 + (deadline->tv_nsec - now.tv_nsec) / 1000000;
+    return ms < 0 ? 0 : (int)ms;
+}
+
+/* One reply of up to 2 bytes by deadline (NULL: none, wait as long as it takes); 0 when nothing
+ * came in time or the server closed. */
+static ssize_t reply_by(int s, unsigned char reply[2], const struct timespec *deadline) {
+    for (;;) {
+        struct pollfd p = {.fd = s, .events = POLLIN};
+        int ready = poll(&p, 1, deadline ? ms_until(deadline) : -1);
+        if (ready < 0 && errno == EINTR)
+            continue;
+        if (ready <= 0)
+            return 0;
+        ssize_t got = recv(s, reply, 2, MSG_DONTWAIT);
+        if (got < 0 && (errno == EINTR || errno == EAGAIN))
+            continue;
+        return got < 0 ? 0 : got;
+    }
+}
+
 /* The start server's verdict on this start, or NO_SERVER when it did not take the start (so that
- * Python must). statefd: the state, read from its start. */
+ * Python must). statefd: the state, read from its start.
+ *
+ * Nothing here waits on the server past START_SERVER_TAKE_MS from the connect: the connect and the
+ * offer never block (a full queue, a stopped server: Python's), and "taken" must come by then. A
+ * "taken" heard in time is answered "go", and only "go" lets the worker touch anything: so when the
+ * wait ends first, nothing was done, and the start is Python's. A late "taken" meets a closed
+ * connection, and its worker exits. After "go" the worker's own deadline bounds the wait for the
+ * verdict (start/server.py). */
 static int offer_to_server(char **argv, int statefd) {
     if (geteuid() != 0) /* rootless: the server is root's, and acts as root */
         return NO_SERVER;
@@ -621,65 +659,76 @@ static int offer_to_server(char **argv, int statefd) {
             used += length;
         }
     }
-    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += START_SERVER_TAKE_MS / 1000;
+    deadline.tv_nsec += (long)(START_SERVER_TAKE_MS % 1000) * 1000000;
+    if (deadline.tv_nsec >= 1000000000) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000;
+    }
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (s < 0)
         return NO_SERVER;
     struct ucred peer;
     socklen_t peer_length = sizeof peer;
+    /* Non-blocking, a Unix socket's connect either completes or fails at once (EAGAIN: the
+     * server's queue is full). */
     if (connect(s, (struct sockaddr *)&address, sizeof address) != 0 ||
         getsockopt(s, SOL_SOCKET, SO_PEERCRED, &peer, &peer_length) != 0 || peer_length != sizeof peer ||
         peer.uid != 0) { /* a socket at that path that is not root's is not the server */
         close(s);
         return NO_SERVER;
     }
-    int fds[3] = {statefd, STDOUT_FILENO, STDERR_FILENO};
-    union {
-        struct cmsghdr header;
-        char room[CMSG_SPACE(sizeof fds)];
-    } control;
-    memset(&control, 0, sizeof control);
-    struct iovec iov = {payload, used};
-    struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.room,
-                             .msg_controllen = sizeof control.room};
-    struct cmsghdr *c = CMSG_FIRSTHDR(&message);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof fds);
-    memcpy(CMSG_DATA(c), fds, sizeof fds);
     ssize_t sent;
     do
-        sent = sendmsg(s, &message, MSG_NOSIGNAL);
+        sent = send(s, payload, used, MSG_NOSIGNAL | MSG_DONTWAIT);
     while (sent < 0 && errno == EINTR);
     if (sent != (ssize_t)used) { /* not delivered (a packet is all or nothing): nothing was started */
         close(s);
         return NO_SERVER;
     }
-    /* The replies: 'p' (passed: not taken, nothing done: the server refused the offer, say an older
-     * server after an upgrade), or 'a' (taken: said before any worker has it) and then 'v' and the
-     * exit status. Nothing at all (the server stopped with this offer queued, or a unit that
-     * could not start it) is nothing done too: Python's. */
+    /* The replies: 'p' (passed: not taken, nothing done: the server refused the offer, say one of
+     * other code after an upgrade, or it had no worker), or 'a' (taken: a worker holds the offer
+     * and waits for 'g'), then 'v' and the exit status. Nothing by the deadline (a server stopped,
+     * hung or busy) is nothing done too: Python's. */
     unsigned char reply[2];
-    ssize_t got;
-    do
-        got = recv(s, reply, sizeof reply, 0);
-    while (got < 0 && errno == EINTR);
-    if (got <= 0 || (got == 1 && reply[0] == 'p')) {
-        close(s);
-        return lseek(statefd, 0, SEEK_SET) == 0 ? NO_SERVER : INTERNAL_EXIT;
-    }
+    ssize_t got = reply_by(s, reply, &deadline);
     if (got == 1 && reply[0] == 'a') {
+        /* 'g' carries the descriptors: the state, and this program's stdout and stderr. Never
+         * before: the runtime waits for the end of those pipes, and copies of them queued in a
+         * stopped server's socket would hold it there. */
+        int fds[3] = {statefd, STDOUT_FILENO, STDERR_FILENO};
+        union {
+            struct cmsghdr header;
+            char room[CMSG_SPACE(sizeof fds)];
+        } control;
+        memset(&control, 0, sizeof control);
+        char go = 'g';
+        struct iovec iov = {&go, 1};
+        struct msghdr message = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.room,
+                                 .msg_controllen = sizeof control.room};
+        struct cmsghdr *c = CMSG_FIRSTHDR(&message);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof fds);
+        memcpy(CMSG_DATA(c), fds, sizeof fds);
+        ssize_t said;
         do
-            got = recv(s, reply, sizeof reply, 0);
-        while (got < 0 && errno == EINTR);
-        if (got == 2 && reply[0] == 'v') {
+            said = sendmsg(s, &message, MSG_NOSIGNAL | MSG_DONTWAIT);
+        while (said < 0 && errno == EINTR);
+        if (said == 1) { /* from here the worker may change the container: no going back to Python */
+            got = reply_by(s, reply, NULL);
             close(s);
-            return reply[1];
+            if (got == 2 && reply[0] == 'v')
+                return reply[1];
+            fprintf(stderr, "oci-gpu-hook: the start server's worker ended without a verdict (killed?); "
+                            "the server's log says why (journalctl -u oci-gpu-hook-start.service)\n");
+            return INTERNAL_EXIT;
         }
     }
-    close(s);
-    fprintf(stderr, "oci-gpu-hook: the start server's worker ended without a verdict (killed?); "
-                    "the server's log says why (journalctl -u oci-gpu-hook-start.service)\n");
-    return INTERNAL_EXIT;
+    close(s); /* 'p', nothing in time, a late or lost worker: nothing was done */
+    return lseek(statefd, 0, SEEK_SET) == 0 ? NO_SERVER : INTERNAL_EXIT;
 }
 #endif
 
