@@ -27,16 +27,20 @@ def sees_host_processes(proc: str = "/proc") -> bool:
 class Records:
     """The container records as a node service reads them on each pass. While their directory is
     not root's alone, none are read (forged ones could aim the watchdog at any container, or
-    put any names on the exporter's page): the service says so once, and once when it ends."""
+    put any names on the exporter's page): the service says so once, and once when it ends. A
+    file in it the hook did not write (container_record.read_all's refused) is garbage, said once
+    while it is there, with refusal: what the service does with it (the exporter removes it)."""
 
-    def __init__(self, directory: str, tell):
-        self.directory, self.tell = directory, tell
+    def __init__(self, directory: str, tell, refusal: str = "not acted on"):
+        self.directory, self.tell, self.refusal = directory, tell, refusal
         self.untrusted = False
+        self.refused = {}  # {file name: why}, of the last read
 
     def read(self) -> dict | None:
         """container_record.read_all's answer, or None while the directory is untrusted."""
+        refused = {}
         try:
-            records = container_record.read_all(self.directory)
+            records = container_record.read_all(self.directory, refused)
         except container_record.UntrustedRecords as e:
             if not self.untrusted:
                 self.tell(f"{e.message}; nothing is attributed or enforced until that is mended")
@@ -45,6 +49,9 @@ class Records:
         if self.untrusted:
             self.tell(f"{self.directory}: the container records directory is root's alone again")
         self.untrusted = False
+        for name in sorted(set(refused) - set(self.refused)):
+            self.tell(f"{self.directory}/{name}: {refused[name]}; {self.refusal}")
+        self.refused = refused
         return records
 
 

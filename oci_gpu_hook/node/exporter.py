@@ -45,7 +45,7 @@ class Exporter:
         self.renders = 0  # pages rendered: what clients can make the exporter do (NVML, records)
         self.garbage_seen = set()
         self.warned_namespace = False
-        self.records = attribution.Records(records_directory, log)
+        self.records = attribution.Records(records_directory, log, "removed")
         self.lock = threading.Lock()
 
     def scrape(self) -> str:
@@ -60,7 +60,8 @@ class Exporter:
                 self.warned_namespace = True
                 records = {}
             for name in sorted(n for n, r in records.items() if r is None and n not in self.garbage_seen):
-                log(f"{self.records_directory}/{name}: not a container record; removed")
+                if name not in self.records.refused:  # those the reader has said
+                    log(f"{self.records_directory}/{name}: not a container record; removed")
             self.garbage_seen = {n for n, r in records.items() if r is None}
             self.counters.observe(records)
             running = container_record.live(records, self.proc)

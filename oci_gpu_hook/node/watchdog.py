@@ -28,7 +28,10 @@ from oci_gpu_hook.node import say as node_say
 from oci_gpu_hook.start import container_record, pids
 from oci_gpu_hook.start.linux import cgroups
 
-COUNTERS_FILE = "watchdog.json"  # beside the records directory; the exporter serves it
+# Beside the records directory; the exporter serves it. Like the records, a file of
+# settings.CACHE_UID's (settings.write_trusted): a uid 0 without capabilities, who may write
+# root's files there, must not put counts of its own on the exporter's page.
+COUNTERS_FILE = "watchdog.json"
 
 
 def counters_path(records_directory: str) -> str:
@@ -167,26 +170,22 @@ class Watchdog:
         return entry
 
     def _write_counters(self) -> None:
-        from oci_gpu_hook.start.files import write_atomically
+        from oci_gpu_hook.start.settings import write_trusted
 
         try:
             doc = {"format": 1, "pid": os.getpid(), "actions": self.counters}
-            write_atomically(counters_path(self.records_directory), json.dumps(doc).encode(), 0o600, durable=False)
+            write_trusted(counters_path(self.records_directory), json.dumps(doc).encode())
         except OSError as e:
             say(f"cannot write its counters: {e}")
 
 
 def read_counters(records_directory: str) -> dict:
-    """{action: count} of the running watchdog, for the exporter; {} when there is none."""
-    from oci_gpu_hook.start import files
+    """{action: count} of the running watchdog, for the exporter; {} when there is none, or when
+    the file is not one the watchdog wrote (settings.read_trusted: anyone else's counts)."""
+    from oci_gpu_hook.start.settings import read_trusted
 
-    path = counters_path(records_directory)
     try:
-        data = files.read_bounded(path, 1 << 16, nofollow=True, regular=True)
-        st = os.stat(path, follow_symlinks=False)
-        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            return {}  # not the watchdog's (root's) own: anyone could have written the counts
-        doc = json.loads(data)
+        doc = json.loads(read_trusted(counters_path(records_directory), 1 << 16))
         actions = doc["actions"]
         if pids.start_ticks(doc["pid"]) is None:
             return {}  # that watchdog has stopped: its counts ended with it

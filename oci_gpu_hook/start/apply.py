@@ -481,7 +481,9 @@ def _carry_out(plan: Plan, state: ContainerState, spec: Spec, settings: Settings
             applier = Applier(plan, state, spec, settings, rootfs)
             rootfs.guard = MountGuard(rootfs.fd, spec.rootfs, applier.undo.keep_fd(host_mountinfo))
             host_mountinfo = None  # the undo log's to close now
-            applier.undo.journal = Journal.start(journal_directory(settings.inventory_cache), rootfs)
+            pending = journal_directory(settings.inventory_cache)
+            refused = applier.skipped.append  # what the hook did not write there: left alone, and said
+            applier.undo.journal = Journal.start(pending, rootfs, lambda line: refused(f"{pending}/{line}"))
             ready = time.perf_counter()
             applier.run()
             signal.setitimer(signal.ITIMER_REAL, 0)

@@ -4,11 +4,15 @@ why. The node services read these (the exporter: which container holds a device,
 counters; the watchdog: whose GPU process it is) instead of asking the kubelet or the runtime.
 
 One small JSON file per container, in records_directory (root's alone), put in place by one
-atomic rename: the only write this adds to a GPU container's start. A record names a live
-container only while its init process has the recorded start time (pids are reused); the readers
-collect the rest (collect()). The hook collects too, but only when the directory has grown past
-COLLECT_ABOVE files (looked at by one start in CHECK_ONE_IN), so a host with no node service
-running stays bounded at little cost.
+atomic rename: the only write this adds to a GPU container's start. The file is the hook's own
+uid's (settings.CACHE_UID, made by settings.write_trusted), and the readers take no other: a uid 0
+without capabilities (a container's root given the host's /run) owns root's directory and may
+make files of root's in it, but none of that uid's, so it cannot forge a record that aims the
+watchdog at a process or puts a pod's name on a GPU. A record names a live container only while
+its init process has the recorded start time (pids are reused); the readers collect the rest
+(collect()). The hook collects too, but only when the directory has grown past COLLECT_ABOVE
+files (looked at by one start in CHECK_ONE_IN), so a host with no node service running stays
+bounded at little cost.
 Standard library only: this is on the start path.
 """
 
@@ -20,7 +24,7 @@ import stat
 import time
 
 from oci_gpu_hook.errors import HookError, exit_reason, printable
-from oci_gpu_hook.start import files, jsonio, pids
+from oci_gpu_hook.start import jsonio, pids, report, settings
 from oci_gpu_hook.start.linux import cgroups
 
 FORMAT = 1
@@ -110,6 +114,7 @@ def build(container, annotations: dict, devices, duration: float, failure_code: 
         "kubernetes": kubernetes_names(annotations),
         "gpu_memory_limit": gpu_memory_limit,
         "applied_by": applied_by,
+        "via": report.VIA,  # None: the hook's own process; "start server": a server's worker
         "time": round(time.time(), 3),
         "duration_seconds": round(duration, 6),
     }
@@ -117,7 +122,9 @@ def build(container, annotations: dict, devices, duration: float, failure_code: 
 
 def _owned_alone(st) -> bool:
     """The rule for the records directory, for the writer and the readers alike: a directory of
-    this user's (root's) that no one else can enter, read or change."""
+    this user's (root's) that no one else can enter, read or change. It keeps other users out; it
+    does not make a record trusted (a uid 0 without capabilities is its owner too, and may remove
+    records, or add files of root's, which read_all refuses)."""
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
@@ -154,12 +161,14 @@ def encode(record: dict) -> bytes:
 
 
 def write(directory: str, record: dict) -> bool:
-    """Put the record in place; False (nothing written) when the directory cannot be trusted.
-    OSError from the write itself goes to the caller."""
+    """Put the record in place, as a file the readers trust (settings.write_trusted); False
+    (nothing written) when the directory cannot be trusted. OSError from the write itself goes to
+    the caller (a root without CAP_CHOWN writes none: no reader would take it)."""
     if not _directory(directory):
         return False
     data = encode(record)
-    files.write_atomically(os.path.join(directory, file_name(record["id"])), data, 0o600, durable=False)
+    # Not durable: /run does not outlive a reboot, nor do the containers.
+    settings.write_trusted(os.path.join(directory, file_name(record["id"])), data)
     # Listing a directory of hundreds of records costs more than writing one: one start in
     # CHECK_ONE_IN looks (at random, so no pattern of starts can dodge it).
     if os.urandom(1)[0] < 256 // CHECK_ONE_IN and len(os.listdir(directory)) > COLLECT_ABOVE:
@@ -209,10 +218,11 @@ def is_live(record: dict, proc: str = "/proc") -> bool:
     return record.get("pid") is not None and pids.is_same_process(record["pid"], record.get("pid_start"), proc)
 
 
-def read_all(directory: str) -> dict:
+def read_all(directory: str, refused: dict | None = None) -> dict:
     """{file name: record or None (garbage)} for every record file; {} when there is no directory;
-    UntrustedRecords when it is not root's alone. Files that are not regular, not root's, or too
-    large count as garbage."""
+    UntrustedRecords when it is not root's alone. A file the hook did not write (not a regular
+    file of settings.CACHE_UID's that no one else may write: settings.read_trusted, checked on the
+    descriptor read), a symlink, or one too large is garbage, and refused gets {name: why}."""
     records = {}
     try:
         if not _owned_alone(os.lstat(directory)):
@@ -224,12 +234,15 @@ def read_all(directory: str) -> dict:
         if not name.endswith(SUFFIX) or name.startswith("."):
             continue
         try:
-            data = files.read_bounded(os.path.join(directory, name), MAX_RECORD_BYTES, nofollow=True, regular=True)
-            st = os.stat(os.path.join(directory, name), follow_symlinks=False)
-        except OSError:
-            continue  # gone meanwhile
-        trusted = st.st_uid == os.geteuid() and not st.st_mode & 0o022 and len(data) <= MAX_RECORD_BYTES
-        records[name] = parse(data) if trusted else None
+            data = settings.read_trusted(os.path.join(directory, name), MAX_RECORD_BYTES)
+        except (OSError, ValueError) as e:
+            if isinstance(e, OSError) and e.errno != errno.ELOOP:
+                continue  # gone meanwhile
+            records[name] = None
+            if refused is not None:
+                refused[name] = f"not a record the hook wrote: {'a symlink' if isinstance(e, OSError) else e}"
+            continue
+        records[name] = parse(data)
     return records
 
 

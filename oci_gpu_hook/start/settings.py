@@ -31,19 +31,20 @@ ENV_VAR = "OCI_GPU_HOOK_CONFIG"
 SCHEMAS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "schemas")
 SCHEMA_PATH = os.path.join(SCHEMAS_DIR, "config.schema.json")
 MAX_CONFIG_BYTES = 1 << 20
-# The owner of the files the hook keeps for itself (the compiled settings, the inventory cache):
-# they decide what containers get and where mounts come from. Not root: a process of uid 0
-# without a single capability (a container's root with its capabilities dropped, given a
-# hostPath of the host's /run) is still the owner of every file of root's, and may rewrite,
-# chmod or replace them and make new ones in root's directories. What it may not do is make a
-# file of another uid, or write or chmod one (that takes CAP_CHOWN, CAP_DAC_OVERRIDE,
-# CAP_FOWNER). So the hook, with those capabilities, gives what it keeps to this uid, which no
-# process runs as, and trusts nothing else there. 65533: in 65520-65533, which systemd's uid
-# map (UIDS-GIDS.md) leaves unused; past distributions' users (to 60000), systemd-homed's and
-# its dynamic users' (to 65519); below every range handed to user namespaces (subuid's from
-# 100000, the kubelet's from 65536, systemd-nspawn's from 524288), where a container's process
-# could hold it; and not 65534, the overflow uid, which daemons run as and which every unmapped
-# owner shows as in a user namespace.
+# The owner of the files the hook keeps for itself (the compiled settings, the inventory cache,
+# the container records, the start journal; the watchdog's counts too): they decide what
+# containers get, where mounts come from, whose processes the watchdog kills, what the next
+# start removes from a rootfs. Not root: a process of uid 0 without a single capability (a
+# container's root with its capabilities dropped, given a hostPath of the host's /run) is still
+# the owner of every file of root's, and may rewrite, chmod or replace them and make new ones in
+# root's directories. What it may not do is make a file of another uid, or write or chmod one
+# (that takes CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_FOWNER). So the hook, with those capabilities,
+# gives what it keeps to this uid, which no process runs as, and trusts nothing else there.
+# 65533: in 65520-65533, which systemd's uid map (UIDS-GIDS.md) leaves unused; past
+# distributions' users (to 60000), systemd-homed's and its dynamic users' (to 65519); below every
+# range handed to user namespaces (subuid's from 100000, the kubelet's from 65536,
+# systemd-nspawn's from 524288), where a container's process could hold it; and not 65534, the
+# overflow uid, which daemons run as and which every unmapped owner shows as in a user namespace.
 CACHE_UID = 65533
 
 
@@ -280,51 +281,70 @@ def read_trusted(path: str, limit: int, seen: list | None = None) -> bytes:
 
 
 def write_trusted(path: str, data: bytes, durable: bool = False) -> None:
-    """Replace path with a file of data that trusted() takes: for root, CACHE_UID's, mode 0644.
-
-    The file is made without a name (O_TMPFILE), written, given its mode and owner, and only then
-    linked into path's directory, under a new random name, and renamed over path. A file of
-    root's, even for a moment, could be opened for writing by a uid 0 without capabilities, who
-    would go on writing through that descriptor once the file was CACHE_UID's. All of it through
-    one descriptor of the directory, which must not be a symlink. Raises OSError (nothing is
-    replaced): among them a filesystem without O_TMPFILE, and a root that may not chown (no
-    CAP_CHOWN), whose file no reader would take."""
-    from oci_gpu_hook.start.linux import userns
-
+    """Replace path with a file of data that trusted() takes: for root, CACHE_UID's, mode 0644
+    (made by new_trusted, then named by link_trusted). All of it through one descriptor of the
+    directory, which must not be a symlink. Raises OSError (nothing is replaced)."""
     directory, name = os.path.split(path)
     dir_fd = os.open(directory or ".", os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        fd = new_trusted(dir_fd, data)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fchmod(fd, 0o644)  # first: without CAP_FOWNER, root may not chmod CACHE_UID's file
-            if os.geteuid() == 0 and not userns.unprivileged():
-                os.fchown(fd, CACHE_UID, -1)
             if durable:
                 os.fsync(fd)
-            for _ in range(16):
-                temporary = f".{name}.{os.urandom(6).hex()}.tmp"
-                try:  # with a dir_fd, linkat(AT_SYMLINK_FOLLOW): how an O_TMPFILE file gets a name
-                    os.link(f"/proc/self/fd/{fd}", temporary, dst_dir_fd=dir_fd)
-                    break
-                except FileExistsError:
-                    continue
-            else:
-                raise OSError(errno.EEXIST, "no free temporary name", directory)
+            link_trusted(fd, dir_fd, name)
         finally:
             os.close(fd)
-        try:
-            os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        except BaseException:
-            try:
-                os.unlink(temporary, dir_fd=dir_fd)
-            except OSError:
-                pass
-            raise
     finally:
         os.close(dir_fd)
+
+
+def new_trusted(dir_fd: int, data: bytes = b"") -> int:
+    """A descriptor, open for writing, of a new file of data in dir_fd's directory that trusted()
+    takes (for root, CACHE_UID's, mode 0644), still without a name: link_trusted gives it one.
+    What is written through the descriptor later (a journal's lines) is as much the hook's.
+
+    The file is made without a name (O_TMPFILE), written, and given its mode and owner before it
+    has one: a file of root's, even for a moment, could be opened for writing by a uid 0 without
+    capabilities, who would go on writing through that descriptor once the file was CACHE_UID's.
+    Raises OSError: among them a filesystem without O_TMPFILE, and a root that may not chown (no
+    CAP_CHOWN), whose file no reader would take."""
+    from oci_gpu_hook.start.linux import userns
+
+    fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fchmod(fd, 0o644)  # first: without CAP_FOWNER, root may not chmod CACHE_UID's file
+        if os.geteuid() == 0 and not userns.unprivileged():
+            os.fchown(fd, CACHE_UID, -1)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def link_trusted(fd: int, dir_fd: int, name: str) -> None:
+    """Name the file of fd (new_trusted's) name in dir_fd's directory, replacing whatever is there
+    (what the name is renamed over is never opened): linked under a new random name, then renamed.
+    Raises OSError (nothing replaced)."""
+    for _ in range(16):
+        temporary = f".{name}.{os.urandom(6).hex()}.tmp"
+        try:  # with a dir_fd, linkat(AT_SYMLINK_FOLLOW): how an O_TMPFILE file gets a name
+            os.link(f"/proc/self/fd/{fd}", temporary, dst_dir_fd=dir_fd)
+            break
+        except FileExistsError:
+            continue
+    else:
+        raise OSError(errno.EEXIST, "no free temporary name", name)
+    try:
+        os.rename(temporary, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        try:
+            os.unlink(temporary, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
 
 
 def _read_compiled(path: str, key) -> dict | None:

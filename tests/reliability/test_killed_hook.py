@@ -11,7 +11,10 @@ import signal
 import hookcheck
 import pytest
 
+from oci_gpu_hook.start import settings
 from oci_gpu_hook.start.apply import FAULT_ENV
+from oci_gpu_hook.start.linux.journal import Journal
+from oci_gpu_hook.start.linux.rootfs import Rootfs
 
 ENV = {"NVIDIA_VISIBLE_DEVICES": "all", "NVIDIA_DRIVER_CAPABILITIES": "all"}
 
@@ -34,7 +37,10 @@ def test_the_next_start_removes_what_a_killed_hook_made(live_container, kill_at)
     assert killed.stderr == b""
     left = set(hookcheck.tree(rootfs)) - set(pristine)
     assert left, "the killed hook made nothing; the case tests nothing"
-    assert os.listdir(f"{host['root']}/pending"), "no journal was left for the killed apply"
+    journals = os.listdir(f"{host['root']}/pending")
+    assert journals, "no journal was left for the killed apply"
+    # The hook's own, as recovery takes it (linux/journal.py): its uid's, writable by it alone.
+    assert all(settings.trusted(os.stat(f"{host['root']}/pending/{name}")) for name in journals)
 
     # The runtime gives up on that container; the same rootfs is started again (a new namespace),
     # and this start fails at its first operation: all that remains is what recovery did.
@@ -51,23 +57,22 @@ def test_the_next_start_removes_what_a_killed_hook_made(live_container, kill_at)
 
 
 def test_a_running_apply_is_not_recovered(live_container):
-    """A journal whose apply still holds its lock belongs to a start in progress: left alone."""
-    import fcntl
-
+    """A journal whose apply still holds its lock belongs to a start in progress: left alone. The
+    apply in progress is this test's, its journal opened as the hook's apply opens it (a file of
+    the hook's own uid, which recovery would take were it not locked)."""
     state, bundle, pid, cgroup, host = live_container(ENV)
     rootfs = os.path.join(bundle, "rootfs")
-    os.makedirs(f"{host['root']}/pending", mode=0o700, exist_ok=True)
-    st = os.stat(rootfs)
-    journal = f"{host['root']}/pending/{st.st_dev:x}-{st.st_ino:x}.999999"
     made = os.path.join(rootfs, "usr/lib64/made-by-a-running-apply")
     open(made, "w").close()
+    running = Rootfs(rootfs)
+    journal = Journal.start(f"{host['root']}/pending", running)
     try:
-        with open(journal, "w") as f:
-            f.write(json.dumps(["file", "/usr/lib64/made-by-a-running-apply", ""]) + "\n")
-            f.flush()
-            fcntl.flock(f, fcntl.LOCK_EX)
-            out = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
-            assert out.returncode == 0, out.stderr
-            assert os.path.exists(made) and os.path.exists(journal)
+        journal.intend("file", "/usr/lib64/made-by-a-running-apply")
+        path = f"{host['root']}/pending/{journal.name}"
+        assert settings.trusted(os.stat(path))
+        out = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
+        assert out.returncode == 0, out.stderr
+        assert os.path.exists(made) and os.path.exists(path)
     finally:  # the simulated host is shared: no journal may outlive the test
-        os.unlink(journal)
+        journal.close()
+        running.close()

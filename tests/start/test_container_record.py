@@ -11,7 +11,7 @@ import hookcheck
 import pytest
 
 from oci_gpu_hook.start import container_record as cr
-from oci_gpu_hook.start import pids
+from oci_gpu_hook.start import pids, settings
 from oci_gpu_hook.start.state import ContainerState
 
 
@@ -117,13 +117,17 @@ def test_a_record_with_a_wrong_field_is_garbage(field, value):
     assert cr.parse(json.dumps(dict(record, **{field: value})).encode()) is None
 
 
-def test_write_makes_a_root_only_directory_and_file(tmp_path):
+def test_write_makes_a_root_only_directory_and_a_file_of_the_hooks_own_uid(tmp_path, require):
+    """The directory is root's alone; the record, settings.CACHE_UID's (the one owner the readers
+    trust: what a uid 0 without capabilities may make is root's), writable by it alone."""
+    require("root")
     directory = str(tmp_path / "records")
     record = cr.build(_state(os.getpid(), "ab/c"), {}, (), 0.1)
     assert cr.write(directory, record)
     assert os.stat(directory).st_mode & 0o777 == 0o700
     (name,) = os.listdir(directory)
-    assert name == cr.file_name("ab/c") and os.stat(os.path.join(directory, name)).st_mode & 0o777 == 0o600
+    st = os.stat(os.path.join(directory, name))
+    assert name == cr.file_name("ab/c") and (st.st_uid, st.st_mode & 0o777) == (settings.CACHE_UID, 0o644)
     assert cr.read_all(directory) == {name: record}
 
 
@@ -143,24 +147,44 @@ def test_no_record_through_a_symlinked_directory(tmp_path):
     assert os.listdir(tmp_path / "elsewhere") == []
 
 
-def test_readers_treat_untrusted_files_as_garbage_and_collect_them(tmp_path):
+def test_readers_treat_untrusted_files_as_garbage_and_collect_them(tmp_path, require):
+    """Only the hook's own files are records (settings.read_trusted): one of root's (what a uid 0
+    without capabilities can make), one others may write, a FIFO or a symlink is refused, and
+    said; one too large, or not a record, is garbage. The collectors remove them all."""
+    require("root")
     directory = tmp_path / "records"
-    directory.mkdir(mode=0o700)
     good = cr.build(_state(os.getpid(), "alive"), {}, (), 0.1)
-    (directory / "alive.json").write_text(json.dumps(good))
-    (directory / "writable.json").write_text(json.dumps(dict(good, id="writable")))
-    os.chmod(directory / "writable.json", 0o666)
-    (directory / "big.json").write_bytes(b" " * (cr.MAX_RECORD_BYTES + 1))
-    (directory / "garbage.json").write_text("{")
+    assert cr.write(str(directory), good)
+    (directory / "roots.json").write_text(json.dumps(dict(good, id="roots")))
+    os.chmod(directory / "roots.json", 0o644)
+    for name, mode in (("writable.json", 0o666), ("group-writable.json", 0o664)):
+        settings.write_trusted(str(directory / name), json.dumps(dict(good, id=name)).encode())
+        os.chmod(directory / name, mode)
+    settings.write_trusted(str(directory / "big.json"), b" " * (cr.MAX_RECORD_BYTES + 1))
+    settings.write_trusted(str(directory / "garbage.json"), b"{")
     os.mkfifo(directory / "fifo.json")
     os.symlink("alive.json", directory / "link.json")
     (directory / "other.txt").write_text("not ours")
-    records = cr.read_all(str(directory))
+    refused = {}
+    records = cr.read_all(str(directory), refused)
     assert records["alive.json"] == good
-    assert {n for n, r in records.items() if r is None} == {"writable.json", "big.json", "garbage.json"}
+    garbage = {"roots.json", "writable.json", "group-writable.json", "big.json", "garbage.json", "fifo.json",
+               "link.json"}  # fmt: skip
+    assert {n for n, r in records.items() if r is None} == garbage
+    assert refused == {
+        "roots.json": f"not a record the hook wrote: owned by uid 0 with mode 0644: only a file of uid "
+                      f"{settings.CACHE_UID} that no one else may write is used",
+        "writable.json": f"not a record the hook wrote: owned by uid {settings.CACHE_UID} with mode 0666: only a "
+                         f"file of uid {settings.CACHE_UID} that no one else may write is used",
+        "group-writable.json": f"not a record the hook wrote: owned by uid {settings.CACHE_UID} with mode 0664: "
+                               f"only a file of uid {settings.CACHE_UID} that no one else may write is used",
+        "big.json": f"not a record the hook wrote: larger than {cr.MAX_RECORD_BYTES} bytes",
+        "fifo.json": "not a record the hook wrote: not a regular file",
+        "link.json": "not a record the hook wrote: a symlink",
+    }  # fmt: skip
     removed = cr.collect(str(directory), records)
-    assert sorted(removed) == ["big.json", "garbage.json", "writable.json"]
-    assert sorted(os.listdir(directory)) == ["alive.json", "fifo.json", "link.json", "other.txt"]
+    assert sorted(removed) == sorted(garbage)
+    assert sorted(os.listdir(directory)) == ["alive.json", "other.txt"]
 
 
 @pytest.mark.parametrize("mode", [0o755, 0o770, 0o707])

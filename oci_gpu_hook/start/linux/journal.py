@@ -8,16 +8,25 @@ flock while it runs, in a root-only directory). The journal is removed when appl
 success (what was made is in use) or after a complete rollback. The next GPU start of the same
 rootfs finds a journal whose lock nobody holds, undoes what it names, conservatively (an empty
 regular file, an empty directory, a symlink with the recorded value: never anything else), and
-removes it. Standard library only: this is on the start path.
+removes it.
+
+A journal is a file of the hook's own uid (settings.new_trusted: settings.CACHE_UID's for root,
+owned before it has a name), and its first line names the rootfs it is for: recovery takes no
+other. A uid 0 without capabilities (a container's root given the host's /run) owns root's
+directory, so it may put files of root's in it and rename what is there, but it can neither make
+nor rewrite a file of that uid's: it cannot have the next start remove files from a rootfs, nor
+send one rootfs's journal to another (the first line would not match).
+Standard library only: this is on the start path.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import stat
 
-from oci_gpu_hook.start import jsonio
+from oci_gpu_hook.start import jsonio, settings
 
 _FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -30,6 +39,19 @@ def journal_directory(inventory_cache: str) -> str:
 def _prefix(rootfs_fd: int) -> str:
     st = os.fstat(rootfs_fd)
     return f"{st.st_dev:x}-{st.st_ino:x}."
+
+
+def _header(prefix: str) -> list:
+    """A journal's first line: the rootfs it is for (its name says so too, but a name can be
+    changed by whoever owns the directory; the contents only by the hook)."""
+    return ["rootfs", prefix[:-1]]
+
+
+def _is_for(line: bytes, prefix: str) -> bool:
+    try:
+        return jsonio.loads(line) == _header(prefix)
+    except (ValueError, RecursionError):
+        return False
 
 
 def _directory(path: str) -> int:
@@ -51,9 +73,11 @@ class Journal:
         self.dir_fd, self.name, self.fd = dir_fd, name, fd
 
     @classmethod
-    def start(cls, path: str, rootfs) -> Journal | None:
+    def start(cls, path: str, rootfs, tell=None) -> Journal | None:
         """Recover what killed applies left in this rootfs, then open this apply's journal.
-        None (no journal) when the directory cannot be used; the start goes on without one."""
+        None (no journal) when the directory cannot be used; the start goes on without one.
+        tell(line): for each file named for this rootfs that is not a journal the hook wrote for it
+        (left alone)."""
         try:
             dir_fd = _directory(path)
         except OSError:
@@ -62,10 +86,15 @@ class Journal:
             return None
         try:
             prefix = _prefix(rootfs.fd)
-            _recover(dir_fd, prefix, rootfs)
+            _recover(dir_fd, prefix, rootfs, tell)
             name = f"{prefix}{os.getpid()}"
-            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | _FLAGS, 0o600, dir_fd=dir_fd)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fd = settings.new_trusted(dir_fd, (jsonio.dumps(_header(prefix)) + "\n").encode())
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # before it has a name: no start may take it as a killed one's
+                settings.link_trusted(fd, dir_fd, name)
+            except BaseException:
+                os.close(fd)
+                raise
             return cls(dir_fd, name, fd)
         except OSError:
             os.close(dir_fd)
@@ -86,22 +115,35 @@ class Journal:
         os.close(self.dir_fd)
 
 
-def _recover(dir_fd: int, prefix: str, rootfs) -> None:
+def _recover(dir_fd: int, prefix: str, rootfs, tell=None) -> None:
     for name in os.listdir(dir_fd):
         if not name.startswith(prefix):
             continue
-        try:
-            fd = os.open(name, os.O_RDONLY | _FLAGS, dir_fd=dir_fd)
-        except OSError:
+        try:  # O_NONBLOCK: a FIFO planted there cannot hold the start
+            fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | _FLAGS, dir_fd=dir_fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP and tell is not None:
+                tell(f"{name}: not a journal the hook wrote (a symlink); not acted on")
             continue
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not settings.trusted(st):
+                if tell is not None:
+                    what = f"owned by uid {st.st_uid} with mode {st.st_mode & 0o7777:04o}"
+                    what = what if stat.S_ISREG(st.st_mode) else "not a regular file"
+                    tell(f"{name}: not a journal the hook wrote ({what}); not acted on")
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
                 continue  # its apply is still running
             with open(fd, "rb", closefd=False) as f:
                 lines = f.read(1 << 20).splitlines()
-            for line in reversed(lines):
+            if not lines or not _is_for(lines[0], prefix):
+                if tell is not None:
+                    tell(f"{name}: a journal of another rootfs (renamed); not acted on")
+                continue
+            for line in reversed(lines[1:]):
                 try:
                     kind, path, value = jsonio.loads(line)
                     _undo(rootfs, kind, path, value)
