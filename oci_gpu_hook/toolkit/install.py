@@ -20,6 +20,7 @@ What install writes, under --root (default /):
 | /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
 | /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
 | /etc/systemd/system/oci-gpu-hook-start.{socket,service} (+ wants) | the start server (--start-server) |
+| /usr/local/libexec/oci-gpu-hook/oci-gpu-hook-start-server | ... what its service runs (its SELinux domain's entry) |
 | /etc/systemd/system/sockets.target.wants/oci-gpu-hook-start.socket | ... only that link, to the RPM's units |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
 
@@ -92,6 +93,13 @@ DOCKER_HOOK_MARKER = "# Written by `oci-gpu-hook install --runtime docker`"
 # does not offer to the start server, or the server does not take). One of its own, beside the
 # others, since it puts install's --config before the `prestart` dockerd passes.
 DOCKER_LAUNCHER = "/usr/local/libexec/oci-gpu-hook/nvidia-container-runtime-hook-python"
+# The start server's service runs a launcher of its own, not the hook's program: it is the one
+# file the SELinux module labels (oci_gpu_hook_start_exec_t, selinux/oci_gpu_hook.fc), the entry
+# point of the server's domain, so that only the server enters that domain and every start a
+# runtime runs itself stays in the runtime's. PACKAGE_START_LAUNCHER: the RPM's, which the same
+# file contexts name.
+START_LAUNCHER = "/usr/local/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
+PACKAGE_START_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
 MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
 # The environment every runtime gives the hook (hooks.d, CDI hooks, test bundles): the one list.
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
@@ -264,6 +272,16 @@ def launcher_text() -> str:
     return launcher.for_this_install(note="# Written by `oci-gpu-hook install`. Removed by `oci-gpu-hook uninstall`.\n")
 
 
+def start_launcher_text() -> str:
+    """START_LAUNCHER: the launcher of this install, as the hook's, with a note of what it is for."""
+    note = (
+        f"# Written by `oci-gpu-hook install --start-server`: what {START_SERVICE} runs. SELinux\n"
+        "# labels it oci_gpu_hook_start_exec_t, so the start server runs in its own domain\n"
+        "# (docs/selinux.md). Removed by `oci-gpu-hook uninstall`.\n"
+    )
+    return launcher.for_this_install(note=note)
+
+
 def config_text() -> str:
     return (
         "# oci-gpu-hook configuration (docs/configuration.md). Every key is optional; the\n"
@@ -353,6 +371,9 @@ START_UNITS_BY_PACKAGE = (f"Shipped by the oci-gpu-hook RPM, not enabled: `syste
                           "(or `oci-gpu-hook install --start-server`) turns it on.")  # fmt: skip
 
 
+START_WATCHDOG_SECONDS = 10
+
+
 def start_socket_text(note: str = START_UNITS_BY_INSTALL) -> str:
     """The start server's socket unit: systemd listens from boot and starts the server on the first
     offer (a pre-filter that finds nothing listening gives its start to Python instead)."""
@@ -377,10 +398,12 @@ def start_socket_text(note: str = START_UNITS_BY_INSTALL) -> str:
 
 
 def start_service_text(argv_prefix, note: str = START_UNITS_BY_INSTALL) -> str:
-    """The start server's service. KillMode=process: stopping or restarting the server (an upgrade)
-    signals the server alone; a worker that is giving a container its GPUs finishes that start (or
-    rolls it back) instead of being killed half-way. No sandboxing options: each worker joins a
-    container's mount namespace from the host's, and one of systemd's own would stand between."""
+    """The start server's service, running argv_prefix (the server's own launcher, START_LAUNCHER
+    or the RPM's PACKAGE_START_LAUNCHER, with the hook's options). KillMode=process: stopping or
+    restarting the server (an upgrade) signals the server alone; a worker that is giving a
+    container its GPUs finishes that start (or rolls it back) instead of being killed half-way. No
+    sandboxing options: each worker joins a container's mount namespace from the host's, and one
+    of systemd's own would stand between."""
     command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + [rule.START_SERVER])
     return (
         f"# {note}\n"
@@ -394,6 +417,11 @@ def start_service_text(argv_prefix, note: str = START_UNITS_BY_INSTALL) -> str:
         "KillMode=process\n"
         "Restart=on-failure\n"
         "RestartSec=1\n"
+        # A server that stops looping (stopped, hung) is killed, and socket activation starts a
+        # new one for the next offer; meanwhile each start goes to Python after the pre-filter's
+        # short wait (start/server.py, _Watchdog).
+        f"WatchdogSec={START_WATCHDOG_SECONDS}\n"
+        "NotifyAccess=main\n"
     )
 
 
@@ -520,6 +548,11 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
     return entries
 
 
+def start_server_command(argv_prefix) -> list:
+    """What the start server's service runs: its own launcher with the hook's options."""
+    return [START_LAUNCHER] + _options(argv_prefix)
+
+
 def start_server_entries(root: str, argv_prefix) -> list:
     """The start server's units and the link that starts its socket at boot. Where runtimes run the
     RPM's program and the RPM ships the units (PACKAGE_UNIT_DIR), only the link, to the package's
@@ -534,8 +567,10 @@ def start_server_entries(root: str, argv_prefix) -> list:
                            for unit in (START_SOCKET, START_SERVICE))  # fmt: skip
         if packaged:
             return [Entry(link, link=f"{PACKAGE_UNIT_DIR}/{START_SOCKET}")]
-    return [Entry(f"{UNIT_DIR}/{START_SOCKET}", start_socket_text()),
-            Entry(f"{UNIT_DIR}/{START_SERVICE}", start_service_text(argv_prefix)),
+    # The launcher first: the service never runs without it.
+    return [Entry(START_LAUNCHER, start_launcher_text(), mode=0o755),
+            Entry(f"{UNIT_DIR}/{START_SOCKET}", start_socket_text()),
+            Entry(f"{UNIT_DIR}/{START_SERVICE}", start_service_text(start_server_command(argv_prefix))),
             Entry(link, link=f"../{START_SOCKET}")]  # fmt: skip
 
 
@@ -864,7 +899,7 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
         entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, start_server)
     if start_server:
         _check_offers(tree, argv_prefix, entries, runtimes)
-    if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK, DOCKER_LAUNCHER) for e in entries):
+    if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK, DOCKER_LAUNCHER, START_LAUNCHER) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(tree, entries)
     _check_configuration(tree, argv_prefix)
@@ -919,11 +954,46 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
                 _write_text(path, entry.content, entry.mode)
             written[entry.path] = entry.checksum
             lines.append(f"{'updated' if now is not None else 'wrote'} {path}")
+        if root == "/" and any(e.path == START_LAUNCHER for e in entries):
+            lines += _label_as_the_policy_says(tree.entry(START_LAUNCHER))
     finally:
         if json.dumps(manifest, sort_keys=True) != before:
             _makedirs(tree, os.path.dirname(MANIFEST), directories)
             _write_text(tree.entry(MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return lines
+
+
+def _label_as_the_policy_says(path: str) -> list:
+    """Give path the label the loaded policy's file contexts name, as `restorecon PATH` does (its
+    type; selinux_restorecon(3) with no flags). A file install writes gets its directory's label
+    (usr_t under /usr/local), and only the module's file context makes START_LAUNCHER the entry
+    point of the start server's domain. Every install does it, so that install run again after
+    the module was loaded or removed puts the label right. Returns the line saying so when the
+    label changed; nothing on a host without SELinux (libselinux is not even loaded there)."""
+    from oci_gpu_hook.start.linux import labels
+
+    if not labels.selinux_enabled():
+        return []
+    import ctypes
+
+    before = _label_of(path)
+    try:
+        failed = ctypes.CDLL("libselinux.so.1", use_errno=True).selinux_restorecon(os.fsencode(path), 0) != 0
+        why = os.strerror(ctypes.get_errno())
+    except (OSError, AttributeError) as e:  # no libselinux, or one before selinux_restorecon (2.5)
+        failed, why = True, str(e)
+    if failed:
+        raise InstallError(f"{path}: cannot give it the label the SELinux policy names ({why}); "
+                           f"`restorecon {path}` does it")  # fmt: skip
+    after = _label_of(path)
+    return [] if after == before else [f"labelled {path} {after}"]
+
+
+def _label_of(path: str) -> str | None:
+    try:
+        return os.getxattr(path, "security.selinux", follow_symlinks=False).rstrip(b"\0").decode(errors="replace")
+    except OSError:
+        return None
 
 
 def _unedit(path: str, line: str) -> str:

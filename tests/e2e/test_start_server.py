@@ -30,8 +30,8 @@ from privatehost import Session
 # The rootless user's setup, as the rootless test makes it (the same helpers, not a second copy).
 from test_podman_rootless import SUBORDINATE, _closed_directories, _free_uid, _hook_paths
 
-from oci_gpu_hook.start import rule
-from oci_gpu_hook.toolkit import containers, install, launcher
+from oci_gpu_hook.start import rule, server
+from oci_gpu_hook.toolkit import containers, install
 
 USER = "ocigpu-startsrv"
 IMAGE = "localhost/ocigpu-start-server:test"
@@ -123,11 +123,13 @@ def _scenario(top: str, host: dict) -> tuple:
         ("user import", {"run": [*as_user, "sh", "-c", image, f"{top}/rootfs"]}),
         ("bundle", {"run": [sys.executable, "-I", "-c", HOOK_ENTRY, install.HOOKS_D_FILE, bundle_config]}),
         ("server 1", server(0)),
+        ("doctor served", {"run": [*cli, "doctor", "--json"]}),
         ("served", {"run": podman_gpu}),
         ("runc", {"run": ["runc", "run", "--bundle", f"{top}/bundle", RUNC_ID]}),
         ("runc delete", {"run": ["runc", "delete", "--force", RUNC_ID]}),
         ("user", {"run": [*as_user, *podman_gpu]}),
         ("term", {"run": ["sh", "-c", TERM, pids[0], SOCKET]}),
+        ("doctor after term", {"run": [*cli, "doctor", "--json"]}),
         ("after term", {"run": podman_gpu}),
         ("server 2", server(1)),
         ("kill", {"run": ["sh", "-c", KILL, pids[1]]}),
@@ -204,7 +206,8 @@ def test_install_writes_a_service_whose_command_is_the_server(world):
     assert len(commands) == 1, r["unit"]["stdout"]
     # Plain words (no quotes, escapes, specifiers or variables): systemd splits them as the shell did.
     assert not set(commands[0]) & set("\"'\\%$;"), commands[0]
-    assert commands[0].split() == [launcher.LAUNCHER, "--config", world["config"], rule.START_SERVER]
+    # The server's own launcher (its SELinux domain's entry point), not the hook's program.
+    assert commands[0].split() == [install.START_LAUNCHER, "--config", world["config"], rule.START_SERVER]
     assert f"listening on {SOCKET}" in world["servers"][0], world["servers"][0]
 
 
@@ -247,6 +250,22 @@ def test_after_sigkill_a_stale_socket_falls_back_and_a_new_server_replaces_it(wo
     assert f"listening on {SOCKET}" in world["servers"][2], world["servers"][2]
     entries = _started(world, "served again", 1)
     assert all(e.get("via") == VIA for e in entries), entries
+
+
+def _doctor_says(world, step: str) -> dict:
+    (check,) = [c for c in json.loads(world["r"][step]["stdout"])["checks"] if c["id"] == "start-server"]
+    return check
+
+
+def test_doctor_sees_the_server_serve_the_installed_code_and_then_stopped(world):
+    """Asked while the server runs: it serves the installed code, and the hook install wrote offers
+    it starts as that code. After SIGTERM: nothing answers, a WARN that says each start runs in Python."""
+    served = _doctor_says(world, "doctor served")
+    installed = server.code_identity()
+    assert served["status"] == "PASS", served
+    assert f"serves the installed code ({installed})" in served["summary"], served
+    stopped = _doctor_says(world, "doctor after term")
+    assert stopped["status"] == "WARN" and "does not answer" in stopped["summary"], stopped
 
 
 def test_rootless_podman_never_goes_through_the_server(world):

@@ -11,11 +11,14 @@ import yaml
 
 SITELIB = "/usr/lib/python3.9/site-packages"  # RHEL 9's system python3
 PYTHON_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-python"
+# What the start server's service runs: a launcher of its own, its SELinux domain's entry point.
+START_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
 START_SOCKET = "/usr/lib/systemd/system/oci-gpu-hook-start.socket"  # the start server's units (%{_unitdir})
 START_SERVICE = "/usr/lib/systemd/system/oci-gpu-hook-start.service"
 MAIN_PATHS = {
     "/usr/bin/oci-gpu-hook",
     PYTHON_LAUNCHER,
+    START_LAUNCHER,
     f"{SITELIB}/oci_gpu_hook/start/csrc/prefilter.c",
     f"{SITELIB}/oci_gpu_hook/__init__.py",
     f"{SITELIB}/oci_gpu_hook/hook.py",
@@ -76,7 +79,7 @@ def test_config_is_noreplace_and_hook_executable(rpms):
     flags, _mode = entries["/etc/oci-gpu-hook/config.yaml"]
     assert "c" in flags and "n" in flags  # %config(noreplace)
     assert entries["/usr/bin/oci-gpu-hook"][-1] == "-rwxr-xr-x"
-    assert entries[PYTHON_LAUNCHER][-1] == "-rwxr-xr-x"
+    assert entries[PYTHON_LAUNCHER][-1] == entries[START_LAUNCHER][-1] == "-rwxr-xr-x"
     assert entries[START_SOCKET] == entries[START_SERVICE] == ["-rw-r--r--"]  # no flags: not %config
 
 
@@ -88,6 +91,23 @@ def test_selinux_scriptlets_install_and_remove_at_priority_200(rpms):
         r"semodule .*-s targeted .*-X 200 .*-i /usr/share/selinux/packages/targeted/oci_gpu_hook\.pp\.bz2", post
     ), post
     assert re.search(r"\$1 -eq 0", postun) and re.search(r"semodule .*-X 200 .*-r oci_gpu_hook", postun), postun
+
+
+def test_selinux_scriptlets_relabel_the_start_servers_launcher(rpms):
+    """The module's one file context is the hook package's start server launcher. That package's
+    files may be laid down, in the same transaction, before the module is loaded, so the module's
+    package relabels the launcher once the transaction is done; on its removal it relabels it
+    again, after the module is gone (a type no longer in the policy would leave it unlabeled_t, a
+    program systemd could not run). Each only where the file and restorecon are, never failing."""
+    found = scriptlets(rpms["selinux"])
+    relabel = f"restorecon {START_LAUNCHER} || :"
+    assert relabel in found["posttrans"], found
+    postun = found["postuninstall"]
+    assert postun.index("-r oci_gpu_hook") < postun.index(relabel), postun
+    assert re.search(r"if \[ \$1 -eq 0 \]; then\n(.*\n)*.*" + re.escape(relabel), postun), postun
+    for text in (found["posttrans"], postun):
+        line = next(line for line in text.splitlines() if relabel in line)
+        assert f"[ -e {START_LAUNCHER} ] && command -v restorecon" in line, line
 
 
 def scriptlets(rpm) -> dict:
@@ -129,9 +149,10 @@ def test_start_server_units_are_installs_own_and_not_enabled(rpms, pk, tmp_path,
     with open(os.path.join(root, START_SERVICE[1:])) as f:
         service_unit = f.read()
     assert f"\nListenSequentialPacket={rule.START_SERVER_SOCKET}\n" in socket_unit
-    assert "\nExecStart=/usr/bin/oci-gpu-hook start-server\n" in service_unit
+    assert f"\nExecStart={START_LAUNCHER} start-server\n" in service_unit
     assert socket_unit == install.start_socket_text(install.START_UNITS_BY_PACKAGE)
-    assert service_unit == install.start_service_text(["/usr/bin/oci-gpu-hook"], install.START_UNITS_BY_PACKAGE)
+    assert service_unit == install.start_service_text([START_LAUNCHER], install.START_UNITS_BY_PACKAGE)
+    assert install.PACKAGE_START_LAUNCHER == START_LAUNCHER  # the path the module's file context names
     files = rpm_query("-l", rpms["main"]).split()
     assert not [f for f in files if re.search(r"\.(wants|requires)/|system-preset", f)], files
 
@@ -177,6 +198,12 @@ def test_packaged_console_script_runs(rpms, pk, tmp_path):
 
     with open(script) as f:
         assert f.read() == launcher.text("/usr/bin/python3", SITELIB)
+    # The start server's launcher: the same launcher, its own file (its label is its own).
+    server = os.path.join(root, START_LAUNCHER[1:])
+    with open(server) as f:
+        assert "oci_gpu_hook_start_exec_t" in f.read()
+    assert launcher.named(server) == ("/usr/bin/python3", SITELIB)
+    assert os.stat(server).st_ino != os.stat(script).st_ino and not os.path.islink(server)
     # /usr/bin/oci-gpu-hook: the pre-filter, built to run that launcher.
     program = os.path.join(root, "usr/bin/oci-gpu-hook")
     assert prefilter.is_prefilter(program)
@@ -186,8 +213,9 @@ def test_packaged_console_script_runs(rpms, pk, tmp_path):
 
     assert prefilter.offers_to(program) == rule.START_SERVER_SOCKET  # built as install builds it
     env = dict(os.environ, PYTHONPATH=os.path.join(root, SITELIB[1:]))
-    proc = subprocess.run([sys.executable, script, "--version"], capture_output=True, text=True, env=env)
-    assert proc.returncode == 0 and "0.1.0" in proc.stdout, proc
+    for launcher_file in (script, server):
+        proc = subprocess.run([sys.executable, launcher_file, "--version"], capture_output=True, text=True, env=env)
+        assert proc.returncode == 0 and "0.1.0" in proc.stdout, proc
 
 
 def test_installed_package_enables_the_start_server_only_when_asked(rpms, tmp_path, require):

@@ -8,6 +8,9 @@ import subprocess
 DOMAIN = "gpu_container_t"
 GPU_DEVICE = "xserver_misc_device_t"
 DEVICE_PERMS = {"open", "read", "write", "ioctl", "map", "getattr", "append", "lock"}
+# The start server's domain and the type of its launcher, its entry point.
+START_DOMAIN = "oci_gpu_hook_start_t"
+START_EXEC = "oci_gpu_hook_start_exec_t"
 DRIVER_FILE_TYPES = ("lib_t", "textrel_shlib_t", "ld_so_t", "bin_t", "xserver_exec_t")
 # What reading and executing a file may take; anything else on a driver file type would be a change.
 READ_EXEC_PERMS = {
@@ -121,9 +124,17 @@ def test_gpu_domain_is_container_t_plus_gpu_devices_only(rules):
 
 
 def test_stock_container_t_gains_nothing(rules):
+    """Nothing on any type the policy has without the module. On the start server's two new types
+    container_t has what the base policy's attributes give every domain on a daemon's program
+    (chronyd_exec_t) and on an unconfined daemon domain (initrc_t), nothing more."""
     gained = rules["container_t"] - rules["base_container_t"]
-    assert not gained, sorted(gained)[:20]
-    assert rules["container_t"] == rules["base_container_t"]
+    assert not {r for r in gained if r[0] not in (START_DOMAIN, START_EXEC)}, sorted(gained)[:20]
+
+    def on(target):
+        return {r[1:] for r in rules["container_t"] if r[0] == target}
+
+    assert on(START_EXEC) == on("chronyd_exec_t") and on(START_DOMAIN) == on("initrc_t")
+    assert on(START_DOMAIN) <= {("association", "recvfrom", ""), ("peer", "recv", ""), ("tcp_socket", "recvfrom", "")}
 
 
 def test_container_engine_may_start_gpu_containers(policy_build):
@@ -146,28 +157,93 @@ def test_gpu_domain_is_mcs_constrained_and_in_system_r(policy_build):
     assert DOMAIN in roles
 
 
-def test_start_server_domain_may_tell_systemd_of_a_scope(pk, policy_build, tmp_path):
-    """The start server (install --start-server) runs where systemd puts a program with no domain
-    of its own: install's program under /usr/local/libexec is usr_t, and refpolicy has no
-    transition from init_t for usr_t, so on Debian the server and its workers are init_t (the node
-    VM's start_server scenario saw that). A worker tells systemd the GPU nodes of the container's
-    scope (SetUnitProperties), which systemd checks as system:start on its own label (a transient
-    unit has none): the runtime's unconfined_t has it, Debian's init_t not, and systemd refused
-    every served start's DeviceAllow= (a daemon-reload would then take the GPU away). The module
-    adds that one permission to init_t, and nothing else on it."""
+def test_the_start_server_has_a_domain_of_its_own_and_init_t_gains_nothing(pk, policy_build, tmp_path):
+    """The start server (install --start-server) used to run where systemd puts a program with no
+    domain of its own: init_t on Debian (install's program is usr_t, with no transition from
+    init_t), and the module widened init_t with system:start on itself, which a worker needs to
+    tell systemd the GPU nodes of a container's scope (SetUnitProperties; a transient unit has no
+    label, so systemd checks its own). Now systemd enters oci_gpu_hook_start_t from the server's
+    launcher (oci_gpu_hook_start_exec_t), and only from it: the domain is unconfined, as the
+    runtime's own domain that runs the hook without a server (unconfined_t) is, plus exactly the
+    two of systemd's permissions on init_t a worker uses: status (it reads the scope's device
+    properties first; init_t had it on itself) and start. init_t's rules on itself are what they
+    are without the module, and the module writes no rule for init_t but those that make the new
+    domain a daemon of its."""
     base, gpu = policy_build["base_policy"], policy_build["gpu_policy"]
-    assert "start" in sesearch_perms(base, "unconfined_t", "init_t", "system")  # the runtime's domain
-    before = sesearch_perms(base, "init_t", "init_t", "system")
-    assert "start" not in before
-    assert sesearch_perms(gpu, "init_t", "init_t", "system") - before == {"start"}
+    transitions = subprocess.run(["sesearch", "-T", "-t", START_EXEC, "-c", "process", gpu], capture_output=True,
+                                 text=True, check=True).stdout  # fmt: skip
+    sources = set(re.findall(rf"^type_transition (\S+) {START_EXEC}:process {START_DOMAIN};$", transitions, re.M))
+    assert "init_t" in sources and sources <= {"init_t", "initrc_t"}, transitions  # systemd, an init script
+    assert "entrypoint" in sesearch_perms(gpu, START_DOMAIN, START_EXEC, "file")
+    unconfined = subprocess.run(["seinfo", "-a", "unconfined_domain_type", "-x", gpu], capture_output=True, text=True,
+                                check=True).stdout.split()  # fmt: skip
+    assert START_DOMAIN in unconfined and "unconfined_t" in unconfined
+    assert {"start", "status"} <= sesearch_perms(base, "unconfined_t", "init_t", "system")  # the runtime's has them
+    assert sesearch_perms(gpu, START_DOMAIN, "init_t", "system") == {"start", "status"}
+    # init_t on itself: exactly as without the module (no system:start)
+    on_itself = [subprocess.run(["sesearch", "-A", "-s", "init_t", "-t", "init_t", policy], capture_output=True,
+                                text=True, check=True).stdout for policy in (base, gpu)]  # fmt: skip
+    assert on_itself[0] == on_itself[1]
+    assert "start" not in sesearch_perms(gpu, "init_t", "init_t", "system")
     cil = pk.module_cil(policy_build["module"], str(tmp_path))
-    assert re.findall(r"\(allow init_t [^\n]*", cil) == ["(allow init_t init_t (system (start)))"]
+    # init_t's rules in the module are on the new types alone (init_daemon_domain's: the transition,
+    # the daemon's socket); of systemd's own permissions (class system) it grants status and start
+    assert set(re.findall(r"\(allow init_t (\S+) ", cil)) == {START_DOMAIN, START_EXEC}, cil
+    granted = re.findall(r"\(allow (\S+) init_t \(system \(([^)]*)\)\)\)", cil)
+    assert sorted(granted) == [(START_DOMAIN, "start"), (START_DOMAIN, "status")], granted
+    # The runtimes' pre-filter offers starts on the server's socket, which systemd labels with the
+    # server's domain: unconfined_t may connect to it, and so may Debian's confined
+    # container_engine_t, which could while the socket was init_t.
+    for runtime in ("unconfined_t", "container_engine_t"):
+        assert "connectto" in sesearch_perms(base, runtime, "init_t", "unix_stream_socket"), runtime
+        assert "connectto" in sesearch_perms(gpu, runtime, START_DOMAIN, "unix_stream_socket"), runtime
 
 
-def test_module_labels_no_host_files(pk):
+def _file_contexts(pk) -> list:
+    """(path regex, file type option, context) of each line of the module's .fc."""
     with open(os.path.join(pk.selinux_dir, f"{pk.module}.fc")) as f:
-        entries = [line for line in f if line.strip() and not line.lstrip().startswith("#")]
-    assert entries == []
+        return [tuple(line.split()) for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_module_labels_only_the_start_servers_launcher(pk):
+    """No host file is relabelled (the device nodes and driver files keep the base policy's labels):
+    the one file context is the start server's launcher, where install writes it and where the RPM
+    ships it, a plain file, the entry point of the server's domain. The hook's programs, which
+    runtimes run, are not named, so a start without the server stays in the runtime's domain."""
+    from oci_gpu_hook.toolkit import install, launcher
+
+    entries = _file_contexts(pk)
+    assert entries and all(len(e) == 3 and e[1] == "--" for e in entries), entries
+    assert {e[2] for e in entries} == {f"gen_context(system_u:object_r:{START_EXEC},s0)"}, entries
+
+    def named(path):
+        return [e for e in entries if re.fullmatch(e[0], path)]
+
+    assert [len(named(p)) for p in (install.START_LAUNCHER, install.PACKAGE_START_LAUNCHER)] == [1, 1]
+    for path in (launcher.LAUNCHER, launcher.PYTHON_LAUNCHER, install.INSTALLED_PATH, install.DOCKER_HOOK,
+                 install.DOCKER_LAUNCHER, "/usr/libexec/oci-gpu-hook/oci-gpu-hook-python", "/dev/nvidia0",
+                 "/dev/nvidiactl", "/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/bin/nvidia-smi"):  # fmt: skip
+        assert not named(path), path
+
+
+def test_the_linked_policy_labels_the_launcher_and_nothing_of_the_hook(policy_build, require):
+    """What restorecon and rpm would set, asked of the linked policy's file contexts (where the base
+    policy's own entries compete): the server's launcher gets the entry point's type, the hook's
+    programs keep the base policy's labels."""
+    require("selabel_lookup")
+    from oci_gpu_hook.toolkit import install, launcher
+
+    root = os.path.dirname(os.path.dirname(policy_build["gpu_policy"]))
+    contexts = os.path.join(root, "contexts", "files", "file_contexts")
+
+    def label(path):
+        out = subprocess.run(["selabel_lookup", "-b", "file", "-k", path, "-t", str(0o100000), "-f", contexts],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        return out.strip().split(":")[-2]
+
+    assert label(install.START_LAUNCHER) == label(install.PACKAGE_START_LAUNCHER) == START_EXEC
+    assert label(launcher.LAUNCHER) == label(launcher.PYTHON_LAUNCHER) == "usr_t"
+    assert label(install.INSTALLED_PATH) == label("/usr/libexec/oci-gpu-hook/oci-gpu-hook-python") == "bin_t"
 
 
 def cil_perms(cil, source, target, tclass):
@@ -201,8 +277,11 @@ def test_module_compiles_against_rhel_targeted_policy_with_container_selinux(pk,
     assert "(type gpu_container_t)" in cil
     assert "(typeattributeset mcs_constrained_type (gpu_container_t ))" in cil
     assert not re.search(r"\(allow container_t ", cil)
-    # the start server's rule is Debian's alone: Fedora's init_t has every system permission on itself
-    assert not re.search(r"\(allow init_t ", cil)
+    # the start server's domain: entered from its launcher, unconfined (every system permission on
+    # every domain there, so no rule of Debian's for init_t), and init_t given nothing on itself
+    assert f"(typetransition initrc_domain {START_EXEC} process {START_DOMAIN})" in cil
+    assert f"(typeattributeset unconfined_domain_type ({START_DOMAIN} ))" in cil
+    assert not re.search(r"\(allow \S+ init_t ", cil) and not re.search(r"\(allow init_t init_t ", cil)
 
 
 def test_hook_domain_runs_ldconfig_in_its_own_domain(policy_build):

@@ -1044,7 +1044,7 @@ def _rpm_start_server(root, socket=True, units=True):
         with open(f"{root}{install.PACKAGE_UNIT_DIR}/{install.START_SOCKET}", "w") as f:
             f.write(install.start_socket_text(install.START_UNITS_BY_PACKAGE))
         with open(f"{root}{install.PACKAGE_UNIT_DIR}/{install.START_SERVICE}", "w") as f:
-            f.write(install.start_service_text(PREFIX, install.START_UNITS_BY_PACKAGE))
+            f.write(install.start_service_text([install.PACKAGE_START_LAUNCHER], install.START_UNITS_BY_PACKAGE))
 
 
 def _is_enabled(root, unit):
@@ -1091,10 +1091,45 @@ def test_start_server_without_the_packages_units_writes_its_own(root, require):
     _rpm_start_server(root, units=False)
     install.install(root, ("runc",), PREFIX, start_server=True)
     with open(f"{root}{install.UNIT_DIR}/{install.START_SERVICE}") as f:
-        assert f.read() == install.start_service_text(PREFIX)
+        assert f.read() == install.start_service_text([install.START_LAUNCHER])
+    assert launcher.is_launcher(root + install.START_LAUNCHER)
     link = f"{root}{install.UNIT_DIR}/sockets.target.wants/{install.START_SOCKET}"
     assert os.readlink(link) == f"../{install.START_SOCKET}"
     assert _is_enabled(root, install.START_SOCKET) == "enabled"
+
+
+def test_the_start_server_runs_a_launcher_of_its_own(root, require, tmp_path):
+    """The server's service runs its own launcher, never the hook's program: that file alone is
+    the entry point of the server's SELinux domain (selinux/oci_gpu_hook.fc), so a start a runtime
+    runs itself stays in the runtime's domain. It is a launcher of this install, its own file
+    (not a link, which would share the label), root's and 0755; systemd reads the service's
+    command as that launcher with the hook's options; it runs; uninstall removes it."""
+    require("root", "gcc", "systemd-analyze")
+    from oci_gpu_hook.toolkit import prefilter
+
+    before = snapshot(root)
+    prefix = [launcher.LAUNCHER, "--config", "/etc/gpu/config.yaml"]
+    lines = install.install(root, ("runc",), prefix, prefilter=True, start_server=True)
+    server = root + install.START_LAUNCHER
+    assert f"wrote {server}" in lines
+    assert lines.index(f"wrote {server}") < lines.index(f"wrote {root}{install.UNIT_DIR}/{install.START_SERVICE}")
+    with open(server) as f:
+        text = f.read()
+    assert launcher.is_launcher(server) and text.startswith(f"#!{sys.executable} -IS\n") and "main()" in text
+    assert install.START_SERVICE in text and "oci_gpu_hook_start_exec_t" in text
+    st = os.lstat(server)
+    assert stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_uid == 0 and st.st_mode & 0o777 == 0o755
+    # The hook's program, which runtimes run, is another file: the pre-filter, then its launcher.
+    assert prefilter.is_prefilter(root + launcher.LAUNCHER) and launcher.is_launcher(root + launcher.PYTHON_LAUNCHER)
+    assert install.START_LAUNCHER not in (launcher.LAUNCHER, launcher.PYTHON_LAUNCHER)
+    with open(f"{root}{install.UNIT_DIR}/{install.START_SERVICE}") as f:
+        unit = f.read()
+    assert _systemd_commands(unit, tmp_path) == {"ExecStart": [[install.START_LAUNCHER, *prefix[1:], "start-server"]]}
+    done = subprocess.run([server, "--version"], capture_output=True, text=True, env={}, cwd="/", timeout=60)
+    assert done.returncode == 0 and "oci-gpu-hook" in done.stdout, done.stderr
+    assert install.install(root, ("runc",), prefix, prefilter=True, start_server=True) == []  # again: nothing
+    assert f"removed {server}" in install.uninstall(root)
+    assert snapshot(root) == before
 
 
 def test_start_server_refuses_a_prefilter_that_offers_no_start(root, require):
