@@ -289,4 +289,3 @@ def read_fifo(path: str, timeout: float = 60) -> bytes:
             data += chunk
     finally:
         os.close(fd)
-

@@ -29,16 +29,21 @@ def read_bounded(path: str, limit: int, nofollow: bool = False, regular: bool = 
                 raise OSError(errno.EINVAL, "not a regular file", path)
             if check is not None:
                 check(st)
-        chunks, left = [], limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return read_up_to(fd, limit)
     finally:
         os.close(fd)
+
+
+def read_up_to(fd: int, limit: int) -> bytes:
+    """What fd has to read, up to limit + 1 bytes (one more than allowed tells a file too large)."""
+    chunks, left = [], limit + 1
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def write_atomically(path: str, data: bytes, mode: int = 0o644, durable: bool = True) -> None:

@@ -61,6 +61,7 @@ IDENTITY = b"i"  # and the server's code identity: the answer to QUERY (doctor)
 QUERY = f"{rule.START_SERVER_VERSION} ?".encode()
 VIA = "start server"  # the start's log entry and container record say so (report.VIA)
 WARM_AFTER_SECONDS = 0.05
+SPARE_RETRY_SECONDS = 1.0  # after a spare could not be forked (a worker is still forked per offer)
 # A pre-filter sends its offer as it connects and waits rule.START_SERVER_TAKE_MS for "taken":
 # a connection whose offer has not come by then serves no start.
 OFFER_TIMEOUT_SECONDS = rule.START_SERVER_TAKE_MS / 1000
@@ -381,19 +382,13 @@ def read_state(fd: int = 0) -> bytes:
     """The state the offer carried, at most one byte more than the hook reads: the pre-filter wrote
     it to a memfd before offering, so its read is immediate. A file whose read blocks (tracefs'
     trace_pipe is a regular file) is cut by a kill timer armed before the read."""
+    from oci_gpu_hook.start import files
     from oci_gpu_hook.start import state as state_module
     from oci_gpu_hook.start.linux import _linux
 
     timer = _linux.kill_timer(STATE_READ_SECONDS, signal.SIGKILL)
     try:
-        chunks, left = [], state_module.MAX_STATE_BYTES + 1
-        while left > 0:
-            chunk = os.read(fd, left)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
+        return files.read_up_to(fd, state_module.MAX_STATE_BYTES)
     finally:
         _linux.timer_delete(timer)
 
@@ -629,6 +624,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
     pending = {}  # fileno: (connection, the time its offer must have come by)
     _log(f"listening on {listener.getsockname() or 'the socket systemd passed'} (code {identity})")
     spare, config = None, None
+    spare_after = 0.0  # after a failed fork, the next try: not at every wake-up, nor a line each time
     try:
         while not stopping:
             now = time.monotonic()
@@ -636,12 +632,15 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
             if watch.read():
                 _log("the installed code changed since this server started; stopping (the next start starts a new one)")
                 break
-            if spare is None:
+            if spare is None and now >= spare_after:
                 try:
                     spare = Spare(listener, config, warm=config is not None, closing=[*own, *pending])
                 except OSError as e:
                     _log(f"cannot fork a spare worker: {e.strerror}")
+                    spare_after = now + SPARE_RETRY_SECONDS
             waits = [end - now for _, end in pending.values()]
+            if spare is None:
+                waits.append(max(0.0, spare_after - now))
             if watchdog.due_in(now) is not None:
                 waits.append(watchdog.due_in(now))
             timeout = None if not waits else max(0, int(min(waits) * 1000) + 1)
@@ -663,8 +662,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
                 conn, _ = pending.pop(fd)
                 poller.unregister(fd)
                 _log("not taken: no offer came within the time a pre-filter waits")
-                _reply(conn, PASS)
-                conn.close()
+                _pass_and_close(conn)
     finally:
         for conn, _ in pending.values():
             conn.close()
@@ -700,8 +698,7 @@ def _accept(listener: socket.socket, pending: dict, poller) -> None:
         lacks = peer_lacks(conn)
         if lacks or len(pending) >= MAX_PENDING:
             _log(f"not taken: {lacks or 'too many connections wait for their offer'}")
-            _reply(conn, PASS)
-            conn.close()
+            _pass_and_close(conn)
             continue
         pending[conn.fileno()] = (conn, time.monotonic() + OFFER_TIMEOUT_SECONDS)
         poller.register(conn, select.POLLIN)
@@ -722,6 +719,24 @@ def _take(listener: socket.socket, conn: socket.socket, identity: str, spare, co
             _log("not taken: no worker for it")
             _reply(conn, PASS)
         return None, rule.split_config(offer.argv)[0]  # the next spare warms with it
+
+
+def _pass_and_close(conn: socket.socket) -> None:
+    """Answer "not taken" and close, unread: what the peer sent is dropped first (its descriptors
+    closed), for a Unix socket closed with a message still queued resets the connection, and the
+    peer would read the reset instead of the answer."""
+    _reply(conn, PASS)
+    fds = array.array("i")
+    try:
+        _, ancillary, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize), socket.MSG_DONTWAIT)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    except OSError:
+        pass
+    for fd in fds:
+        os.close(fd)
+    conn.close()
 
 
 def _say(fd: int, message: str) -> None:
