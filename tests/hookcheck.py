@@ -32,6 +32,18 @@ from oci_gpu_hook.toolkit.containers import hook_command
 
 HOOK_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}  # what hooks.d gives the hook
 
+
+def checkout_command() -> list:
+    """This interpreter and this checkout's program, isolated: the checkout is put on the path by
+    the command itself, as a launcher does (launcher.py). -I leaves the working directory out, and
+    a checkout the interpreter has no install of (a locked clone's, tests/test_checkout_location.py)
+    would not be found by `-m oci_gpu_hook` (hook_command's)."""
+    from oci_gpu_hook.toolkit import launcher
+
+    return [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {launcher.package_parent()!r}); "
+            "from oci_gpu_hook.hook import main; sys.exit(main())"]  # fmt: skip
+
+
 # Real host directories a hook that followed a hostile link to '/' (or to '../../..') would touch.
 HOST_WATCH = (
     "/",

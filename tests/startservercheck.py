@@ -15,21 +15,15 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 
 import hookcheck
 
 from oci_gpu_hook.start import rule
-from oci_gpu_hook.toolkit import launcher
 
 # As a unit would run it: this interpreter and this checkout, isolated, in the hooks' environment.
-# The checkout is put on the path by the command itself, as a launcher does (launcher.py): -I
-# leaves the working directory out, and a checkout the interpreter has no install of (a locked
-# clone's, tests/test_checkout_location.py) would not be found by `-m`.
-CHECKOUT = [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {launcher.package_parent()!r}); "
-            "from oci_gpu_hook.hook import main; sys.exit(main())"]  # fmt: skip
+CHECKOUT = hookcheck.checkout_command()
 COMMAND = [*CHECKOUT, rule.START_SERVER]
 ENV = hookcheck.HOOK_ENV
 LISTENING = "oci-gpu-hook start-server: listening on "

@@ -13,7 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from hookcheck import config_with, expected_common, expected_gpu, expected_mig
+from hookcheck import checkout_command, config_with, expected_common, expected_gpu, expected_mig
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.node import features
@@ -433,10 +433,11 @@ def test_the_labels_pod_writes_as_no_one_on_the_host(host, tmp_path, run_as_nobo
         inventory_cache.load(settings_module.load(config))  # the node pod's, root's
         os.chmod(f"{place}/cache", 0o755)
         init = ["setpriv", "--regid", str(NOBODY), "--clear-groups", "--bounding-set=-all", "--inh-caps=-all",
-                "--no-new-privs", "--", *hook_command(config), "labels", "--prepare-for", str(NOBODY)]  # fmt: skip
+                "--no-new-privs", "--", *checkout_command(), "--config", config, "labels", "--prepare-for",
+                str(NOBODY)]  # fmt: skip
         prepare = subprocess.run(init, capture_output=True, text=True, timeout=120)
         assert (prepare.returncode, prepare.stdout, prepare.stderr) == (
-            0, f"{features_d}/oci-gpu-hook: prepared for group {NOBODY}\n", "")  # fmt: skip
+            0, f"{features_d}/oci-gpu-hook: prepared for group {NOBODY}\n", ""), prepare.stderr  # fmt: skip
         command = ["-m", "oci_gpu_hook", "--config", config, "labels"]
         # The CLI's third-party imports: click, and PyYAML and jsonschema's own for the configuration.
         modules = ("oci_gpu_hook", "click", "yaml", "jsonschema", "jsonschema_specifications", "referencing",
