@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 from oci_gpu_hook.errors import InventoryError
+from oci_gpu_hook.start.digits import is_decimal
 from oci_gpu_hook.start.inventory import normalize_bus_id
 
 # Both banner variants seen on real hosts: "Kernel Module  570.86.15  Wed Jan ..." and
@@ -45,7 +46,7 @@ def parse_gpu_information(text: str, path: str) -> dict[str, object]:
     if not _BUS_ID_RE.match(bus_id):
         raise InventoryError(f"{path}: no valid 'Bus Location' line")
     minor = values.get("Device Minor")
-    if minor is not None and not (_decimal(minor) and int(minor) < 255):
+    if minor is not None and not (is_decimal(minor) and int(minor) < 255):
         raise InventoryError(f"{path}: 'Device Minor' is {minor!r}, expected a number below 255")
     return {
         "model": values.get("Model", "Unknown"),
@@ -55,17 +56,12 @@ def parse_gpu_information(text: str, path: str) -> dict[str, object]:
     }
 
 
-def _decimal(text: str) -> bool:
-    """ASCII digits only: str.isdigit() also takes '¹' and other digits int() refuses."""
-    return text.isascii() and text.isdigit()
-
-
 def parse_char_devices(text: str) -> list[tuple[int, str]]:
     """(major, name) for each character device driver /proc/devices lists, in its order."""
     devices = []
     for line in text.split("Block devices:")[0].splitlines():
         fields = line.split()
-        if len(fields) == 2 and _decimal(fields[0]):
+        if len(fields) == 2 and is_decimal(fields[0]):
             devices.append((int(fields[0]), fields[1]))
     return devices
 
@@ -81,6 +77,6 @@ def parse_proc_devices(text: str) -> dict[str, int]:
 def parse_cap_minor(text: str, path: str) -> int:
     """DeviceFileMinor of a capabilities/.../access file: the /dev/nvidia-caps/nvidia-cap<N> minor."""
     minor = parse_key_values(text).get("DeviceFileMinor", "")
-    if not _decimal(minor):
+    if not is_decimal(minor):
         raise InventoryError(f"{path}: no valid 'DeviceFileMinor' line")
     return int(minor)
