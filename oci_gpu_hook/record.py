@@ -1,7 +1,8 @@
 """Frozen, printable, comparable, serialisable records, for modules on the hook's start path.
 
-dataclasses would do, but importing it (it imports inspect) costs ~10 ms here and decorating each
-class ~0.3 ms: together more than the rest of a GPU container's hook run. A Record subclass
+dataclasses would do, but importing it (it imports inspect) would cost a cold start 17 ms
+(docs/performance.md) and decorating each class ~0.3 ms: together more than the rest of a GPU
+container's hook run. A Record subclass
 names its fields in __slots__, may give defaults in _defaults, and gets keyword or positional
 construction, immutability, ==, hash, repr and to_json() for the cost of a class statement.
 """

@@ -275,8 +275,23 @@ def expected_common(host, strategy: str, sharing: str = "time-slicing", facts: b
     }
     if facts:
         labels["nvidia.com/gpu.machine"] = "-".join(host["machine"].split(" "))
-        pci_class = host["gpus"][0]["model"]["pci_class"]
-        labels["nvidia.com/gpu.mode"] = {0x030200: "compute", 0x030000: "graphics"}[pci_class]
+        labels.update(expected_pci_labels(host))
+    return labels
+
+
+def expected_pci_labels(host) -> dict:
+    """gpu.mode and vgpu.* by GFD's rules, from the classes and the vGPU host driver the host was
+    described with: every GPU of one class, a VGA controller's (0x0300xx) graphics, a 3D
+    controller's (0x0302xx) compute, else unknown (GFD's getModeForClasses); vgpu.present true with
+    the host driver's version and branch where its GPUs carry NVIDIA's vGPU capability, false on
+    bare metal."""
+    classes = {g["pci_class"] for g in host["gpus"]}
+    mode = {0x030200: "compute", 0x030000: "graphics"}.get(classes.pop(), "unknown") if len(classes) == 1 else "unknown"
+    labels = {"nvidia.com/gpu.mode": mode, "nvidia.com/vgpu.present": "false"}
+    if host.get("vgpu_host_driver"):
+        version, branch = host["vgpu_host_driver"]
+        labels.update({"nvidia.com/vgpu.present": "true", "nvidia.com/vgpu.host-driver-version": version,
+                       "nvidia.com/vgpu.host-driver-branch": branch})  # fmt: skip
     return labels
 
 
@@ -356,37 +371,6 @@ def one_mib_documents(key: str) -> dict:
         "flow-mapping": (filled(f"{key}: {{", "a,", "a}\n"), settings.TOO_WIDE),
         "nested": (filled(f"{key}: [", row + ",", row + "]\n"), settings.TOO_MANY_VALUES),
     }
-
-
-def remove_compiled_settings(run_dir: str, directory: str) -> list:
-    """Remove the compiled settings in run_dir (settings.compiled_path) that hooks kept for
-    configuration files under directory, and only those: what a test run may take from the host's
-    /run/oci-gpu-hook. Told by the source path each file records, not by its name (which does not
-    say where the path's directories end: pytest-12_x/ and pytest-12/x_ read alike); another
-    run's files, the host's own hook's and anything else stay. Returns the paths removed."""
-    from oci_gpu_hook.start import settings
-
-    inside = os.path.join(os.path.abspath(directory), "")
-    try:
-        names = os.listdir(run_dir)
-    except OSError:
-        return []
-    found = []
-    for name in sorted(names):
-        path = os.path.join(run_dir, name)
-        try:
-            doc = json.loads(settings.read_trusted(path, settings.MAX_CONFIG_BYTES))
-        except (OSError, ValueError):
-            continue
-        source = doc.get("path") if isinstance(doc, dict) else None
-        if (isinstance(source, str) and source.startswith(inside)
-                and os.path.basename(settings.compiled_path(source)) == name):  # fmt: skip
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                continue  # gone meanwhile
-            found.append(path)
-    return found
 
 
 def remove_cgroup(path: str, tries: int = 100) -> None:

@@ -355,3 +355,139 @@ def test_every_runc_hook_example_names_both_install_places():
             missing = [p for p in others if f"`{p}`" not in section]
             assert not missing, f"{path}: the hook example at {m.group(1)} does not say where {missing} is"
     assert examples >= 3
+
+
+# --- The start server's refusals: server.NOT_TAKEN --------------------------------------------------
+
+
+def _as_documented(template: str) -> str:
+    """A line of server.NOT_TAKEN as docs/cli.md writes it: each field its name in capitals."""
+    import string
+
+    return "".join(text + (field.upper() if field is not None else "")
+                   for text, field, _, _ in string.Formatter().parse(template))  # fmt: skip
+
+
+def start_server_conditions() -> list:
+    """(condition, the line the server logs where it does not hold) of each item of docs/cli.md's
+    list of what the start server checks, in the list's order."""
+    section = read("docs/cli.md").split("\n## start-server\n", 1)[1].split("\n## ", 1)[0]
+    assert "and the line given here" in section, "docs/cli.md's start-server section has no list of its refusals"
+    after = section.split("and the line given here", 1)[1]
+    items, started = [], False
+    for line in after.splitlines()[1:]:
+        if line.startswith("- "):
+            items.append(line[2:])
+            started = True
+        elif started and line.startswith("  "):
+            items[-1] += " " + line.strip()
+        elif started:
+            break
+    found = []
+    for item in items:
+        condition, _, said = item.rpartition(": `")
+        found.append((condition, " ".join(said.rstrip(";.").rstrip("`").split())))
+    assert len(found) > 10, found
+    return found
+
+
+def test_cli_md_lists_every_line_the_start_server_refuses_with_and_no_other():
+    """Each "not taken" line of server.NOT_TAKEN, in the order the server checks, is an item of
+    docs/cli.md's list with the condition it says does not hold; the list has no other."""
+    from oci_gpu_hook.start import server
+
+    documented = [said for _, said in start_server_conditions()]
+    code = [_as_documented(template) for template in server.NOT_TAKEN.values()]
+    assert documented == code, (
+        f"missing in docs/cli.md: {[c for c in code if c not in documented]}; "
+        f"not the code's: {[d for d in documented if d not in code]}"
+    )
+
+
+def test_the_start_servers_conditions_name_its_limits():
+    from oci_gpu_hook.start import rule, server
+
+    conditions = dict(zip(server.NOT_TAKEN, (condition for condition, _ in start_server_conditions())))
+    assert f"fewer than {server.MAX_PENDING} connections" in conditions["too many"], conditions["too many"]
+    assert f"within {rule.START_SERVER_TAKE_MS} ms" in conditions["no offer"], conditions["no offer"]
+    assert "SO_PEERPIDFD" in conditions["unknown peer"] and "SO_PEERCRED" in conditions["not root"]
+
+
+def test_the_start_server_refuses_only_with_its_table():
+    """server.py writes no refusal of its own beside NOT_TAKEN (no literal "an offer ..." outside
+    it), and each line of the table is one it can say (named in a not_taken() call)."""
+    import ast
+
+    from oci_gpu_hook.start import server
+
+    with open(server.__file__, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    table = next(node.value for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and [getattr(t, "id", None) for t in node.targets] == ["NOT_TAKEN"])  # fmt: skip
+    in_table = {id(node) for node in ast.walk(table)}
+    stray = [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and node.value.startswith("an offer") and id(node) not in in_table]  # fmt: skip
+    assert stray == [], f"refusals outside server.NOT_TAKEN: {stray}"
+    named = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "not_taken" and node.args:
+            key = node.args[0]
+            if isinstance(key, ast.Constant):
+                named.append(re.escape(key.value))
+            elif isinstance(key, ast.JoinedStr):  # f"other {name} namespace"
+                named.append("".join(re.escape(p.value) if isinstance(p, ast.Constant) else ".+" for p in key.values))
+    unsaid = [key for key in server.NOT_TAKEN if not any(re.fullmatch(pattern, key) for pattern in named)]
+    assert unsaid == [], f"lines of server.NOT_TAKEN the server never says: {unsaid}"
+
+
+def test_cli_md_gives_a_workers_line_for_a_state_that_is_no_file():
+    from oci_gpu_hook.errors import PROG
+    from oci_gpu_hook.start import server
+
+    section = read("docs/cli.md").split("\n## start-server\n", 1)[1].split("\n## ", 1)[0]
+    assert f"{PROG}: {server.STATE_NOT_A_FILE}" in " ".join(ticked(" ".join(section.split())))
+
+
+# --- Names in the package's docstrings --------------------------------------------------------------
+
+
+def test_the_packages_docstrings_name_functions_that_exist():
+    """A docstring that names `name()` names a function or class of the package, one of Python's
+    (a builtin, str.isdigit, os.uname) or a system call Python wraps (accept, poll, mknod): a name
+    left behind by a rename (userns.py's trusted_owners(), review 5) is found here."""
+    import ast
+    import builtins
+    import importlib
+    import select
+    import socket
+
+    defined, named = set(), []
+    for directory, _, names in os.walk(PACKAGE):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            with open(path, encoding="utf-8") as f:
+                tree = ast.parse(f.read())
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    defined.add(node.name)
+                if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    for m in re.finditer(r"(?<![\w.`-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\(\)",
+                                         ast.get_docstring(node) or ""):  # fmt: skip
+                        named.append((os.path.relpath(path, REPO), m.group(1)))
+
+    def exists(dotted: str) -> bool:
+        *owner, name = dotted.split(".")
+        if name in defined or (not owner and hasattr(builtins, name)):
+            return True
+        if owner:
+            try:
+                return hasattr(importlib.import_module(".".join(owner)), name)
+            except ImportError:
+                return hasattr(getattr(builtins, owner[0], None), name)
+        return any(hasattr(place, name) for place in (os, select, socket.socket, str))
+
+    assert len(named) > 20, named
+    missing = [(path, name) for path, name in named if not exists(name)]
+    assert missing == [], f"docstrings name what does not exist: {missing}"

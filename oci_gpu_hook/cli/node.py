@@ -107,19 +107,20 @@ def watchdog(obj, interval, policy, grace, dry_run, once, heartbeat):
 def device_plugin(obj, config_file, socket_dir, interval, check):
     """Offer the node's GPUs to the kubelet as nvidia.com/gpu (and nvidia.com/gpu.shared,
     nvidia.com/mig-<profile>), through the device plugin API. Runs until stopped."""
-    from oci_gpu_hook.node import plugin_config, plugin_devices
+    from oci_gpu_hook.node.plugin import config as plugin_config
+    from oci_gpu_hook.node.plugin import resources
 
     settings = obj.settings
     node = settings.node
     config = plugin_config.load(config_file or node.device_plugin_config, node)
-    where = config_file or node.device_plugin_config or "node settings (node.mig_strategy, node.replicas)"
+    where = plugin_config.source(config_file or node.device_plugin_config)
     if check:
-        from oci_gpu_hook.node import mps, plugin_allocation
+        from oci_gpu_hook.node.plugin import allocation, mps
         from oci_gpu_hook.start import inventory_cache
 
         inventory = inventory_cache.load(settings)
-        channels = plugin_allocation.imex_nodes(config, inventory, where)  # a required one missing: refused
-        for resource in plugin_devices.resources(inventory, config, where):
+        channels = allocation.imex_nodes(config, inventory, where)  # a required one missing: refused
+        for resource in resources.resources(inventory, config, where):
             limit = f", memory limit {resource.memory_limit} each" if resource.memory_limit else ""
             if resource.mps_root:  # the daemon's program must be there, and what it will be told
                 mps.control_program(inventory)
@@ -134,6 +135,6 @@ def device_plugin(obj, config_file, socket_dir, interval, check):
             given = ", ".join(str(n) for n, _ in channels) or "none (the host has none of those configured)"
             click.echo(f"IMEX channels: {given}")
         return 0
-    from oci_gpu_hook.node import device_plugin as device_plugin_module
+    from oci_gpu_hook.node.plugin import supervisor
 
-    return device_plugin_module.run(settings, config, socket_dir or node.kubelet_socket_dir, interval, where)
+    return supervisor.run(settings, config, socket_dir or node.kubelet_socket_dir, interval, where)

@@ -33,9 +33,21 @@ import click
     metavar="N,N,...",
     help="The NUMA node of each GPU (default: the first half of the switches on node 0, the rest on 1).",
 )
+@click.option(
+    "--graphics",
+    type=int,
+    multiple=True,
+    metavar="GPU_INDEX",
+    help="Put this GPU in display mode: a VGA controller's PCI class (repeatable).",
+)
+@click.option(
+    "--vgpu",
+    metavar="VERSION,BRANCH",
+    help="Make the host a vGPU guest whose host driver has this version and branch, e.g. 550.54.16,r551_40.",
+)
 @click.option("--remove", is_flag=True, help="Remove the simulated host at DIRECTORY instead.")
 def simulate(directory, gpus, driver_version, cuda_version, mig, model, scramble_minors, pcie_switches, nvlinks,
-             numa_nodes, remove):  # fmt: skip
+             numa_nodes, graphics, vgpu, remove):  # fmt: skip
     """Build a simulated GPU host in DIRECTORY (needs root and gcc).
 
     The directory gets dev/ with real device nodes, proc/ with the driver's files, the driver's
@@ -62,6 +74,8 @@ def simulate(directory, gpus, driver_version, cuda_version, mig, model, scramble
         pcie_switches=pcie_switches,
         nvlinks=nvlinks,
         numa_nodes=numa_nodes,
+        graphics=sorted(set(graphics)),
+        vgpu_host_driver=None if vgpu is None else tuple(vgpu.split(",")),
     )
     root = summary["root"]
     click.echo(

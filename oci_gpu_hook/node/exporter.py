@@ -18,6 +18,7 @@ from oci_gpu_hook.node import attribution, metrics, say, watchdog
 from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged
 from oci_gpu_hook.node.scrape_server import REUSE_SECONDS, ScrapeServer
 from oci_gpu_hook.start import container_record
+from oci_gpu_hook.start.digits import decimal
 
 
 def log(message: str) -> None:
@@ -28,9 +29,10 @@ def parse_listen(value: str) -> tuple[str, int]:
     """HOST:PORT, :PORT or [IPv6]:PORT -> (host, port); an empty host means every address, IPv6 and
     IPv4 (IPv4 alone on a host without IPv6)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    number = decimal(port) if sep else None
+    if number is None or not 0 < number < 65536:
         raise UsageError(f"--listen {value!r}: expected HOST:PORT or :PORT (port 1-65535)")
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), number
 
 
 class Exporter:

@@ -2,12 +2,15 @@
 the label names of NVIDIA's GPU feature discovery (nvidia.com/gpu.product, ...), from the same
 inventory the hook uses. Pure but for write() and watch().
 
-What the labels say about MIG follows the configured strategy, as GFD's do: nvidia.com/gpu.*
-describe the GPUs (every one counted; without sharing where every GPU has MIG on); `single`
-then describes the MIG devices as if they were the GPUs (every GPU must have MIG on, with one
-profile: GFD writes -MIG-INVALID labels where we refuse); `mixed` adds one set of
-nvidia.com/mig-<profile>.* labels per MIG profile. Every value is GFD's wherever GFD writes the
-label (docs/monitoring.md lists them, and where we differ).
+The labels describe the resources the device plugin offers (plugin/resources.py, from the same
+configuration), as GFD builds its resource labels from the device plugin's resource manager: one
+rule decides what the node offers, and a configuration the plugin refuses here is refused here
+too, in the same words. nvidia.com/gpu.* describe the GPUs (every one counted; without sharing
+where every GPU has MIG on); under `single` the MIG devices the plugin offers as nvidia.com/gpu
+are then described as if they were the GPUs (GFD writes -MIG-INVALID labels where the plugin
+refuses); under `mixed` each nvidia.com/mig-<profile> resource gets its nvidia.com/mig-<profile>.*
+labels. Every value is GFD's wherever GFD writes the label (docs/monitoring.md lists them, and
+where we differ).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 
 from oci_gpu_hook.errors import HookError
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.digits import decimal
 
 PREFIX = "nvidia.com/"
 # GFD's family names, by compute capability major (and minor where it splits a major).
@@ -25,11 +29,11 @@ _FAMILIES = {3: "kepler", 5: "maxwell", 6: "pascal", 7: "volta", 8: "ampere", 9:
              12: "blackwell"}  # fmt: skip
 _NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_PROFILE = re.compile(r"^(\d+)g\.(\d+)gb$")
+_PROFILE = re.compile(r"^([0-9]+)g\.([0-9]+)gb$")
 
 
 class LabelError(HookError):
-    pass
+    """A label Kubernetes would refuse, or a feature file that cannot be written."""
 
 
 def family(compute_capability: str | None) -> str | None:
@@ -40,7 +44,8 @@ def family(compute_capability: str | None) -> str | None:
         return "turing"
     if major == "8" and minor == "9":
         return "ada-lovelace"
-    return _FAMILIES.get(int(major)) if major.isdigit() else None
+    number = decimal(major)
+    return None if number is None else _FAMILIES.get(number)
 
 
 def mig_capable(gpu) -> bool:
@@ -57,8 +62,9 @@ def mig_capable(gpu) -> bool:
     )
 
 
-# GFD's gpu.mode, by the PCI class of the (first) GPU: a 3D controller computes, a VGA controller
-# also drives displays.
+# GFD's gpu.mode, by the PCI class of every GPU, where all have one: a 3D controller computes,
+# a VGA controller also drives displays; GPUs of two classes, or one GFD cannot read, make it
+# unknown (gpu_mode).
 _MODES = {"0x030200": "compute", "0x030000": "graphics"}
 _NOT_IN_VALUE = re.compile(r"[^-A-Za-z0-9_.]")
 _NOT_IN_PRODUCT = re.compile(r"[^-A-Za-z0-9_. ]")
@@ -77,8 +83,10 @@ class HostFacts(Record):
     __slots__ = ("machine", "pci_classes", "vgpu")
     _defaults = {"vgpu": {}}
     machine: str  # GFD's gpu.machine value
-    pci_classes: dict  # bus id -> "0x030200", or None where sysfs has none
-    vgpu: dict  # {label name: value} in a vGPU guest (vgpu_labels), else {}
+    pci_classes: dict  # bus id -> "0x030200", or None where GFD cannot read the GPU (pci_class)
+    # {label name: value} where every GPU's configuration space was read whole: in a vGPU guest
+    # vgpu_labels', else vgpu.present false; {} where one was not (GFD then fails)
+    vgpu: dict
 
 
 # A PCI configuration space: the status register's "capabilities list" bit, the list's first
@@ -124,6 +132,38 @@ def vgpu_labels(capability: bytes | None) -> dict:
     return labels
 
 
+def _hex(text: str | None) -> int | None:
+    """A sysfs attribute in the kernel's 0x-prefixed hexadecimal (vendor, device, class)."""
+    if text is None or not text.startswith("0x") or not 2 < len(text) <= 18:
+        return None
+    return int(text, 16) if all(c in "0123456789abcdefABCDEF" for c in text[2:]) else None
+
+
+def pci_class(read, bus_id: str) -> str | None:
+    """A GPU's PCI class as GFD reads it for gpu.mode, "0x030200", or None. GFD reads it with
+    go-nvlib's nvpci, which takes the GPU from sysfs whole: its vendor (NVIDIA's), class and
+    device (hexadecimal), NUMA node (decimal, -1 without NUMA) and resource list (three fields a
+    line); where one is missing or malformed GFD labels the mode unknown, and so does this.
+    read(path): the attribute's text, stripped, or None."""
+    device = f"/sys/bus/pci/devices/{bus_id}"
+    vendor, number, device_id = (_hex(read(f"{device}/{name}")) for name in ("vendor", "class", "device"))
+    numa_node, resource = read(f"{device}/numa_node"), read(f"{device}/resource")
+    if vendor != int(_NVIDIA_VENDOR, 16) or number is None or device_id is None or numa_node is None:
+        return None
+    if decimal(numa_node[1:] if numa_node.startswith("-") else numa_node) is None or resource is None:
+        return None
+    if any(len(line.split(" ")) != 3 for line in resource.split("\n")):
+        return None
+    return f"0x{number:06x}"
+
+
+def gpu_mode(gpus, pci_classes: dict) -> str:
+    """GFD's gpu.mode: the mode of the GPUs' one PCI class, unknown where they have several or
+    one could not be read."""
+    classes = {pci_classes.get(gpu.bus_id) for gpu in gpus}
+    return _MODES.get(classes.pop() or "", "unknown") if len(classes) == 1 else "unknown"
+
+
 def machine_label(product_name: str | None) -> str:
     """gpu.machine as GFD writes it (spaces made dashes; unknown when DMI has no name). GFD leaves
     other characters in, and the label is then refused; here they are left out, so that the
@@ -151,33 +191,47 @@ def host_facts(sys_root: str, inventory) -> HostFacts:
         except OSError:
             return b""
 
+    # GFD looks at every NVIDIA function: one whose vendor it cannot read, or whose space it
+    # reads short, fails its vGPU labels (none written here); none with NVIDIA's vGPU signature
+    # is vgpu.present=false.
     vgpu: dict = {}
+    whole = bool(inventory.gpus)
     for gpu in inventory.gpus:
-        if read(f"/sys/bus/pci/devices/{gpu.bus_id}/vendor") == _NVIDIA_VENDOR:
-            vgpu.update(vgpu_labels(vendor_capability(config(gpu.bus_id))))
+        vendor = read(f"/sys/bus/pci/devices/{gpu.bus_id}/vendor")
+        if vendor == _NVIDIA_VENDOR:
+            space = config(gpu.bus_id)
+            whole = whole and len(space) >= 256
+            vgpu.update(vgpu_labels(vendor_capability(space)))
+        else:
+            whole = whole and vendor is not None
+    if not whole:
+        vgpu = {}
+    elif not vgpu:
+        vgpu = {"vgpu.present": "false"}
     return HostFacts(
         machine=machine_label(read("/sys/class/dmi/id/product_name")),
-        pci_classes={g.bus_id: read(f"/sys/bus/pci/devices/{g.bus_id}/class") for g in inventory.gpus},
+        pci_classes={g.bus_id: pci_class(read, g.bus_id) for g in inventory.gpus},
         vgpu=vgpu,
     )
 
 
 def _resource_labels(key: str, parts, count: int, replicas: int, strategy: str) -> dict:
     """GFD's base labels of one resource: product (-SHARED when shared), count, replicas and
-    sharing-strategy (none unless shared)."""
-    shared = replicas > 1
+    sharing-strategy (none, time-slicing or mps)."""
     return {
-        f"{key}.product": "-".join(parts) + ("-SHARED" if shared else ""),
+        f"{key}.product": "-".join(parts) + ("-SHARED" if replicas > 1 else ""),
         f"{key}.count": count,
         f"{key}.replicas": replicas,
-        f"{key}.sharing-strategy": strategy if shared else "none",
+        f"{key}.sharing-strategy": strategy,
     }
 
 
-def _gpu_labels(gpus, replicas: int, strategy: str) -> dict:
-    """gpu.* of the whole GPUs, as GFD writes them whatever the MIG strategy: every GPU counted;
-    where every GPU has MIG on, without sharing (replicas 0), as no whole GPU is offered."""
+def _gpu_labels(gpus, offered) -> dict:
+    """gpu.* of the whole GPUs, as GFD writes them whatever the MIG strategy: every GPU counted,
+    shared as the plugin's nvidia.com/gpu (offered, None where it offers none); where every GPU
+    has MIG on, without sharing (replicas 0), as no whole GPU is offered."""
     first = gpus[0]
+    replicas, strategy = (1, "none") if offered is None else (offered.replicas, offered.sharing_strategy)
     if all(g.mig for g in gpus):
         replicas, strategy = 0, "none"
     labels = _resource_labels("gpu", [product(first.model)], len(gpus), replicas, strategy)
@@ -190,11 +244,14 @@ def _gpu_labels(gpus, replicas: int, strategy: str) -> dict:
     return labels
 
 
-def _mig_labels(key: str, model: str, devices, replicas: int, strategy: str) -> dict:
-    """The labels of one MIG profile's resource (key: gpu under single, mig-<profile> under
-    mixed): GFD's base labels, then the MIG device's attributes."""
+def _mig_labels(key: str, offered) -> dict:
+    """The labels of a resource of MIG devices of one profile (key: gpu under single,
+    mig-<profile> under mixed): GFD's base labels, then the MIG device's attributes."""
+    units = offered.units
+    devices = [u.mig for u in units]
     profile = devices[0].profile.replace("+", ".")
-    labels = _resource_labels(key, [product(model), "MIG", profile], len(devices), replicas, strategy)
+    labels = _resource_labels(key, [product(units[0].gpu.model), "MIG", profile], len(devices), offered.replicas,
+                              offered.sharing_strategy)  # fmt: skip
     if devices[0].memory_total:
         labels[f"{key}.memory"] = devices[0].memory_total >> 20
     match = _PROFILE.match(devices[0].profile)
@@ -205,12 +262,15 @@ def _mig_labels(key: str, model: str, devices, replicas: int, strategy: str) -> 
     return labels
 
 
-def compute(inventory, mig_strategy: str = "none", replicas: int = 1, host: HostFacts | None = None,
-            sharing: dict | None = None, sharing_strategy: str = "time-slicing") -> dict:  # fmt: skip
-    """{label: value} (names with the nvidia.com/ prefix), checked against Kubernetes' syntax.
-    replicas: of nvidia.com/gpu; sharing: replicas by resource name (nvidia.com/mig-<profile>),
-    shared by sharing_strategy (time-slicing or mps). host: the machine and PCI class labels."""
-    sharing = {"nvidia.com/gpu": replicas, **(sharing or {})}
+def compute(inventory, config, host: HostFacts | None = None, where: str = "device plugin configuration") -> dict:
+    """{label: value} (names with the nvidia.com/ prefix), checked against Kubernetes' syntax, of
+    the resources the device plugin offers under config (plugin/config.py's PluginConfig); the
+    plugin's ConfigError where it would refuse config on this node. host: the machine and PCI
+    class labels. where: what config came from, for that error."""
+    from oci_gpu_hook.node.plugin.config import GPU_RESOURCE, MIG_RESOURCE_PREFIX
+    from oci_gpu_hook.node.plugin.resources import resources
+
+    offered = {r.configured_name: r for r in resources(inventory, config, where)}
     gpus = list(inventory.gpus)
     labels = {}
     driver = inventory.driver_version.split(".")
@@ -227,39 +287,24 @@ def compute(inventory, mig_strategy: str = "none", replicas: int = 1, host: Host
         labels["cuda.runtime-version.major"], labels["cuda.runtime-version.minor"] = cuda_major, cuda_minor
         labels["cuda.runtime-version.full"] = f"{cuda_major}.{cuda_minor}"
     labels["mig.capable"] = "true" if any(mig_capable(g) for g in gpus) else "false"
-    labels["mig.strategy"] = mig_strategy
+    labels["mig.strategy"] = config.mig_strategy
     # MPS shares whole GPUs only: GFD fails to label a node with MPS and a GPU in MIG mode.
-    labels["mps.capable"] = "true" if sharing_strategy == "mps" and not any(g.mig for g in gpus) else "false"
+    labels["mps.capable"] = "true" if config.mps and not any(g.mig for g in gpus) else "false"
     if host is not None:
         labels.update(host.vgpu)
         labels["gpu.machine"] = host.machine
         if gpus:
-            labels["gpu.mode"] = _MODES.get(host.pci_classes.get(gpus[0].bus_id) or "", "unknown")
+            labels["gpu.mode"] = gpu_mode(gpus, host.pci_classes)
+    gpu = offered.get(GPU_RESOURCE)
     if not gpus:
         labels["gpu.count"] = 0
     else:
-        labels.update(_gpu_labels(gpus, sharing["nvidia.com/gpu"], sharing_strategy))
-    migs = [m for g in gpus for m in g.mig]
-    if mig_strategy == "single" and migs:  # with MIG on nowhere, single offers the GPUs, as none does
-        profiles = {m.profile for m in migs}
-        if any(not g.mig for g in gpus) or len(profiles) != 1 or None in profiles:
-            found = ", ".join(sorted(p or "?" for p in profiles)) or "none"
-            raise LabelError(
-                f"mig_strategy single needs MIG on every GPU, with one profile throughout (found {len(migs)} "
-                f"MIG devices; profiles: {found})"
-            )
-        labels.update(_mig_labels("gpu", gpus[0].model, migs, sharing["nvidia.com/gpu"], sharing_strategy))
-    elif mig_strategy == "mixed":
-        by_profile: dict = {}
-        for mig in migs:
-            if mig.profile:
-                by_profile.setdefault(mig.profile, []).append(mig)
-        for profile, devices in sorted(by_profile.items()):
-            # Label names allow no "+": a media-extension profile (1g.10gb+me) is named 1g.10gb.me,
-            # as NVIDIA's device plugin names its resource.
-            key = f"mig-{profile.replace('+', '.')}"
-            model = next(g.model for g in gpus if devices[0] in g.mig)
-            labels.update(_mig_labels(key, model, devices, sharing.get(PREFIX + key, 1), sharing_strategy))
+        labels.update(_gpu_labels(gpus, gpu))
+    if gpu is not None and gpu.units and gpu.units[0].mig is not None:  # single, with MIG on
+        labels.update(_mig_labels("gpu", gpu))
+    for name, resource in sorted(offered.items()):
+        if name.startswith(MIG_RESOURCE_PREFIX):  # mixed: nvidia.com/mig-1g.10gb.me, as a label mig-1g.10gb.me
+            labels.update(_mig_labels(name[len(PREFIX) :], resource))
     out = {PREFIX + key: str(value) for key, value in labels.items()}
     for key, value in out.items():
         check(key, value)
@@ -309,13 +354,11 @@ def for_node(settings, inventory) -> dict:
     """The labels of what the device plugin offers on this node: its configuration
     (node.device_plugin_config, else node.mig_strategy and node.replicas, as the plugin reads it)
     is the one source of the MIG strategy and the replicas, for the plugin and the labels alike."""
-    from oci_gpu_hook.node import plugin_config
+    from oci_gpu_hook.node.plugin import config as plugin_config
 
-    config = plugin_config.load(settings.node.device_plugin_config, settings.node)
-    shared = {r.name: r.replicas for r in config.time_slicing + config.mps}
-    strategy = "mps" if config.mps else "time-slicing"
-    return compute(inventory, config.mig_strategy, shared.get(plugin_config.GPU_RESOURCE, 1),
-                   host_facts(settings.node.sys_root, inventory), shared, strategy)  # fmt: skip
+    path = settings.node.device_plugin_config
+    config = plugin_config.load(path, settings.node)
+    return compute(inventory, config, host_facts(settings.node.sys_root, inventory), plugin_config.source(path))
 
 
 def cached_inventory(settings):

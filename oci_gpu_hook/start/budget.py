@@ -7,7 +7,7 @@ back and fails with one line instead of being killed half-way. Standard library 
 
 from __future__ import annotations
 
-import _signal as signal  # the C core of signal: the same calls, without its enum wrappers
+import _signal as signal  # signal without its enum wrappers: 4.6 ms less per cold start (docs/performance.md)
 import time
 
 from oci_gpu_hook.start import pids

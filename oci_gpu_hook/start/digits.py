@@ -6,14 +6,12 @@ and some of which it reads as numbers no file meant: every parser asks here inst
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 def is_decimal(text: str) -> bool:
     """True when text is one or more ASCII digits and nothing else (no sign, no space)."""
     return text.isascii() and text.isdigit()
 
 
-def decimal(text: str) -> Optional[int]:
+def decimal(text: str) -> int | None:
     """The number text spells in ASCII digits, or None when it is anything else."""
     return int(text) if is_decimal(text) else None

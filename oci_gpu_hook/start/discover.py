@@ -13,6 +13,7 @@ import stat
 
 from oci_gpu_hook.errors import InventoryError, NvmlError
 from oci_gpu_hook.start import driver, files
+from oci_gpu_hook.start.digits import decimal, is_decimal
 from oci_gpu_hook.start.inventory import (
     DEPENDENCY,
     DeviceNode,
@@ -73,10 +74,9 @@ def read_imex_channels(settings: Settings, major: int | None) -> dict[str, Devic
         return {}
     channels = {}
     for name in names:
-        number = name[len("channel") :]
-        if name.startswith("channel") and number.isdigit() and int(number) <= driver.IMEX_MAX_CHANNEL:
-            channels[str(int(number))] = check_node(settings.dev_root, f"{driver.IMEX_CHANNELS_DIR}/{name}", major,
-                                                    int(number))  # fmt: skip
+        number = decimal(name[len("channel") :]) if name.startswith("channel") else None
+        if number is not None and number <= driver.IMEX_MAX_CHANNEL:
+            channels[str(number)] = check_node(settings.dev_root, f"{driver.IMEX_CHANNELS_DIR}/{name}", major, number)
     return channels
 
 
@@ -135,7 +135,7 @@ def read_dri_nodes(settings: Settings, bus_id: str) -> tuple[DeviceNode, ...]:
         except OSError:
             continue
         name = value[3:] if value.startswith("../") else ""
-        if not (name.startswith(prefix) and name[len(prefix) :].isdigit()):
+        if not (name.startswith(prefix) and is_decimal(name[len(prefix) :])):
             continue
         try:
             st = os.lstat(host_path(settings.dev_root, f"/dev/dri/{name}"))
@@ -156,13 +156,13 @@ def read_mig_devices(settings: Settings, gpu_minor: int, caps_major: int | None,
     instances = {}
     for gi_access in glob.glob(host_path(settings.proc_root, f"{base}/gi*/access")):
         gi_dir = os.path.dirname(gi_access)
-        gi = os.path.basename(gi_dir)[2:]
-        if not gi.isdigit():
+        gi = decimal(os.path.basename(gi_dir)[2:])
+        if gi is None:
             continue
         for ci_access in glob.glob(os.path.join(gi_dir, "ci*", "access")):
-            ci = os.path.basename(os.path.dirname(ci_access))[2:]
-            if ci.isdigit():
-                instances[(int(gi), int(ci))] = (gi_access, ci_access)
+            ci = decimal(os.path.basename(os.path.dirname(ci_access))[2:])
+            if ci is not None:
+                instances[(gi, ci)] = (gi_access, ci_access)
     if nvml_mig is not None:
         order = [((m["gi"], m["ci"]), m) for m in nvml_mig]
     else:

@@ -1,10 +1,12 @@
 """JSON for the start path, without the json package.
 
-`import json` imports re, and with it enum, functools and collections: about 8 ms here, more than
-half of what the hook may spend on a container that asks for no GPU. json's own C accelerator,
-_json, parses and quotes strings without any of that; this module drives it directly (and falls
-back to json where an interpreter lacks _json). Only the hook's hot path uses it; everything
-else uses json.
+`import json` imports re, and with it enum, functools and collections: 7.7 ms of CPU per cold
+start here (docs/performance.md, "Which path is the fast path"), more than half of what the hook
+may spend on a container that asks for no GPU. json's own C accelerator, _json, parses and quotes
+strings without any of that; this module drives it directly (and falls back to json where an
+interpreter lacks _json). _json's interface is CPython's own, documented nowhere: it is kept only
+because tests/start/test_jsonio.py runs it on every Python the project supports (3.9 to 3.13).
+Only the start path uses it; everything else uses json.
 """
 
 try:

@@ -14,6 +14,7 @@ sets (the pod's own env comes later) but cannot remove a mount.
 from __future__ import annotations
 
 from oci_gpu_hook.errors import RequestError, printable
+from oci_gpu_hook.start.digits import is_decimal
 
 ENV = "OCI_GPU_HOOK_GPU_MEMORY_LIMIT"
 ANNOTATION = "oci-gpu-hook.io/gpu-memory-limit"
@@ -37,8 +38,9 @@ def parse(text: str, where: str) -> tuple:
             if value.lower().endswith(suffix):
                 number, unit = value[: -len(suffix)].strip(), suffix
                 break
-    # Plain decimal digits only (float() would also take "1e3", "inf" and other scripts' digits).
-    plain = number.isascii() and number.replace(".", "", 1).lstrip("-").isdigit()
+    # Plain decimal digits, one optional sign and dot only (float() would also take "1e3", "inf"
+    # and other scripts' digits).
+    plain = is_decimal((number[1:] if number.startswith("-") else number).replace(".", "", 1))
     amount = float(number) if unit and plain else None
     if amount is None:
         raise RequestError(f"{where}={shown!r}: not a GPU memory limit; expected {ACCEPTED}")

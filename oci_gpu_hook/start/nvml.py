@@ -8,6 +8,8 @@ only when the inventory cache is stale (after a driver change), and then only fo
 the hook's time budget (inventory_cache.load); otherwise the cache carries these facts.
 """
 
+from __future__ import annotations  # `str | None` below: Python 3.9 would evaluate it and fail
+
 import json
 import os
 import subprocess

@@ -242,8 +242,8 @@ class SelectedDevice(Record):
 
 
 class Plan(Record):
-    __slots__ = ("request", "devices", "operations", "memory_limits", "applied_by_runtime")
-    _defaults = {"memory_limits": None, "applied_by_runtime": False}
+    __slots__ = ("request", "devices", "operations", "memory_limits", "applied_by_runtime", "mounted_by_runtime")
+    _defaults = {"memory_limits": None, "applied_by_runtime": False, "mounted_by_runtime": ()}
     request: GpuRequest
     devices: tuple[SelectedDevice, ...]
     operations: tuple[Operation, ...]
@@ -251,6 +251,9 @@ class Plan(Record):
     # The runtime applied the devices (CDI): the hook carries out none of the operations and
     # only writes the container's record, with its limits (decide).
     applied_by_runtime: bool
+    # Binds the runtime made already, the same host file at the same target (left_to_the_runtime):
+    # not among the operations, the runtime's mounts stay as they are.
+    mounted_by_runtime: tuple[BindMount, ...]
 
     def describe(self) -> str:
         lines = [f"request: {self.request.describe()}"]
@@ -260,6 +263,7 @@ class Plan(Record):
             lines.append("applied by the runtime (CDI): the hook only records the container")
             return "\n".join(lines)
         lines += [f"{i:3d}. {op.describe()}" for i, op in enumerate(self.operations, 1)]
+        lines += [f"  -   {op.describe()}: mounted by the runtime already" for op in self.mounted_by_runtime]
         return "\n".join(lines)
 
     def to_json(self) -> dict:
@@ -272,6 +276,7 @@ class Plan(Record):
             "gpu_memory_limit": self.memory_limits,
             "applied_by_runtime": self.applied_by_runtime,
             "operations": [] if self.applied_by_runtime else [op.to_json() for op in self.operations],
+            "mounted_by_runtime": [op.to_json() for op in self.mounted_by_runtime],
         }
 
 
@@ -634,7 +639,7 @@ def decide(spec, settings, inventory_for) -> Plan | None:
         return plan.replace(applied_by_runtime=True) if devices_applied(plan, spec) else None
     if gpu_request.source == "cdi-annotation" and applied_by_the_runtime(plan, spec):
         return plan.replace(applied_by_runtime=True)
-    return plan
+    return left_to_the_runtime(plan, spec)
 
 
 def in_proc_driver(target: str) -> bool:
@@ -702,6 +707,27 @@ def applied_by_the_runtime(plan: Plan, spec) -> bool:
             return False
         wanted += 1
     return wanted > 0
+
+
+def left_to_the_runtime(plan: Plan, spec) -> Plan:
+    """The plan less the binds the runtime has made already: a mount in config.json of the same
+    host file (source) at the same target, as a runtime that applied a CDI device's mounts but
+    not its nodes leaves them (or a pod's own mount of that file, which the runtime makes alike).
+    The hook gives what is missing (the nodes, their rules, the record) and leaves those mounts as
+    they are: binding the file again over them gains nothing, and over the runtime's mount of a
+    socket (the persistenced socket) the hook's target check refuses, since a mount target must
+    be a regular file. Decided here, from config.json alone, for the hook and for `plan` alike.
+    A mount of another source at one of the plan's targets is not the plan's file: the hook binds
+    its own over it, as before."""
+    made = {(os.path.normpath(m.source), os.path.normpath(m.destination)) for m in spec.mounts
+            if m.source.startswith("/") and m.destination.startswith("/")}  # fmt: skip
+    if not made:
+        return plan
+    kept, left = [], []
+    for op in plan.operations:
+        mounted = isinstance(op, BindMount) and (os.path.normpath(op.source), os.path.normpath(op.target)) in made
+        (left if mounted else kept).append(op)
+    return plan.replace(operations=tuple(kept), mounted_by_runtime=tuple(left)) if left else plan
 
 
 def decide_for(gpu_request: GpuRequest, inventory: Inventory, layout: LibraryLayout, settings, spec=None,

@@ -13,8 +13,9 @@ from oci_gpu_hook.start.digits import is_decimal
 from oci_gpu_hook.start.inventory import normalize_bus_id
 
 # Both banner variants seen on real hosts: "Kernel Module  570.86.15  Wed Jan ..." and
-# "Open Kernel Module for x86_64  575.57.08  Release Build ...".
-_VERSION_RE = re.compile(r"^NVRM version:.*?Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)(?:\s|$)")
+# "Open Kernel Module for x86_64  575.57.08  Release Build ...". re.ASCII: \d alone also matches
+# other scripts' digits (٥٧٥), which no driver writes.
+_VERSION_RE = re.compile(r"^NVRM version:.*?Kernel Module(?: for \S+)?\s+(\d+\.\d+(?:\.\d+)?)(?:\s|$)", re.ASCII)
 _BUS_ID_RE = re.compile(r"^[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]$")
 
 

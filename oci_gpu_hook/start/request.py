@@ -105,8 +105,8 @@ class GpuRequest(Record):
     )
     _defaults = {"notes": (), "origins": (), "imex_channels": ()}
     devices: tuple[str, ...]  # ("all",), () for none, or device ids in the order given
-    # where the device list came from: env, volume-mounts, cdi-annotation, legacy-image, or
-    # RUNTIME_CDI (the runtime applied the devices: plan.decide)
+    # where the device list came from: env, volume-mounts, cdi-annotation, legacy-image,
+    # RUNTIME_CDI (the runtime applied the devices: plan.decide), or CDI_SPEC (`cdi generate`)
     source: str
     capabilities: frozenset[str]
     requirements: Requirements
@@ -200,6 +200,28 @@ def _cdi_annotation_devices(spec: Spec, kind: str) -> tuple[tuple[str, str], ...
 
 
 RUNTIME_CDI = "cdi-runtime"
+CDI_SPEC = "cdi"  # a request `cdi generate` makes for the spec's edits, never a container's
+
+
+def cdi_request(devices, source: str, capabilities, settings: Settings, privileged: bool = False,
+                mps_pipe_directory: str | None = None, origins=()) -> GpuRequest:  # fmt: skip
+    """The request of devices a CDI spec gives, the one constructor for both ends of a spec:
+    `cdi generate` (CDI_SPEC: the edits for the capabilities it is generated with) and the start
+    of a container whose devices the runtime applied from it (RUNTIME_CDI). Its devices and
+    capabilities alone (those settings do not support left out): a spec is for any image, so no
+    requirement is checked, and it carries no MIG config or monitor node and no IMEX channel."""
+    return GpuRequest(
+        devices=tuple(devices),
+        source=source,
+        capabilities=frozenset(capabilities) & frozenset(settings.supported_capabilities),
+        requirements=parse_requirements({}),
+        disable_require=True,
+        privileged=privileged,
+        mig_config=False,
+        mig_monitor=False,
+        mps_pipe_directory=mps_pipe_directory,
+        origins=tuple(origins),
+    )
 
 
 def runtime_cdi_devices(spec: Spec):
@@ -218,18 +240,7 @@ def _runtime_cdi_request(devices, origins, privileged: bool, settings: Settings)
     """The request for a container whose devices the runtime applied: its devices alone. The
     hook gives it nothing, so nothing else the image asks for (capabilities, requirements, MIG
     flags, IMEX, MPS) is read: none of it can fail a start the runtime has configured."""
-    return GpuRequest(
-        devices=devices,
-        source=RUNTIME_CDI,
-        capabilities=frozenset({"utility"}) & set(settings.supported_capabilities),
-        requirements=parse_requirements({}),
-        disable_require=True,
-        privileged=privileged,
-        mig_config=False,
-        mig_monitor=False,
-        mps_pipe_directory=None,
-        origins=origins,
-    )
+    return cdi_request(devices, RUNTIME_CDI, {"utility"}, settings, privileged, origins=origins)
 
 
 def select_devices(spec: Spec, settings: Settings, privileged: bool, legacy: bool):

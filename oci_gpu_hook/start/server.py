@@ -49,6 +49,7 @@ import sys
 import time
 
 from oci_gpu_hook.start import rule
+from oci_gpu_hook.start.digits import decimal
 
 DEFAULT_SOCKET = rule.START_SERVER_SOCKET
 MAX_OFFER_BYTES = len(rule.START_SERVER_VERSION) + 64 + 8192  # the pre-filter's payload room, and its version line
@@ -81,6 +82,46 @@ _IN_GONE = 0x400 | 0x800 | _IN_IGNORED  # a watched directory removed or moved: 
 
 class ServerError(Exception):
     """The server cannot listen: one line for its log."""
+
+
+# Why a start is not taken, in the order the server checks: the process that connects (at
+# accept(), before anything it sent is read), its offer, a worker for it. Each is said in the
+# server's log as "not taken: " and its line, fields filled in; docs/cli.md lists them all, as
+# tests/test_docs.py checks.
+NOT_TAKEN = {
+    "not root": "an offer from uid {uid} (pid {pid}): only root's are taken",
+    "unknown peer": "an offer from pid {pid}: cannot tell who offered ({error})",
+    "gone": "an offer from pid {pid}: cannot read what it may do (gone?)",
+    # Capabilities are a user namespace's: a root that made its own (uid_map "0 0 1") shows every
+    # one of them in procfs, and holds none of the host's.
+    "other user namespace": "an offer from pid {pid}: it is in another user namespace than the server "
+                            "(its capabilities are not the host's)",
+    "other pid namespace": "an offer from pid {pid}: it is in another PID namespace than the server "
+                           "(the pid it gave names another process here)",
+    "capabilities": "an offer from pid {pid}: it lacks capabilities the worker would use "
+                    "(its effective {caps:#x}, the server's {own_caps:#x})",
+    "other mnt namespace": "an offer from pid {pid}: it is in another mount namespace than the server "
+                           "(its bundle and configuration are named in its own)",
+    "too many": "too many connections wait for their offer",
+    "no offer": "no offer came within the time a pre-filter waits",
+    "unreadable": "cannot read the offer: {error}",
+    "too large": "an offer larger than the pre-filter sends",
+    "descriptors": "an offer with descriptors (they come with go, once it is taken)",
+    "other code": "an offer of another version or code ({head!r}; this server: {version})",
+    "unended": "an offer whose arguments do not end",
+    "no runtime command": "an offer of a command that is not a runtime's (prestart, createRuntime)",
+    "no worker": "no worker for it",
+}  # fmt: skip
+
+
+# A worker's line (on the offer's stderr, exit 70) for a state that is no regular file: the
+# pre-filter's is a memfd, and a pipe's read could keep the worker waiting.
+STATE_NOT_A_FILE = "internal error: the state the start server was given is not a file"
+
+
+def not_taken(why: str, **fields) -> str:
+    """The line NOT_TAKEN[why] says, with its fields."""
+    return NOT_TAKEN[why].format(**fields)
 
 
 def _log(message: str) -> None:
@@ -233,6 +274,7 @@ def _peer(conn: socket.socket) -> tuple:
 
 
 _SO_PEERPIDFD = 77  # Linux 6.5: a pidfd of the peer as it connected (socket.SO_PEERPIDFD from Python 3.13)
+_peerpidfd_works = None  # unknown until asked; False on kernels before 6.5 (RHEL 9's 5.14): the pid alone
 _NAMESPACES = ("user", "pid", "mnt")
 
 
@@ -242,15 +284,6 @@ def _caps_and_namespaces(pid) -> tuple:
     with open(f"/proc/{pid}/status", "rb") as f:
         caps = next(int(line.split()[1], 16) for line in f if line.startswith(b"CapEff:"))
     return caps, namespaces
-
-
-_OTHER_NAMESPACE = {
-    # Capabilities are a user namespace's: a root that made its own (uid_map "0 0 1") shows every
-    # one of them in procfs, and holds none of the host's.
-    "user": "it is in another user namespace than the server (its capabilities are not the host's)",
-    "pid": "it is in another PID namespace than the server (the pid it gave names another process here)",
-    "mnt": "it is in another mount namespace than the server (its bundle and configuration are named in its own)",
-}
 
 
 def peer_lacks(conn: socket.socket) -> str:
@@ -265,33 +298,36 @@ def peer_lacks(conn: socket.socket) -> str:
     connect time; where the kernel gives a pidfd of the peer, that it is still the same process
     after the reads is checked through it. Only a kernel without SO_PEERPIDFD (ENOPROTOOPT: RHEL
     9's 5.14) gets the check by pid alone (docs/security.md)."""
+    global _peerpidfd_works
     pid, uid, _ = _peer(conn)
     if uid != 0:  # the socket's mode keeps others out; this holds even if that mode were changed
-        return f"an offer from uid {uid} (pid {pid}): only root's are taken"
-    try:
-        pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
-    except OSError as e:
-        if e.errno != errno.ENOPROTOOPT:  # the kernel knows the option and cannot say who (it exited)
-            return f"an offer from pid {pid}: cannot tell who offered ({e.strerror})"
-        pidfd = None
+        return not_taken("not root", uid=uid, pid=pid)
+    pidfd = None
+    if _peerpidfd_works is not False:
+        try:
+            pidfd = conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD)
+            _peerpidfd_works = True
+        except OSError as e:
+            if e.errno != errno.ENOPROTOOPT:  # the kernel knows the option and cannot say who (it exited)
+                return not_taken("unknown peer", pid=pid, error=e.strerror)
+            _peerpidfd_works = False
     try:
         caps, namespaces = _caps_and_namespaces(pid)
         if pidfd is not None:
             signal.pidfd_send_signal(pidfd, 0)  # raises ProcessLookupError: it exited meanwhile
     except (OSError, StopIteration, ValueError):
-        return f"an offer from pid {pid}: cannot read what it may do (gone?)"
+        return not_taken("gone", pid=pid)
     finally:
         if pidfd is not None:
             os.close(pidfd)
     own_caps, own_namespaces = _caps_and_namespaces("self")
     for name in ("user", "pid"):  # what the capabilities and the pid mean, before they are compared
         if namespaces[name] != own_namespaces[name]:
-            return f"an offer from pid {pid}: {_OTHER_NAMESPACE[name]}"
+            return not_taken(f"other {name} namespace", pid=pid)
     if caps & own_caps != own_caps:
-        return (f"an offer from pid {pid}: it lacks capabilities the worker would use (its effective {caps:#x}, "
-                f"the server's {own_caps:#x})")  # fmt: skip
+        return not_taken("capabilities", pid=pid, caps=caps, own_caps=own_caps)
     if namespaces["mnt"] != own_namespaces["mnt"]:
-        return f"an offer from pid {pid}: {_OTHER_NAMESPACE['mnt']}"
+        return not_taken("other mnt namespace", pid=pid)
     return ""
 
 
@@ -316,7 +352,7 @@ def receive(conn: socket.socket, identity: str) -> tuple:
             MAX_OFFER_BYTES + 1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize), socket.MSG_DONTWAIT
         )
     except OSError as e:
-        return None, f"cannot read the offer: {e.strerror or e}"
+        return None, not_taken("unreadable", error=e.strerror or e)
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
@@ -330,7 +366,7 @@ def receive(conn: socket.socket, identity: str) -> tuple:
     if not payload and not fds:
         return None, ""  # connected and closed, offering nothing (a second server's probe): no offer
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        return refuse("an offer larger than the pre-filter sends")
+        return refuse(not_taken("too large"))
     head, _, rest = payload.partition(b"\0")
     if head == QUERY and not rest and not fds:
         _reply(conn, IDENTITY + identity.encode())
@@ -338,14 +374,14 @@ def receive(conn: socket.socket, identity: str) -> tuple:
     if fds:
         # The runtime's pipes, queued unread in a stopped server's socket, would keep the runtime
         # waiting for their end: they go to a worker that has said "taken", with "go".
-        return refuse("an offer with descriptors (they come with go, once it is taken)")
+        return refuse(not_taken("descriptors"))
     if head != version_line(identity).encode():
-        return refuse(f"an offer of another version or code ({head[:60]!r}; this server: {version_line(identity)})")
+        return refuse(not_taken("other code", head=head[:60], version=version_line(identity)))
     if not rest.endswith(b"\0"):
-        return refuse("an offer whose arguments do not end")
+        return refuse(not_taken("unended"))
     argv = [os.fsdecode(a) for a in rest[:-1].split(b"\0")]
     if not rule.is_runtime_command(argv):
-        return refuse("an offer of a command that is not a runtime's (prestart, createRuntime)")
+        return refuse(not_taken("no runtime command"))
     return Offer(argv, _peer(conn)[0]), ""
 
 
@@ -408,9 +444,7 @@ def work(conn: socket.socket, offer: Offer) -> None:
             if fd > 2:
                 os.close(fd)
         if not stat.S_ISREG(os.fstat(0).st_mode):
-            # The pre-filter's state is a memfd; a pipe could keep a worker waiting (the read of
-            # a file is bounded too: read_state).
-            _say(2, "internal error: the state the start server was given is not a file")
+            _say(2, STATE_NOT_A_FILE)  # a file's read is bounded: read_state
             return
         import io
 
@@ -551,11 +585,11 @@ class _Watchdog:
     activation, replaced. Nothing where systemd set none."""
 
     def __init__(self):
-        usec, pid = os.environ.pop("WATCHDOG_USEC", None), os.environ.pop("WATCHDOG_PID", None)
+        usec, pid = decimal(os.environ.pop("WATCHDOG_USEC", "")), os.environ.pop("WATCHDOG_PID", None)
         self.address = os.environ.pop("NOTIFY_SOCKET", None)  # not for the workers' children
         self.period = None
-        if self.address and usec and usec.isdigit() and int(usec) > 0 and pid in (None, str(os.getpid())):
-            self.period = int(usec) / 2e6
+        if self.address and usec and pid in (None, str(os.getpid())):
+            self.period = usec / 2e6
         self.next = 0.0
 
     def due_in(self, now: float) -> float | None:
@@ -661,7 +695,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
             for fd in [fd for fd, (_, end) in pending.items() if end <= now]:
                 conn, _ = pending.pop(fd)
                 poller.unregister(fd)
-                _log("not taken: no offer came within the time a pre-filter waits")
+                _log(f"not taken: {not_taken('no offer')}")
                 _pass_and_close(conn)
     finally:
         for conn, _ in pending.values():
@@ -697,7 +731,7 @@ def _accept(listener: socket.socket, pending: dict, poller) -> None:
         conn.setblocking(False)
         lacks = peer_lacks(conn)
         if lacks or len(pending) >= MAX_PENDING:
-            _log(f"not taken: {lacks or 'too many connections wait for their offer'}")
+            _log(f"not taken: {lacks or not_taken('too many')}")
             _pass_and_close(conn)
             continue
         pending[conn.fileno()] = (conn, time.monotonic() + OFFER_TIMEOUT_SECONDS)
@@ -716,7 +750,7 @@ def _take(listener: socket.socket, conn: socket.socket, identity: str, spare, co
         # A worker first: it says "taken" itself, once it holds the offer. Without one, nothing
         # was done, and the pre-filter hears "not taken".
         if not (spare is not None and spare.hand(conn, offer)) and not _fork_worker(listener, conn, offer, closing):
-            _log("not taken: no worker for it")
+            _log(f"not taken: {not_taken('no worker')}")
             _reply(conn, PASS)
         return None, rule.split_config(offer.argv)[0]  # the next spare warms with it
 

@@ -10,6 +10,7 @@ import os
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import jsonio
+from oci_gpu_hook.start.digits import is_decimal
 
 MAX_STATE_BYTES = 1 << 20
 
@@ -37,7 +38,7 @@ def supported_oci_version(version: str) -> bool:
     """runtime-spec 1.x.y (with an optional -suffix); a 2.x state may mean anything, so it is
     refused rather than guessed at."""
     core = version.split("-", 1)[0].split(".")
-    return len(core) == 3 and core[0] == "1" and all(p.isdigit() and p.isascii() for p in core)
+    return len(core) == 3 and core[0] == "1" and all(is_decimal(p) for p in core)
 
 
 def load_json(data: bytes, what: str, limit: int):

@@ -125,21 +125,10 @@ def parse_capabilities(value: str) -> frozenset:
 
 
 def _request(devices, capabilities, settings):
-    from oci_gpu_hook.start.request import GpuRequest
-    from oci_gpu_hook.start.requirements import parse_requirements
+    from oci_gpu_hook.start.request import CDI_SPEC, cdi_request
 
     mps = driver.MPS_PIPE_DIRECTORY if driver.MPS_PIPE_DIRECTORY in settings.mps_pipe_directories else None
-    return GpuRequest(
-        devices=tuple(devices),
-        source="cdi",
-        capabilities=frozenset(capabilities) & frozenset(settings.supported_capabilities),
-        requirements=parse_requirements({}),
-        disable_require=True,
-        privileged=False,
-        mig_config=False,
-        mig_monitor=False,
-        mps_pipe_directory=mps,
-    )
+    return cdi_request(devices, CDI_SPEC, capabilities, settings, mps_pipe_directory=mps)
 
 
 def _device_names(inventory):

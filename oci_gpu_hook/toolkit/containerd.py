@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 
 from oci_gpu_hook.start.inventory import host_path
-from oci_gpu_hook.toolkit.runtime_config import ConfigFileError, load_toml, toml_string
+from oci_gpu_hook.toolkit.runtime_config import ConfigFileError, dump_toml, load_toml
 from oci_gpu_hook.toolkit.tree import Tree
 
 CONFIG = "/etc/containerd/config.toml"
@@ -158,41 +158,9 @@ def plan(tree, hook: dict) -> tuple:
         "# so this is the CRI plugin's section as containerd read it then (`containerd config dump`)\n"
         f"# with base_runtime_spec = {BASE_SPEC} for every runtime: after changing CRI settings in\n"
         "# config.toml, run install again (`oci-gpu-hook doctor` says FAIL until then).\n"
-        "version = 2\n\n" + toml_tables({"plugins": {CRI: cri}})
+        + dump_toml({"version": 2, "plugins": {CRI: cri}})
     )
     return config_text, created, dropin, base_spec_text(hook)
-
-
-# --- TOML, written ------------------------------------------------------------------------------
-
-
-def _key(key: str) -> str:
-    plain = key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key)
-    return key if plain else toml_string(key)
-
-
-def _value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return toml_string(value)
-    if isinstance(value, list) and not any(isinstance(v, dict) for v in value):
-        return "[" + ", ".join(_value(v) for v in value) + "]"
-    raise ContainerdError(f"containerd config dump: a value install cannot write back ({type(value).__name__})")
-
-
-def toml_tables(table: dict, path: tuple = ()) -> str:
-    """table as TOML that reads back as exactly table: its keys, then each sub-table under its
-    full header (an empty table keeps its header: containerd shows it so)."""
-    lines = [f"[{'.'.join(_key(k) for k in path)}]"] if path else []
-    lines += [f"{_key(k)} = {_value(v)}" for k, v in table.items() if not isinstance(v, dict)]
-    text = "\n".join(lines) + ("\n" if lines else "")
-    for k, v in table.items():
-        if isinstance(v, dict):
-            text += ("\n" if text else "") + toml_tables(v, path + (k,))
-    return text
 
 
 # --- doctor -------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import os
 
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start import files
+from oci_gpu_hook.start.digits import is_decimal
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.toolkit import launcher, runtime_config
 from oci_gpu_hook.toolkit.runtime_config import ConfigFileError
@@ -525,7 +526,9 @@ class Doctor:
         """Runs, with a configuration that fits this node and the hook's settings, and serves a
         socket in the kubelet's directory for each resource it offers."""
         from oci_gpu_hook.errors import HookError
-        from oci_gpu_hook.node import device_plugin, plugin_config, plugin_devices
+        from oci_gpu_hook.node.plugin import config as plugin_config
+        from oci_gpu_hook.node.plugin import resources as plugin_resources
+        from oci_gpu_hook.node.plugin.server import socket_name
         from oci_gpu_hook.start import inventory_cache
         from oci_gpu_hook.toolkit.install import DEVICE_PLUGIN_SERVICE
 
@@ -537,8 +540,8 @@ class Doctor:
         fix = f"systemctl start {DEVICE_PLUGIN_SERVICE}; journalctl -u {DEVICE_PLUGIN_SERVICE} says why it stopped"
         try:
             config = plugin_config.load(node.device_plugin_config, node)
-            resources = plugin_devices.resources(inventory_cache.load(self.settings), config,
-                                                 node.device_plugin_config or "node settings")  # fmt: skip
+            resources = plugin_resources.resources(inventory_cache.load(self.settings), config,
+                                                   node.device_plugin_config or "node settings")  # fmt: skip
         except HookError as e:
             return FAIL, f"the device plugin cannot start: {e.message}", "fix node.device_plugin_config"
         # What the hook needs to read each answer (pods are unprivileged). CDI answers are the
@@ -555,9 +558,7 @@ class Doctor:
         if not service_processes("device-plugin"):
             return FAIL, "the device plugin is not running: the kubelet offers no GPUs", fix
         missing = [
-            r.name
-            for r in resources
-            if not os.path.exists(os.path.join(node.kubelet_socket_dir, device_plugin.socket_name(r.name)))
+            r.name for r in resources if not os.path.exists(os.path.join(node.kubelet_socket_dir, socket_name(r.name)))
         ]
         if missing:
             return (
@@ -714,7 +715,7 @@ def service_processes(command: str, proc: str = "/proc") -> list:
     names = (b"oci-gpu-hook", os.path.basename(launcher.PYTHON_LAUNCHER).encode())
     found = []
     for name in os.listdir(proc):
-        if not name.isdigit():
+        if not is_decimal(name):
             continue
         try:
             with open(f"{proc}/{name}/cmdline", "rb") as f:

@@ -61,7 +61,7 @@ from oci_gpu_hook.start import files, rule, settings
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 from oci_gpu_hook.toolkit import containerd, launcher, runtime_config
-from oci_gpu_hook.toolkit.runtime_config import TomlUnavailable, toml_string
+from oci_gpu_hook.toolkit.runtime_config import TomlUnavailable
 from oci_gpu_hook.toolkit.tree import Tree, TreeError
 
 INSTALLED_PATH = "/usr/bin/oci-gpu-hook"
@@ -175,29 +175,34 @@ def write_hooks_dir(directory: str, argv_prefix) -> str:
     return directory
 
 
-def hooks_dir_dropin_text(runtime: str, table: str, dirs, source) -> str:
+def hooks_dir_dropin_text(runtime: str, table: tuple, dirs, source) -> str:
     """The drop-in that adds the administrators' hooks directory to the list a runtime (CRI-O's
     crio.conf.d, podman's containers.conf.d) reads now: their drop-ins replace lists, so it holds
-    that whole list, in its order, with ours last. The list comes from the administrators' files,
-    and an entry may hold any character (a quote, a backslash, a newline): each is written as a
-    TOML string that reads back as exactly itself, and the source's name, a file name, is made
-    printable for its comment line."""
+    that whole list, in its order, with ours last, as hooks_dir in table (its keys, outermost
+    first). The list comes from the administrators' files, and an entry may hold any character (a
+    quote, a backslash, a newline): runtime_config.dump_toml writes each as a TOML string that
+    reads back as exactly itself, and the source's name, a file name, is made printable for its
+    comment line."""
     from oci_gpu_hook.errors import printable
 
-    listed = ", ".join(toml_string(d) for d in dirs)
+    document = {"hooks_dir": list(dirs)}
+    for key in reversed(table):
+        document = {key: document}
+    try:
+        body = runtime_config.dump_toml(document)
+    except TomlUnavailable as e:
+        raise InstallError(f"{e}: cannot write {runtime} drop-in") from None
     where = f"hooks_dir in {printable(source)}" if source else f"{runtime} default"
     return (
         f"# Written by `oci-gpu-hook install`: {runtime} hooks_dir did not include the administrators'\n"
         "# directory, where the GPU hook's hooks.d file is. A drop-in's list replaces the list before\n"
         f"# it, so this is that list ({where}) with it added.\n"
-        "# Removed by `oci-gpu-hook uninstall`.\n"
-        f"[{table}]\n"
-        f"hooks_dir = [{listed}]\n"
+        "# Removed by `oci-gpu-hook uninstall`.\n" + body
     )
 
 
 def crio_dropin_text(dirs, source) -> str:
-    return hooks_dir_dropin_text("CRI-O's", "crio.runtime", dirs, source)
+    return hooks_dir_dropin_text("CRI-O's", ("crio", "runtime"), dirs, source)
 
 
 def crio_dropin(root: str):
@@ -216,7 +221,7 @@ def crio_dropin(root: str):
 
 
 def podman_dropin_text(dirs, source) -> str:
-    return hooks_dir_dropin_text("podman's", "engine", dirs, source)
+    return hooks_dir_dropin_text("podman's", ("engine",), dirs, source)
 
 
 def podman_builtin_hooks_dirs(root: str):

@@ -40,11 +40,12 @@ class ConfigFileError(Exception):
 
 
 class TomlUnavailable(Exception):
-    """No TOML parser: Python before 3.11 without tomli."""
+    """No TOML reader (Python before 3.11 without tomli) or writer (no tomli-w)."""
 
 
 def load_toml(text: str) -> dict:
-    # Imported here: a toolkit command's need; the hook's start path never reads TOML.
+    # Imported here (and tomli-w in dump_toml): a toolkit command's need; the hook's start path
+    # never reads or writes TOML.
     try:
         import tomllib  # novermin (before Python 3.11: tomli, the same parser and API)
     except ModuleNotFoundError:
@@ -55,24 +56,16 @@ def load_toml(text: str) -> dict:
     return tomllib.loads(text)
 
 
-# TOML's short escapes; any other control character (and DEL) is written as \uXXXX.
-_TOML_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def toml_string(text: str) -> str:
-    """text as a TOML basic string that reads back as exactly text: the quote and the backslash,
-    which would end the string or start an escape, and every control character and DEL, which
-    TOML does not allow raw (a newline would end the line: what follows could be a table of its
-    own), are escaped; everything else is written as it is (TOML files are UTF-8)."""
-    out = []
-    for c in text:
-        if c in _TOML_ESCAPES:
-            out.append(_TOML_ESCAPES[c])
-        elif c < " " or c == "\x7f":
-            out.append(f"\\u{ord(c):04x}")
-        else:
-            out.append(c)
-    return '"' + "".join(out) + '"'
+def dump_toml(document: dict) -> str:
+    """document as TOML that reads back as exactly document (tomli-w): every string is escaped
+    for TOML, so that an entry install copies from the administrators' files (a quote, a
+    backslash, a newline followed by a table header) cannot end its string or add a line of its
+    own. TomlUnavailable without tomli-w."""
+    try:
+        import tomli_w
+    except ModuleNotFoundError:
+        raise TomlUnavailable("writing TOML needs tomli-w (python3-tomli-w)") from None
+    return tomli_w.dumps(document)
 
 
 def _tree(root: str) -> Tree:

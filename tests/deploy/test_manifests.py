@@ -244,7 +244,7 @@ def test_the_heartbeat_probes_read_the_file_the_service_beats(name, tmp_path):
 def test_the_device_plugin_probes_connect_to_its_sockets(tmp_path):
     """Ready and alive while every socket of ours in the kubelet's directory accepts a connection;
     not with none, nor with a socket file that nothing listens on (a plugin that lost it)."""
-    from oci_gpu_hook.node.device_plugin import SOCKET_PREFIX
+    from oci_gpu_hook.node.plugin.server import SOCKET_PREFIX
 
     plugin = containers()["device-plugin"]
     directory = "/var/lib/kubelet/device-plugins"
@@ -278,7 +278,7 @@ def test_the_device_plugin_answers_what_pods_cannot_forge(tmp_path):
     itself (docs/kubernetes.md advises against it for untrusted pods). Read by the plugin's own
     loader: volume-mounts alone, which the hook reads with accept_volume_mounts (the e2e test's
     hook has it, with accept_envvar_when_unprivileged off, and its GPU pod gets its GPU)."""
-    from oci_gpu_hook.node import plugin_config
+    from oci_gpu_hook.node.plugin import config as plugin_config
     from oci_gpu_hook.start import settings
 
     data = one("ConfigMap")["data"]
@@ -304,7 +304,8 @@ def test_the_mps_directories_the_plugin_answers_with_are_the_hosts():
     daemon). Every host path of an answer, for the ConfigMap's configuration with MPS on, must be
     that same path of the host in the plugin's container; the shm the plugin mounts there must
     reach the host (Bidirectional); no other container mounts it."""
-    from oci_gpu_hook.node import mps, plugin_config
+    from oci_gpu_hook.node.plugin import config as plugin_config
+    from oci_gpu_hook.node.plugin import mps
 
     doc = yaml.safe_load(one("ConfigMap")["data"]["device-plugin.yaml"])
     doc["sharing"] = {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}

@@ -138,9 +138,11 @@ def test_strict_settings_volume_mounts_beat_a_forged_variable(tmp_path, host):
 
 
 def our_answer(host, settings_text, strategy, id_strategy, picks, sharing=None):
-    """(ContainerAllocation, picked plugin_devices.Units) from oci-gpu-hook's plugin (mixed MIG strategy) for
+    """(ContainerAllocation, picked plugin_resources.Units) from oci-gpu-hook's plugin (mixed MIG strategy) for
     the devices at positions picks of the resource (nvidia.com/gpu, or the shared one)."""
-    from oci_gpu_hook.node import plugin_allocation, plugin_config, plugin_devices
+    from oci_gpu_hook.node.plugin import allocation
+    from oci_gpu_hook.node.plugin import config as plugin_config
+    from oci_gpu_hook.node.plugin import resources as plugin_resources
     from oci_gpu_hook.start import inventory_cache
     from oci_gpu_hook.start import settings as settings_module
 
@@ -150,10 +152,10 @@ def our_answer(host, settings_text, strategy, id_strategy, picks, sharing=None):
         doc["sharing"] = {"timeSlicing": {"resources": [sharing]}}
     config = plugin_config.parse(doc, "test")
     settings = settings_module.parse(settings_text, "test")
-    resource = next(r for r in plugin_devices.resources(inventory_cache.load(settings), config)
+    resource = next(r for r in plugin_resources.resources(inventory_cache.load(settings), config)
                     if r.name == "nvidia.com/gpu")  # fmt: skip
     ids = [resource.devices[i].id for i in picks]
-    answer = plugin_allocation.allocate(resource, ids, config, inventory_cache.load(settings), settings.cdi_kind)
+    answer = allocation.allocate(resource, ids, config, inventory_cache.load(settings), settings.cdi_kind)
     return answer, [resource.devices[i].unit for i in picks]
 
 

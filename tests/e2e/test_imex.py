@@ -85,7 +85,9 @@ def test_a_channel_the_host_lacks_is_one_line(tmp_path, host, value, words):
 
 def test_the_plugins_allocate_answer_gives_the_channel(tmp_path, host):
     """The device plugin's imex configuration, each list strategy's answer run through runc."""
-    from oci_gpu_hook.node import plugin_allocation, plugin_config, plugin_devices
+    from oci_gpu_hook.node.plugin import allocation
+    from oci_gpu_hook.node.plugin import config as plugin_config
+    from oci_gpu_hook.node.plugin import resources as plugin_resources
     from oci_gpu_hook.start import inventory_cache
     from oci_gpu_hook.start import settings as settings_module
 
@@ -93,8 +95,8 @@ def test_the_plugins_allocate_answer_gives_the_channel(tmp_path, host):
     for strategy, settings in (("envvar", ""), ("volume-mounts", STRICT)):
         doc = {"flags": {"plugin": {"deviceListStrategy": strategy}}, "imex": {"channelIDs": [0]}}
         config = plugin_config.parse(doc, "test")
-        (resource,) = plugin_devices.resources(inventory, config)
-        answer = plugin_allocation.allocate(resource, [resource.devices[1].id], config, inventory, "nvidia.com/gpu")
+        (resource,) = plugin_resources.resources(inventory, config)
+        answer = allocation.allocate(resource, [resource.devices[1].id], config, inventory, "nvidia.com/gpu")
         mounts = [c for c, h, _ in answer.mounts]
         got = channels(host, run(tmp_path, host, dict(answer.envs), settings, mounts, name=strategy))
         assert got == {"channel0": (host["imex_major"], 0, "No such device or address")}, strategy
@@ -104,7 +106,9 @@ def test_the_plugins_device_specs_and_a_missing_channel(tmp_path, host):
     """With passDeviceSpecs, or with CDI strategies only, the answer lists the channel's node for the
     runtime to make; a channel the host lacks is left out, or refused at start when required."""
     from oci_gpu_hook.errors import ConfigError
-    from oci_gpu_hook.node import plugin_allocation, plugin_config, plugin_devices
+    from oci_gpu_hook.node.plugin import allocation
+    from oci_gpu_hook.node.plugin import config as plugin_config
+    from oci_gpu_hook.node.plugin import resources as plugin_resources
     from oci_gpu_hook.start import inventory_cache
     from oci_gpu_hook.start import settings as settings_module
 
@@ -112,10 +116,10 @@ def test_the_plugins_device_specs_and_a_missing_channel(tmp_path, host):
     node = (f"{CHANNELS}/channel1", f"{host['root']}{CHANNELS}/channel1", "rw")
     for plugin, envs in (({"deviceListStrategy": "cdi-cri"}, False), ({"passDeviceSpecs": True}, True)):
         config = plugin_config.parse({"flags": {"plugin": plugin}, "imex": {"channelIDs": [1, 9]}}, "test")
-        (resource,) = plugin_devices.resources(inventory, config)
-        answer = plugin_allocation.allocate(resource, [resource.devices[0].id], config, inventory, "nvidia.com/gpu")
+        (resource,) = plugin_resources.resources(inventory, config)
+        answer = allocation.allocate(resource, [resource.devices[0].id], config, inventory, "nvidia.com/gpu")
         assert node in answer.devices and not any("channel9" in d[0] for d in answer.devices), plugin
         assert answer.envs.get("NVIDIA_IMEX_CHANNELS") == ("1" if envs else None), plugin
     required = plugin_config.parse({"imex": {"channelIDs": [1, 9], "required": True}}, "f.yaml")
     with pytest.raises(ConfigError, match=r"^f.yaml: imex.channelIDs: IMEX channel 9 .*: missing; it is required"):
-        plugin_allocation.imex_nodes(required, inventory, "f.yaml")
+        allocation.imex_nodes(required, inventory, "f.yaml")

@@ -57,13 +57,14 @@ def hook_settings(host, tmp, records, extra: str) -> str:
 
 
 def inventory_units(hook_config, doc):
-    """{resource: [plugin_devices.Unit]} as the plugin computes them for doc."""
-    from oci_gpu_hook.node import plugin_config, plugin_devices
+    """{resource: [plugin_resources.Unit]} as the plugin computes them for doc."""
+    from oci_gpu_hook.node.plugin import config as plugin_config
+    from oci_gpu_hook.node.plugin import resources as plugin_resources
     from oci_gpu_hook.start import inventory_cache
     from oci_gpu_hook.start import settings as settings_module
 
     settings = settings_module.load(hook_config)
-    resources = plugin_devices.resources(inventory_cache.load(settings), plugin_config.parse(doc, "test"))
+    resources = plugin_resources.resources(inventory_cache.load(settings), plugin_config.parse(doc, "test"))
     return {r.name: [d.unit for d in r.devices] for r in resources}
 
 

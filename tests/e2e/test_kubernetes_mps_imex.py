@@ -23,7 +23,7 @@ import kubeletcheck
 import pytest
 from hookcheck import config_with
 
-from oci_gpu_hook.node import mps
+from oci_gpu_hook.node.plugin import mps
 
 MIB = 1 << 20
 

@@ -10,15 +10,17 @@ import stat
 import subprocess
 import tempfile
 import time
-from types import SimpleNamespace
 
 import pytest
 from hookcheck import checkout_command, config_with, expected_common, expected_gpu, expected_mig
 
-from oci_gpu_hook.errors import HookError
+from oci_gpu_hook.errors import ConfigError, HookError
 from oci_gpu_hook.node import features
+from oci_gpu_hook.node.plugin import config as plugin_config
+from oci_gpu_hook.node.plugin.config import GPU_RESOURCE, PluginConfig, TimeSlicedResource
 from oci_gpu_hook.start import inventory_cache
 from oci_gpu_hook.start import settings as settings_module
+from oci_gpu_hook.start.inventory import DeviceNode, GpuInfo, Inventory, MigDevice
 from oci_gpu_hook.toolkit.containers import hook_command
 
 pytestmark = pytest.mark.host(gpus=8, mig=[2], needs=("pynvml",))
@@ -35,11 +37,23 @@ def inventory(host_settings):
     return inventory_cache.load(host_settings)
 
 
+def plugin(strategy: str = "none", replicas: int = 1) -> PluginConfig:
+    """The device plugin's configuration of a MIG strategy and nvidia.com/gpu's time-slicing
+    replicas, as plugin_config.load gives it from node.mig_strategy and node.replicas."""
+    shared = (TimeSlicedResource(GPU_RESOURCE, replicas, None),) if replicas > 1 else ()
+    return PluginConfig(mig_strategy=strategy, time_slicing=shared)
+
+
+def mps(strategy: str = "none", replicas: int = 4) -> PluginConfig:
+    return plugin_config.parse({"version": "v1", "flags": {"migStrategy": strategy}, "sharing": {
+        "mps": {"resources": [{"name": GPU_RESOURCE, "replicas": replicas}]}}}, "test")  # fmt: skip
+
+
 # ---- compute -------------------------------------------------------------------------------------
 
 
 def test_strategy_none_describes_every_full_gpu(host, inventory):
-    labels = features.compute(inventory, "none", 1)
+    labels = features.compute(inventory, plugin("none"))
     expected = {**expected_common(host, "none"), **expected_gpu(host, host["gpus"], 1)}
     assert labels == expected
     # The literal values the issue names, so a wrong summary cannot make the test agree with itself.
@@ -70,7 +84,7 @@ def test_strategy_none_from_settings(host, host_settings, tmp_path):
 
 def test_strategy_mixed_with_replicas(host, host_settings, tmp_path):
     s = host_settings.replace(node=host_settings.node.replace(mig_strategy="mixed", replicas=4))
-    labels = features.compute(inventory_cache.load(s), s.node.mig_strategy, s.node.replicas)
+    labels = features.compute(inventory_cache.load(s), plugin_config.load(None, s.node))
     migs = [m for g in host["gpus"] for m in g["mig"]]
     # GFD counts every GPU in gpu.count, MIG on or not (the plugin offers the 7 without MIG)
     expected = {**expected_common(host, "mixed"), **expected_gpu(host, host["gpus"], 4)}
@@ -118,16 +132,18 @@ def test_mixed_with_every_gpu_in_mig_mode_labels_the_gpus_without_sharing(simula
 
 
 def test_machine_and_mode_come_from_sysfs(host, host_settings, inventory, tmp_path):
-    """gpu.machine from DMI's product name, gpu.mode from the first GPU's PCI class: compute for a
-    3D controller, graphics for a VGA one, unknown otherwise or where sysfs has none."""
+    """gpu.machine from DMI's product name, gpu.mode from the GPUs' PCI class, as GFD decides it
+    (getModeForClasses): every GPU a VGA controller, graphics; every one a 3D controller,
+    compute; GPUs of two classes, another class, or a GPU GFD cannot read, unknown."""
     facts = features.host_facts(host_settings.node.sys_root, inventory)
     assert facts.machine == "ProLiant-XL675d-Gen10-Plus"
-    first = inventory.gpus[0].bus_id
-    assert facts.pci_classes[first] == "0x030200"
-    for pci_class, mode in (("0x030000", "graphics"), ("0x030200", "compute"), ("0x038000", "unknown"), (None,
-                            "unknown")):  # fmt: skip
-        f = facts.replace(pci_classes={**facts.pci_classes, first: pci_class})
-        assert features.compute(inventory, host=f)["nvidia.com/gpu.mode"] == mode
+    buses = [g.bus_id for g in inventory.gpus]
+    assert [facts.pci_classes[b] for b in buses] == ["0x030200"] * len(buses)
+    for classes, mode in ((["0x030000"] * 8, "graphics"), (["0x030200"] * 8, "compute"), (["0x038000"] * 8,
+                          "unknown"), (["0x030000"] + ["0x030200"] * 7, "unknown"), (["0x030200"] * 7 + [None],
+                          "unknown")):  # fmt: skip
+        f = facts.replace(pci_classes=dict(zip(buses, classes)))
+        assert features.compute(inventory, plugin(), host=f)["nvidia.com/gpu.mode"] == mode
     empty = features.host_facts(str(tmp_path), inventory)  # no sysfs there
     assert empty.machine == "unknown" and set(empty.pci_classes.values()) == {None}
     assert [features.machine_label(n) for n in ("DGX A100", "  ", None, "R750xa (rev/2)")] == [
@@ -136,19 +152,21 @@ def test_machine_and_mode_come_from_sysfs(host, host_settings, inventory, tmp_pa
 
 def test_mps_sharing_labels():
     """mps.capable and the sharing strategy as GFD writes them with sharing.mps."""
-    labels = features.compute(_fake_inventory(migs=0), "none", 4, sharing_strategy="mps")
+    labels = features.compute(_fake_inventory(migs=0), mps())
     assert labels["nvidia.com/mps.capable"] == "true"
     assert labels["nvidia.com/gpu.sharing-strategy"] == "mps"
     assert labels["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-SHARED"
-    with_mig = features.compute(_fake_inventory(), "mixed", 4, sharing_strategy="mps")
+    with_mig = features.compute(_fake_inventory(), mps("mixed"))
     assert with_mig["nvidia.com/mps.capable"] == "false"  # MPS shares no MIG device
 
 
 def test_strategy_single_needs_mig_on_every_gpu(host, inventory):
-    with pytest.raises(features.LabelError) as e:
-        features.compute(inventory, "single", 1)
-    assert "every GPU" in e.value.message
-    assert "found 3 MIG devices" in e.value.message
+    """Refused as the device plugin refuses it: the labels describe its resources."""
+    with pytest.raises(ConfigError) as e:
+        features.compute(inventory, plugin("single"), where="plugin.yaml")
+    assert e.value.message == ("plugin.yaml: flags.migStrategy single needs MIG on every GPU with one profile; "
+                               "this node has 7 GPUs without MIG and MIG profiles 1g.5gb, 2g.10gb, 3g.20gb; "
+                               "use mixed")  # fmt: skip
 
 
 def test_strategy_single_needs_one_profile(simulated_host):
@@ -158,35 +176,41 @@ def test_strategy_single_needs_one_profile(simulated_host):
     s = s.replace(node=s.node.replace(mig_strategy="single"))
     inventory = inventory_cache.load(s)
     assert all(g.mig for g in inventory.gpus)
-    with pytest.raises(features.LabelError) as e:
-        features.compute(inventory, s.node.mig_strategy, s.node.replicas)
-    assert "one profile" in e.value.message
-    assert "profiles: 1g.5gb, 2g.10gb, 3g.20gb" in e.value.message
-    with pytest.raises(features.LabelError):  # refresh() says the same, and writes nothing
+    with pytest.raises(ConfigError) as e:
+        features.compute(inventory, plugin_config.load(None, s.node))
+    assert e.value.message == ("device plugin configuration: flags.migStrategy single needs MIG on every GPU with "
+                               "one profile; this node has 0 GPUs without MIG and MIG profiles 1g.5gb, 2g.10gb, "
+                               "3g.20gb; use mixed")  # fmt: skip
+    with pytest.raises(ConfigError) as e:  # refresh() says the same, and writes nothing
         features.refresh(s, f"{one['root']}/never-written")
+    assert e.value.message.startswith("node settings (node.mig_strategy, node.replicas): flags.migStrategy single")
     assert not os.path.exists(f"{one['root']}/never-written")
 
 
-def _fake_inventory(profile="1g.5gb", gpus=2, driver="550.54", cuda=None, migs=7):
-    def mig():
-        return SimpleNamespace(profile=profile, memory_total=4864 << 20, attributes={"multiprocessors": 14})
+def _fake_inventory(profile="1g.5gb", gpus=2, driver="550.54", cuda=None, migs=7) -> Inventory:
+    def cap(minor):
+        return DeviceNode(f"/dev/nvidia-caps/nvidia-cap{minor}", 510, minor)
+
+    def mig(gpu, index):
+        return MigDevice(index=index, gi=index + 1, ci=0, uuid=f"MIG-{gpu:04d}{index:04d}-0000-0000-0000-0000",
+                         gi_cap=cap(100 * gpu + 2 * index), ci_cap=cap(100 * gpu + 2 * index + 1), gi_access="",
+                         ci_access="", profile=profile, memory_total=4864 << 20,
+                         attributes={"multiprocessors": 14})  # fmt: skip
 
     gpu = [
-        SimpleNamespace(
-            model="NVIDIA A100-SXM4-40GB",
-            memory_total=40 << 30,
-            compute_capability="8.0",
-            mig=tuple(mig() for _ in range(migs)),
-            bus_id=f"0000:0{i}:00.0",
-        )
+        GpuInfo(index=i, minor=i, uuid=f"GPU-{i:08d}-0000-0000-0000-000000000000", bus_id=f"0000:0{i}:00.0",
+                model="NVIDIA A100-SXM4-40GB", mig=tuple(mig(i, m) for m in range(migs)),
+                node=DeviceNode(f"/dev/nvidia{i}", 195, i), memory_total=40 << 30, compute_capability="8.0")
         for i in range(gpus)
-    ]
-    return SimpleNamespace(gpus=gpu, driver_version=driver, cuda_version=cuda)
+    ]  # fmt: skip
+    return Inventory(driver_version=driver, cuda_version=cuda, nvml=True, driver_root="/", dev_root="/",
+                     proc_root="/", majors={"nvidia": 195}, gpus=tuple(gpu), control_devices={}, mig_caps={},
+                     files=())  # fmt: skip
 
 
 def test_strategy_single_with_one_profile_describes_the_mig_devices():
     """No simulated layout has one profile throughout: a hand-made inventory covers that branch."""
-    labels = features.compute(_fake_inventory(), "single", 2)
+    labels = features.compute(_fake_inventory(), plugin("single", 2))
     assert labels == {
         "nvidia.com/cuda.driver.major": "550",
         "nvidia.com/cuda.driver.minor": "54",
@@ -215,9 +239,9 @@ def test_strategy_single_with_one_profile_describes_the_mig_devices():
 
 def test_a_media_extension_profile_makes_valid_labels():
     """Label names take no "+": 1g.10gb+me is named 1g.10gb.me, as NVIDIA's device plugin does."""
-    mixed = features.compute(_fake_inventory(profile="1g.10gb+me"), "mixed")
+    mixed = features.compute(_fake_inventory(profile="1g.10gb+me"), plugin("mixed"))
     assert mixed["nvidia.com/mig-1g.10gb.me.count"] == "14"
-    single = features.compute(_fake_inventory(profile="1g.10gb+me"), "single")
+    single = features.compute(_fake_inventory(profile="1g.10gb+me"), plugin("single"))
     assert single["nvidia.com/gpu.product"] == "NVIDIA-A100-SXM4-40GB-MIG-1g.10gb.me"
 
 
@@ -273,6 +297,8 @@ def test_check_accepts(key, value):
         (None, None),
         ("", None),
         ("x.y", None),
+        ("\u0668.0", None),  # an Arabic-Indic 8, which int() reads as 8: not a compute capability
+        ("\u00b9.0", None),  # a superscript 1, which int() refuses
     ],
 )
 def test_family(capability, name):
@@ -581,8 +607,11 @@ def test_cli_single_strategy_error_is_one_line(host, hook_cli, tmp_path):
     p = hook_cli("--config", str(config), "labels", "--output", str(out))
     assert p.returncode != 0
     assert len(p.stderr.splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert "mig_strategy single" in p.stderr
+    assert "flags.migStrategy single needs MIG on every GPU" in p.stderr
     assert not out.exists()
+    # The device plugin refuses the same node with the same line: one rule decides for both.
+    plugin = hook_cli("--config", str(config), "device-plugin", "--check")
+    assert (plugin.returncode, plugin.stderr) == (p.returncode, p.stderr)
 
 
 def test_the_device_plugins_configuration_is_the_one_source(simulated_host, tmp_path, require):
@@ -590,7 +619,7 @@ def test_the_device_plugins_configuration_is_the_one_source(simulated_host, tmp_
     strategy, not node.replicas and node.mig_strategy beside it; `single` with MIG on nowhere
     offers the GPUs, for the labels as for the plugin."""
     require("root", "gcc", "pynvml")
-    from oci_gpu_hook.node import plugin_devices
+    from oci_gpu_hook.node.plugin import resources
 
     host = simulated_host(gpus=2)
     plugin_file = tmp_path / "plugin.yaml"
@@ -604,9 +633,7 @@ def test_the_device_plugins_configuration_is_the_one_source(simulated_host, tmp_
     labels = features.for_node(settings, inventory)
     assert labels["nvidia.com/gpu.replicas"] == "4" and labels["nvidia.com/gpu.product"].endswith("-SHARED")
     assert labels["nvidia.com/mig.strategy"] == "single" and labels["nvidia.com/gpu.count"] == "2"
-    from oci_gpu_hook.node import plugin_config
-
-    offered = plugin_devices.resources(inventory, plugin_config.load(str(plugin_file), settings.node), "plugin")
+    offered = resources.resources(inventory, plugin_config.load(str(plugin_file), settings.node), "plugin")
     assert [(r.name, len(r.devices), r.replicas) for r in offered] == [("nvidia.com/gpu", 2 * 4, 4)]
 
 
@@ -680,12 +707,75 @@ VGPU_CAPABILITY = (
 )
 
 
+def _as_gfd_reads_sysfs(sys_root: str, gpus) -> dict:
+    """gpu.mode and vgpu.* by GFD's rules, worked out here from each GPU's PCI configuration space
+    (not from the code under test): the class code in bytes 0x09-0x0b (base class, subclass,
+    interface); the capability list from the pointer at 0x34 (each entry: id, next, length), where
+    NVIDIA's vendor-specific capability (id 0x09) with "VF" at its bytes 3 and 4 marks a vGPU, and
+    its record 0, from byte 5, holds the host driver's version and branch (10 bytes each)."""
+    classes, found = set(), {}
+    for gpu in gpus:
+        with open(f"{sys_root}/sys/bus/pci/devices/{gpu['bus_id']}/config", "rb") as f:
+            space = f.read()
+        classes.add(space[0x0B] << 16 | space[0x0A] << 8 | space[0x09])
+        at = space[0x34]
+        while at:
+            if space[at] == 0x09 and space[at + 3 : at + 5] == b"VF" and space[at + 5] == 0:
+                strings = space[at + 7 : at + 7 + 20]
+                found = {"nvidia.com/vgpu.present": "true",
+                         "nvidia.com/vgpu.host-driver-version": strings[:10].rstrip(b"\0").decode(),
+                         "nvidia.com/vgpu.host-driver-branch": strings[10:].rstrip(b"\0").decode()}  # fmt: skip
+            at = space[at + 1]
+    mode = {0x030000: "graphics", 0x030200: "compute"}.get(classes.pop(), "unknown") if len(classes) == 1 else "unknown"
+    return {"nvidia.com/gpu.mode": mode, **(found or {"nvidia.com/vgpu.present": "false"})}
+
+
+SIMULATED_PCI = {
+    "3D controllers, bare metal": {"gpus": 2},
+    "display mode": {"gpus": 2, "graphics": [0, 1]},
+    "one GPU in display mode": {"gpus": 2, "graphics": [1]},
+    "vGPU guest": {"gpus": 2, "model": "l4", "vgpu_host_driver": ("550.54.16", "r551_40")},
+}
+
+
+@pytest.mark.parametrize("case", SIMULATED_PCI)
+def test_gpu_mode_and_vgpu_labels_are_gfds_on_the_simulated_sysfs(simulated_host, tmp_path, case):
+    """On a simulated host, gpu.mode and vgpu.* are what GFD's rules give from the PCI
+    configuration space the simulator wrote, and what the host was described with. Where a GPU
+    lacks sysfs's `resource`, which GFD's PCI reader needs, the mode is unknown, as GFD's is; where
+    a space reads short (no CAP_SYS_ADMIN), no vgpu.* label is written (GFD fails)."""
+    from hookcheck import expected_pci_labels
+
+    one = simulated_host(**SIMULATED_PCI[case])
+    s = settings_module.load(f"{one['root']}/config.yaml")
+    inventory = inventory_cache.load(s)
+    labels = features.for_node(s, inventory)
+    expected = _as_gfd_reads_sysfs(one["root"], one["gpus"])
+    assert {k: labels.get(k) for k in expected} == expected == expected_pci_labels(one)
+    assert {k for k in labels if k.startswith("nvidia.com/vgpu.")} == set(expected) - {"nvidia.com/gpu.mode"}
+    assert expected["nvidia.com/gpu.mode"] == {"display mode": "graphics", "one GPU in display mode": "unknown"}.get(
+        case, "compute")  # fmt: skip
+    sys_root = tmp_path / "sys-root"
+    shutil.copytree(f"{one['root']}/sys", sys_root / "sys", symlinks=True)
+    first = sys_root / "sys" / "bus" / "pci" / "devices" / one["gpus"][0]["bus_id"]
+    (first / "resource").unlink()
+    facts = features.host_facts(str(sys_root), inventory)
+    assert features.compute(inventory, plugin(), host=facts)["nvidia.com/gpu.mode"] == "unknown"
+    assert facts.vgpu == {k[len("nvidia.com/") :]: v for k, v in expected.items() if "vgpu" in k}
+    config = (first / "config").read_bytes()
+    (first / "config").write_bytes(config[:64])
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+
+
 def test_vgpu_labels_from_the_pci_configuration_space(host, inventory, tmp_path):
     """vgpu.present and the host's driver version and branch, where a GPU's vendor-specific PCI
-    capability carries NVIDIA's vGPU signature (a vGPU guest); nothing on bare metal, where the
-    space was read short (no CAP_SYS_ADMIN), or where the capability is someone else's."""
+    capability carries NVIDIA's vGPU signature (a vGPU guest); vgpu.present=false on bare metal,
+    every NVIDIA GPU's space read whole and none with the signature (no capability list, another
+    vendor's capability, a list that loops); nothing where a space was read short (no
+    CAP_SYS_ADMIN) or a GPU's vendor cannot be read, where GFD fails."""
     sys_root = tmp_path / "sysroot"
     first, second = inventory.gpus[0].bus_id, inventory.gpus[1].bus_id
+    bare_metal = {"vgpu.present": "false"}
 
     def device(bus_id, config, vendor="0x10de"):
         d = sys_root / "sys" / "bus" / "pci" / "devices" / bus_id
@@ -695,22 +785,27 @@ def test_vgpu_labels_from_the_pci_configuration_space(host, inventory, tmp_path)
         (d / "config").write_bytes(config)
 
     device(first, _pci_config(None))
-    assert features.host_facts(str(sys_root), inventory).vgpu == {}  # bare metal
+    assert features.host_facts(str(sys_root), inventory).vgpu == {}  # the other GPUs' vendor unread
+    for gpu in inventory.gpus[1:]:
+        device(gpu.bus_id, _pci_config(None))
+    assert features.host_facts(str(sys_root), inventory).vgpu == bare_metal
+    labels = features.compute(inventory, plugin(), host=features.host_facts(str(sys_root), inventory))
+    assert labels["nvidia.com/vgpu.present"] == "false" and "nvidia.com/vgpu.host-driver-version" not in labels
     device(second, _pci_config(VGPU_CAPABILITY))
     expected = {"vgpu.present": "true", "vgpu.host-driver-version": "460.16", "vgpu.host-driver-branch": "r460_00"}
     facts = features.host_facts(str(sys_root), inventory)
     assert facts.vgpu == expected
-    labels = features.compute(inventory, host=facts)
+    labels = features.compute(inventory, plugin(), host=facts)
     assert {k: labels["nvidia.com/" + k] for k in expected} == expected
     device(second, _pci_config(VGPU_CAPABILITY)[:64])  # read without CAP_SYS_ADMIN
     assert features.host_facts(str(sys_root), inventory).vgpu == {}
     device(second, _pci_config(VGPU_CAPABILITY, status=0))  # no capability list
-    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+    assert features.host_facts(str(sys_root), inventory).vgpu == bare_metal
     device(second, _pci_config(bytes([0x09, 0x00, 8]) + b"XY\0\0\0"))  # another vendor's capability
-    assert features.host_facts(str(sys_root), inventory).vgpu == {}
-    device(second, _pci_config(VGPU_CAPABILITY), vendor="0x8086")  # not NVIDIA's device
-    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+    assert features.host_facts(str(sys_root), inventory).vgpu == bare_metal
+    device(second, _pci_config(VGPU_CAPABILITY), vendor="0x8086")  # not NVIDIA's device: not looked at
+    assert features.host_facts(str(sys_root), inventory).vgpu == bare_metal
     looped = bytearray(_pci_config(None))
     looped[0x61] = 0x60  # a capability list that loops ends
     device(second, bytes(looped))
-    assert features.host_facts(str(sys_root), inventory).vgpu == {}
+    assert features.host_facts(str(sys_root), inventory).vgpu == bare_metal

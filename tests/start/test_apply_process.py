@@ -58,6 +58,18 @@ def test_the_process_is_given_back_after_a_rollback(live_container, capsys, tmp_
     hookcheck.assert_rolled_back(observed, hookcheck.observe(container))
 
 
+@pytest.mark.parametrize("fault", ["\u00b9", "\u0663", "\uff12"], ids=["superscript-1", "arabic-indic-3", "full-2"])
+def test_a_fault_in_other_digits_is_no_fault(live_container, capsys, tmp_path, monkeypatch, fault):
+    """The fault's number is ASCII digits or nothing (start/digits.py): '¹' made int() raise, an
+    internal error of the start, and '٣' failed operation 3."""
+    state, bundle, pid, cgroup, host = live_container(ENV)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(FAULT_ENV, fault)
+    result = hookcheck.run_hook_in_process(f"{host['root']}/config.yaml", state, capsys)
+    assert result.returncode == 0, result.stderr
+    assert mounted_in(pid, "/dev/nvidia0")
+
+
 def mounts_under(pid: int, rootfs: str) -> dict:
     """{path in the container: (its mount's own options, its propagation tags)} under rootfs."""
     found = {}

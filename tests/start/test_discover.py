@@ -3,8 +3,8 @@
 import os
 
 from oci_gpu_hook.start import settings
-from oci_gpu_hook.start.discover import discover, read_dri_nodes
-from oci_gpu_hook.start.driver import DRM_MAJOR
+from oci_gpu_hook.start.discover import discover, read_dri_nodes, read_imex_channels, read_mig_devices
+from oci_gpu_hook.start.driver import DRM_MAJOR, IMEX_CHANNELS_DIR
 from oci_gpu_hook.toolkit.simulate import simulate
 
 
@@ -51,3 +51,27 @@ def test_links_resolve_inside_the_driver_root(tmp_path):
     assert resolve_in_root(str(root), "/usr/lib/escape") == f"{root}/etc/passwd"  # .. stops at the root
     assert resolve_in_root(str(root), "/usr/lib/loop") is None
     assert resolve_in_root("/", "/usr/lib/../lib") == os.path.realpath("/usr/lib")
+
+
+OTHER_DIGITS = ("\u00b9", "\u0663", "\uff12")  # '¹' (int() refuses it), '٣' and '２' (int() reads 3 and 2)
+
+
+def test_imex_channels_are_named_in_ascii_digits(tmp_path):
+    """channel¹ made int() raise out of discovery, and channel٣ was taken for channel 3."""
+    channels = tmp_path / IMEX_CHANNELS_DIR.lstrip("/")
+    channels.mkdir(parents=True)
+    for name in ["channel7"] + [f"channel{d}" for d in OTHER_DIGITS]:
+        (channels / name).write_text("")  # not a device node: its check's problem, not its number's
+    found = read_imex_channels(settings.Settings(dev_root=str(tmp_path)), major=511)
+    assert list(found) == ["7"]
+
+
+def test_mig_instances_are_named_in_ascii_digits(tmp_path):
+    """gi¹ made int() raise out of discovery, and gi٣ was read as GPU instance 3."""
+    mig = tmp_path / "proc/driver/nvidia/capabilities/gpu0/mig"
+    for gi, ci in [("1", "0")] + [(d, "0") for d in OTHER_DIGITS] + [("1", d) for d in OTHER_DIGITS]:
+        (mig / f"gi{gi}" / f"ci{ci}").mkdir(parents=True, exist_ok=True)
+        (mig / f"gi{gi}" / "access").write_text("DeviceFileMinor: 12\n")
+        (mig / f"gi{gi}" / f"ci{ci}" / "access").write_text("DeviceFileMinor: 13\n")
+    found = read_mig_devices(settings.Settings(proc_root=str(tmp_path), dev_root=str(tmp_path)), 0, 511, None)
+    assert [(m.gi, m.ci) for m in found] == [(1, 0)]

@@ -27,7 +27,8 @@ def test_accepted_forms(text, expected):
     [("0MiB", "above zero"), ("-1GiB", "above zero"), ("0%", "above zero"), ("-5%", "above zero"),
      ("101%", "exceed 100%"), ("12", "expected a size"), ("4GB", "expected a size"), ("abc", "expected a size"),
      ("1e3MiB", "expected a size"), ("GiB", "expected a size"), ("１２MiB", "expected a size"),
-     ("4 GiB 4", "expected a size"), ("nan%", "expected a size"), ("\\x1b[31m5GiB", "expected a size")],
+     ("4 GiB 4", "expected a size"), ("nan%", "expected a size"), ("\\x1b[31m5GiB", "expected a size"),
+     ("--5GiB", "expected a size"), ("-.GiB", "expected a size"), ("\u0663GiB", "expected a size")],
 )  # fmt: skip
 def test_refused_forms_say_where_and_why(text, words):
     with pytest.raises(RequestError) as e:

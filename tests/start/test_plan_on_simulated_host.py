@@ -206,7 +206,17 @@ CDI_CASES = {
     "everything but one driver file": lambda t: (t["mounts"][1:], t["devices"]),
     "every node with other numbers": lambda t: (t["mounts"], [{**d, "minor": d["minor"] + 1} for d in t["devices"]]),
     "an unrelated mount": lambda t: ([{"destination": "/etc/hosts", "source": "/etc/hosts", "type": "bind"}], []),
+    "every driver file elsewhere": lambda t: (
+        [{**m, "destination": "/opt" + m["destination"]} for m in t["mounts"]],
+        [],
+    ),
+    "other files at the driver files' places": lambda t: (
+        [{**m, "source": m["source"] + ".old"} for m in t["mounts"]],
+        [],
+    ),
 }
+# The cases where no mount of config.json is one of the plan's binds (the same file at the same place).
+NONE_OF_THE_PLANS = ("an unrelated mount", "every driver file elsewhere", "other files at the driver files' places")
 
 
 @pytest.mark.parametrize("case", CDI_CASES)
@@ -253,11 +263,21 @@ def test_the_hook_stands_down_only_where_the_runtime_applied_every_cdi_edit(host
     given["mps"] = {"destination": mps.target, "source": mps.source, "type": "bind", "options": ["rbind"]}
     assert len(given["mounts"]) > 1 and given["mps"]["source"] not in {m["source"] for m in given["mounts"]}
 
-    plan = decided(*CDI_CASES[case](given))
+    mounts, devices = CDI_CASES[case](given)
+    plan = decided(mounts, devices)
     assert plan is not None and [d.gpu.uuid for d in plan.devices] == [gpu["uuid"]]
     if case == "everything the CDI spec gives":
         # the runtime did it all: nothing to do again, but the record (issue 39, item 7)
         assert plan.applied_by_runtime and plan.replace(applied_by_runtime=False) == acting
         assert plan.to_json()["operations"] == [] and "applied by the runtime" in plan.describe()
     else:  # the hook does its job: the GPU's node, its rule (and so its record)
-        assert plan == acting and not plan.applied_by_runtime
+        assert not plan.applied_by_runtime
+        # ... less the binds the runtime made already, the same file at the same place: left to it
+        made = {(m["source"], m["destination"]) for m in mounts}
+        left = [op for op in acting.operations if isinstance(op, BindMount) and (op.source, op.target) in made]
+        assert plan.mounted_by_runtime == tuple(left) and len(left) == (0 if case in NONE_OF_THE_PLANS else len(mounts))
+        assert plan.operations == tuple(op for op in acting.operations if op not in left)
+        assert plan.replace(operations=acting.operations, mounted_by_runtime=()) == acting
+        said = [line for line in plan.describe().splitlines() if line.endswith(": mounted by the runtime already")]
+        assert len(said) == len(left) and [op["target"] for op in plan.to_json()["mounted_by_runtime"]] == [
+            op.target for op in left]  # fmt: skip

@@ -38,6 +38,13 @@ def test_driver_version_missing():
         procfs.parse_driver_version("GCC version: 12\n")
 
 
+def test_a_driver_version_in_other_digits_is_no_version():
+    """\\d alone took Arabic-Indic 550.54.15 as a version, which the library names then carried."""
+    line = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  \u0665\u0665\u0660.\u0665\u0664.15  Thu Feb 22 2024"
+    with pytest.raises(InventoryError, match="no 'NVRM version' line"):
+        procfs.parse_driver_version(line)
+
+
 def test_gpu_information():
     info = procfs.parse_gpu_information(INFORMATION, "info")
     assert info == {

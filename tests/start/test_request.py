@@ -175,6 +175,30 @@ def test_cdi_annotations_name_devices_of_our_kind_when_enabled():
     assert request({}, annotations=annotations) is None
 
 
+def test_a_cdi_request_is_its_devices_and_capabilities_alone_at_both_ends_of_a_spec():
+    """A request of devices a CDI spec gives, as the runtime's start reads it (OCI_GPU_HOOK_CDI_DEVICE_*
+    variables) and as `cdi generate` builds the spec's edits: whatever else the image says
+    (requirements, MIG flags, IMEX channels, MPS), no requirement is checked and nothing but the
+    devices and the supported capabilities is asked for."""
+    from oci_gpu_hook.start.request import CDI_SPEC, RUNTIME_CDI, cdi_request
+    from oci_gpu_hook.toolkit import cdi
+
+    image = {"OCI_GPU_HOOK_CDI_DEVICE_nvidia_com_gpu_0": "0", "NVIDIA_REQUIRE_CUDA": "cuda>=99.0",
+             "NVIDIA_DRIVER_CAPABILITIES": "all", "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_IMEX_CHANNELS": "0",
+             "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps"}  # fmt: skip
+    settings = Settings(supported_capabilities=("compute", "utility"))
+    started = request(image, settings=settings, caps=["CAP_SYS_ADMIN"])
+    generated = cdi._request(["0"], frozenset({"compute", "graphics", "utility"}), settings)
+    for r, source, caps in ((started, RUNTIME_CDI, {"utility"}), (generated, CDI_SPEC, {"compute", "utility"})):
+        assert (r.devices, r.source, r.capabilities) == (("0",), source, frozenset(caps))
+        assert r.disable_require and r.requirements.describe() == "none"
+        assert not (r.mig_config or r.mig_monitor or r.imex_channels or r.notes)
+    assert started.privileged and started.mps_pipe_directory is None
+    assert started == cdi_request(("0",), RUNTIME_CDI, {"utility"}, settings, True, origins=started.origins)
+    assert generated == cdi_request(["0"], CDI_SPEC, {"compute", "graphics", "utility"}, settings,
+                                    mps_pipe_directory=generated.mps_pipe_directory)  # fmt: skip
+
+
 def test_privileged_mig_config_and_monitor():
     env = {"NVIDIA_VISIBLE_DEVICES": "0", "NVIDIA_MIG_CONFIG_DEVICES": "all", "NVIDIA_MIG_MONITOR_DEVICES": "all"}
     r = request(env, caps=["CAP_SYS_ADMIN"])

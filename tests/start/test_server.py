@@ -15,6 +15,7 @@ the server's. Every server listens in a directory of the test's own and is stopp
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -31,9 +32,11 @@ import startservercheck
 from startservercheck import COMMAND, GPU_ENV, Server
 
 from oci_gpu_hook.errors import Exit
-from oci_gpu_hook.start import budget, inventory_cache, rule, server, settings
+from oci_gpu_hook.start import budget, digits, inventory_cache, rule, server, settings
+from oci_gpu_hook.start.apply import FAULT_ENV
 from oci_gpu_hook.toolkit import launcher, prefilter
 from oci_gpu_hook.toolkit.install import interpreter_command
+from oci_gpu_hook.toolkit.simulate import control
 
 STRICT = ("-Werror",)  # as tests/toolkit/test_prefilter.py builds it: a new warning fails here
 NO_PYTHON = "/nonexistent/oci-gpu-hook-python"
@@ -251,7 +254,7 @@ def test_the_server_tells_the_code_it_serves(running, socket_path):
 
 
 NOBODY_OFFERS = """
-import array, json, os, socket, sys
+import array, json, os, select, socket, sys
 read, write = os.pipe()
 state = os.memfd_create("state")
 os.write(state, bytes.fromhex(sys.argv[3]))
@@ -265,12 +268,12 @@ with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
     except BrokenPipeError:
         pass
     reply = s.recv(16)
+    while s.recv(16):  # "p" comes at accept; the server drops what came and closes after it
+        pass
 os.close(write)
-os.set_blocking(read, False)
-try:
-    kept = os.read(read, 1) != b""
-except BlockingIOError:
-    kept = True
+# The server's copies go with its end of the connection, at most moments after: a copy kept would
+# hold the pipe open for good (5 s: a hang guard).
+kept = not select.select([read], [], [], 5)[0] or os.read(read, 1) != b""
 print(json.dumps({"reply": reply.decode(), "kept": kept}))
 """
 
@@ -292,6 +295,38 @@ def test_an_offer_from_another_user_is_not_taken(host, place, socket_path, runni
     (why,) = running.refusals()
     assert why.startswith("an offer from uid 65534 (pid ") and why.endswith("): only root's are taken"), why
     assert startservercheck.log_records(config) == []
+
+
+def test_a_state_that_is_a_pipe_is_read_by_no_worker(host, offering, socket_path, running, tmp_path):
+    """A root peer answers "taken" with "go" and a pipe as its state (a pre-filter's is a memfd),
+    the state whole in it and its write end kept open. The worker reads none of it (a read there
+    could wait for ever, past any kill timer's wait for a file), says its one line on the offer's
+    stderr and answers exit 70 (docs/cli.md); no hook ran, the server refused nothing, lost no
+    worker to a signal, and it takes the next start as before."""
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    (state_r, state_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
+    try:
+        os.write(state_w, data)
+        payload = startservercheck.payload("--config", config, "prestart")
+        got = startservercheck.offer(socket_path, payload, go=[state_r, out_w, err_w])
+        for fd in (out_w, err_w):
+            os.close(fd)
+        out, err = os.read(out_r, 1 << 16), os.read(err_r, 1 << 16)
+        os.set_blocking(state_r, False)
+        try:
+            left = os.read(state_r, len(data) + 1)
+        except BlockingIOError:
+            left = b""
+    finally:
+        for fd in (state_r, state_w, out_r, err_r):
+            os.close(fd)
+    assert got == server.TAKEN + server.VERDICT + bytes([Exit.INTERNAL])
+    assert (out, err) == (b"", f"oci-gpu-hook: {server.STATE_NOT_A_FILE}\n".encode())
+    assert left == data, "the worker read the pipe"
+    assert startservercheck.log_records(config) == []
+    same_as_python(offering, config, data)
+    assert running.log()[1:] == []  # no refusal, no worker killed
 
 
 # --- listening, stopping ------------------------------------------------------------------------
@@ -444,15 +479,108 @@ def test_a_socket_that_is_no_longer_its_own_is_left(socket_path, running):
             os.unlink(socket_path)
 
 
-def test_a_worker_in_flight_finishes_its_start_after_sigterm(host, offering, socket_path, running, tmp_path):
-    with startservercheck.stalled_start(offering, host, tmp_path, running) as (offered, worker, fifo):
-        assert running.stop() == 0
-        assert not os.path.lexists(socket_path)
-        assert offered.poll() is None
-        (record,) = [json.loads(line) for line in startservercheck.read_fifo(fifo).splitlines()]  # it goes on
-        out, err = offered.communicate(timeout=60)
-    assert offered.returncode == Exit.REQUEST and "no GPU 7" in hookcheck.one_clear_line(err), err
-    assert record["via"] == "start server" and "no GPU 7" in record["message"]
+class NvmlHeld:
+    """The simulated NVML's control file (SIM_ROOT/nvml-control, which it reads at its calls) made
+    a FIFO no one writes: a start that asks NVML (its inventory cache stale) waits in that read,
+    before its plan, as on a driver slow to answer, until release(). The host's own file is put
+    back then, or at the end."""
+
+    def __init__(self, host):
+        self.path = os.path.join(host["root"], control.FILE)
+        self.saved = self.path + ".held-by-test" if os.path.lexists(self.path) else None
+        self.writer, self.held = None, False
+
+    def __enter__(self) -> NvmlHeld:
+        if self.saved:
+            os.rename(self.path, self.saved)
+        os.mkfifo(self.path, 0o600)
+        self.held = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def reader(self, offered: subprocess.Popen) -> int:
+        """The pid of the process that opened the FIFO to read (the worker's NVML), once one has:
+        it then waits in its read. offered: the start's pre-filter, which must still wait."""
+        deadline = time.monotonic() + 60  # a hang guard
+        while self.writer is None:
+            try:  # a writer's open that does not wait succeeds once a reader waits in its own
+                self.writer = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError as e:
+                if e.errno != errno.ENXIO:
+                    raise
+                assert offered.poll() is None, offered.communicate()
+                assert time.monotonic() < deadline, "no start asked NVML"
+                time.sleep(0.01)
+        while True:
+            for pid in {digits.decimal(entry) for entry in os.listdir("/proc")} - {None, os.getpid()}:
+                try:
+                    if self.path in [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]:
+                        return pid
+                except OSError:
+                    continue  # gone meanwhile
+            assert time.monotonic() < deadline, "the FIFO's reader is nowhere"
+            time.sleep(0.01)
+
+    def release(self) -> None:
+        """The host's file back where NVML reads it next, then the end of the FIFO for its reader."""
+        if self.held:
+            self.held = False
+            if self.saved:
+                os.rename(self.saved, self.path)  # in the FIFO's place
+            else:
+                os.unlink(self.path)
+        if self.writer is not None:
+            os.close(self.writer)
+            self.writer = None
+
+
+@pytest.mark.parametrize("outcome", ["applied", "rolled-back"])
+def test_a_worker_in_flight_finishes_its_start_after_sigterm(live_container, offering, socket_path, tmp_path,
+                                                             outcome):  # fmt: skip
+    """A GPU start whose worker waits on NVML (its inventory cache stale) when the server gets
+    SIGTERM: the server stops and removes its socket at once, with nothing of the container done
+    yet; the worker then plans and carries out the start: the container gets its GPU, or, with
+    operation 3 failing (OCI_GPU_HOOK_FAULT_AT in the server's environment, which its workers
+    have), every change is rolled back. Either way the pre-filter gets the worker's verdict and
+    line, and the log record is the served start's."""
+    container = live_container(GPU_ENV)
+    state, _, _, cgroup, host = container
+    config = startservercheck.config(host, tmp_path, f"inventory_cache: {tmp_path}/cache/inventory.json\n"
+                                                     "deadline_seconds: 60\n")  # fmt: skip
+    env = {**startservercheck.ENV, **({FAULT_ENV: "3"} if outcome == "rolled-back" else {})}
+    before, untouched = hookcheck.observe(container), mounts_in(container)
+    (tmp_path / "state").write_text(state)
+    with Server(tmp_path / "server.log", socket_path, env=env).wait_listening() as running, NvmlHeld(host) as nvml:
+        with open(tmp_path / "state", "rb") as stdin:
+            offered = subprocess.Popen([offering, "--config", config, "prestart"], stdin=stdin, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, env=startservercheck.ENV)  # fmt: skip
+        try:
+            worker = startservercheck.parent(nvml.reader(offered))
+            assert startservercheck.parent(worker) == running.pid, "not a worker of the server asks NVML"
+            assert mounts_in(container) == untouched, "the start was under way before SIGTERM"
+            assert running.stop() == 0
+            assert not os.path.lexists(socket_path)
+            assert offered.poll() is None
+            nvml.release()
+            out, err = offered.communicate(timeout=120)
+        finally:
+            if offered.poll() is None:
+                offered.kill()
+                offered.communicate()
+    after = hookcheck.observe(container)
+    (record,) = startservercheck.log_records(config)
+    assert record["via"] == "start server", record
+    if outcome == "applied":
+        assert (offered.returncode, err, out) == (0, b"", b""), err
+        assert record["message"] == "GPU devices configured", record
+        assert any(m[0] == "/dev/nvidia0" for m in mounts_in(container)), mounts_in(container)
+        assert after.rules != before.rules and hookcheck.device_rules(cgroup) == after.rules
+    else:
+        assert offered.returncode == Exit.APPLY, err
+        assert "operation 3 (" in hookcheck.one_clear_line(err) and "injected fault" in record["message"], err
+        hookcheck.assert_rolled_back(before, after)
 
 
 # --- the code it serves, systemd's watchdog -----------------------------------------------------
@@ -484,6 +612,17 @@ def test_a_server_stops_serving_once_its_code_changes(place, tmp_path):
         startservercheck.STOPPED,
     ]
     assert not os.path.lexists(own)
+
+
+@pytest.mark.parametrize("usec, period", [("200000", 0.1), ("\u00b9", None), ("\u0663", None), ("\uff12", None),
+                                          ("0", None), ("-5", None)])  # fmt: skip
+def test_the_watchdog_period_is_read_in_ascii_digits(monkeypatch, usec, period):
+    """WATCHDOG_USEC that is not ASCII digits sets no watchdog: '¹' made int() raise as the
+    server started, and '٣' was read as a period of 3 microseconds."""
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("WATCHDOG_USEC", usec)
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    assert server._Watchdog().period == period
 
 
 def test_systemds_watchdog_is_told_from_the_loop(socket_path, tmp_path):

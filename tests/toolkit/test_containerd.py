@@ -16,7 +16,7 @@ import hookcheck
 import pytest
 
 from oci_gpu_hook.toolkit import containerd, install
-from oci_gpu_hook.toolkit.runtime_config import load_toml
+from oci_gpu_hook.toolkit.runtime_config import dump_toml, load_toml
 
 CRI = containerd.CRI
 # The administrators' own config.toml: CRI settings of theirs, which containerd would reset to its
@@ -177,14 +177,14 @@ def test_a_config_install_cannot_wire_is_refused_with_one_line(tmp_path, require
 
 
 def test_the_drop_in_reads_back_as_containerds_own_section(require):
-    """toml_tables writes what containerd dumped (tables, strings, numbers, booleans, arrays, keys
-    that need quoting) as TOML that reads back as exactly the same document."""
+    """dump_toml (tomli-w) writes what containerd dumped (tables, empty ones too, strings, numbers,
+    booleans, arrays, keys that need quoting) as TOML that reads back as exactly the same document."""
     require("containerd")
     dumped = containerd.dump()
     cri = dumped["plugins"][CRI]
     cri["registry"]["mirrors"] = {"docker.io": {"endpoint": ['https://a"b\\c\n']}}
     document = {"version": 2, "plugins": {CRI: cri}}
-    assert load_toml(containerd.toml_tables(document)) == document
+    assert load_toml(dump_toml(document)) == document
 
 
 def test_a_manifest_naming_another_edit_is_refused(tmp_path, hook_cli):
@@ -264,7 +264,7 @@ def test_doctor_reads_an_image_trees_containerd_files_inside_it(tmp_path, requir
 # config.toml; containerd and doctor are asked; install again; asked again.
 CHANGED_INSIDE = r"""
 import json, subprocess, sys
-from oci_gpu_hook.toolkit.runtime_config import load_toml
+from oci_gpu_hook.toolkit.runtime_config import dump_toml, load_toml
 cli, config, settings = [sys.executable, "-I", "-m", "oci_gpu_hook"], sys.argv[1], json.loads(sys.argv[2])
 CRI = "io.containerd.grpc.v1.cri"
 def run(*argv):

@@ -44,3 +44,11 @@ def test_a_service_started_through_the_pre_filter_is_found():
         proc.kill()
         proc.wait()
         proc.stdout.close()
+
+
+def test_only_ascii_digit_names_under_proc_are_processes(tmp_path):
+    """'¹' under /proc made int() raise out of doctor, and '٣' was counted as process 3."""
+    for name in ("12", "\u00b9", "\u0663", "\uff12"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "cmdline").write_bytes(b"/usr/bin/oci-gpu-hook\0watchdog\0")
+    assert doctor.service_processes("watchdog", proc=str(tmp_path)) == [12]

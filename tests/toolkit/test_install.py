@@ -484,6 +484,16 @@ def test_the_crio_drop_in_reads_back_as_the_list_it_was_given():
         assert runtime_config.load_toml(text) == {"crio": {"runtime": {"hooks_dir": dirs}}}
 
 
+def test_without_tomli_w_a_drop_in_is_refused_with_one_line(monkeypatch):
+    """tomli-w writes the runtimes' TOML (a dependency a distribution's Python may lack): where it
+    is not installed, install says so in one line rather than failing with an ImportError."""
+    monkeypatch.setitem(sys.modules, "tomli_w", None)  # an import of it fails, as where it is absent
+    for text in (install.crio_dropin_text, install.podman_dropin_text):
+        with pytest.raises(install.InstallError) as e:
+            text([ADMINS], None)
+        assert "needs tomli-w" in e.value.message and "\n" not in e.value.message, e.value.message
+
+
 def test_crio_reads_back_every_hooks_dir_entry_through_the_drop_in(root, require):
     """The real `crio config` merging crio.conf (hooks_dir entries with a quote, a backslash, a
     newline, and one that would close the list and open [crio.runtime.runtimes.evil]), a drop-in of

@@ -117,8 +117,8 @@ _ATTR_SIZE = 128  # union bpf_attr, zero-padded; longer than every command's par
 
 
 class Insn:
-    """One eBPF instruction (struct bpf_insn). A plain class, not a NamedTuple: typing costs the
-    cgroup v2 start path ~2 ms of imports."""
+    """One eBPF instruction (struct bpf_insn). A plain class, not a NamedTuple: typing would cost
+    the cgroup v2 start path 10 ms of imports (docs/performance.md)."""
 
     __slots__ = ("code", "dst", "src", "off", "imm")
 

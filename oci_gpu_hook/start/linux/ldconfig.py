@@ -22,7 +22,7 @@ ldconfig itself is compromised (it parses image ELF files and configuration).
 
 from __future__ import annotations
 
-import _signal as signal  # the C core of signal: the same calls, without its enum wrappers (~5 ms)
+import _signal as signal  # signal without its enum wrappers: 4.6 ms less per cold start (docs/performance.md)
 import errno
 import os
 import resource
@@ -247,7 +247,8 @@ class Sandbox:
     the cache with result(), or stop it with cancel() (idempotent; after result() too).
 
     fork and execve by hand rather than subprocess: the hook already runs in a single-threaded
-    child, and subprocess (with locale and re) would cost ~5 ms of imports."""
+    child, and subprocess (with locale and re) would cost a cold start 11 ms of imports
+    (docs/performance.md)."""
 
     def __init__(self, rootfs_fd: int, conf: str, directories, timeout: float = 20.0, sources=None):
         self.timeout = timeout

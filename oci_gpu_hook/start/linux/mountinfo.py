@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from oci_gpu_hook.start.digits import decimal
+
 
 class Mount:
     """One mountinfo line; root and mountpoint unescaped."""
@@ -44,11 +46,12 @@ def parse(text: str) -> list[Mount]:
     for line in text.split("\n"):
         pre, sep, post = line.partition(" - ")
         fields, post_fields = pre.split(" "), post.split(" ")
-        if not sep or len(fields) < 5 or not post_fields or not fields[0].isdigit():
+        mount_id = decimal(fields[0])
+        if not sep or len(fields) < 5 or not post_fields or mount_id is None:
             continue
         options = tuple(post_fields[2].split(",")) if len(post_fields) >= 3 else ()
         source = unescape(post_fields[1]) if len(post_fields) >= 2 else ""
-        mounts.append(Mount(int(fields[0]), unescape(fields[3]), unescape(fields[4]), post_fields[0], source, options))
+        mounts.append(Mount(mount_id, unescape(fields[3]), unescape(fields[4]), post_fields[0], source, options))
     return mounts
 
 

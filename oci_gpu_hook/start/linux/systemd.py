@@ -26,7 +26,7 @@ and nothing is said.
 
 from __future__ import annotations
 
-import _socket  # the C core of socket: the same calls, without its enum wrappers (the start path's rule)
+import _socket  # the C core of socket, without its enum wrappers: 6.7 ms less per cold start (docs/performance.md)
 import os
 import struct
 import time
@@ -46,6 +46,9 @@ MAX_NAME = 255  # D-Bus's longest error (interface) name: a longer one is cut, n
 _UNIT_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789:-_.\\@")
 
 _METHOD_CALL, _METHOD_RETURN, _ERROR = 1, 2, 3
+# The alignment of a value of each D-Bus type that is not 4-aligned, by its signature's first
+# character (8: a struct, a dict entry, 64-bit numbers).
+_ALIGNMENT = {"y": 1, "g": 1, "v": 1, "n": 2, "q": 2, "x": 8, "t": 8, "d": 8, "(": 8, "{": 8}
 _PATH, _INTERFACE, _MEMBER, _ERROR_NAME, _REPLY_SERIAL, _DESTINATION, _SIGNATURE = 1, 2, 3, 4, 5, 6, 8
 
 
@@ -327,7 +330,7 @@ def unit_path(unit: str) -> str:
 def read_variant(signature: str, body: bytes, expected: str):
     """The value of a reply whose body is one variant (Properties.Get) of type expected: a str
     for "s", for an array the byte length of its elements (all the hook asks of DeviceAllow:
-    empty or not)."""
+    empty or not). A value that does not fit in the body, or is of another type: SystemdError."""
     if signature != "v":
         raise SystemdError(f"systemd answered a property with signature {signature!r}, not a variant")
     try:
@@ -341,10 +344,18 @@ def read_variant(signature: str, body: bytes, expected: str):
     if kind != expected:
         raise SystemdError(f"systemd sent a property of type {kind!r}, not {expected!r}")
     if kind == "s":
-        if at + 4 + length > len(body):
+        end = at + 4 + length  # where its nul is
+        if end >= len(body):
             raise SystemdError("systemd sent a truncated property value")
-        return body[at + 4 : at + 4 + length].decode("utf-8", "replace")
+        if body[end] != 0:
+            raise SystemdError("systemd sent a malformed property value (a string without its nul)")
+        return body[at + 4 : end].decode("utf-8", "replace")
     if kind.startswith("a"):
+        # The elements start at their own alignment, even when there are none (the D-Bus
+        # specification's marshalling), and must all be in the body: a length past it is no count.
+        elements = at + 4 + (-(at + 4) % _ALIGNMENT.get(kind[1:2], 4))
+        if elements + length > len(body):
+            raise SystemdError("systemd sent a truncated property value")
         return length
     raise SystemdError(f"a property of type {kind!r} is not read here")
 

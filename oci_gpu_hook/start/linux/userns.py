@@ -7,8 +7,9 @@ The hook sees this from its own uid_map, with no setting to flip (docs/toolkit.m
 podman), and then does what an unprivileged process may do (apply.py, prestart.py).
 
 In such a namespace the host's root is not mapped: files of the host's root show as owned by
-the overflow uid, as do those of every other user outside the namespace. trusted_owners() is
-what the start path's ownership checks accept there (docs/security.md: rootless podman).
+the overflow uid, as do those of every other user outside the namespace. root_uid() is the owner
+the start path's ownership checks take as root's there (sources.py for mount sources,
+settings.py for the configuration; docs/security.md: rootless podman).
 Standard library only: this is on the start path.
 """
 

@@ -18,7 +18,7 @@ from oci_gpu_hook.errors import PrerequisiteError, SimulateError
 from oci_gpu_hook.start import driver, procfs
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux import mountinfo
-from oci_gpu_hook.toolkit.simulate import model
+from oci_gpu_hook.toolkit.simulate import model, pci
 from oci_gpu_hook.toolkit.simulate.model import SimulatedHost
 
 MARKER = "simulated-host.json"
@@ -83,11 +83,11 @@ def _check_no_mounts(target: str) -> None:
             raise SimulateError(f"{target}: {mount.mountpoint} is mounted inside it; unmount it first")
 
 
-def _write(root: str, relpath: str, text: str, mode: int = 0o644) -> None:
+def _write(root: str, relpath: str, data: str | bytes, mode: int = 0o644) -> None:
     path = os.path.join(root, relpath)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(text)
+    with open(path, "wb" if isinstance(data, bytes) else "w") as f:
+        f.write(data)
     os.chmod(path, mode)
 
 
@@ -220,17 +220,24 @@ def write_procfs(root: str, host: SimulatedHost) -> None:
 
 
 def write_sysfs(root: str, host: SimulatedHost) -> None:
-    """The GPUs' PCI devices in sysfs, where NVIDIA's device plugin (and ours) read the NUMA node:
-    /sys/bus/pci/devices/<bus id> links into /sys/devices, each GPU below the downstream port of
-    its PCIe switch, under one host bridge per switch."""
+    """The GPUs' PCI devices in sysfs, where NVIDIA's device plugin (and ours) read the NUMA node,
+    and GFD (and `labels`) the GPU mode and the vGPU capability: /sys/bus/pci/devices/<bus id>
+    links into /sys/devices, each GPU below the downstream port of its PCIe switch, under one host
+    bridge per switch; the attributes in the kernel's formats and modes (pci.py)."""
     for gpu in host.gpus:
         bridge = f"pci{gpu.bus_id[:4]}:{0xE0 + gpu.pcie_switch:02x}"
         port = f"{gpu.bus_id[:4]}:{0xE0 + gpu.pcie_switch:02x}:01.0"
         device = f"sys/devices/{bridge}/{port}/{gpu.bus_id}"
+        model = gpu.model
         _write(root, f"{device}/numa_node", f"{gpu.numa_node}\n", 0o444)
-        _write(root, f"{device}/vendor", f"0x{gpu.model.pci_device_id & 0xFFFF:04x}\n", 0o444)
-        _write(root, f"{device}/device", f"0x{gpu.model.pci_device_id >> 16:04x}\n", 0o444)
-        _write(root, f"{device}/class", f"0x{gpu.model.pci_class:06x}\n", 0o444)
+        _write(root, f"{device}/vendor", f"0x{model.pci_device_id & 0xFFFF:04x}\n", 0o444)
+        _write(root, f"{device}/device", f"0x{model.pci_device_id >> 16:04x}\n", 0o444)
+        _write(root, f"{device}/subsystem_vendor", f"0x{model.pci_subsystem_id & 0xFFFF:04x}\n", 0o444)
+        _write(root, f"{device}/subsystem_device", f"0x{model.pci_subsystem_id >> 16:04x}\n", 0o444)
+        _write(root, f"{device}/revision", f"0x{pci.REVISION:02x}\n", 0o444)
+        _write(root, f"{device}/class", f"0x{gpu.pci_class:06x}\n", 0o444)
+        _write(root, f"{device}/resource", pci.resource_text(host, gpu), 0o444)
+        _write(root, f"{device}/config", pci.config_space(host, gpu), 0o644)
         link = os.path.join(root, "sys/bus/pci/devices", gpu.bus_id)
         os.makedirs(os.path.dirname(link), exist_ok=True)
         os.symlink(os.path.relpath(os.path.join(root, device), os.path.dirname(link)), link)

@@ -13,10 +13,14 @@ from collections.abc import Sequence
 
 from oci_gpu_hook.errors import SimulateError
 from oci_gpu_hook.start import driver
+from oci_gpu_hook.start.digits import decimal
 
-DRIVER_VERSION_RE = re.compile(r"^\d{3,4}\.\d{1,3}(\.\d{1,3})?$")
-CUDA_VERSION_RE = re.compile(r"^(\d{1,2})\.(\d{1,2})$")
+# re.ASCII: \d alone also matches other scripts' digits (٥٥٠), which int() reads as numbers.
+DRIVER_VERSION_RE = re.compile(r"^\d{3,4}\.\d{1,3}(\.\d{1,3})?$", re.ASCII)
+CUDA_VERSION_RE = re.compile(r"^(\d{1,2})\.(\d{1,2})$", re.ASCII)
 MAX_GPUS = 16
+# A string of NVIDIA's vGPU capability (the host driver's version or branch): 10 bytes at most.
+_VGPU_STRING = re.compile(r"[A-Za-z0-9._-]{1,10}", re.ASCII)
 MAX_NVLINKS = 12  # per GPU, as on an A100; each NVLink of the simulation joins two GPUs
 
 # Stable namespace so the same options always give the same UUIDs (reproducible docs and tests).
@@ -69,16 +73,23 @@ class GpuModel:
     memory_total: int
     pci_device_id: int
     pci_subsystem_id: int
+    # The size of BAR1, the window onto the GPU's memory (lspci's "Region 1"); BAR0 (registers,
+    # 16 MiB) and BAR3 (32 MiB) are alike on every model here (pci.py).
+    bar1_size: int
     # The PCI class sysfs shows: 0x030200, a 3D controller (every data-centre GPU simulated here),
     # or 0x030000, a VGA controller (a GPU in display mode). GFD's gpu.mode reads it.
     pci_class: int = 0x030200
 
 
+# The PCI class of a GPU in display (graphics) mode, as NVIDIA's displaymodeselector leaves an A40
+# or an L40 switched to it: a VGA controller.
+VGA_CONTROLLER = 0x030000
+
 MODELS = {
-    "a100": GpuModel("NVIDIA A100-SXM4-40GB", "Tesla", (8, 0), 40 << 30, 0x20B010DE, 0x134F10DE),
-    "h100": GpuModel("NVIDIA H100 80GB HBM3", "Nvidia", (9, 0), 80 << 30, 0x233010DE, 0x16C110DE),
-    "l4": GpuModel("NVIDIA L4", "Nvidia", (8, 9), 24 << 30, 0x27B810DE, 0x16CA10DE),
-    "t4": GpuModel("Tesla T4", "Tesla", (7, 5), 15 << 30, 0x1EB810DE, 0x12A210DE),
+    "a100": GpuModel("NVIDIA A100-SXM4-40GB", "Tesla", (8, 0), 40 << 30, 0x20B010DE, 0x134F10DE, 64 << 30),
+    "h100": GpuModel("NVIDIA H100 80GB HBM3", "Nvidia", (9, 0), 80 << 30, 0x233010DE, 0x16C110DE, 128 << 30),
+    "l4": GpuModel("NVIDIA L4", "Nvidia", (8, 9), 24 << 30, 0x27B810DE, 0x16CA10DE, 32 << 30),
+    "t4": GpuModel("Tesla T4", "Tesla", (7, 5), 15 << 30, 0x1EB810DE, 0x12A210DE, 256 << 20),
 }
 
 
@@ -107,6 +118,8 @@ class Gpu:
     pcie_switch: int = 0
     numa_node: int = 0
     nvlink_peers: tuple[int, ...] = ()
+    # The PCI class sysfs shows for this GPU: its model's, or VGA_CONTROLLER in display mode.
+    pci_class: int = 0x030200
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +146,9 @@ class SimulatedHost:
     # exist (/dev/nvidia-caps-imex-channels/channel<n>, as `nvidia-modprobe -i <n>` makes them).
     imex_major: int = 0
     imex_channels: tuple[int, ...] = (0, 1)
+    # A vGPU guest: the host's vGPU manager's driver version and branch, which each GPU's PCI
+    # configuration space carries in NVIDIA's vGPU capability (pci.py); None on bare metal.
+    vgpu_host_driver: tuple[str, str] | None = None
 
     @property
     def cuda_version_int(self) -> int:
@@ -226,9 +242,13 @@ def describe_host(
     pcie_switches: str | None = None,
     nvlinks: str = "",
     numa_nodes: str | None = None,
+    graphics: Sequence[int] = (),
+    vgpu_host_driver: tuple[str, str] | None = None,
 ) -> SimulatedHost:
     """Decide every fact of a simulated host; raises SimulateError on bad options. The topology
-    options are text, as typed on the command line (parse_topology)."""
+    options are text, as typed on the command line (parse_topology). graphics: the GPUs in display
+    mode (a VGA controller's PCI class); vgpu_host_driver: (version, branch) of the vGPU host's
+    driver, for a vGPU guest."""
     if not 1 <= gpus <= MAX_GPUS:
         raise SimulateError(f"--gpus {gpus}: the simulated host holds 1 to {MAX_GPUS} GPUs")
     if not DRIVER_VERSION_RE.match(driver_version):
@@ -237,9 +257,18 @@ def describe_host(
         raise SimulateError(f"--cuda-version {cuda_version!r}: expected MAJOR.MINOR like 12.4")
     if model not in MODELS:
         raise SimulateError(f"--model {model!r}: expected one of {', '.join(sorted(MODELS))}")
-    for index in mig:
-        if not 0 <= index < gpus:
-            raise SimulateError(f"--mig {index}: no such GPU (the host has GPUs 0 to {gpus - 1})")
+    for option, indices in (("--mig", mig), ("--graphics", graphics)):
+        for index in indices:
+            if not 0 <= index < gpus:
+                raise SimulateError(f"{option} {index}: no such GPU (the host has GPUs 0 to {gpus - 1})")
+    if vgpu_host_driver is not None:
+        vgpu_host_driver = tuple(vgpu_host_driver)
+        if len(vgpu_host_driver) != 2 or not all(
+            isinstance(part, str) and _VGPU_STRING.fullmatch(part) for part in vgpu_host_driver
+        ):
+            given = ",".join(str(part) for part in vgpu_host_driver)
+            raise SimulateError(f"--vgpu {given!r}: expected VERSION,BRANCH of the vGPU host's driver, such as "
+                                "550.54.16,r551_40 (each 1 to 10 of A-Z a-z 0-9 . _ -)")  # fmt: skip
     gpu_model = MODELS[model]
     switches, numa, peers = parse_topology(gpus, pcie_switches, nvlinks, numa_nodes)
     # Minors are handed out at boot; a real host had /dev/nvidia0 at NVML index 3. Reversing
@@ -275,6 +304,7 @@ def describe_host(
                 pcie_switch=switches[index],
                 numa_node=numa[index],
                 nvlink_peers=peers[index],
+                pci_class=VGA_CONTROLLER if index in graphics else gpu_model.pci_class,
             )
         )
     uvm_major, caps_major, imex_major = _free_majors(list(used_majors) + [driver.NVIDIA_MAJOR], 3)
@@ -287,6 +317,7 @@ def describe_host(
         caps_major=caps_major,
         libraries=driver_libraries(driver_version),
         imex_major=imex_major,
+        vgpu_host_driver=vgpu_host_driver,
     )
 
 
@@ -304,11 +335,12 @@ def _indices(text: str, gpus: int, option: str) -> list[int]:
     out = []
     for part in text.split("+"):
         part = part.strip()
-        if not part.isdigit() or not 0 <= int(part) < gpus:
+        index = decimal(part)
+        if index is None or index >= gpus:
             raise SimulateError(f"{option} {text!r}: {part!r} is not a GPU index (the host has GPUs 0 to {gpus - 1})")
-        if int(part) in out:
+        if index in out:
             raise SimulateError(f"{option} {text!r}: GPU {part} is listed twice")
-        out.append(int(part))
+        out.append(index)
     return out
 
 
@@ -337,10 +369,9 @@ def parse_topology(gpus: int, pcie_switches: str | None, nvlinks: str, numa_node
     if numa_nodes is None:
         numa = [0 if switch[i] < (len(groups) + 1) // 2 or len(groups) == 1 else 1 for i in range(gpus)]
     else:
-        parts = [p.strip() for p in numa_nodes.split(",")]
-        if len(parts) != gpus or not all(p.isdigit() and int(p) < 64 for p in parts):
+        numa = [decimal(p.strip()) for p in numa_nodes.split(",")]
+        if len(numa) != gpus or not all(node is not None and node < 64 for node in numa):
             raise SimulateError(f"--numa-nodes {numa_nodes!r}: expected {gpus} node numbers (0-63), one per GPU")
-        numa = [int(p) for p in parts]
     peers: list[list[int]] = [[] for _ in range(gpus)]
     for pair in (p for p in nvlinks.split(",") if p.strip()):
         ends = _indices(pair, gpus, "--nvlink")

@@ -120,10 +120,8 @@ def _stop(proc):
 def fake_systemd(tmp_path, require):
     """(bus socket, the file of recorded calls, the units' settings (JSON) the stand-in answers
     with): a private bus with the stand-in Manager and unit objects on it."""
-    require("dbus-daemon", "busctl", SYSTEM_PYTHON)
-    probe = subprocess.run([SYSTEM_PYTHON, "-c", "import dbus.mainloop.glib, gi.repository.GLib"], capture_output=True)
-    if probe.returncode != 0:
-        require("python3-dbus and python3-gi for " + SYSTEM_PYTHON)  # skips, or fails under REQUIRE_ALL
+    require("dbus-daemon", "busctl")
+    _require_system_python(require)
     socket_path = str(tmp_path / "bus")
     config = tmp_path / "bus.conf"
     config.write_text(BUS_CONFIG.format(socket=socket_path))
@@ -242,22 +240,89 @@ def test_keep_devices_tells_a_scope_whose_devices_systemd_filters_as_systemd_say
     ]  # fmt: skip
 
 
-def test_a_property_reply_is_read_as_d_bus_marshals_it():
-    """read_variant against the bytes of Properties.Get replies as D-Bus marshals them (a
-    variant "s", a variant "a(ss)" empty and not), and truncated or mistyped ones: SystemdError
-    (keep_devices makes it the log record's one line), never another exception."""
-    policy = b"\x01s\x00\x00" + struct.pack("<I", 6) + b"strict\x00"
-    assert systemd.read_variant("v", policy, "s") == "strict"
-    empty = b"\x05a(ss)\x00\x00" + struct.pack("<I", 0)
-    assert systemd.read_variant("v", empty, "a(ss)") == 0
-    assert systemd.read_variant("v", b"\x05a(ss)\x00\x00" + struct.pack("<I", 24) + b"\0" * 24, "a(ss)") == 24
-    for truncated in (b"\x01s\x00", policy[:-3], b"\x05a(ss)"):
-        with pytest.raises(systemd.SystemdError, match="truncated"):
-            systemd.read_variant("v", truncated, "s")
-    with pytest.raises(systemd.SystemdError, match="of type 's', not 'a\\(ss\\)'"):
-        systemd.read_variant("v", policy, "a(ss)")
-    with pytest.raises(systemd.SystemdError, match="not a variant"):
-        systemd.read_variant("s", policy, "s")
+# Properties.Get replies as GLib's GDBus marshals them (D-Bus written by neither the client nor
+# dbuspeer), each the answer to a connection's first call (serial 1): for each [type, value] a
+# variant of that type, for [None, text] a body that is a bare string.
+GDBUS_REPLIES = """
+import json, sys
+from gi.repository import Gio, GLib
+for kind, value in json.loads(sys.argv[1]):
+    call = Gio.DBusMessage.new_method_call("org.freedesktop.systemd1", "/org/freedesktop/systemd1/unit/x",
+                                           "org.freedesktop.DBus.Properties", "Get")
+    call.set_serial(1)
+    reply = Gio.DBusMessage.new_method_reply(call)
+    reply.set_serial(7)
+    if kind is None:
+        reply.set_body(GLib.Variant("(s)", (value,)))
+    else:
+        value = [tuple(entry) for entry in value] if kind == "a(ss)" else value
+        reply.set_body(GLib.Variant("(v)", (GLib.Variant(kind, value),)))
+    print(reply.to_blob(Gio.DBusCapabilityFlags.NONE).hex())
+"""
+
+
+def _require_system_python(require):
+    require(SYSTEM_PYTHON)
+    probe = subprocess.run([SYSTEM_PYTHON, "-c", "import dbus.mainloop.glib, gi.repository.GLib"], capture_output=True)
+    if probe.returncode != 0:
+        require("python3-dbus and python3-gi for " + SYSTEM_PYTHON)  # skips, or fails under REQUIRE_ALL
+
+
+def _gdbus_replies(values) -> list:
+    done = subprocess.run([SYSTEM_PYTHON, "-c", GDBUS_REPLIES, json.dumps(values)], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [bytes.fromhex(line) for line in done.stdout.split()]
+
+
+def _with_body(message: bytes, body: bytes) -> bytes:
+    """message with its body replaced by body, its header's body length saying so."""
+    _, _, fields_length = struct.unpack_from("<III", message, 4)
+    body_at = 16 + fields_length + (-(16 + fields_length) % 8)
+    return message[:4] + struct.pack("<I", len(body)) + message[8:body_at] + body
+
+
+def test_a_property_reply_is_read_as_d_bus_marshals_it(tmp_path, require):
+    """Properties.Get replies as GDBus marshals them, read by the client's own call over a socket
+    (_get_property: parse_reply for the message, read_variant for its body): a DevicePolicy, and a
+    DeviceAllow empty and not. Then the same messages broken: each body cut short (its header
+    saying so, every length), a string or array longer than the body holds, another type than
+    asked, a body that is no variant: SystemdError (keep_devices makes it the log record's one
+    line), never another exception, never a value."""
+    _require_system_python(require)
+    policy, empty, allowed, bare = _gdbus_replies([["s", "strict"], ["a(ss)", []],
+                                                   ["a(ss)", [["/dev/null", "rw"], ["char-pts", "rwm"]]],
+                                                   [None, "strict"]])  # fmt: skip
+    path = str(tmp_path / "private")
+    current = {}
+
+    def get(reply: bytes, kind: str):
+        current["replies"] = [reply]
+        conn = systemd._Connection(path, bus=False)
+        try:
+            return systemd._get_property(conn, "libpod-0a.scope", "DeviceAllow", kind)
+        finally:
+            conn.close()
+
+    with dbuspeer.Peer(path, lambda: (current["replies"], 0.0)):
+        assert get(policy, "s") == "strict"
+        assert get(empty, "a(ss)") == 0
+        assert get(allowed, "a(ss)") > 0
+        broken = []
+        for reply, kind in ((policy, "s"), (empty, "a(ss)"), (allowed, "a(ss)")):
+            body = systemd.parse_reply(reply)[0][5]
+            broken += [(_with_body(reply, body[:cut]), kind, "truncated") for cut in range(len(body))]
+        longer = bytearray(systemd.parse_reply(policy)[0][5])
+        struct.pack_into("<I", longer, 4, 7)  # "strict" and its nul, said to be 7 long
+        broken.append((_with_body(policy, bytes(longer)), "s", "truncated"))
+        longer = bytearray(systemd.parse_reply(allowed)[0][5])
+        struct.pack_into("<I", longer, 8, struct.unpack_from("<I", longer, 8)[0] + 1)  # one byte past the body
+        broken.append((_with_body(allowed, bytes(longer)), "a(ss)", "truncated"))
+        broken += [(policy, "a(ss)", "of type 's', not 'a\\(ss\\)'"), (allowed, "s", "of type 'a\\(ss\\)', not 's'"),
+                   (bare, "s", "not a variant")]  # fmt: skip
+        for reply, kind, why in broken:
+            with pytest.raises(systemd.SystemdError, match=why):
+                get(reply, kind)
 
 
 # --- what a hostile peer can do (issue 46, item 5) -----------------------------------------------
@@ -272,7 +337,7 @@ SCOPE = "/sys/fs/cgroup/machine.slice/libpod-0123abcd.scope"
 def _allow_list_reply(serial: int) -> bytes:
     """Properties.Get's answer for DeviceAllow: a variant a(ss) of one entry."""
     entry = struct.pack("<I", 9) + b"/dev/null\0\0\0" + struct.pack("<I", 2) + b"rw\0"
-    body = b"\x05a(ss)\0\0" + struct.pack("<I", len(entry)) + entry
+    body = b"\x05a(ss)\0\0" + struct.pack("<I", len(entry)) + b"\0" * 4 + entry  # the elements 8-aligned
     return dbuspeer.reply(dbuspeer.METHOD_RETURN, 9, [(dbuspeer.REPLY_SERIAL, "u", serial),
                                                       (dbuspeer.SIGNATURE, "g", "v")], body)  # fmt: skip
 
@@ -322,12 +387,14 @@ def _mutations(rng, seed: bytes):
 
 def test_parse_reply_raises_systemd_error_alone_whatever_the_bytes():
     """20,000 mutations of real replies (and random bytes): a parse, None (more to come) or
-    SystemdError, never another exception (once: UnicodeDecodeError and AttributeError)."""
+    SystemdError, never another exception (once: UnicodeDecodeError and AttributeError). The body
+    of each parse read as a property of either type the client asks (read_variant): a value
+    within the body, or SystemdError (once: an array's length past the body, taken as a count)."""
     import random
 
     rng = random.Random(46)
     seeds = [reply for exchange in EXCHANGES for reply in exchange] + [dbuspeer.GARBAGE]
-    outcomes = {"parsed": 0, "incomplete": 0, "refused": 0}
+    outcomes = {"parsed": 0, "incomplete": 0, "refused": 0, "value": 0, "value refused": 0}
     for case in range(20000):
         data = _mutations(rng, rng.choice(seeds)) if case % 10 else bytes(rng.randrange(256) for _ in range(64))
         try:
@@ -341,6 +408,14 @@ def test_parse_reply_raises_systemd_error_alone_whatever_the_bytes():
             assert isinstance(error_name, str) and isinstance(text, str) and isinstance(signature, str)
             assert reply_serial is None or isinstance(reply_serial, int)
             assert length <= len(data) and isinstance(body, bytes)
+            for kind in ("s", "a(ss)"):
+                try:
+                    value = systemd.read_variant(signature, body, kind)
+                except systemd.SystemdError:
+                    outcomes["value refused"] += 1
+                    continue
+                outcomes["value"] += 1
+                assert isinstance(value, str) if kind == "s" else 0 <= value <= len(body), (kind, value, body)
     assert all(outcomes.values()), outcomes  # the mutations reach every outcome
 
 

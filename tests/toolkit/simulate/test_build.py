@@ -224,6 +224,13 @@ def test_cli_errors_are_one_line(tmp_path, hook_cli, require):
     ]
     out = hook_cli("simulate", str(tmp_path / "s"), "--gpus", "99")
     assert out.stderr.splitlines() == ["oci-gpu-hook: --gpus 99: the simulated host holds 1 to 16 GPUs"]
+    out = hook_cli("simulate", str(tmp_path / "s"), "--vgpu", "550.54.16")
+    assert out.stderr.splitlines() == [
+        "oci-gpu-hook: --vgpu '550.54.16': expected VERSION,BRANCH of the vGPU host's driver, such as "
+        "550.54.16,r551_40 (each 1 to 10 of A-Z a-z 0-9 . _ -)"
+    ]
+    out = hook_cli("simulate", str(tmp_path / "s"), "--graphics", "2")
+    assert out.stderr.splitlines() == ["oci-gpu-hook: --graphics 2: no such GPU (the host has GPUs 0 to 1)"]
 
 
 def test_non_root_is_told_to_use_root(tmp_path, run_as_nobody):
@@ -293,3 +300,26 @@ def test_topology_reaches_nvml_and_sysfs_as_described(simulated_host, require):
         with open(os.path.join(device, "numa_node")) as f:
             assert int(f.read()) == gpu["numa_node"]
         assert os.path.islink(device)
+
+
+def test_sysfs_shows_each_gpu_as_a_pci_function(simulated_host):
+    """Each GPU's sysfs directory holds what GFD's PCI readers read, in the kernel's formats:
+    vendor, device, class, numa_node, resource (13 lines of three fields), and config, its
+    configuration space whole (4096 bytes, root's to write, as the kernel's is), whose class code
+    and ids agree with the text attributes and the host's description."""
+    host = simulated_host(gpus=2, graphics=[1], vgpu_host_driver=("550.54.16", "r551_40"))
+    for gpu in host["gpus"]:
+        device = os.path.join(host["root"], "sys/bus/pci/devices", gpu["bus_id"])
+        text = {name: open(os.path.join(device, name)).read() for name in ("vendor", "device", "class", "resource")}
+        with open(os.path.join(device, "config"), "rb") as f:
+            space = f.read()
+        assert len(space) == 4096 and stat.S_IMODE(os.stat(os.path.join(device, "config")).st_mode) == 0o644
+        assert stat.S_IMODE(os.stat(os.path.join(device, "resource")).st_mode) == 0o444
+        assert text["class"] == f"0x{space[0x0B]:02x}{space[0x0A]:02x}{space[0x09]:02x}\n"
+        assert int(text["class"], 16) == gpu["pci_class"] == (0x030000 if gpu["index"] == 1 else 0x030200)
+        assert (text["vendor"], text["device"]) == (
+            f"0x{space[1]:02x}{space[0]:02x}\n",
+            f"0x{space[3]:02x}{space[2]:02x}\n",
+        )
+        assert [len(line.split(" ")) for line in text["resource"].splitlines()] == [3] * 13
+        assert b"VF" in space[0x40:0x100] and b"550.54.16" in space and b"r551_40" in space

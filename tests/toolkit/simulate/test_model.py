@@ -74,11 +74,29 @@ def test_nvml_bus_id_form():
         ({"cuda_version": "12"}, "--cuda-version '12'"),
         ({"mig": [5]}, "--mig 5: no such GPU"),
         ({"model": "v100"}, "--model 'v100'"),
+        ({"cuda_version": "\u0661\u0662.\u0660"}, "--cuda-version '"),  # Arabic-Indic 12.0: int() reads it
+        ({"driver_version": "\u0665\u0665\u0660.54"}, "--driver-version '"),
+        ({"graphics": [2]}, "--graphics 2: no such GPU"),
+        ({"vgpu_host_driver": ("550.54.16",)}, "--vgpu '550.54.16': expected VERSION,BRANCH"),
+        ({"vgpu_host_driver": ("550.54.16", "r551_40_longer")}, "--vgpu '550.54.16,r551_40_longer': expected"),
+        ({"vgpu_host_driver": ("550.54.16", "r551 40")}, "--vgpu '550.54.16,r551 40': expected"),
+        ({"vgpu_host_driver": ("550.54.16", "")}, "--vgpu '550.54.16,': expected"),
+        ({"vgpu_host_driver": ("550.54.16", "r551_40\n")}, "--vgpu '550.54.16,r551_40"),
     ],
 )
 def test_bad_options_are_one_line_errors(kwargs, message):
     with pytest.raises(SimulateError, match=message.replace("'", ".")):
         describe_host("/s", **kwargs)
+
+
+def test_display_mode_and_a_vgpu_guest_are_described_per_gpu_and_per_host():
+    """--graphics gives a GPU a VGA controller's PCI class, the others keep their model's (a 3D
+    controller); --vgpu makes the host a guest of a vGPU host driver of that version and branch."""
+    host = describe_host("/s", gpus=3, graphics=[1], vgpu_host_driver=["550.54.16", "r551_40"])
+    assert [g.pci_class for g in host.gpus] == [0x030200, 0x030000, 0x030200]
+    assert host.vgpu_host_driver == ("550.54.16", "r551_40")
+    plain = describe_host("/s", gpus=2, model="t4")
+    assert [g.pci_class for g in plain.gpus] == [0x030200] * 2 and plain.vgpu_host_driver is None
 
 
 def test_topology_default_pairs_switches_and_splits_numa():
@@ -105,6 +123,11 @@ def test_topology_from_options():
         ({"nvlinks": "0+1+2"}, "--nvlink '0+1+2': an NVLink joins two GPUs: A+B"),
         ({"nvlinks": "x+1"}, "--nvlink 'x+1': 'x' is not a GPU index (the host has GPUs 0 to 3)"),
         ({"numa_nodes": "0,1"}, "--numa-nodes '0,1': expected 4 node numbers (0-63), one per GPU"),
+        # Other digits: '¹' made int() raise, '٣' and '２' were read as 3 and 2.
+        ({"numa_nodes": "0,\u00b9,0,0"}, "--numa-nodes '0,\u00b9,0,0': expected 4 node numbers (0-63), one per GPU"),
+        ({"numa_nodes": "0,\u0663,0,0"}, "--numa-nodes '0,\u0663,0,0': expected 4 node numbers (0-63), one per GPU"),
+        ({"pcie_switches": "1+¹"}, "--pcie-switches '1+¹': '¹' is not a GPU index (the host has GPUs 0 to 3)"),
+        ({"nvlinks": "0+\uff12"}, "--nvlink '0+\uff12': '\uff12' is not a GPU index (the host has GPUs 0 to 3)"),
     ],
 )
 def test_topology_option_errors(options, message):

@@ -1,6 +1,6 @@
-"""Which XIDs make a device Unhealthy (plugin_health.policy): the configuration's health keys and
+"""Which XIDs make a device Unhealthy (xid_watch.policy): the configuration's health keys and
 NVIDIA's DP_DISABLE_HEALTHCHECKS / DP_ENABLE_HEALTHCHECKS, with NVIDIA's meanings. (The thread
-itself, on the simulated NVML's events: tests/node/test_device_plugin.py and tests/e2e.)"""
+itself, on the simulated NVML's events: tests/node/plugin/test_supervisor.py and tests/e2e.)"""
 
 import threading
 import time
@@ -8,12 +8,13 @@ import time
 import pytest
 
 from oci_gpu_hook.errors import ConfigError
-from oci_gpu_hook.node import plugin_config, plugin_health
 from oci_gpu_hook.node.nvml_reader import DriverChanged
+from oci_gpu_hook.node.plugin import config as plugin_config
+from oci_gpu_hook.node.plugin import xid_watch
 
 
 def critical(doc, environ=None, xids=(13, 31, 48, 63, 64, 79, 94, 95, 109, 119)):
-    policy = plugin_health.policy(plugin_config.parse(doc, "p.yaml"), environ or {})
+    policy = xid_watch.policy(plugin_config.parse(doc, "p.yaml"), environ or {})
     return [x for x in xids if policy.is_critical(x)], policy.off
 
 
@@ -27,6 +28,11 @@ def critical(doc, environ=None, xids=(13, 31, 48, 63, 64, 79, 94, 95, 109, 119))
     ({}, {"DP_DISABLE_HEALTHCHECKS": "xids"}, [], True),
     ({}, {"DP_DISABLE_HEALTHCHECKS": "all"}, [], True),
     ({}, {"DP_DISABLE_HEALTHCHECKS": "79, 48,junk"}, [63, 64, 94, 95, 119], False),
+    # Digits that are not ASCII are malformed entries, skipped: "¹" raised ValueError out of the
+    # plugin's start (issue 52, item 3), and "٤٨" was read as XID 48.
+    ({}, {"DP_DISABLE_HEALTHCHECKS": "13,¹"}, [48, 63, 64, 79, 94, 95, 119], False),
+    ({}, {"DP_DISABLE_HEALTHCHECKS": "79,¹,٤٨"}, [48, 63, 64, 94, 95, 119], False),
+    ({}, {"DP_ENABLE_HEALTHCHECKS": "¹³,٣١"}, [48, 63, 64, 79, 94, 95, 119], False),
     ({}, {"DP_DISABLE_HEALTHCHECKS": "all", "DP_ENABLE_HEALTHCHECKS": "79"}, [79], False),
     ({}, {"DP_ENABLE_HEALTHCHECKS": "13"}, [13, 48, 63, 64, 79, 94, 95, 119], False),
     ({}, {"DP_ENABLE_HEALTHCHECKS": "all"}, [13, 31, 48, 63, 64, 79, 94, 95, 109, 119], False),
@@ -49,7 +55,7 @@ def test_bad_health_keys_are_one_line(health, words):
 
 
 def test_the_policy_says_what_counts():
-    policy = plugin_health.policy(plugin_config.parse({"version": "v1"}, "p"), {"DP_ENABLE_HEALTHCHECKS": "13"})
+    policy = xid_watch.policy(plugin_config.parse({"version": "v1"}, "p"), {"DP_ENABLE_HEALTHCHECKS": "13"})
     assert policy.describe() == "critical: every XID but 31, 43, 45, 68, 109, and 13"
 
 
@@ -73,9 +79,9 @@ def test_what_marking_an_xid_raises_is_one_line_and_the_watch_goes_on(host, inve
         if len(reported) == 1:
             raise failure
 
-    xids = plugin_health.policy(plugin_config.parse({"version": "v1"}, "p"), {})
+    xids = xid_watch.policy(plugin_config.parse({"version": "v1"}, "p"), {})
     hook, threading.excepthook = threading.excepthook, uncaught.append
-    watch = plugin_health.XidWatch(NvmlReader(inventory).path, [uuid], xids, report, said.append).start()
+    watch = xid_watch.XidWatch(NvmlReader(inventory).path, [uuid], xids, report, said.append).start()
     try:
         assert watch.ready.wait(30), said
         nvmlevents.inject_xid(host["root"], uuid, 79)

@@ -1,4 +1,4 @@
-"""The device plugin's answers (plugin_allocation.py): what Allocate tells the runtime under each
+"""The device plugin's answers (allocation.py): what Allocate tells the runtime under each
 device list strategy, what it refuses, the device specs and the memory limit it passes, and which
 ids GetPreferredAllocation picks. On a simulated 4-GPU host whose GPU 3 has MIG on; the expected
 values come from the simulator's summary. Where the hook reads an answer back (volume mounts,
@@ -9,9 +9,9 @@ import stat
 
 import pytest
 
-from oci_gpu_hook.node import plugin_devices
-from oci_gpu_hook.node.plugin_allocation import AllocationError, allocate, preferred
-from oci_gpu_hook.node.plugin_config import PluginConfig, TimeSlicedResource
+from oci_gpu_hook.node.plugin import resources as plugin_resources
+from oci_gpu_hook.node.plugin.allocation import AllocationError, allocate, preferred
+from oci_gpu_hook.node.plugin.config import PluginConfig, TimeSlicedResource
 from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.plan import SelectedDevice
 from oci_gpu_hook.start.spec import Mount, volume_mount_device
@@ -27,7 +27,7 @@ def make_config(*shared, **options) -> PluginConfig:
 
 
 def resource_of(inventory, config, name="nvidia.com/gpu"):
-    return {r.name: r for r in plugin_devices.resources(inventory, config)}[name]
+    return {r.name: r for r in plugin_resources.resources(inventory, config)}[name]
 
 
 def uuids(host, *indices) -> list:
@@ -345,7 +345,7 @@ def test_packed_counts_a_mig_device_for_its_gpu(simulated_host):
 
     host = simulated_host(gpus=2, mig=[0, 1])
     inventory = inventory_cache.load(settings.load(f"{host['root']}/config.yaml"))
-    migs = [r for r in plugin_devices.resources(inventory, make_config()) if r.name.startswith("nvidia.com/mig-")]
+    migs = [r for r in plugin_resources.resources(inventory, make_config()) if r.name.startswith("nvidia.com/mig-")]
     devices = tuple(sorted((d for r in migs for d in r.devices), key=lambda d: d.unit.index))
     resource = migs[0].replace(name="nvidia.com/mig-all", devices=devices)
     assert [d.unit.index for d in devices] == ["0:0", "0:1", "0:2", "1:0", "1:1", "1:2"]
@@ -358,7 +358,7 @@ def test_the_policy_comes_from_the_configuration(host, inventory):
     """flags.plugin.sharedDevicesAllocationPolicy: packed was refused; it is honoured now, and
     distributed stays the default. (The plugin passes config.allocation_policy to preferred.)"""
     from oci_gpu_hook.errors import ConfigError
-    from oci_gpu_hook.node import plugin_config
+    from oci_gpu_hook.node.plugin import config as plugin_config
 
     def config(policy):
         plugin = {} if policy is None else {"sharedDevicesAllocationPolicy": policy}

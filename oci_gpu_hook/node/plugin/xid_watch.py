@@ -1,15 +1,15 @@
 """XID health for the device plugin: a thread waits on NVML events, as NVIDIA's plugin does, and
 reports each XID the configuration counts as critical against the GPU, or the MIG device, it
-names; device_plugin.py then marks that device Unhealthy.
+names; the supervisor then marks that device Unhealthy (health.py's XidMarks).
 
 Which XIDs count: `health.criticalXids` (default: all) less `health.ignoredXids` (default:
-NVIDIA's application XIDs, plugin_config.APPLICATION_XIDS). NVIDIA's environment variables are
+NVIDIA's application XIDs, config.APPLICATION_XIDS). NVIDIA's environment variables are
 honoured on top, so a DaemonSet written for NVIDIA's plugin means the same here:
 DP_DISABLE_HEALTHCHECKS=all (or xids) turns XID health off, a list of XIDs ignores those too;
 DP_ENABLE_HEALTHCHECKS lists XIDs to count even so (all: every XID, application ones included).
 
-How an XID-unhealthy device recovers is device_plugin.py's (DevicePlugin.check_health): when its
-GPU goes and comes back (a reset, a driver reload), which NVIDIA's plugin never notices.
+How an XID-unhealthy device recovers is health.py's (XidMarks.apply): when its GPU goes and comes
+back (a reset, a driver reload), which NVIDIA's plugin never notices.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import threading
 
 from oci_gpu_hook.errors import NvmlError
 from oci_gpu_hook.node.nvml_reader import DriverChanged
-from oci_gpu_hook.node.plugin_config import ALL_XIDS
+from oci_gpu_hook.node.plugin.config import ALL_XIDS
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.digits import decimal
 
 NO_INSTANCE = 0xFFFFFFFF  # an event's instance ids when it is about the whole GPU
 WAIT_MS = 500  # one wait: how soon a stop is noticed
@@ -59,15 +60,16 @@ def _listed(xids) -> str:
 
 
 def _xids(text: str) -> set:
-    """DP_*_HEALTHCHECKS's value: XIDs, or ALL_XIDS for all/xids; malformed entries are skipped,
-    as NVIDIA's plugin skips them."""
+    """DP_*_HEALTHCHECKS's value: XIDs, or ALL_XIDS for all/xids; malformed entries (anything but
+    ASCII digits: 13¹, -1, 0x4f) are skipped, as NVIDIA's plugin skips them."""
     out: set = set()
     for part in text.lower().split(","):
         part = part.strip()
         if part in ("all", "xids"):
             return {ALL_XIDS}
-        if part.isdigit():
-            out.add(int(part))
+        xid = decimal(part)
+        if xid is not None:
+            out.add(xid)
     return out
 
 
@@ -199,7 +201,7 @@ class XidWatch:
                 except Exception as e:
                     # What marking it raised (DriverChanged, from the health check it runs, which
                     # the plugin's own loop meets too and restarts on): said, and the next XID is
-                    # still waited for. The mark itself is kept before the check (device_plugin.py).
+                    # still waited for. The mark itself is kept before the check (health.py).
                     self.say(f"XID {found.xid} on {describe(found)}: marking it Unhealthy: {_why(e)}")
             else:
                 self.say(f"XID {found.xid} on {describe(found)}: not critical here (health.ignoredXids or "

@@ -1,4 +1,4 @@
-"""What the device plugin advertises (plugin_devices.py): resources and device ids under each MIG
+"""What the device plugin advertises (plugin/resources.py): resources and device ids under each MIG
 strategy, id strategy and time-slicing option, on a simulated 4-GPU host whose GPU 3 has MIG on
 (three profiles), and on hand-made inventories for the layouts the simulator does not build.
 
@@ -9,8 +9,9 @@ import re
 import pytest
 
 from oci_gpu_hook.errors import ConfigError
-from oci_gpu_hook.node import plugin_config, plugin_devices
-from oci_gpu_hook.node.plugin_config import PluginConfig, TimeSlicedResource
+from oci_gpu_hook.node.plugin import config as plugin_config
+from oci_gpu_hook.node.plugin import resources as plugin_resources
+from oci_gpu_hook.node.plugin.config import PluginConfig, TimeSlicedResource
 from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.inventory import DeviceNode, GpuInfo, Inventory, MigDevice
 
@@ -72,18 +73,18 @@ def fake_inventory(layout, nvml=True) -> Inventory:
 
 
 def test_strategy_none_offers_every_gpu_whole(host, inventory):
-    (gpu,) = plugin_devices.resources(inventory, config("none"))
+    (gpu,) = plugin_resources.resources(inventory, config("none"))
     assert gpu.name == "nvidia.com/gpu" and gpu.replicas == 1 and gpu.memory_limit is None
     assert ids(gpu) == [g["uuid"] for g in host["gpus"]]
     assert [d.unit.index for d in gpu.devices] == ["0", "1", "2", "3"]
     assert all(d.replica is None and d.unit.mig is None for d in gpu.devices)
     assert gpu.devices[3].unit.memory_total == 40 * GIB  # the MIG GPU, whole
-    (indexed,) = plugin_devices.resources(inventory, config("none", id_strategy="index"))
+    (indexed,) = plugin_resources.resources(inventory, config("none", id_strategy="index"))
     assert ids(indexed) == ["0", "1", "2", "3"]
 
 
 def test_strategy_mixed_offers_full_gpus_and_each_profile(host, inventory):
-    resources = plugin_devices.resources(inventory, config("mixed"))
+    resources = plugin_resources.resources(inventory, config("mixed"))
     assert [r.name for r in resources] == ["nvidia.com/gpu"] + [f"nvidia.com/mig-{p}" for p in PROFILES]
     found = by_name(resources)
     assert ids(found["nvidia.com/gpu"]) == [g["uuid"] for g in full_gpus(host)]
@@ -95,29 +96,29 @@ def test_strategy_mixed_offers_full_gpus_and_each_profile(host, inventory):
         (device,) = resource.devices
         assert (device.unit.index, device.unit.gpu.uuid) == (f"3:{expected[0][1]['index']}", host["gpus"][3]["uuid"])
         assert device.unit.memory_total == expected[0][1]["memory_total"]
-    indexed = by_name(plugin_devices.resources(inventory, config("mixed", id_strategy="index")))
+    indexed = by_name(plugin_resources.resources(inventory, config("mixed", id_strategy="index")))
     assert ids(indexed["nvidia.com/gpu"]) == ["0", "1", "2"]
     assert [ids(indexed[f"nvidia.com/mig-{p}"]) for p in PROFILES] == [["3:2"], ["3:1"], ["3:0"]]
 
 
 def test_strategy_single_on_a_mixed_node_is_a_config_error(inventory):
     with pytest.raises(ConfigError) as e:
-        plugin_devices.resources(inventory, config("single"), "/etc/dp.yaml")
+        plugin_resources.resources(inventory, config("single"), "/etc/dp.yaml")
     assert e.value.message == (
         "/etc/dp.yaml: flags.migStrategy single needs MIG on every GPU with one profile; this node has 3 GPUs without "
         "MIG and MIG profiles 1g.5gb, 2g.10gb, 3g.20gb; use mixed"
     )
     with pytest.raises(ConfigError) as e:
-        plugin_devices.resources(inventory, config("single"))
+        plugin_resources.resources(inventory, config("single"))
     assert e.value.message.startswith("device plugin configuration: flags.migStrategy single")
 
 
 def test_strategy_single_with_one_profile_offers_the_mig_devices_as_gpus():
     inventory = fake_inventory([["1g.5gb", "1g.5gb"], ["1g.5gb"]])
-    (gpu,) = plugin_devices.resources(inventory, config("single"))
+    (gpu,) = plugin_resources.resources(inventory, config("single"))
     assert gpu.name == "nvidia.com/gpu"
     assert ids(gpu) == [m.uuid for g in inventory.gpus for m in g.mig]
-    (indexed,) = plugin_devices.resources(inventory, config("single", id_strategy="index"))
+    (indexed,) = plugin_resources.resources(inventory, config("single", id_strategy="index"))
     assert ids(indexed) == ["0:0", "0:1", "1:0"]
 
 
@@ -128,49 +129,49 @@ def test_strategy_single_with_one_profile_offers_the_mig_devices_as_gpus():
 )  # fmt: skip
 def test_strategy_single_needs_mig_everywhere_with_one_profile(layout, words):
     with pytest.raises(ConfigError) as e:
-        plugin_devices.resources(fake_inventory(layout), config("single"), "f.yaml")
+        plugin_resources.resources(fake_inventory(layout), config("single"), "f.yaml")
     assert words in e.value.message
 
 
 def test_strategy_single_needs_the_profiles_from_nvml():
     with pytest.raises(ConfigError) as e:
-        plugin_devices.resources(fake_inventory([["1g.5gb"], ["1g.5gb"]], nvml=False), config("single"), "f.yaml")
+        plugin_resources.resources(fake_inventory([["1g.5gb"], ["1g.5gb"]], nvml=False), config("single"), "f.yaml")
     assert "MIG profiles unknown" in e.value.message
 
 
 def test_strategy_single_without_mig_offers_the_gpus():
     inventory = fake_inventory([[], []])
-    (gpu,) = plugin_devices.resources(inventory, config("single"))
+    (gpu,) = plugin_resources.resources(inventory, config("single"))
     assert ids(gpu) == [g.uuid for g in inventory.gpus]
 
 
 def test_strategy_mixed_needs_the_profiles_from_nvml():
     with pytest.raises(ConfigError) as e:
-        plugin_devices.resources(fake_inventory([[], ["1g.5gb"]], nvml=False), config("mixed"), "f.yaml")
+        plugin_resources.resources(fake_inventory([[], ["1g.5gb"]], nvml=False), config("mixed"), "f.yaml")
     assert e.value.message == ("f.yaml: flags.migStrategy mixed needs each MIG device's profile, and NVML did not "
                                "report the profile of MIG device 1:0")  # fmt: skip
 
 
 def test_strategy_mixed_with_mig_on_every_gpu_offers_no_nvidia_com_gpu():
     """As NVIDIA's v0.20: no nvidia.com/gpu registered with 0 devices (issue 39, item 6)."""
-    resources = by_name(plugin_devices.resources(fake_inventory([["1g.5gb"], ["2g.10gb"]]), config("mixed")))
+    resources = by_name(plugin_resources.resources(fake_inventory([["1g.5gb"], ["2g.10gb"]]), config("mixed")))
     assert sorted(resources) == ["nvidia.com/mig-1g.5gb", "nvidia.com/mig-2g.10gb"]
     # Under none the GPUs are offered whole, MIG or not.
-    assert [r.name for r in plugin_devices.resources(fake_inventory([["1g.5gb"]]), config("none"))] == [
+    assert [r.name for r in plugin_resources.resources(fake_inventory([["1g.5gb"]]), config("none"))] == [
         "nvidia.com/gpu"
     ]
 
 
 def test_the_same_inventory_gives_the_same_answer(inventory):
     shared = config("mixed", TimeSlicedResource("nvidia.com/gpu", 3, "per-replica"))
-    assert plugin_devices.resources(inventory, shared) == plugin_devices.resources(inventory, shared)
+    assert plugin_resources.resources(inventory, shared) == plugin_resources.resources(inventory, shared)
 
 
 # ---- time-slicing -----------------------------------------------------------------------------------
 
 
 def test_replicas_give_one_id_per_replica(host, inventory):
-    resources = by_name(plugin_devices.resources(inventory, config(
+    resources = by_name(plugin_resources.resources(inventory, config(
         "mixed", TimeSlicedResource("nvidia.com/gpu", 4, None), TimeSlicedResource("nvidia.com/mig-1g.5gb", 2, None),
         fail_requests_greater_than_one=True)))  # fmt: skip
     gpu = resources["nvidia.com/gpu"]
@@ -183,7 +184,7 @@ def test_replicas_give_one_id_per_replica(host, inventory):
     unshared = resources["nvidia.com/mig-2g.10gb"]  # not listed in sharing: whole, one id each
     assert (unshared.replicas, unshared.fail_requests_greater_than_one) == (1, False)
     assert ids(unshared) == [m["uuid"] for _, m in migs(host, "2g.10gb")]
-    indexed = by_name(plugin_devices.resources(inventory, config(
+    indexed = by_name(plugin_resources.resources(inventory, config(
         "mixed", TimeSlicedResource("nvidia.com/gpu", 2, None), TimeSlicedResource("nvidia.com/mig-3g.20gb", 2, None),
         id_strategy="index")))  # fmt: skip
     assert ids(indexed["nvidia.com/gpu"]) == ["0::0", "0::1", "1::0", "1::1", "2::0", "2::1"]
@@ -191,12 +192,12 @@ def test_replicas_give_one_id_per_replica(host, inventory):
 
 
 def test_rename_by_default_adds_the_shared_suffix_to_shared_resources_only(inventory):
-    resources = plugin_devices.resources(inventory, config(
+    resources = plugin_resources.resources(inventory, config(
         "mixed", TimeSlicedResource("nvidia.com/gpu", 2, None), TimeSlicedResource("nvidia.com/mig-1g.5gb", 2, None),
         rename_by_default=True))  # fmt: skip
     assert [r.name for r in resources] == ["nvidia.com/gpu.shared", "nvidia.com/mig-1g.5gb.shared",
                                            "nvidia.com/mig-2g.10gb", "nvidia.com/mig-3g.20gb"]  # fmt: skip
-    (none,) = plugin_devices.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, None),
+    (none,) = plugin_resources.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, None),
                                                          rename_by_default=True))  # fmt: skip
     assert none.name == "nvidia.com/gpu.shared" and len(none.devices) == 8
 
@@ -204,7 +205,7 @@ def test_rename_by_default_adds_the_shared_suffix_to_shared_resources_only(inven
 @pytest.mark.parametrize("replicas, limit", [(4, "25%"), (3, "33.3333%"), (2, "50%"), (7, "14.2857%"),
                                              (1000, "0.1%"), (1024, "0.0977%")])  # fmt: skip
 def test_a_per_replica_memory_limit_is_a_percentage(inventory, replicas, limit):
-    (gpu,) = plugin_devices.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", replicas,
+    (gpu,) = plugin_resources.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", replicas,
                                                                                     "per-replica")))  # fmt: skip
     assert gpu.memory_limit == limit
     memory_limit.parse(gpu.memory_limit, "plugin")  # what the hook will be given, it can read
@@ -213,7 +214,7 @@ def test_a_per_replica_memory_limit_is_a_percentage(inventory, replicas, limit):
 def test_a_memory_limit_in_other_forms_is_passed_as_given(inventory):
     shared = (TimeSlicedResource("nvidia.com/gpu", 2, "4GiB"), TimeSlicedResource("nvidia.com/mig-3g.20gb", 3, "25%"),
               TimeSlicedResource("nvidia.com/mig-1g.5gb", 2, None))  # fmt: skip
-    resources = by_name(plugin_devices.resources(inventory, config("mixed", *shared)))
+    resources = by_name(plugin_resources.resources(inventory, config("mixed", *shared)))
     assert resources["nvidia.com/gpu"].memory_limit == "4GiB"
     assert resources["nvidia.com/mig-3g.20gb"].memory_limit == "25%"
     assert resources["nvidia.com/mig-1g.5gb"].memory_limit is None
@@ -221,7 +222,7 @@ def test_a_memory_limit_in_other_forms_is_passed_as_given(inventory):
 
 
 def test_a_per_replica_limit_with_one_replica_is_the_whole_device(inventory):
-    (gpu,) = plugin_devices.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 1,
+    (gpu,) = plugin_resources.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 1,
                                                                                     "per-replica")))  # fmt: skip
     assert [d.id for d in gpu.devices] == [g.uuid for g in inventory.gpus]  # not shared: no replica ids
     assert (gpu.replicas, gpu.memory_limit) == (1, "100%")
@@ -233,18 +234,18 @@ def test_a_size_larger_than_one_of_the_devices_is_a_config_error(host, inventory
     shared = config("mixed", TimeSlicedResource("nvidia.com/gpu", 2, "40GiB"),
                     TimeSlicedResource("nvidia.com/mig-1g.5gb", 2, "6GiB"))  # fmt: skip
     with pytest.raises(ConfigError) as e:
-        plugin_devices.resources(inventory, shared, "/etc/dp.yaml")
+        plugin_resources.resources(inventory, shared, "/etc/dp.yaml")
     assert e.value.message == (f"/etc/dp.yaml: sharing.timeSlicing.resources[1].memoryLimit: 6GiB is more than "
                                f"{mig['uuid']}'s 4864 MiB")  # fmt: skip
     with pytest.raises(ConfigError) as e:  # a GPU's whole memory fits; a byte more does not
-        plugin_devices.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, "40961MiB")), "f")
+        plugin_resources.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, "40961MiB")), "f")
     assert e.value.message == (f"f: sharing.timeSlicing.resources[0].memoryLimit: 40961MiB is more than "
                                f"{host['gpus'][0]['uuid']}'s 40960 MiB")  # fmt: skip
     # a percentage fits any device; so does a size where NVML reported no memory
-    assert plugin_devices.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, "100%")))
+    assert plugin_resources.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, "100%")))
     unknown = fake_inventory([[]], nvml=False)
     unknown = unknown.replace(gpus=(unknown.gpus[0].replace(memory_total=None),))
-    (gpu,) = plugin_devices.resources(unknown, config("none", TimeSlicedResource("nvidia.com/gpu", 2, "500GiB")))
+    (gpu,) = plugin_resources.resources(unknown, config("none", TimeSlicedResource("nvidia.com/gpu", 2, "500GiB")))
     assert gpu.memory_limit == "500GiB"
 
 
@@ -254,7 +255,7 @@ def test_a_shared_mig_profile_this_node_lacks_is_a_config_error(inventory, node_
     shared = config("mixed", TimeSlicedResource("nvidia.com/gpu", 2, None),
                     TimeSlicedResource("nvidia.com/mig-7g.40gb", 2, None))  # fmt: skip
     with pytest.raises(ConfigError) as e:
-        plugin_devices.resources(node, shared, "/etc/dp.yaml")
+        plugin_resources.resources(node, shared, "/etc/dp.yaml")
     have = ", ".join(PROFILES) if node_kind == "simulated" else "none"
     assert e.value.message == ("/etc/dp.yaml: sharing.timeSlicing.resources[1].name: unknown MIG profile: no MIG "
                                f"device on this node has profile 7g.40gb (profiles here: {have})")  # fmt: skip
@@ -262,7 +263,7 @@ def test_a_shared_mig_profile_this_node_lacks_is_a_config_error(inventory, node_
 
 def test_sharing_nvidia_com_gpu_on_a_node_with_mig_everywhere_is_fine():
     inventory = fake_inventory([["1g.5gb"]])
-    resources = by_name(plugin_devices.resources(inventory, config("mixed", TimeSlicedResource("nvidia.com/gpu", 2,
+    resources = by_name(plugin_resources.resources(inventory, config("mixed", TimeSlicedResource("nvidia.com/gpu", 2,
                                                                                                 None))))  # fmt: skip
     assert "nvidia.com/gpu" not in resources
     assert ids(resources["nvidia.com/mig-1g.5gb"]) == [inventory.gpus[0].mig[0].uuid]
@@ -270,25 +271,25 @@ def test_sharing_nvidia_com_gpu_on_a_node_with_mig_everywhere_is_fine():
 
 def test_find():
     inventory = fake_inventory([[], []])
-    (gpu,) = plugin_devices.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, None)))
+    (gpu,) = plugin_resources.resources(inventory, config("none", TimeSlicedResource("nvidia.com/gpu", 2, None)))
     assert gpu.find(f"{inventory.gpus[1].uuid}::1") == gpu.devices[3]
     assert gpu.find(inventory.gpus[1].uuid) is None  # a shared resource knows only its replica ids
     assert gpu.find("") is None
 
 
 def test_resource_names_from_the_simulated_host_are_valid_kubernetes_names(inventory):
-    resources = plugin_devices.resources(inventory, config("mixed", TimeSlicedResource("nvidia.com/gpu", 2, None),
+    resources = plugin_resources.resources(inventory, config("mixed", TimeSlicedResource("nvidia.com/gpu", 2, None),
                                                            rename_by_default=True))  # fmt: skip
     for resource in resources:
         assert QUALIFIED_NAME.match(resource.name) and len(resource.name.split("/")[1]) <= 63, resource.name
 
 
 def test_a_media_extension_profile_gives_a_valid_kubernetes_resource_name():
-    resources = plugin_devices.resources(fake_inventory([["1g.10gb+me", "1g.5gb"]]), config("mixed"))
+    resources = plugin_resources.resources(fake_inventory([["1g.10gb+me", "1g.5gb"]]), config("mixed"))
     for resource in resources:
         assert QUALIFIED_NAME.match(resource.name), resource.name
 
 
 def test_the_config_module_and_this_one_agree_on_names():
-    assert plugin_devices.GPU_RESOURCE == plugin_config.GPU_RESOURCE == "nvidia.com/gpu"
-    assert plugin_devices.REPLICA_SEPARATOR == "::"
+    assert plugin_resources.GPU_RESOURCE == plugin_config.GPU_RESOURCE == "nvidia.com/gpu"
+    assert plugin_resources.REPLICA_SEPARATOR == "::"

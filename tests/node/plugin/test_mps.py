@@ -1,4 +1,4 @@
-"""MPS sharing (node/mps.py): the daemon's defaults and a client's answer from a simulated host's
+"""MPS sharing (plugin/mps.py): the daemon's defaults and a client's answer from a simulated host's
 inventory, the daemons' life cycle with the simulator's control program (its record of what it
 was told), the same commands accepted by NVIDIA's real nvidia-cuda-mps-control (driver
 550.163.01, run only where /dev is private: tests/drivercheck.py), and hostile client pods (uid 0,
@@ -16,7 +16,9 @@ import drivercheck
 import pytest
 from hookcheck import config_with
 
-from oci_gpu_hook.node import mps, plugin_config, plugin_devices
+from oci_gpu_hook.node.plugin import config as plugin_config
+from oci_gpu_hook.node.plugin import mps
+from oci_gpu_hook.node.plugin import resources as plugin_resources
 
 pytestmark = pytest.mark.host(gpus=2, mig=[])
 MIB = 1 << 20
@@ -33,7 +35,7 @@ def mps_resource(inventory, root, replicas=2, renamed=False):
     doc = {"flags": {"mpsRoot": str(root)},
            "sharing": {"mps": {"renameByDefault": renamed,
                                "resources": [{"name": "nvidia.com/gpu", "replicas": replicas}]}}}  # fmt: skip
-    (resource,) = plugin_devices.resources(inventory, plugin_config.parse(doc, "test"))
+    (resource,) = plugin_resources.resources(inventory, plugin_config.parse(doc, "test"))
     return resource
 
 
@@ -73,25 +75,28 @@ def test_defaults_and_a_clients_answer_follow_the_hosts_gpus(host, tmp_path):
                       ("/dev/shm", f"{root}/nvidia.com/gpu/shm", False))  # fmt: skip
     # Renamed (renameByDefault), the directories follow the resource's name, as NVIDIA's do.
     doc = {"sharing": {"mps": {"renameByDefault": True, "resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}}
-    (renamed,) = plugin_devices.resources(inventory, plugin_config.parse(doc, "test"))
+    (renamed,) = plugin_resources.resources(inventory, plugin_config.parse(doc, "test"))
     assert renamed.name == "nvidia.com/gpu.shared" and renamed.mps_root == plugin_config.DEFAULT_MPS_ROOT
     assert mps.client_answer(renamed, units)[0]["CUDA_MPS_PIPE_DIRECTORY"] == "/mps/nvidia.com/gpu.shared/pipe"
 
 
 def test_the_plugins_allocate_answer_carries_the_mps_client_answer(host, tmp_path):
-    from oci_gpu_hook.node import plugin_allocation
+    from oci_gpu_hook.node.plugin import allocation
 
     inventory = inventory_of(config_with(host, tmp_path, ""))
     doc = {"flags": {"mpsRoot": str(tmp_path / "mps")},
            "sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}}  # fmt: skip
     config = plugin_config.parse(doc, "test")
-    (resource,) = plugin_devices.resources(inventory, config)
-    answer = plugin_allocation.allocate(resource, [resource.devices[3].id], config, inventory, "nvidia.com/gpu")
+    (resource,) = plugin_resources.resources(inventory, config)
+    answer = allocation.allocate(resource, [resource.devices[3].id], config, inventory, "nvidia.com/gpu")
     envs, mounts = mps.client_answer(resource, [resource.devices[3].unit])
     assert answer.envs == {"NVIDIA_VISIBLE_DEVICES": host["gpus"][1]["uuid"], **envs}
     assert answer.mounts == mounts
-    with pytest.raises(plugin_allocation.AllocationError, match="failRequestsGreaterThanOne"):
-        plugin_allocation.allocate(resource, [d.id for d in resource.devices[:2]], config, inventory, "k")
+    with pytest.raises(allocation.AllocationError) as e:
+        allocation.allocate(resource, [d.id for d in resource.devices[:2]], config, inventory, "k")
+    # The key of MPS sharing, which the refusal named as sharing.timeSlicing's (issue 52, item 8b).
+    assert str(e.value) == ("nvidia.com/gpu: a container may ask for 1 MPS replica, not 2 "
+                            "(sharing.mps.failRequestsGreaterThanOne, true unless set false)")  # fmt: skip
 
 
 def test_daemons_start_with_their_defaults_restart_on_a_change_and_quit(host, tmp_path, mps_root):
@@ -154,14 +159,16 @@ def test_our_daemon_commands_are_what_the_real_control_program_takes(host, tmp_p
     # Everything that runs the real program runs where /dev is private (drivercheck's rule).
     script = (
         "import json, sys\n"
-        "from oci_gpu_hook.node import mps, plugin_config, plugin_devices\n"
+        "from oci_gpu_hook.node.plugin import config as plugin_config\n"
+        "from oci_gpu_hook.node.plugin import mps\n"
+        "from oci_gpu_hook.node.plugin import resources as plugin_resources\n"
         "from oci_gpu_hook.start import discover, inventory_cache, settings\n"
         "real = discover.discover(settings.load(sys.argv[1]))\n"
         "program = mps.control_program(real)\n"
         "simulated = inventory_cache.load(settings.load(sys.argv[2]))\n"
         "doc = {'flags': {'mpsRoot': sys.argv[3]}, 'sharing': {'mps': {'resources': "
         "[{'name': 'nvidia.com/gpu', 'replicas': 2}]}}}\n"
-        "(resource,) = plugin_devices.resources(simulated, plugin_config.parse(doc, 'test'))\n"
+        "(resource,) = plugin_resources.resources(simulated, plugin_config.parse(doc, 'test'))\n"
         "daemon = mps.launch(resource, program)\n"
         "asked = ['get_default_active_thread_percentage', 'get_default_device_pinned_mem_limit 0',\n"
         "         'get_default_device_pinned_mem_limit 1']\n"
@@ -378,12 +385,14 @@ def test_a_device_node_put_as_the_pid_file_is_never_opened(host, tmp_path, mps_r
 # the plugin mounts on the host reaches no other process, and goes with the namespace.
 SHM_LIFE = """
 import json, os, sys
-from oci_gpu_hook.node import mps, plugin_config, plugin_devices
+from oci_gpu_hook.node.plugin import config as plugin_config
+from oci_gpu_hook.node.plugin import mps
+from oci_gpu_hook.node.plugin import resources as plugin_resources
 from oci_gpu_hook.start import inventory_cache, settings
 config, root = sys.argv[1:]
 inventory = inventory_cache.load(settings.load(config))
 doc = {"flags": {"mpsRoot": root}, "sharing": {"mps": {"resources": [{"name": "nvidia.com/gpu", "replicas": 2}]}}}
-(resource,) = plugin_devices.resources(inventory, plugin_config.parse(doc, "test"))
+(resource,) = plugin_resources.resources(inventory, plugin_config.parse(doc, "test"))
 def tmpfs(path):
     st, vfs = os.stat(path), os.statvfs(path)
     return {"own": st.st_dev != os.stat(root).st_dev, "mode": oct(st.st_mode & 0o7777),

@@ -1,8 +1,10 @@
 """What the device plugin advertises: from the inventory and the plugin's configuration, the
 Kubernetes resources (nvidia.com/gpu, nvidia.com/gpu.shared, nvidia.com/mig-<profile>) and the
 device ids the kubelet sees for each, one per GPU or MIG device, or one per replica when the
-resource is time-sliced. Pure: the same inventory and configuration give the same answer, which is
-how a re-read after a driver change is compared with what was advertised.
+resource is shared. Pure: the same inventory and configuration give the same answer, which is
+how a re-read after a driver change is compared with what was advertised. The node's labels
+describe these same resources (node/features.py), so that the labels and the plugin never
+disagree on what the node offers, nor on which configurations it refuses.
 
 MIG strategies, as NVIDIA's plugin has them: `none` offers every GPU whole; `single` offers the
 MIG devices as nvidia.com/gpu (every GPU must have MIG on with one profile; with MIG on nowhere it
@@ -13,8 +15,8 @@ nvidia.com/mig-<profile>.
 from __future__ import annotations
 
 from oci_gpu_hook.errors import ConfigError
-from oci_gpu_hook.node import plugin_config
-from oci_gpu_hook.node.plugin_config import GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX
+from oci_gpu_hook.node.plugin import config as plugin_config
+from oci_gpu_hook.node.plugin.config import GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX
 from oci_gpu_hook.record import Record
 from oci_gpu_hook.start.inventory import device_key
 
@@ -45,17 +47,36 @@ class Advertised(Record):
 
 
 class Resource(Record):
-    __slots__ = ("name", "devices", "replicas", "memory_limit", "fail_requests_greater_than_one", "mps_root")
-    _defaults = {"mps_root": None}
+    __slots__ = ("name", "devices", "replicas", "memory_limit", "fail_requests_greater_than_one", "mps_root",
+                 "renamed")  # fmt: skip
+    _defaults = {"mps_root": None, "renamed": False}
     name: str
     devices: tuple  # Advertised
     replicas: int
     memory_limit: str | None  # memory_limit.py text passed to each container, or None
     fail_requests_greater_than_one: bool
     mps_root: str | None  # shared through MPS: flags.mpsRoot, where its daemon's directories are (mps.py)
+    renamed: bool  # name has the SHARED_SUFFIX that renameByDefault adds
 
     def find(self, device_id: str) -> Advertised | None:
         return next((d for d in self.devices if d.id == device_id), None)
+
+    @property
+    def configured_name(self) -> str:
+        """The name the configuration knows it by: nvidia.com/gpu or nvidia.com/mig-<profile>."""
+        return self.name[: -len(SHARED_SUFFIX)] if self.renamed else self.name
+
+    @property
+    def units(self) -> tuple:
+        """Each GPU or MIG device once, in the order advertised (a replica's is its unit's)."""
+        return tuple({d.unit.uuid: d.unit for d in self.devices}.values())
+
+    @property
+    def sharing_strategy(self) -> str:
+        """GFD's word for how it is shared: none, time-slicing or mps."""
+        if self.replicas == 1:
+            return "none"
+        return "mps" if self.mps_root else "time-slicing"
 
 
 def _gpu_unit(gpu) -> Unit:
@@ -125,8 +146,9 @@ def resources(inventory, config, where: str = "device plugin configuration") -> 
             continue
         devices = tuple(Advertised(_id(u, config.id_strategy, r), u, r) for u in units for r in range(shared.replicas))
         mps_root = config.mps_root if shared in config.mps else None
-        out.append(Resource(name + (SHARED_SUFFIX if config.rename_by_default else ""), devices, shared.replicas,
-                            limit, config.fail_requests_greater_than_one, mps_root))  # fmt: skip
+        renamed = config.rename_by_default
+        out.append(Resource(name + (SHARED_SUFFIX if renamed else ""), devices, shared.replicas, limit,
+                            config.fail_requests_greater_than_one, mps_root, renamed))  # fmt: skip
     return tuple(out)
 
 

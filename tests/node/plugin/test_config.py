@@ -1,4 +1,4 @@
-"""The device plugin's configuration file (plugin_config.py): NVIDIA's `version: v1` format as its
+"""The device plugin's configuration file (plugin/config.py): NVIDIA's `version: v1` format as its
 documentation shows it, our memoryLimit, and every mistake refused with one line that names the
 file and the key. Pure: documents in, records or ConfigError out."""
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from oci_gpu_hook.errors import ConfigError
-from oci_gpu_hook.node import plugin_config as pc
-from oci_gpu_hook.node.plugin_config import PluginConfig, TimeSlicedResource
+from oci_gpu_hook.node.plugin import config as pc
+from oci_gpu_hook.node.plugin.config import PluginConfig, TimeSlicedResource
 from oci_gpu_hook.start.settings import NodeSettings
 
 WHERE = "/etc/oci-gpu-hook/device-plugin.yaml"
@@ -375,7 +375,7 @@ def test_v0_20_keys_with_the_values_this_plugin_follows_are_taken():
     assert config.mps == () and config.mps_root is None  # mpsRoot alone shares nothing
     assert config.allocation_policy == "distributed"
     packed = parse({"version": "v1", "flags": {"plugin": {"sharedDevicesAllocationPolicy": "packed"}}})
-    assert packed.allocation_policy == "packed"  # was refused; plugin_allocation.preferred follows it
+    assert packed.allocation_policy == "packed"  # was refused; allocation.preferred follows it
     assert parse({"flags": {"deviceDiscoveryStrategy": "nvml"}, "resources": None, "imex": None}) == PluginConfig(
         mig_strategy="none"
     )

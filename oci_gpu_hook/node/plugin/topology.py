@@ -3,10 +3,13 @@ topology manager takes it in ListAndWatch), and how closely each pair of GPUs is
 NVML: the NVLinks between them and their PCIe common ancestor), which GetPreferredAllocation uses
 to give a container GPUs that talk to each other fast.
 
-The preference is best-effort, as NVIDIA's (go-gpuallocator's best-effort policy): among the
-sets of the requested size that hold the must-include devices, the one whose pairs score highest,
-NVLinks counting most, then the nearer PCIe ancestor; ties go to NVML order. When NVML cannot
-tell (no NVML, a GPU it does not list), the pair scores nothing and NVML order decides.
+The preference: among the sets of the requested size that hold the must-include devices, the one
+whose pairs score highest, NVLinks counting most, then the nearer PCIe ancestor (the pair scores
+of NVIDIA's best-effort policy); ties go to NVML order, never to the order of the request. NVIDIA's
+policy gives instead the best group of the best split of every free GPU into groups of the size;
+bench/preferred_allocation.py measures both (docs/kubernetes.md has the figures, and why this
+one). When NVML cannot tell (no NVML, a GPU it does not list), the pair scores nothing and NVML
+order decides.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import itertools
 
 from oci_gpu_hook.errors import NvmlError
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.digits import decimal
 from oci_gpu_hook.start.inventory import host_path
 
 # A pair's score by NVML's nvmlGpuTopologyLevel_t: INTERNAL (one board), SINGLE (one PCIe switch),
@@ -43,11 +47,10 @@ def numa_node(sys_root: str, bus_id: str) -> int | None:
     """The NUMA node sysfs gives the PCI device (/sys/bus/pci/devices/<bus id>/numa_node); None
     where there is none (-1: a machine with one node) or the file cannot be read."""
     try:
-        with open(host_path(sys_root, f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node")) as f:
-            node = int(f.read().strip())
-    except (OSError, ValueError):
+        with open(host_path(sys_root, f"/sys/bus/pci/devices/{bus_id.lower()}/numa_node"), errors="replace") as f:
+            return decimal(f.read(64).strip())
+    except OSError:
         return None
-    return node if node >= 0 else None
 
 
 def _bus_key(bus_id: str):
@@ -107,7 +110,9 @@ def _text(value) -> str:
 
 
 def best(candidates: list, fixed: list, need: int, topology: Topology) -> list:
-    """need of candidates (uuids, in NVML order) that with fixed score highest; earlier wins ties."""
+    """need of candidates (uuids, in NVML order) that with fixed score highest; earlier wins ties.
+    Past MAX_SETS sets, one at a time: each the candidate that adds most to the score of fixed
+    and those chosen (so with nothing fixed, the first candidate first)."""
     if need <= 0 or not candidates:
         return []
     need = min(need, len(candidates))

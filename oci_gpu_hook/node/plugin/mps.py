@@ -45,6 +45,7 @@ import tempfile
 
 from oci_gpu_hook.errors import PrerequisiteError
 from oci_gpu_hook.record import Record
+from oci_gpu_hook.start.digits import decimal
 from oci_gpu_hook.start.inventory import host_path
 
 CONTROL = "nvidia-cuda-mps-control"
@@ -477,11 +478,14 @@ def _recorded_process(place: int, name: str) -> tuple | None:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
-            pid, ticks = (int(v) for v in os.read(fd, 64).split())
+            numbers = [decimal(v) for v in os.read(fd, 64).decode("ascii", "replace").split()]
         finally:
             os.close(fd)
-    except (OSError, ValueError):
+    except OSError:
         return None
+    if len(numbers) != 2 or None in numbers:
+        return None
+    pid, ticks = numbers
     return (pid, ticks) if pids.is_same_process(pid, ticks) else None
 
 
@@ -610,9 +614,12 @@ def _process(daemon: Daemon) -> tuple | None:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
-            pid = int(files.read_bounded(f"/proc/self/fd/{fd}", 32, regular=True).strip())
+            text = files.read_bounded(f"/proc/self/fd/{fd}", 32, regular=True)
+            pid = decimal(text.decode("ascii", "replace").strip())
         finally:
             os.close(fd)
+        if pid is None:
+            return None
         ticks = pids.start_ticks(pid)
         exe, program = os.stat(f"/proc/{pid}/exe"), os.stat(daemon.program)
         root, own = os.stat(f"/proc/{pid}/root"), os.stat("/proc/self/root")

@@ -47,7 +47,7 @@ class TimeSlicedResource(Record):
     memory_limit: str | None  # per-replica, or a memory_limit.py size or percentage
 
 
-# XID health (plugin_health.py): which XIDs make a GPU Unhealthy. NVIDIA's plugin counts every XID
+# XID health (xid_watch.py): which XIDs make a GPU Unhealthy. NVIDIA's plugin counts every XID
 # but these, which its source calls application errors (the GPU itself is fine): 13 graphics engine
 # exception, 31 GPU memory page fault, 43 GPU stopped processing, 45 preemptive cleanup, 68 video
 # processor exception, 109 context switch timeout.
@@ -279,6 +279,11 @@ def parse(doc, where: str) -> PluginConfig:
         allocation_policy=plugin.get("sharedDevicesAllocationPolicy") or "distributed",
         **_xid_health(doc),
     )
+
+
+def source(path: str | None) -> str:
+    """Where the configuration load(path, ...) gives comes from, as its messages name it."""
+    return path or "node settings (node.mig_strategy, node.replicas)"
 
 
 def load(path: str | None, node_settings) -> PluginConfig:

@@ -1,6 +1,6 @@
 """The device plugin's answers to the kubelet, as plain data: which ids to prefer for a container
 (GetPreferredAllocation), and what the runtime must be told so that the container gets exactly
-the allocated GPUs (Allocate). Pure; device_plugin.py turns these into the API's messages.
+the allocated GPUs (Allocate). Pure; service.py turns these into the API's messages.
 
 Allocate's answer, by `flags.plugin.deviceListStrategy` (any of them, together):
 - envvar: NVIDIA_VISIBLE_DEVICES=<ids>; the hook reads it.
@@ -52,7 +52,7 @@ class ContainerAllocation(Record):
 
 def preferred(resource, available, must_include, size: int, topology=None, policy: str = "distributed") -> list:
     """size ids from available, must_include first. Whole GPUs (not shared, not MIG) then go by
-    topology (plugin_topology.best: NVLinks, then the nearest common PCIe ancestor, with the
+    topology (topology.best: NVLinks, then the nearest common PCIe ancestor, with the
     must-include ones). The rest by policy (flags.plugin.sharedDevicesAllocationPolicy), as
     NVIDIA's plugin means it:
     - distributed: spread the container over distinct GPUs, then over the GPUs with the most
@@ -78,7 +78,7 @@ def preferred(resource, available, must_include, size: int, topology=None, polic
     for device in resource.devices:
         order.setdefault(_gpu_key(device, packed), len(order))
     if topology is not None and resource.replicas == 1 and all(d.unit.mig is None for d in resource.devices):
-        from oci_gpu_hook.node.plugin_topology import best
+        from oci_gpu_hook.node.plugin.topology import best
 
         candidates = sorted((u for u in free if free[u] and u not in used), key=lambda u: order.get(u, 0))
         for uuid in best(candidates, sorted(used), size - len(chosen), topology):
@@ -110,6 +110,9 @@ def _units(resource, ids) -> list:
             raise AllocationError(f"{resource.name}: unknown device id {device_id[:80]!r}")
         units.append(device.unit)
     if resource.replicas > 1 and resource.fail_requests_greater_than_one and len(ids) > 1:
+        if resource.mps_root:  # the key's default is true for MPS (config.parse)
+            raise AllocationError(f"{resource.name}: a container may ask for 1 MPS replica, not {len(ids)} "
+                                  "(sharing.mps.failRequestsGreaterThanOne, true unless set false)")  # fmt: skip
         raise AllocationError(f"{resource.name}: a container may ask for 1 time-sliced GPU, not {len(ids)} "
                               "(sharing.timeSlicing.failRequestsGreaterThanOne is set)")  # fmt: skip
     return list({u.uuid: u for u in units}.values())  # two replicas of one GPU are that GPU
@@ -155,7 +158,7 @@ def allocate(resource, ids, config, inventory, cdi_kind: str) -> ContainerAlloca
         envs[memory_limit.ENV] = resource.memory_limit
         mounts.append((f"{memory_limit.MOUNT_DIR}/{resource.memory_limit}", "/dev/null", True))
     if resource.mps_root:
-        from oci_gpu_hook.node import mps
+        from oci_gpu_hook.node.plugin import mps
 
         mps_envs, mps_mounts = mps.client_answer(resource, sorted(units, key=lambda u: u.index))
         envs.update(mps_envs)

@@ -1,6 +1,7 @@
-"""`oci-gpu-hook device-plugin` for real: the program in a subprocess, serving the kubelet's
-v1beta1 API on unix sockets, and a fake kubelet in the test (a Registration server on
-kubelet.sock, and DevicePlugin clients on the plugin's sockets). No kubelet, no cluster.
+"""`oci-gpu-hook device-plugin` for real (supervisor.run, and the servers, calls and health it
+keeps): the program in a subprocess, serving the kubelet's v1beta1 API on unix sockets, and a
+fake kubelet in the test (a Registration server on kubelet.sock, and DevicePlugin clients on the
+plugin's sockets). No kubelet, no cluster.
 
 The host is a simulated 4-GPU H100 host with MIG on GPU 3, used by this module alone: tests here
 take device nodes away and make NVML fail, and put them back. Waiting is by deadline, on what the
