@@ -1,4 +1,4 @@
-# The README's two commands: `make demo` and `make test` (both install what they need first).
+# The README's commands: `make demo`, `make test` and its fast tier `make unit` (each installs what it needs first).
 PYTHON ?= /usr/bin/python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -42,13 +42,22 @@ lint: setup
 
 # The shared tools the end-to-end suites run are built in the background from the start (a cold
 # machine needs about 12 minutes for them), while lint and the other suites run; pytest runs the
-# end-to-end suites last (tests/conftest.py), and waits on a tool still being built.
+# end-to-end suites last (tests/conftest.py), and waits on a tool still being built. The node VM
+# boots in the background too, once lint passed, and stops if make does (tests/vmcheck.py):
+# tests/e2e/test_node_vm.py reads its run from build/node-vm.json (VMCHECK_BOOTED).
 test: setup
 	mkdir -p build
 	nice -n 10 $(PY) tests/toolbuild.py > build/tools.log 2>&1 &
 	$(MAKE) lint
-	$(VENV)/bin/pytest -q tests
-	cat build/tools.log
+	rm -f build/node-vm.json build/node-vm.json.lock
+	$(PY) tests/vmcheck.py --for-pid $$PPID build/node-vm.json > build/node-vm.log 2>&1 &
+	VMCHECK_BOOTED=$(CURDIR)/build/node-vm.json $(VENV)/bin/pytest -q tests
+	cat build/tools.log build/node-vm.log
+
+# The fast tier (docs/testing.md): every suite but the end-to-end ones (tests/e2e: real runtimes
+# and daemons, a kubelet, a cluster, the node VM), which take most of `make test`'s time.
+unit: setup
+	$(VENV)/bin/pytest -q tests --ignore=tests/e2e
 
 # The kubelet device plugin API's Python modules, from oci_gpu_hook/node/kubelet_api/deviceplugin.proto.
 stubs:

@@ -59,7 +59,7 @@ import hookcheck  # noqa: E402
 import install_ways  # noqa: E402
 import node  # noqa: E402
 
-from oci_gpu_hook.start import rule  # noqa: E402
+from oci_gpu_hook.start import prefilter_rule  # noqa: E402
 from oci_gpu_hook.toolkit import containers, launcher, prefilter  # noqa: E402
 from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 
@@ -279,8 +279,9 @@ def main():
                                 start_server=os.path.join(work, "nothing-listens.sock"))  # fmt: skip
         socket_path = os.path.join(work, "start.sock")
         served = prefilter.build(os.path.join(work, "oci-gpu-hook-served"), launcher, start_server=socket_path)
-        server = subprocess.Popen([launcher, rule.START_SERVER, "--socket", socket_path], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        server = subprocess.Popen([launcher, prefilter_rule.START_SERVER, "--socket", socket_path],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)  # fmt: skip
         servers.append(server)
         for _ in range(500):  # listening before the first round
             if os.path.exists(socket_path) or server.poll() is not None:

@@ -135,7 +135,7 @@ class PrerequisiteError(HookError):
 PROG = "oci-gpu-hook"
 
 
-def say(message: str) -> None:
+def _one_line_on_stderr(message: str) -> None:
     """One line on stderr, the program's name first. HookError messages are safe already; an
     internal error's text (any exception's) is not, so every line goes through printable()."""
     import sys
@@ -144,17 +144,17 @@ def say(message: str) -> None:
     sys.stderr.flush()
 
 
-def answer(call) -> int:
+def exit_status_of(call) -> int:
     """call()'s exit status; whatever it raises becomes one line on stderr and an exit status, never
     a traceback (OCI_GPU_HOOK_DEBUG=1 shows one for bug reports). The program's own entry point
     (hook.py) and the start server's workers (start/server.py) answer the same way."""
     try:
         return call()
     except HookError as e:
-        say(e.message)
+        _one_line_on_stderr(e.message)
         return e.exit_code
     except KeyboardInterrupt:
-        say("interrupted")
+        _one_line_on_stderr("interrupted")
         return Exit.INTERRUPTED
     except Exception as e:  # a bug: say so in one line, keep the traceback for those who ask
         import os
@@ -163,5 +163,7 @@ def answer(call) -> int:
             import traceback
 
             traceback.print_exc()
-        say(f"internal error: {type(e).__name__}: {e} (please report this; OCI_GPU_HOOK_DEBUG=1 shows details)")
+        _one_line_on_stderr(
+            f"internal error: {type(e).__name__}: {e} (please report this; OCI_GPU_HOOK_DEBUG=1 shows details)"
+        )
         return Exit.INTERNAL

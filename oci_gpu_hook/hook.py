@@ -15,8 +15,14 @@ from __future__ import annotations
 import os
 import sys
 
-from oci_gpu_hook.errors import Exit, answer
-from oci_gpu_hook.start.rule import LDCACHE_REFRESH, RUNTIME_COMMANDS, START_SERVER, is_runtime_command, split_config
+from oci_gpu_hook.errors import Exit, exit_status_of
+from oci_gpu_hook.start.prefilter_rule import (
+    LDCACHE_REFRESH,
+    RUNTIME_COMMANDS,
+    START_SERVER,
+    is_runtime_command,
+    split_config,
+)
 
 INTERNAL_ERROR_EXIT = Exit.INTERNAL
 
@@ -80,7 +86,7 @@ def main(argv=None, options=()) -> int:
 
 
 def _main(argv, as_program: bool) -> int:
-    return answer(lambda: run(argv, as_program))
+    return exit_status_of(lambda: run(argv, as_program))
 
 
 if __name__ == "__main__":

@@ -233,15 +233,34 @@ def _compiled_settings_in_tmp(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def _clean_compiled_settings_of_subprocesses(tmp_path_factory):
     """The hooks this run starts as programs (runc's, CRI-O's, ...) keep compiled settings in the
-    host's /run/oci-gpu-hook: those of this run's configuration files (under its base temporary
-    directory) are removed, and nothing else there (another run's are its own)."""
+    host's /run/oci-gpu-hook: those of this run's configuration files under its base temporary
+    directory, which pytest keeps, are removed at the end, and nothing else there (another run's
+    are its own). Those of a configuration a test kept elsewhere are the test's to remove with
+    it (leftovers.remove_directory): the module check below names them."""
     base = str(tmp_path_factory.getbasetemp())
     yield
-    from hookcheck import remove_compiled_settings
+    import leftovers
 
-    from oci_gpu_hook.start import settings
+    leftovers.remove_compiled_settings(leftovers.RUN_DIR, base)
 
-    remove_compiled_settings(settings.RUN_DIR, base)
+
+_LAST_LOOK: dict = {}  # the host as the last module left it: the next one's "before"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _nothing_left_on_the_host_by_module(request):
+    """What a module leaves on the host (leftovers.py: compiled settings of a configuration that
+    is gone, files in /etc/cdi, hooks.d, systemd's units and install's other places, podman's
+    images and containers, runc's containers, caches) fails its last teardown, named. One look
+    between two modules serves as the first one's "after" and the next one's "before"."""
+    import leftovers
+
+    before = _LAST_LOOK.pop("host", None) or leftovers.snapshot()
+    yield
+    after = _LAST_LOOK["host"] = leftovers.snapshot()
+    found = leftovers.left(before, after)
+    if found:
+        pytest.fail(f"{request.module.__name__} left on the host: {'; '.join(found)}", pytrace=False)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -196,7 +196,7 @@ class HostDockerd:
     outside the namespace (net sysctls, its cgroups). before/after: the steps' results (install's,
     trees of TREES) before dockerd starts and after uninstall.
 
-    The start server's directory (rule.START_SERVER_SOCKET's) is a private tmpfs, so that no
+    The start server's directory (prefilter_rule.START_SERVER_SOCKET's) is a private tmpfs, so that no
     server of the host's takes these starts; start_server: install is run with --start-server, and a
     server listens there, started before dockerd with the command its unit runs (the CLI's argv
     prefix, start-server), its log in server_log."""
@@ -206,7 +206,7 @@ class HostDockerd:
     def __init__(self, work: str, cli: list, rootfs: str, tag: str, start_server: bool = False):
         from privatehost import Session
 
-        from oci_gpu_hook.start import rule
+        from oci_gpu_hook.start import prefilter_rule
 
         os.makedirs(work, exist_ok=True)
         # The socket dockerd's containerd makes under exec/ must fit a socket address (108 bytes).
@@ -220,11 +220,11 @@ class HostDockerd:
         import json
 
         trees = [{"tree": self.TREES}, {"tree": ["/usr/bin"], "contents": False}]
-        run_dir = os.path.dirname(rule.START_SERVER_SOCKET)
+        run_dir = os.path.dirname(prefilter_rule.START_SERVER_SOCKET)
         self.server_log = f"{work}/daemon0.log"  # privatehost's log of the first daemon step
         server = [
             {"run": ["mkdir", "-p", "-m", "0755", run_dir]},
-            {"daemon": [*cli, rule.START_SERVER], "ready": ["grep", "-q", "listening on", self.server_log]},
+            {"daemon": [*cli, prefilter_rule.START_SERVER], "ready": ["grep", "-q", "listening on", self.server_log]},
         ]
         steps = [{"write": "/etc/docker/daemon.json", "text": json.dumps(settings)}, *trees,
                  {"run": [*cli, "install", "--runtime", "docker", *(["--start-server"] if start_server else [])]},

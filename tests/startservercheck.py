@@ -20,11 +20,11 @@ import time
 
 import hookcheck
 
-from oci_gpu_hook.start import rule
+from oci_gpu_hook.start import prefilter_rule
 
 # As a unit would run it: this interpreter and this checkout, isolated, in the hooks' environment.
 CHECKOUT = hookcheck.checkout_command()
-COMMAND = [*CHECKOUT, rule.START_SERVER]
+COMMAND = [*CHECKOUT, prefilter_rule.START_SERVER]
 ENV = hookcheck.HOOK_ENV
 LISTENING = "oci-gpu-hook start-server: listening on "
 NOT_TAKEN = "oci-gpu-hook start-server: not taken: "

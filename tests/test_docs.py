@@ -405,11 +405,11 @@ def test_cli_md_lists_every_line_the_start_server_refuses_with_and_no_other():
 
 
 def test_the_start_servers_conditions_name_its_limits():
-    from oci_gpu_hook.start import rule, server
+    from oci_gpu_hook.start import prefilter_rule, server
 
     conditions = dict(zip(server.NOT_TAKEN, (condition for condition, _ in start_server_conditions())))
     assert f"fewer than {server.MAX_PENDING} connections" in conditions["too many"], conditions["too many"]
-    assert f"within {rule.START_SERVER_TAKE_MS} ms" in conditions["no offer"], conditions["no offer"]
+    assert f"within {prefilter_rule.START_SERVER_TAKE_MS} ms" in conditions["no offer"], conditions["no offer"]
     assert "SO_PEERPIDFD" in conditions["unknown peer"] and "SO_PEERCRED" in conditions["not root"]
 
 

@@ -1,4 +1,4 @@
-"""The folders are the budgets: the start path (start/, plus the shared errors.py and record.py)
+"""The folders are the budgets: the start path (start/, plus the shared errors.py and frozen.py)
 imports nothing from toolkit/, node/ or cli/, and nothing outside the standard library. And no
 module of the package reaches itself again through its imports: each layer reads those below it.
 And the package ships no helper that only the tests and the bench use: those live in tests/.
@@ -19,9 +19,9 @@ import oci_gpu_hook
 
 PACKAGE = os.path.dirname(os.path.abspath(oci_gpu_hook.__file__))
 START = os.path.join(PACKAGE, "start")
-SHARED = ("errors.py", "record.py")
+SHARED = ("errors.py", "frozen.py")
 # What of ours the start path may import (with what lies below): anything else is off limits.
-ALLOWED_OURS = ("oci_gpu_hook.errors", "oci_gpu_hook.record", "oci_gpu_hook.start")
+ALLOWED_OURS = ("oci_gpu_hook.errors", "oci_gpu_hook.frozen", "oci_gpu_hook.start")
 # The two places where the start path may load more than the standard library, both lazily and
 # both only when a cache is stale: nvml.py's child process (a separate interpreter, with what is
 # left of the budget) loads NVIDIA's bindings when the inventory cache is; settings.py loads YAML

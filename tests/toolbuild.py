@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+from oci_gpu_hook.start.digits import decimal
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # tool: (the variable that names its cache, the script's own default cache, the script), in the
 # order the suite first needs them (the RHEL policy headers for tests/packaging, which runs before
@@ -74,14 +76,15 @@ def _runs_of(tool: str) -> list[int]:
     name = f"{os.path.basename(os.path.dirname(script(tool)))}/{TOOLS[tool][2]}".encode()
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
+        pid = decimal(entry)
+        if pid not in (None, os.getpid()):
             try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
                     argv = f.read().split(b"\0")
             except OSError:
                 continue
             if any(arg.endswith(name) for arg in argv[:3]):
-                found.append(int(entry))
+                found.append(pid)
     return found
 
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import stat
 import tempfile
+
+import leftovers
 
 # Tried in this order: each is root's and 0755 on Debian and RHEL, and on the root file system,
 # where programs may run (/run is mounted noexec on most hosts, and the rootless podman tests lay an
@@ -67,7 +68,7 @@ def shared_directory(prefix: str):
         assert _only_root_changes(top) is None, _only_root_changes(top)
         yield top
     finally:
-        shutil.rmtree(top)
+        leftovers.remove_directory(top)  # with the compiled settings of its configurations
 
 
 @contextlib.contextmanager

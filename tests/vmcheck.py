@@ -47,20 +47,36 @@ its output and its denial come back.
 Time (2 cores, shared with other work, TCG): the base image 185 s once per machine; then per
 session the payload 5-20 s, boot to the guest 35-70 s, the set-up 145-280 s (a venv 40 s,
 `semodule -i` 40-85 s), a GPU `podman run` 4-8 s, the whole boot 6-11 minutes.
+
+In the background of `make test`
+--------------------------------
+The boot touches nothing of the host's mount table, cgroups or /dev, so `make test` starts it at
+once (`python3 tests/vmcheck.py --for-pid MAKE'S_PID build/node-vm.json`), beside the other suites,
+instead of when pytest reaches tests/e2e/test_node_vm.py. That process writes its run (or why there
+is none) to build/node-vm.json, holding build/node-vm.json.lock while it works, and stops qemu if
+make is gone (an interrupted `make test`). pytest, told the file by VMCHECK_BOOTED, waits for it
+(booted()) and its tests read that run as they would their own boot's. Without VMCHECK_BOOTED (pytest
+run by hand) the session boots when its first test asks, as before.
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import glob
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import time
+import traceback
 
 import toolbuild
+
+from oci_gpu_hook.start.digits import decimal
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VM_DIR = os.path.join(REPO, "tests", "vm")
@@ -70,6 +86,13 @@ NAME = re.compile(r"^[a-z0-9_]+$")
 SIM_VERSIONS = {"gpuhost.tar": "550.54.15", "gpuhost-next.tar": "560.35.03"}
 BOOT_TIMEOUT = 3000  # seconds, the whole boot: a hang guard, never a speed check
 KEEP_RUNS = 3
+BOOTED = "VMCHECK_BOOTED"  # the result file of a boot started in the background (make test)
+# seconds a session waits for the background boot's result: the tools it may wait on first (the
+# base image, CRI-O, the kubelet, built by tests/toolbuild.py meanwhile), then the boot; a hang guard
+BACKGROUND_WAIT = BOOT_TIMEOUT + 2 * toolbuild.WAIT_FOR_OTHERS
+# seconds for its lock to appear: the background boot takes it as it starts, long before pytest
+# reaches the node VM's tests, so a lock missing then is a boot that never started
+BACKGROUND_START = 60
 
 
 class VmError(Exception):
@@ -252,8 +275,7 @@ class Step:
             except OSError:
                 return default
 
-        rc = read("rc").strip()
-        self.rc = int(rc) if rc.lstrip("-").isdigit() else None
+        self.rc = decimal(read("rc").strip())  # an exit status, 0-255
         self.output, self.avc = read("output.log"), read("avc.log")
         seconds = read("seconds").strip()
         self.seconds = float(seconds) if seconds else None
@@ -299,8 +321,9 @@ class Run:
         return None
 
 
-def boot(names, timeout: int = BOOT_TIMEOUT, memory: int = 4096) -> Run:
-    """Boot the base image once with this checkout and run the scenarios names in it."""
+def boot(names, timeout: int = BOOT_TIMEOUT, memory: int = 4096, abandoned=lambda: False) -> Run:
+    """Boot the base image once with this checkout and run the scenarios names in it. abandoned():
+    asked every few seconds while qemu runs; True stops it (no one waits for the run any more)."""
     images = base()
     runs = os.path.join(cache(), "runs")
     os.makedirs(runs, exist_ok=True)
@@ -329,12 +352,22 @@ def boot(names, timeout: int = BOOT_TIMEOUT, memory: int = 4096) -> Run:
         # TMPDIR: qemu's snapshot overlay goes beside the run, not into /tmp
         proc = subprocess.Popen(["nice", "-n", "10", *qemu], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 env={**os.environ, "TMPDIR": directory})  # fmt: skip
-        try:
-            rc = proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = -9
+        deadline = started + timeout
+        while True:
+            try:
+                rc = proc.wait(5)
+                break
+            except subprocess.TimeoutExpired:
+                if time.monotonic() < deadline and not abandoned():
+                    continue
+                proc.kill()
+                proc.wait()
+                rc = -9
+                break
+    if rc == -9 and abandoned():
+        os.unlink(results)
+        os.unlink(disk)
+        raise VmError("stopped: the make that started this boot is gone")
     run = Run(directory, names, rc, time.monotonic() - started)
     os.makedirs(run.results)
     unpacked = subprocess.run(["tar", "-xf", results, "-C", run.results], capture_output=True, text=True)
@@ -352,13 +385,99 @@ _SESSION: dict = {}
 
 
 def session_run() -> Run:
-    """One boot per pytest session, with the harness's self-check first and every scenario. A boot
-    that failed is not tried again: every test reports the same failure."""
+    """One boot per pytest session, with the harness's self-check first and every scenario: the
+    one `make test` started in the background when VMCHECK_BOOTED names its result file, else one
+    of the session's own. A boot that failed is not tried again: every test reports the same
+    failure."""
     if "run" not in _SESSION:
+        names = ["selfcheck", *scenarios()]
         try:
-            _SESSION["run"] = boot(["selfcheck", *scenarios()])
+            _SESSION["run"] = booted(os.environ[BOOTED], names) if os.environ.get(BOOTED) else boot(names)
         except VmError as e:
             _SESSION["run"] = e
     if isinstance(_SESSION["run"], VmError):
         raise _SESSION["run"]
     return _SESSION["run"]
+
+
+def _log_of(result: str) -> str:
+    return os.path.splitext(result)[0] + ".log"
+
+
+def booted(result: str, names, wait: float = BACKGROUND_WAIT) -> Run:
+    """The run of the background boot whose result file is result, once it has finished (its lock
+    free). A boot of other scenarios than names (VMCHECK_SCENARIOS changed since) is not this
+    session's: it boots its own."""
+    lock_path = result + ".lock"
+    started = time.monotonic()
+    while not os.path.exists(lock_path):  # made, already locked, as the background boot starts
+        if time.monotonic() > started + min(wait, BACKGROUND_START):
+            raise VmError(f"no background boot started: {lock_path} is missing (its log: {_log_of(result)})")
+        time.sleep(1)
+    deadline = started + wait
+    with open(lock_path) as lock:
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise VmError(f"the background boot did not finish within {wait:.0f} s "
+                                  f"(its log: {_log_of(result)})") from None  # fmt: skip
+                time.sleep(2)
+    try:
+        with open(result) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise VmError(f"the background boot ended without a result ({e}); its log: {_log_of(result)}") from None
+    if doc.get("names") != list(names):
+        return boot(names)
+    if "error" in doc:
+        raise VmError(doc["error"])
+    return Run(doc["directory"], names, doc["qemu_rc"], doc["wall"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def main(argv) -> int:
+    """The background boot: boot once with every scenario (VMCHECK_SCENARIOS narrows them, as for
+    pytest), write the run, or why there is none, to RESULT; booted() reads it."""
+    parser = argparse.ArgumentParser(prog="vmcheck.py", description=main.__doc__)
+    parser.add_argument("result", help="the JSON file to write the run to (its lock beside it, RESULT.lock)")
+    parser.add_argument("--for-pid", type=int, help="stop qemu if this process (make) ends first")
+    args = parser.parse_args(argv)
+    result = os.path.abspath(args.result)
+    os.makedirs(os.path.dirname(result), exist_ok=True)
+    # The lock file appears already locked: a session that finds it unlocked finds a result too.
+    made = f"{result}.lock.{os.getpid()}"
+    lock = open(made, "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    os.rename(made, result + ".lock")
+    names = ["selfcheck", *scenarios()]
+    started = time.monotonic()
+    try:
+        run = boot(names, abandoned=lambda: args.for_pid is not None and not _alive(args.for_pid))
+        doc = {"names": names, "directory": run.directory, "qemu_rc": run.qemu_rc, "wall": run.wall}
+    except VmError as e:
+        doc = {"names": names, "error": str(e)}
+    except Exception:  # a session must hear of any failure, never find no result
+        doc = {"names": names, "error": f"the background boot failed:\n{traceback.format_exc()}"}
+    with open(result + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.rename(result + ".tmp", result)
+    took = time.monotonic() - started
+    print(f"vmcheck: {doc.get('error') or 'booted, results in ' + doc['directory']} ({took:.0f} s)", flush=True)
+    lock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

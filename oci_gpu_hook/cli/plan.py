@@ -17,7 +17,7 @@ def plan(obj, bundle, as_json, no_cache):
     The rootfs may be absent; libraries then go to /usr/lib64 (as for a non-Debian image).
     """
     from oci_gpu_hook.errors import ConfigError, printable
-    from oci_gpu_hook.start import inventory_cache, rule, spec
+    from oci_gpu_hook.start import inventory_cache, prefilter_rule, spec
     from oci_gpu_hook.start.discover import discover
     from oci_gpu_hook.start.plan import decide
     from oci_gpu_hook.start.prestart import may_ask_for_gpus
@@ -32,9 +32,10 @@ def plan(obj, bundle, as_json, no_cache):
             _ = obj.settings  # read (and checked) only to say whether it is broken
         except ConfigError as e:
             broken = e.message
-        why = (f"nothing in it can ask for a GPU ({rule.VISIBLE_DEVICES} unset, empty or {rule.NO_DEVICES}; no "
-               f"{rule.LEGACY_VARIABLE}, {rule.CDI_ANNOTATION_PREFIX} annotation, device volume mount or "
-               f"{rule.CDI_DEVICE_ENV_PREFIX}* variable)")  # fmt: skip
+        r = prefilter_rule
+        why = (f"nothing in it can ask for a GPU ({r.VISIBLE_DEVICES} unset, empty or {r.NO_DEVICES}; no "
+               f"{r.LEGACY_VARIABLE}, {r.CDI_ANNOTATION_PREFIX} annotation, device volume mount or "
+               f"{r.CDI_DEVICE_ENV_PREFIX}* variable)")  # fmt: skip
         _not_a_gpu_container(as_json, broken, why)
         return
     settings = obj.settings
@@ -42,7 +43,7 @@ def plan(obj, bundle, as_json, no_cache):
     result = decide(container, settings, lambda: discover(settings) if no_cache else inventory_cache.load(settings))
     if result is None:
         why = ("with this configuration nothing in it names a device for the hook (see accept_* and cdi_kind), "
-               f"or its {rule.CDI_DEVICE_ENV_PREFIX}* variables name devices whose nodes the runtime did not "
+               f"or its {prefilter_rule.CDI_DEVICE_ENV_PREFIX}* variables name devices whose nodes the runtime did not "
                "make")  # fmt: skip
         _not_a_gpu_container(as_json, None, why)
         return

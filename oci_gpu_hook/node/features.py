@@ -20,7 +20,7 @@ import re
 import time
 
 from oci_gpu_hook.errors import HookError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start.digits import decimal
 
 PREFIX = "nvidia.com/"
@@ -76,7 +76,7 @@ def product(model: str) -> str:
     return "-".join(_NOT_IN_PRODUCT.sub("", model).split())
 
 
-class HostFacts(Record):
+class HostFacts(Frozen):
     """What the labels read beside the inventory: DMI's product name, each GPU's PCI class and
     the vGPU labels, from sysfs (node.sys_root)."""
 

@@ -10,13 +10,13 @@ read starts NVML afresh, so a driver that comes back is picked up without a rest
 from __future__ import annotations
 
 from oci_gpu_hook.errors import Exit, NvmlError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start.nvml import text
 
 MIB = 1 << 20
 
 
-class Device(Record):
+class Device(Frozen):
     """A GPU, or a MIG device of one, as the metrics name it."""
 
     __slots__ = ("uuid", "gpu_index", "gpu_uuid", "minor", "model", "gi", "ci", "profile")
@@ -31,7 +31,7 @@ class Device(Record):
     profile: str | None  # MIG: 1g.5gb
 
 
-class Sample(Record):
+class Sample(Frozen):
     __slots__ = ("device", "values", "processes")
     device: Device
     values: dict  # name -> number, for what the device supports (nvml_reader.FIELDS)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import struct
 
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 
 MAX_HEADERS = 256  # program headers; real libraries have about ten
 MAX_DYNAMIC = 1 << 16  # bytes of dynamic section
@@ -27,7 +27,7 @@ class NotElf(ValueError):
     """Not an ELF shared object this reader understands."""
 
 
-class Dynamic(Record):
+class Dynamic(Frozen):
     """How one ELF file is loaded. rpath and runpath: None when the tag is absent (an empty
     one means the working directory to the loader); interpreter: PT_INTERP or None."""
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 
 
-class DeviceNode(Record):
+class DeviceNode(Frozen):
     __slots__ = ("path", "major", "minor", "problem")
     _defaults = {"problem": None}
     path: str  # path under dev_root, the same inside the container: /dev/nvidia0
@@ -21,7 +21,7 @@ class DeviceNode(Record):
     problem: str | None  # why the node cannot be trusted (missing, wrong type or numbers)
 
 
-class MigDevice(Record):
+class MigDevice(Frozen):
     __slots__ = ("index", "gi", "ci", "uuid", "gi_cap", "ci_cap", "gi_access", "ci_access", "profile", "memory_total",
                  "attributes")  # fmt: skip
     _defaults = {"profile": None, "memory_total": None, "attributes": None}
@@ -41,7 +41,7 @@ class MigDevice(Record):
     attributes: dict | None
 
 
-class GpuInfo(Record):
+class GpuInfo(Frozen):
     __slots__ = (
         "index",
         "minor",
@@ -69,7 +69,7 @@ class GpuInfo(Record):
     dri: tuple[DeviceNode, ...]  # its DRM card and render nodes (/dev/dri/card1, renderD128), if any
 
 
-class DriverFile(Record):
+class DriverFile(Frozen):
     __slots__ = ("capability", "kind", "path", "soname", "needs", "target")
     _defaults = {"soname": None, "needs": (), "target": None}
     capability: str  # or DEPENDENCY: a driver library only another one needs
@@ -85,7 +85,7 @@ class DriverFile(Record):
 DEPENDENCY = "dependency"
 
 
-class Inventory(Record):
+class Inventory(Frozen):
     __slots__ = (
         "driver_version",
         "cuda_version",

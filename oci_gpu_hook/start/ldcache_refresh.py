@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from oci_gpu_hook.errors import UsageError
-from oci_gpu_hook.start.rule import LDCACHE_REFRESH as COMMAND
+from oci_gpu_hook.start.prefilter_rule import LDCACHE_REFRESH as COMMAND
 
 
 def parse_args(argv) -> tuple[list[str], list[tuple[str, str]]]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from oci_gpu_hook.errors import InventoryError, RequestError, RequirementError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import driver
 from oci_gpu_hook.start.inventory import (
     DeviceNode,
@@ -44,7 +44,7 @@ APP_PROFILE_DIR = "/etc/nvidia/nvidia-application-profiles-rc.d"
 APP_PROFILE = f"{APP_PROFILE_DIR}/10-container.conf"
 
 
-class LibraryLayout(Record):
+class LibraryLayout(Frozen):
     """Where the container's loader looks for libraries (decided from the rootfs by the caller)."""
 
     __slots__ = ("lib64", "lib32")
@@ -93,7 +93,7 @@ class LibraryLayout(Record):
 # --- operations ---------------------------------------------------------------------------------
 
 
-class Operation(Record):
+class Operation(Frozen):
     """Base of every planned step: printable, serialisable, frozen."""
 
     __slots__ = ()
@@ -102,7 +102,7 @@ class Operation(Record):
         raise NotImplementedError
 
     def to_json(self) -> dict:
-        return dict(op=type(self).__name__, **Record.to_json(self))
+        return dict(op=type(self).__name__, **Frozen.to_json(self))
 
 
 class MountDevice(Operation):
@@ -220,7 +220,7 @@ class RefreshLdcache(Operation):
         return f"ldcache refresh /etc/ld.so.cache for {', '.join(self.directories)}"
 
 
-class SelectedDevice(Record):
+class SelectedDevice(Frozen):
     """A GPU or MIG device the container gets, as users name them."""
 
     __slots__ = ("gpu", "mig")
@@ -241,7 +241,7 @@ class SelectedDevice(Record):
                 "mig_index": mig.index if mig else None, "mig_uuid": mig.uuid if mig else None}  # fmt: skip
 
 
-class Plan(Record):
+class Plan(Frozen):
     __slots__ = ("request", "devices", "operations", "memory_limits", "applied_by_runtime", "mounted_by_runtime")
     _defaults = {"memory_limits": None, "applied_by_runtime": False, "mounted_by_runtime": ()}
     request: GpuRequest

@@ -11,7 +11,7 @@ import sys
 import time
 
 from oci_gpu_hook.errors import HookError, RequestError
-from oci_gpu_hook.start import rule
+from oci_gpu_hook.start import prefilter_rule
 from oci_gpu_hook.start import spec as spec_module
 from oci_gpu_hook.start import state as state_module
 
@@ -24,15 +24,19 @@ NO_RECORD = ("none written: a rootless hook may not write root's records directo
 
 def may_ask_for_gpus(spec) -> bool:
     """False only when no setting could make this a GPU container. The compiled pre-filter
-    (start/csrc/prefilter.c) applies the same test, built with rule.py's values."""
+    (start/csrc/prefilter.c) applies the same test, built with prefilter_rule.py's values."""
     env = spec.env
-    visible = env.get(rule.VISIBLE_DEVICES)
-    if visible is not None and visible.strip() and rule.NO_DEVICES not in [v.strip() for v in visible.split(",")]:
+    visible = env.get(prefilter_rule.VISIBLE_DEVICES)
+    if (
+        visible is not None
+        and visible.strip()
+        and prefilter_rule.NO_DEVICES not in [v.strip() for v in visible.split(",")]
+    ):
         return True
     return (
-        rule.LEGACY_VARIABLE in env
-        or any(key.startswith(rule.CDI_DEVICE_ENV_PREFIX) for key in env)
-        or any(key.startswith(rule.CDI_ANNOTATION_PREFIX) for key in spec.annotations)
+        prefilter_rule.LEGACY_VARIABLE in env
+        or any(key.startswith(prefilter_rule.CDI_DEVICE_ENV_PREFIX) for key in env)
+        or any(key.startswith(prefilter_rule.CDI_ANNOTATION_PREFIX) for key in spec.annotations)
         or any(spec_module.volume_mount_device(m.destination) for m in spec.mounts)
     )
 
@@ -90,7 +94,7 @@ def run(config: str | None, stdin=None, since_process_start: bool = False, start
         settings = settings_module.load(config, cache=True)  # the compiled copy is the hook's alone
         return _configure(container, spec, settings, started, {"settings": _since(clock)})
     except HookError as e:
-        report.record(settings, container.id, "error", e.message, bundle=container.bundle)
+        report.log(settings, container.id, "error", e.message, bundle=container.bundle)
         if settings is not None:  # a GPU start that failed (a bad request included): counted
             _keep_record(settings, container, spec, (), started, failure_code=e.exit_code)
         raise
@@ -136,7 +140,7 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
         if not unprivileged:
             _keep_record(settings, container, spec, plan.devices, started, limits=limits, applied_by="runtime")
         said = f"no record: {NO_RECORD}" if unprivileged else "recorded"
-        report.record(settings, container.id, "info", f"GPU devices applied by the runtime (CDI): {said}",
+        report.log(settings, container.id, "info", f"GPU devices applied by the runtime (CDI): {said}",
                       devices=[d.name for d in plan.devices], source=gpu_request.source,
                       timings_ms={k: round(v, 2) for k, v in timings.items()})  # fmt: skip
         return 0
@@ -166,7 +170,7 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     if unprivileged:
         left["unprivileged"] = f"a user namespace ({userns.user()}): device nodes bind-mounted, never made"
         left["left_to_runtime"].append(f"the container record: {NO_RECORD}")
-    report.record(
+    report.log(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],
         notes=list(gpu_request.notes), timings_ms={k: round(v, 2) for k, v in timings.items()}, **left,
@@ -201,4 +205,4 @@ def _keep_record(settings, container, spec, devices, started: float | None, fail
     except OSError as e:
         from oci_gpu_hook.start import report
 
-        report.record(settings, container.id, "warning", f"the container record was not written: {e}")
+        report.log(settings, container.id, "warning", f"the container record was not written: {e}")

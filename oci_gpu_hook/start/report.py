@@ -1,6 +1,6 @@
-"""The detailed record of what the hook did or why it failed, tagged with the container id.
+"""The log of what the hook did or why it failed: one entry per event, tagged with the container id.
 
-The runtime shows the user one line (stderr); operators get this record in the log file and/or
+The runtime shows the user one line (stderr); operators get these entries in the log file and/or
 syslog. Writing it must never make a container fail: errors here are swallowed.
 """
 
@@ -11,12 +11,12 @@ from oci_gpu_hook.errors import printable
 from oci_gpu_hook.start import jsonio
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
-# How this start came, in each of its records: None for the hook's own process; the start
+# How this start came, in each of its log entries: None for the hook's own process; the start
 # server's workers set it (start/server.py), so an operator can tell which path ran.
 VIA = None
 
 
-def record(settings, container_id: str, level: str, message: str, **details) -> None:
+def log(settings, container_id: str, level: str, message: str, **details) -> None:
     if settings is None or _LEVELS[level] < _LEVELS[settings.logging.level]:
         return
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "container": container_id, "level": level,

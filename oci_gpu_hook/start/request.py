@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 
 from oci_gpu_hook.errors import RequestError, printable
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import driver
-from oci_gpu_hook.start.requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
-from oci_gpu_hook.start.rule import (
+from oci_gpu_hook.start.prefilter_rule import (
     CDI_ANNOTATION_PREFIX,
     CDI_DEVICE_ENV_PREFIX,
     LEGACY_VARIABLE,
     NO_DEVICES,
     VISIBLE_DEVICES,
 )
+from oci_gpu_hook.start.requirements import Requirements, legacy_cuda_requirement, parse_bool, parse_requirements
 from oci_gpu_hook.start.settings import Settings
 from oci_gpu_hook.start.spec import VOLUME_MOUNT_DIR, Spec, name_under, volume_mount_device
 
@@ -88,7 +88,7 @@ def valid_device_id(device_id: str) -> bool:
 ALL = "all"
 
 
-class GpuRequest(Record):
+class GpuRequest(Frozen):
     __slots__ = (
         "devices",
         "source",

@@ -55,7 +55,7 @@ NVIDIA_DISABLE_REQUIRE
 from __future__ import annotations
 
 from oci_gpu_hook.errors import RequestError, RequirementError, printable
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import driver
 
 PREFIX = "NVIDIA_REQUIRE_"
@@ -155,7 +155,7 @@ _OP_HOLDS = {
 }
 
 
-class GpuFacts(Record):
+class GpuFacts(Frozen):
     """What requirements are checked against; None is unknown, and a term on an unknown fact holds."""
 
     __slots__ = ("cuda", "driver", "arch", "brand")
@@ -166,7 +166,7 @@ class GpuFacts(Record):
     brand: str | None  # NVML brand name (driver.BRANDS); None with no GPU selected
 
 
-class Term(Record):
+class Term(Frozen):
     __slots__ = ("key", "op", "value", "text", "version")
     _defaults = {"version": None}
     key: str  # one of KEYS, lower case
@@ -190,7 +190,7 @@ class Term(Record):
         return _OP_HOLDS[self.op](_compare(host, self.version))
 
 
-class Requirement(Record):
+class Requirement(Frozen):
     """One NVIDIA_REQUIRE_* variable: it holds when any alternative has all its terms holding."""
 
     __slots__ = ("variable", "alternatives")
@@ -211,7 +211,7 @@ class Requirement(Record):
         raise RequirementError(message)
 
 
-class Requirements(Record):
+class Requirements(Frozen):
     """The conditions of one container, in variable name order; empty when the image states none."""
 
     __slots__ = ("requirements",)

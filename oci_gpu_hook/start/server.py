@@ -27,7 +27,7 @@ pre-filter starts the Python hook as it would without a server.
 
 No start waits on the server (issue 46). The exchange: the worker, once it holds the offer, says
 b"a" (taken); the pre-filter answers b"g" (go), with its three descriptors, only if b"a" came
-within rule.START_SERVER_TAKE_MS of its connect, and the worker does nothing before b"g"; then
+within prefilter_rule.START_SERVER_TAKE_MS of its connect, and the worker does nothing before b"g"; then
 b"v" and the exit status. b"p": not taken. The descriptors travel only with b"g": a runtime waits
 for the end of the hook's stdout and stderr, and copies of them queued in a stopped server's
 socket would hold it there. So a pre-filter that hears nothing in time (a server stopped, busy, out of workers, or
@@ -48,24 +48,26 @@ import stat
 import sys
 import time
 
-from oci_gpu_hook.start import rule
+from oci_gpu_hook.start import prefilter_rule
 from oci_gpu_hook.start.digits import decimal
 
-DEFAULT_SOCKET = rule.START_SERVER_SOCKET
-MAX_OFFER_BYTES = len(rule.START_SERVER_VERSION) + 64 + 8192  # the pre-filter's payload room, and its version line
+DEFAULT_SOCKET = prefilter_rule.START_SERVER_SOCKET
+MAX_OFFER_BYTES = (
+    len(prefilter_rule.START_SERVER_VERSION) + 64 + 8192
+)  # the pre-filter's payload room, and its version line
 DESCRIPTORS = 3  # the state, stdout, stderr
 PASS = b"p"
 TAKEN = b"a"
 GO = b"g"
 VERDICT = b"v"
 IDENTITY = b"i"  # and the server's code identity: the answer to QUERY (doctor)
-QUERY = f"{rule.START_SERVER_VERSION} ?".encode()
+QUERY = f"{prefilter_rule.START_SERVER_VERSION} ?".encode()
 VIA = "start server"  # the start's log entry and container record say so (report.VIA)
 WARM_AFTER_SECONDS = 0.05
 SPARE_RETRY_SECONDS = 1.0  # after a spare could not be forked (a worker is still forked per offer)
-# A pre-filter sends its offer as it connects and waits rule.START_SERVER_TAKE_MS for "taken":
+# A pre-filter sends its offer as it connects and waits prefilter_rule.START_SERVER_TAKE_MS for "taken":
 # a connection whose offer has not come by then serves no start.
-OFFER_TIMEOUT_SECONDS = rule.START_SERVER_TAKE_MS / 1000
+OFFER_TIMEOUT_SECONDS = prefilter_rule.START_SERVER_TAKE_MS / 1000
 GO_TIMEOUT_SECONDS = 5.0  # a worker's wait for "go", far past any pre-filter's wait for "taken"
 STATE_READ_SECONDS = 2.0  # a memfd's read; the bound of a state that is no memfd
 MAX_DEADLINE_SECONDS = 300  # config.schema.json's largest deadline_seconds
@@ -380,14 +382,14 @@ def receive(conn: socket.socket, identity: str) -> tuple:
     if not rest.endswith(b"\0"):
         return refuse(not_taken("unended"))
     argv = [os.fsdecode(a) for a in rest[:-1].split(b"\0")]
-    if not rule.is_runtime_command(argv):
+    if not prefilter_rule.is_runtime_command(argv):
         return refuse(not_taken("no runtime command"))
     return Offer(argv, _peer(conn)[0]), ""
 
 
 def version_line(identity: str) -> str:
     """The first line of every offer to a server of this code (the pre-filter's START_SERVER_VERSION)."""
-    return f"{rule.START_SERVER_VERSION} {identity}"
+    return f"{prefilter_rule.START_SERVER_VERSION} {identity}"
 
 
 def _until_go(conn: socket.socket) -> list | None:
@@ -448,7 +450,7 @@ def work(conn: socket.socket, offer: Offer) -> None:
             return
         import io
 
-        from oci_gpu_hook.errors import answer
+        from oci_gpu_hook.errors import exit_status_of
         from oci_gpu_hook.start import budget, prestart, report
         from oci_gpu_hook.start.linux import _linux
 
@@ -462,9 +464,9 @@ def work(conn: socket.socket, offer: Offer) -> None:
         # deadline (apply) is the configured one, within it.
         _linux.kill_timer(max(1.0, MAX_DEADLINE_SECONDS + KILL_GRACE_SECONDS - age), signal.SIGKILL)
         report.VIA = VIA
-        config = rule.split_config(offer.argv)[0]
+        config = prefilter_rule.split_config(offer.argv)[0]
         # One line and an exit status whatever happens, as the hook's own process answers (hook.py).
-        code = answer(lambda: prestart.run(config, stdin=io.BytesIO(read_state()), started=started))
+        code = exit_status_of(lambda: prestart.run(config, stdin=io.BytesIO(read_state()), started=started))
     finally:
         try:
             sys.stdout.flush()
@@ -752,7 +754,7 @@ def _take(listener: socket.socket, conn: socket.socket, identity: str, spare, co
         if not (spare is not None and spare.hand(conn, offer)) and not _fork_worker(listener, conn, offer, closing):
             _log(f"not taken: {not_taken('no worker')}")
             _reply(conn, PASS)
-        return None, rule.split_config(offer.argv)[0]  # the next spare warms with it
+        return None, prefilter_rule.split_config(offer.argv)[0]  # the next spare warms with it
 
 
 def _pass_and_close(conn: socket.socket) -> None:

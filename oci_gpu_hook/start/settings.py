@@ -21,7 +21,7 @@ import os
 import stat
 
 from oci_gpu_hook.errors import ConfigError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import driver, files, jsonio
 
 DEFAULT_PATH = "/etc/oci-gpu-hook/config.yaml"
@@ -48,7 +48,7 @@ MAX_CONFIG_BYTES = 1 << 20
 CACHE_UID = 65533
 
 
-class LoggingSettings(Record):
+class LoggingSettings(Frozen):
     __slots__ = ("level", "file", "syslog")
     _defaults = {"level": "info", "file": "/var/log/oci-gpu-hook.log", "syslog": False}
     level: str
@@ -56,7 +56,7 @@ class LoggingSettings(Record):
     syslog: bool
 
 
-class NodeSettings(Record):
+class NodeSettings(Frozen):
     """The node services' keys (node/): nothing on the start path reads them."""
 
     __slots__ = ("exporter_listen", "features_file", "mig_strategy", "replicas", "watchdog_policy",
@@ -86,7 +86,7 @@ class NodeSettings(Record):
     sys_root: str  # root under which sysfs is read (/sys/...), as proc_root for procfs
 
 
-class Settings(Record):
+class Settings(Frozen):
     __slots__ = (
         "driver_root",
         "dev_root",

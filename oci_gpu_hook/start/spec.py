@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import os
 
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import files
-from oci_gpu_hook.start.rule import VOLUME_MOUNT_DIR
+from oci_gpu_hook.start.prefilter_rule import VOLUME_MOUNT_DIR
 from oci_gpu_hook.start.state import StateError, load_json
 
 MAX_CONFIG_BYTES = 16 << 20
 
 
-class Mount(Record):
+class Mount(Frozen):
     __slots__ = ("destination", "source", "type")
 
 
@@ -35,7 +35,7 @@ def volume_mount_device(destination: str) -> str | None:
     return name_under(destination, VOLUME_MOUNT_DIR)
 
 
-class Spec(Record):
+class Spec(Frozen):
     __slots__ = ("rootfs", "env", "bounding_capabilities", "mounts", "annotations", "mount_label", "devices")
     _defaults = {"devices": ()}
     rootfs: str  # absolute host path of the container's root

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from oci_gpu_hook.errors import Exit, HookError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import jsonio
 from oci_gpu_hook.start.digits import is_decimal
 
@@ -21,8 +21,8 @@ class StateError(HookError):
     exit_code = Exit.STATE
 
 
-class ContainerState(Record):
-    """Which container, where its bundle is (a Record: this module is on every container's start
+class ContainerState(Frozen):
+    """Which container, where its bundle is (a Frozen: this module is on every container's start
     path, where dataclasses would cost more than the rest of a non-GPU start)."""
 
     __slots__ = ("oci_version", "id", "status", "pid", "bundle", "annotations")

@@ -148,7 +148,7 @@ def device_env(name: str, device_id: str) -> str:
     """The variable a device of the spec sets: one name per device, so that a container given
     several has them all (the runtime merges the devices' edits, and a variable of the same name
     would keep one value)."""
-    from oci_gpu_hook.start.rule import CDI_DEVICE_ENV_PREFIX
+    from oci_gpu_hook.start.prefilter_rule import CDI_DEVICE_ENV_PREFIX
 
     return f"{CDI_DEVICE_ENV_PREFIX}{''.join(c if c.isalnum() else '_' for c in name)}={device_id}"
 

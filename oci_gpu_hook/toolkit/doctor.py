@@ -13,7 +13,7 @@ import glob
 import json
 import os
 
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import files
 from oci_gpu_hook.start.digits import is_decimal
 from oci_gpu_hook.start.inventory import host_path
@@ -30,7 +30,7 @@ REFRESH_SERVICE = "/etc/systemd/system/oci-gpu-hook-refresh.service"
 SELINUX_BOOLEANS = ("container_use_xserver_devices", "container_use_devices")
 
 
-class Check(Record):
+class Check(Frozen):
     __slots__ = ("id", "status", "summary", "fix")
     _defaults = {"fix": None}
     id: str
@@ -407,7 +407,7 @@ class Doctor:
         serves the code that is installed (not a version that kept running through an upgrade),
         and the pre-filter runtimes run offers it starts with that code's identity. Asking starts
         the server where systemd listens for it, as the next GPU start would."""
-        from oci_gpu_hook.start import rule, server
+        from oci_gpu_hook.start import prefilter_rule, server
         from oci_gpu_hook.toolkit import prefilter
         from oci_gpu_hook.toolkit.install import PACKAGE_UNIT_DIR, START_SERVICE, START_SOCKET, UNIT_DIR
 
@@ -423,10 +423,10 @@ class Doctor:
         installed = server.code_identity()
         restart = f"systemctl restart {START_SERVICE}"
         try:
-            serving = server.ask_identity(rule.START_SERVER_SOCKET)
+            serving = server.ask_identity(prefilter_rule.START_SERVER_SOCKET)
         except OSError as e:
-            return (WARN, f"the start server does not answer on {rule.START_SERVER_SOCKET} ({e.strerror or e}): every "
-                    f"GPU start runs in Python{systemd_says(self.root, START_SERVICE)}",
+            return (WARN, f"the start server does not answer on {prefilter_rule.START_SERVER_SOCKET} "
+                    f"({e.strerror or e}): every GPU start runs in Python{systemd_says(self.root, START_SERVICE)}",
                     f"systemctl start {START_SOCKET}; journalctl -u {START_SERVICE} says why")  # fmt: skip
         if serving != installed:
             return (FAIL, f"the start server runs code {serving}, not the installed {installed} (an upgrade since it "

@@ -57,7 +57,7 @@ import stat
 import sys
 
 from oci_gpu_hook.errors import Exit, HookError
-from oci_gpu_hook.start import files, rule, settings
+from oci_gpu_hook.start import files, prefilter_rule, settings
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 from oci_gpu_hook.toolkit import containerd, launcher, runtime_config
@@ -388,7 +388,7 @@ def start_socket_text(note: str = START_UNITS_BY_INSTALL) -> str:
         "Description=oci-gpu-hook start server socket (GPU container starts from a warm process)\n"
         "\n"
         "[Socket]\n"
-        f"ListenSequentialPacket={rule.START_SERVER_SOCKET}\n"
+        f"ListenSequentialPacket={prefilter_rule.START_SERVER_SOCKET}\n"
         # Root's alone: the server takes only root's offers, and the pre-filter only offers as root.
         "SocketUser=root\n"
         "SocketGroup=root\n"
@@ -409,7 +409,7 @@ def start_service_text(argv_prefix, note: str = START_UNITS_BY_INSTALL) -> str:
     container its GPUs finishes that start (or rolls it back) instead of being killed half-way. No
     sandboxing options: each worker joins a container's mount namespace from the host's, and one
     of systemd's own would stand between."""
-    command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + [rule.START_SERVER])
+    command = " ".join(_systemd_quote(a) for a in list(argv_prefix) + [prefilter_rule.START_SERVER])
     return (
         f"# {note}\n"
         "[Unit]\n"
@@ -483,7 +483,7 @@ def launcher_entries(with_prefilter: bool) -> list:
         return [Entry(launcher.LAUNCHER, launcher_text(), mode=0o755)]
     from oci_gpu_hook.toolkit import prefilter
 
-    program = prefilter.build_bytes(launcher.PYTHON_LAUNCHER, start_server=rule.START_SERVER_SOCKET)
+    program = prefilter.build_bytes(launcher.PYTHON_LAUNCHER, start_server=prefilter_rule.START_SERVER_SOCKET)
     return [Entry(launcher.PYTHON_LAUNCHER, launcher_text(), mode=0o755),
             Entry(launcher.LAUNCHER, program, mode=0o755)]  # fmt: skip
 
@@ -501,7 +501,7 @@ def docker_entries(argv_prefix, with_prefilter: bool) -> list:
     from oci_gpu_hook.toolkit import prefilter
 
     options = _options(argv_prefix)
-    program = prefilter.build_bytes(DOCKER_LAUNCHER, options, start_server=rule.START_SERVER_SOCKET)
+    program = prefilter.build_bytes(DOCKER_LAUNCHER, options, start_server=prefilter_rule.START_SERVER_SOCKET)
     # The launcher first: the pre-filter is never in place without what it runs.
     return [Entry(DOCKER_LAUNCHER, docker_hook_text(argv_prefix, behind_prefilter=True), mode=0o755),
             Entry(DOCKER_HOOK, program, mode=0o755, set_aside=DOCKER_HOOK_SAVED)]  # fmt: skip
@@ -834,11 +834,11 @@ def _check_offers(tree: Tree, argv_prefix, entries, runtimes=()) -> None:
     if program is None and prefilter.is_prefilter(tree.entry(argv_prefix[0])):
         # One built without the units' socket (an RPM from before the start server) offers the
         # server nothing: the units would run a server no start ever reaches.
-        if prefilter.offers_to(tree.entry(argv_prefix[0])) == rule.START_SERVER_SOCKET:
+        if prefilter.offers_to(tree.entry(argv_prefix[0])) == prefilter_rule.START_SERVER_SOCKET:
             return
         raise InstallError(f"--start-server: {tree.shown(argv_prefix[0])} is a pre-filter built without the start "
-                           f"server's socket ({rule.START_SERVER_SOCKET}), so it would offer the server no start: "
-                           "upgrade the package that installed it")  # fmt: skip
+                           f"server's socket ({prefilter_rule.START_SERVER_SOCKET}), so it would offer the server no "
+                           "start: upgrade the package that installed it")  # fmt: skip
     raise InstallError(f"--start-server: runtimes run {argv_prefix[0]}, which is not the pre-filter, and only "
                        "the pre-filter offers starts to the server (install --prefilter builds it, with a C "
                        "compiler)")  # fmt: skip

@@ -36,7 +36,7 @@ import re
 import stat
 
 from oci_gpu_hook.errors import InventoryError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import elf, files, ldcache
 from oci_gpu_hook.start.linux import arch
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
@@ -59,7 +59,7 @@ def default_directories(machine: arch.Architecture) -> tuple:
     return tuple(dict.fromkeys(found))
 
 
-class Loaded(Record):
+class Loaded(Frozen):
     """One mapped object."""
 
     __slots__ = ("path", "dynamic")

@@ -4,7 +4,7 @@ its build.
 The pre-filter takes the place of the launcher a runtime runs. It answers the containers that
 cannot ask for a GPU itself, without an interpreter, and execs the Python hook (the launcher, at
 another path) for every other one. Its rule is start/prestart.py's: the values come from
-start/rule.py and the hook's limits through prefilter_rule.h, which header() writes at every build,
+start/prefilter_rule.py and the hook's limits through prefilter_rule.h, which header() writes at every build,
 and tests/toolkit/test_prefilter.py runs both rules over one corpus. Nothing compiled is kept in the
 repository. Where no C compiler is found, or the one found cannot build it, install keeps the Python
 launcher (today's speed).
@@ -44,7 +44,7 @@ def _c_string(value: str) -> str:
 def header(python_hook: str, launcher_options=(), start_server: str | None = None) -> str:
     """prefilter_rule.h: the rule's values, the hook's input limits and the Python hook's path;
     start_server: the start server's socket (start/server.py), offered every start Python would get."""
-    from oci_gpu_hook.start import rule, server, spec, state
+    from oci_gpu_hook.start import prefilter_rule, server, spec, state
 
     if not os.path.isabs(python_hook):
         raise PrefilterError(f"{python_hook}: the Python hook's path must be absolute")
@@ -52,26 +52,26 @@ def header(python_hook: str, launcher_options=(), start_server: str | None = Non
         raise PrefilterError(f"{start_server}: the start server's socket must be an absolute path of fewer than "
                              f"{SOCKET_PATH_ROOM} bytes")  # fmt: skip
     lines = [
-        "/* Written by oci_gpu_hook/toolkit/prefilter.py from start/rule.py: do not edit. */",
+        "/* Written by oci_gpu_hook/toolkit/prefilter.py from start/prefilter_rule.py: do not edit. */",
         f"#define PYTHON_HOOK {_c_string(python_hook)}",
-        f"#define RULE_VISIBLE_DEVICES {_c_string(rule.VISIBLE_DEVICES)}",
-        f"#define RULE_NO_DEVICES {_c_string(rule.NO_DEVICES)}",
-        f"#define RULE_LEGACY_VARIABLE {_c_string(rule.LEGACY_VARIABLE)}",
-        f"#define RULE_ANNOTATION_PREFIX {_c_string(rule.CDI_ANNOTATION_PREFIX)}",
-        f"#define RULE_CDI_DEVICE_PREFIX {_c_string(rule.CDI_DEVICE_ENV_PREFIX)}",
+        f"#define RULE_VISIBLE_DEVICES {_c_string(prefilter_rule.VISIBLE_DEVICES)}",
+        f"#define RULE_NO_DEVICES {_c_string(prefilter_rule.NO_DEVICES)}",
+        f"#define RULE_LEGACY_VARIABLE {_c_string(prefilter_rule.LEGACY_VARIABLE)}",
+        f"#define RULE_ANNOTATION_PREFIX {_c_string(prefilter_rule.CDI_ANNOTATION_PREFIX)}",
+        f"#define RULE_CDI_DEVICE_PREFIX {_c_string(prefilter_rule.CDI_DEVICE_ENV_PREFIX)}",
         # The C side matches the directory's own name anywhere in a destination (a superset of
         # the normalised rule), so it needs only that name.
-        f"#define RULE_VOLUME_MOUNT_NAME {_c_string(os.path.basename(rule.VOLUME_MOUNT_DIR))}",
+        f"#define RULE_VOLUME_MOUNT_NAME {_c_string(os.path.basename(prefilter_rule.VOLUME_MOUNT_DIR))}",
         f"#define RULE_MAX_STATE_BYTES {state.MAX_STATE_BYTES}u",
         f"#define RULE_MAX_CONFIG_BYTES {spec.MAX_CONFIG_BYTES}u",
-        f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in rule.RUNTIME_COMMANDS)}, NULL}}",
+        f"#define RULE_RUNTIME_COMMANDS {{{', '.join(_c_string(c) for c in prefilter_rule.RUNTIME_COMMANDS)}, NULL}}",
         f"#define RULE_LAUNCHER_OPTIONS {1 if launcher_options else 0}",
         f"#define RULE_MAX_INT_DIGITS {max_int_digits()}u",
         # The code this install runs, in the offer's version line: a server of other code (one that
         # kept running through an upgrade) answers "not taken".
         f"#define START_SERVER_VERSION {_c_string(server.version_line(server.code_identity()))}",
-        f"#define START_SERVER_TAKE_MS {rule.START_SERVER_TAKE_MS}",
-        f"#define START_SERVER_ENV_PREFIX {_c_string(rule.HOOK_ENV_PREFIX)}",
+        f"#define START_SERVER_TAKE_MS {prefilter_rule.START_SERVER_TAKE_MS}",
+        f"#define START_SERVER_ENV_PREFIX {_c_string(prefilter_rule.HOOK_ENV_PREFIX)}",
     ]
     if start_server is not None:
         lines.append(f"#define START_SERVER {_c_string(start_server)}")

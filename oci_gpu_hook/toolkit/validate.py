@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 
 from oci_gpu_hook.errors import InventoryError, PrerequisiteError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.toolkit import containers
 
 CUDA_SAMPLES = (
@@ -30,7 +30,7 @@ _UUID = re.compile(r"UUID: (GPU-[0-9a-fA-F-]+)")
 _DRIVER_LIBRARY = re.compile(r"^lib(cuda|nvidia-|nvcuvid|GLX_nvidia|EGL_nvidia)")
 
 
-class GpuResult(Record):
+class GpuResult(Frozen):
     __slots__ = ("index", "uuid", "bus_id", "ok", "detail")
     index: int
     uuid: str

@@ -51,7 +51,7 @@ import pytest
 import yaml
 from hookcheck import listed_uuids
 
-from oci_gpu_hook.start.rule import START_SERVER_SOCKET
+from oci_gpu_hook.start.prefilter_rule import START_SERVER_SOCKET
 
 pytestmark = pytest.mark.host(gpus=3, mig=[], needs=("runc", "busybox", "containerd", "ctr", "openssl"))
 

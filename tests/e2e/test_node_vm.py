@@ -1,7 +1,8 @@
 """The node VM (issue 38): a Debian 12 VM with systemd as PID 1, unified cgroup2 and SELinux
 enforcing, booted once per session with this checkout installed in it as a user installs it; one
-test per scenario in tests/vm/scenarios (tests/vmcheck.py says how to add one). A VM that cannot
-boot fails every test here, never skips it."""
+test per scenario in tests/vm/scenarios (tests/vmcheck.py says how to add one). Under `make test`
+the boot ran in the background meanwhile, and these tests wait for its results (VMCHECK_BOOTED);
+run alone, the first test boots. A VM that cannot boot fails every test here, never skips it."""
 
 import pytest
 import vmcheck

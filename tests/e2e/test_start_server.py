@@ -30,12 +30,12 @@ from privatehost import Session
 # The rootless user's setup, as the rootless test makes it (the same helpers, not a second copy).
 from test_podman_rootless import SUBORDINATE, _closed_directories, _free_uid, _hook_paths
 
-from oci_gpu_hook.start import rule, server
+from oci_gpu_hook.start import prefilter_rule, server
 from oci_gpu_hook.toolkit import containers, install
 
 USER = "ocigpu-startsrv"
 IMAGE = "localhost/ocigpu-start-server:test"
-SOCKET = rule.START_SERVER_SOCKET
+SOCKET = prefilter_rule.START_SERVER_SOCKET
 RUN_DIR = os.path.dirname(SOCKET)
 UNIT = f"{install.UNIT_DIR}/{install.START_SERVICE}"
 OVERLAYS = ["/etc", "/usr/share/containers", "/usr/local", "/var/lib"]
@@ -207,7 +207,7 @@ def test_install_writes_a_service_whose_command_is_the_server(world):
     # Plain words (no quotes, escapes, specifiers or variables): systemd splits them as the shell did.
     assert not set(commands[0]) & set("\"'\\%$;"), commands[0]
     # The server's own launcher (its SELinux domain's entry point), not the hook's program.
-    assert commands[0].split() == [install.START_LAUNCHER, "--config", world["config"], rule.START_SERVER]
+    assert commands[0].split() == [install.START_LAUNCHER, "--config", world["config"], prefilter_rule.START_SERVER]
     assert f"listening on {SOCKET}" in world["servers"][0], world["servers"][0]
 
 

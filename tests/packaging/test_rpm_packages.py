@@ -140,7 +140,7 @@ def test_start_server_units_are_installs_own_and_not_enabled(rpms, pk, tmp_path,
     Nothing in the package enables them: systemd's own tool, run on the package's files, says
     "disabled", and enables them when asked, as an administrator does."""
     require("systemctl")
-    from oci_gpu_hook.start import rule
+    from oci_gpu_hook.start import prefilter_rule
     from oci_gpu_hook.toolkit import install
 
     root = pk.extract_rpm(rpms["main"], str(tmp_path / "main"))
@@ -148,7 +148,7 @@ def test_start_server_units_are_installs_own_and_not_enabled(rpms, pk, tmp_path,
         socket_unit = f.read()
     with open(os.path.join(root, START_SERVICE[1:])) as f:
         service_unit = f.read()
-    assert f"\nListenSequentialPacket={rule.START_SERVER_SOCKET}\n" in socket_unit
+    assert f"\nListenSequentialPacket={prefilter_rule.START_SERVER_SOCKET}\n" in socket_unit
     assert f"\nExecStart={START_LAUNCHER} start-server\n" in service_unit
     assert socket_unit == install.start_socket_text(install.START_UNITS_BY_PACKAGE)
     assert service_unit == install.start_service_text([START_LAUNCHER], install.START_UNITS_BY_PACKAGE)
@@ -209,9 +209,9 @@ def test_packaged_console_script_runs(rpms, pk, tmp_path):
     assert prefilter.is_prefilter(program)
     with open(program, "rb") as f:
         assert prefilter.MARKER + PYTHON_LAUNCHER.encode() + b"\0" in f.read()
-    from oci_gpu_hook.start import rule
+    from oci_gpu_hook.start import prefilter_rule
 
-    assert prefilter.offers_to(program) == rule.START_SERVER_SOCKET  # built as install builds it
+    assert prefilter.offers_to(program) == prefilter_rule.START_SERVER_SOCKET  # built as install builds it
     env = dict(os.environ, PYTHONPATH=os.path.join(root, SITELIB[1:]))
     for launcher_file in (script, server):
         proc = subprocess.run([sys.executable, launcher_file, "--version"], capture_output=True, text=True, env=env)

@@ -181,7 +181,7 @@ def test_internal_error_line_escapes_the_exception_text(monkeypatch, capsys):
 
 
 def test_log_file_and_syslog_records(tmp_path, monkeypatch):
-    """report.record whatever it is given: JSON in the file, an escaped line for syslog."""
+    """report.log whatever it is given: JSON in the file, an escaped line for syslog."""
     import syslog
 
     sent = []
@@ -189,7 +189,7 @@ def test_log_file_and_syslog_records(tmp_path, monkeypatch):
     monkeypatch.setattr(syslog, "syslog", lambda priority, message: sent.append(message))
     log = tmp_path / "hook.log"
     settings = Settings(logging=LoggingSettings(level="info", file=str(log), syslog=True))
-    report.record(settings, "id" + NASTY, "error", "raw " + NASTY, notes=[NASTY], bundle="/b" + NASTY)
+    report.log(settings, "id" + NASTY, "error", "raw " + NASTY, notes=[NASTY], bundle="/b" + NASTY)
     (message,) = sent
     assert_shown_safely(message, "the syslog message")
     assert message.startswith("container id" + ESCAPED_ESC)

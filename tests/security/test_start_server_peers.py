@@ -12,6 +12,8 @@ real processes offering to it:
 - SIGINT to a waiting spare worker ends that spare alone: the server and its socket go on;
 - a worker killed mid-start: the pre-filter's one line and exit 70, the worker and the signal in
   the server's log.
+The peer checks run on two kernels' ways: with SO_PEERPIDFD, and as on a kernel without it (RHEL
+9's 5.14), checked by pid alone (KERNELS): a good peer is taken and each bad one refused on both.
 Each server is stopped by its pid (startservercheck.Server); the socket is in a directory of root's.
 """
 
@@ -32,7 +34,7 @@ import pytest
 import startservercheck
 
 from oci_gpu_hook.errors import Exit
-from oci_gpu_hook.start import server
+from oci_gpu_hook.start import prefilter_rule, server
 from oci_gpu_hook.start.apply import FAULT_ENV
 from oci_gpu_hook.toolkit import prefilter
 from oci_gpu_hook.toolkit.install import interpreter_command
@@ -84,9 +86,29 @@ def real(place, socket_path):
     return startservercheck.prefilter(os.path.join(place, "real"), socket_path, STRICT)[0]
 
 
+# The kernels the peer check has a branch for: with SO_PEERPIDFD (Linux 6.5), and without it
+# (RHEL 9's 5.14: ENOPROTOOPT), where the server reads procfs by the pid alone. The second is
+# forced on this kernel as rootfs's tests force the walk of kernels without openat2: the server's
+# module told at its start that the option is missing (server._peerpidfd_works False).
+KERNELS = ["SO_PEERPIDFD", "before-6.5"]
+
+
+def server_command(socket_path: str, kernel: str) -> list | None:
+    """The server's command line on that kernel (None: startservercheck's own)."""
+    if kernel == "SO_PEERPIDFD":
+        return None
+    forced = (f"import sys; sys.path.insert(0, {launcher_parent()!r}); from oci_gpu_hook.start import server; "
+              "server._peerpidfd_works = False; from oci_gpu_hook.hook import main; sys.exit(main())")  # fmt: skip
+    return [sys.executable, "-I", "-c", forced, prefilter_rule.START_SERVER, "--socket", socket_path]
+
+
 @pytest.fixture
-def running(socket_path, tmp_path):
-    with startservercheck.started(socket_path, tmp_path / "server.log") as listening:
+def running(socket_path, tmp_path, request):
+    """A server of the test's own; parametrized indirectly with a kernel of KERNELS, one that
+    checks its peers as on that kernel (default: this kernel's own way)."""
+    kernel = getattr(request, "param", "SO_PEERPIDFD")
+    command = server_command(socket_path, kernel)
+    with startservercheck.Server(tmp_path / "server.log", socket_path, command=command).wait_listening() as listening:
         yield listening
 
 
@@ -200,6 +222,7 @@ def in_front(case: str, socket_path: str) -> tuple:
     }[case]
 
 
+@pytest.mark.parametrize("running", KERNELS, indirect=True)
 @pytest.mark.parametrize("case", ["no-capabilities-read-only-view", "no-capabilities", "no-cap_sys_admin",
                                   "another-mount-namespace", "user-namespace-root"])  # fmt: skip
 def test_a_root_peer_that_lacks_what_a_worker_has_is_not_taken(host, stub, socket_path, running, tmp_path, case):
@@ -240,9 +263,12 @@ def replies(path: str, data: bytes, fds) -> list:
     return got
 
 
+@pytest.mark.parametrize("running", KERNELS, indirect=True)
 def test_a_taken_offer_hears_taken_then_the_verdict(host, socket_path, running, tmp_path):
     """b"a" once a worker has it, then (after b"g" and the descriptors) b"v" and the Python hook's
-    own exit status, then the end; the worker's line on the offer's stderr, as the Python hook says it."""
+    own exit status, then the end; the worker's line on the offer's stderr, as the Python hook says it.
+    The peer (this test's process: root, every capability, the server's namespaces) is taken on
+    either kernel's check."""
     config = startservercheck.config(host, tmp_path)
     data = startservercheck.gpu_error_state(tmp_path)
     alone = startservercheck.python_hook(config, data)
@@ -262,10 +288,12 @@ def test_a_taken_offer_hears_taken_then_the_verdict(host, socket_path, running, 
     assert [r.get("via") for r in startservercheck.log_records(config)] == [None, "start server"]
 
 
-@pytest.mark.parametrize("then", ["sigcont", "sigterm", "sigkill"])
+@pytest.mark.parametrize("then, running", [("sigcont", "SO_PEERPIDFD"), ("sigcont", "before-6.5"),
+                                           ("sigterm", "SO_PEERPIDFD"), ("sigkill", "SO_PEERPIDFD")],
+                         indirect=["running"])  # fmt: skip
 def test_a_stopped_server_holds_no_start(host, real, socket_path, running, tmp_path, then):
     """The server stopped (SIGSTOP), a pre-filter's offer queued behind its accept: the pre-filter
-    waits rule.START_SERVER_TAKE_MS for "taken", no more, and the start is the Python hook's own,
+    waits prefilter_rule.START_SERVER_TAKE_MS for "taken", no more, and the start is the Python hook's own,
     whole (the same status and line, no "via"), while the server is still stopped; never exit 70.
     Then the server continues (and takes the queued connection, whose offerer is gone: nothing
     is run for it), or is stopped by SIGTERM, or killed: no second start either way."""
@@ -421,11 +449,11 @@ def test_idle_connections_hold_no_start(live_container, real, socket_path, runni
 
 
 BLOCKING_STATE = """
-import array, os, socket, sys, tempfile
+import array, os, socket, sys
 from oci_gpu_hook.start.linux import _linux
 _linux.unshare(0x20000)  # CLONE_NEWNS: tracefs mounted here alone
 _linux.mount("none", "/", None, 0x40000 | 0x4000)  # MS_PRIVATE | MS_REC
-top = tempfile.mkdtemp()
+top = sys.argv[2]  # the test's own directory: nothing is left in /tmp
 _linux.mount("nodev", top, "tracefs", 0)
 fd = os.open(os.path.join(top, "trace_pipe"), os.O_RDONLY)
 channel = socket.socket(fileno=int(sys.argv[1]))
@@ -438,10 +466,12 @@ def test_a_state_whose_read_blocks_holds_no_worker(host, socket_path, running, t
     state: a regular file whose read blocks. The worker's kill timer, armed before the read, ends
     it: "taken", then the end without a verdict, and the worker killed by SIGKILL in the log."""
     config = startservercheck.config(host, tmp_path)
+    (tmp_path / "tracefs").mkdir()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
     with ours, theirs:
         done = subprocess.run([sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {launcher_parent()!r})\n"
-                               + BLOCKING_STATE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                               + BLOCKING_STATE, str(theirs.fileno()), str(tmp_path / "tracefs")],
+                              pass_fds=[theirs.fileno()],
                               capture_output=True, timeout=HANG_GUARD)  # fmt: skip
         assert done.returncode == 0, done.stderr
         fds = array.array("i")

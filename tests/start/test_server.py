@@ -32,7 +32,7 @@ import startservercheck
 from startservercheck import COMMAND, GPU_ENV, Server
 
 from oci_gpu_hook.errors import Exit
-from oci_gpu_hook.start import budget, digits, inventory_cache, rule, server, settings
+from oci_gpu_hook.start import budget, digits, inventory_cache, prefilter_rule, server, settings
 from oci_gpu_hook.start.apply import FAULT_ENV
 from oci_gpu_hook.toolkit import launcher, prefilter
 from oci_gpu_hook.toolkit.install import interpreter_command
@@ -235,7 +235,7 @@ def test_a_prefilter_built_for_another_server_gets_the_python_hook(host, running
     before one): its offer is refused, and the start is the Python hook's, as without a server."""
     own = startservercheck.version()
     if built_for == "another-version":
-        monkeypatch.setattr(rule, "START_SERVER_VERSION", "oci-gpu-hook start 0")
+        monkeypatch.setattr(prefilter_rule, "START_SERVER_VERSION", "oci-gpu-hook start 0")
     else:
         monkeypatch.setattr(server, "code_identity", lambda package=None: "0123456789abcdef")
     head = server.version_line(server.code_identity())
@@ -596,7 +596,8 @@ def test_a_server_stops_serving_once_its_code_changes(place, tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     own = os.path.join(place, "copy.sock")
     command = [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(copy)!r}); "
-               "from oci_gpu_hook.hook import main; sys.exit(main())", rule.START_SERVER, "--socket", own]  # fmt: skip
+               "from oci_gpu_hook.hook import main; sys.exit(main())",
+               prefilter_rule.START_SERVER, "--socket", own]  # fmt: skip
     with Server(tmp_path / "server.log", command=command).wait_listening() as running:
         assert server.ask_identity(own) == server.code_identity(str(copy / "oci_gpu_hook")) == server.code_identity()
         cache = copy / "oci_gpu_hook" / "start" / "__pycache__"

@@ -23,8 +23,8 @@ PACKAGE = os.path.dirname(os.path.abspath(oci_gpu_hook.__file__))
 
 
 def start_path_modules() -> list:
-    """Every module of the start path (start/, and the hook's own hook.py, errors.py, record.py)."""
-    names = ["oci_gpu_hook.hook", "oci_gpu_hook.errors", "oci_gpu_hook.record"]
+    """Every module of the start path (start/, and the hook's own hook.py, errors.py, frozen.py)."""
+    names = ["oci_gpu_hook.hook", "oci_gpu_hook.errors", "oci_gpu_hook.frozen"]
     for directory, _, files in os.walk(os.path.join(PACKAGE, "start")):
         for file in sorted(f for f in files if f.endswith(".py")):
             parts = os.path.relpath(os.path.join(directory, file), os.path.dirname(PACKAGE))[:-3].split(os.sep)

@@ -157,7 +157,7 @@ def test_docker_program_is_the_prefilter_in_front_of_a_launcher_of_its_own(root,
     uninstall. Without the start server, the launcher itself (the pre-filter would only add an exec:
     every start dockerd runs the program for asks for a GPU)."""
     require("gcc")
-    from oci_gpu_hook.start import rule
+    from oci_gpu_hook.start import prefilter_rule
     from oci_gpu_hook.toolkit import prefilter
 
     before = snapshot(root)
@@ -174,7 +174,7 @@ def test_docker_program_is_the_prefilter_in_front_of_a_launcher_of_its_own(root,
     with open(program, "rb") as f:
         data = f.read()
     # It offers starts to the start server, with the launcher's options first.
-    assert prefilter.offers_to(program) == rule.START_SERVER_SOCKET and b"/etc/gpu/config.yaml\0" in data
+    assert prefilter.offers_to(program) == prefilter_rule.START_SERVER_SOCKET and b"/etc/gpu/config.yaml\0" in data
     text = open(python).read()
     assert launcher.is_launcher(python) and text.startswith(f"#!{sys.executable} -IS\n")
     assert install.DOCKER_HOOK_MARKER in text and install.DOCKER_HOOK in text
@@ -1043,12 +1043,12 @@ def _rpm_start_server(root, socket=True, units=True):
     """What the RPM puts in a tree for the start server (rpm/oci-gpu-hook.spec): /usr/bin/oci-gpu-hook,
     the pre-filter built as the spec builds it (socket: with the start server's socket, as from
     this version on), and units: the two units in /usr/lib/systemd/system, as the spec writes them."""
-    from oci_gpu_hook.start import rule
+    from oci_gpu_hook.start import prefilter_rule
     from oci_gpu_hook.toolkit import prefilter
 
     os.makedirs(root + "/usr/bin")
     prefilter.build(root + install.INSTALLED_PATH, "/usr/libexec/oci-gpu-hook/oci-gpu-hook-python",
-                    start_server=rule.START_SERVER_SOCKET if socket else None)  # fmt: skip
+                    start_server=prefilter_rule.START_SERVER_SOCKET if socket else None)  # fmt: skip
     if units:
         os.makedirs(root + install.PACKAGE_UNIT_DIR)
         with open(f"{root}{install.PACKAGE_UNIT_DIR}/{install.START_SOCKET}", "w") as f:

@@ -37,7 +37,7 @@ import pytest
 import startservercheck
 
 from oci_gpu_hook.errors import Exit, HookError
-from oci_gpu_hook.start import prestart, rule, spec, state
+from oci_gpu_hook.start import prefilter_rule, prestart, spec, state
 from oci_gpu_hook.toolkit import install, launcher, prefilter
 
 DEFERRED = 42  # the recording stand-in for the Python hook exits with this
@@ -241,8 +241,9 @@ def test_opens_nothing_but_config_json_and_runs_nothing(built, require):
 
 def test_header_is_written_from_the_python_rule():
     text = prefilter.header("/usr/libexec/oci-gpu-hook/python-hook")
-    for value in (rule.VISIBLE_DEVICES, rule.NO_DEVICES, rule.LEGACY_VARIABLE, rule.CDI_ANNOTATION_PREFIX,
-                  os.path.basename(rule.VOLUME_MOUNT_DIR), *rule.RUNTIME_COMMANDS):  # fmt: skip
+    r = prefilter_rule
+    for value in (r.VISIBLE_DEVICES, r.NO_DEVICES, r.LEGACY_VARIABLE, r.CDI_ANNOTATION_PREFIX,
+                  os.path.basename(r.VOLUME_MOUNT_DIR), *r.RUNTIME_COMMANDS):  # fmt: skip
         assert f'"{value}"' in text
     assert f"RULE_MAX_STATE_BYTES {state.MAX_STATE_BYTES}u" in text
     assert f"RULE_MAX_CONFIG_BYTES {spec.MAX_CONFIG_BYTES}u" in text
@@ -406,7 +407,7 @@ def passing_listener(path: str, offers: list, reply: bytes) -> threading.Thread:
                 os.close(fd)
             after = b""
             if reply == b"late":
-                time.sleep(2 * rule.START_SERVER_TAKE_MS / 1000)
+                time.sleep(2 * prefilter_rule.START_SERVER_TAKE_MS / 1000)
                 try:
                     conn.send(b"a")
                     conn.settimeout(60)

@@ -9,6 +9,10 @@
 #   expect TEXT FILE|-   fail unless the file (or stdin) holds a line containing TEXT
 #   denials              print the AVC/SELINUX_ERR records logged since the scenario started
 #   no_denials [WHAT]    fail if there is any (WHAT: what the scenario did, for the message)
+#   wait_for SECONDS CMD...  until CMD succeeds (tried each second); returns 1 if it never did
+#   prop UNIT PROPERTY   the value of a systemd unit's property (systemctl show)
+#   new_main_pid UNIT PID  succeeds once UNIT runs a main process other than PID (a restart)
+#   doctor_says ID       doctor's check ID as "STATUS summary" (from `doctor --json`)
 #   gpu_run NAME [PODMAN RUN OPTIONS...]
 #                        `podman run -t` of the busybox image with GPU 0 requested, whose shell
 #                        prints "domain=...", "dev <node> <OUTCOME>" for /dev/nvidiactl and
@@ -44,6 +48,20 @@ no_denials() {
     local found
     found=$(denials)
     [ -z "$found" ] || { echo "$found"; fail "SELinux denials during ${1:-the scenario}"; }
+}
+
+wait_for() {
+    local limit=$1; shift
+    local end=$(( $(date +%s) + limit ))
+    until "$@" >/dev/null 2>&1; do
+        [ "$(date +%s)" -lt "$end" ] || return 1
+        sleep 1
+    done
+}
+prop() { systemctl show -p "$2" --value "$1"; }
+new_main_pid() { local now; now=$(prop "$1" MainPID); [ "$now" != 0 ] && [ "$now" != "$2" ]; }
+doctor_says() {
+    "$HOOK" doctor --json | python3 -c 'import json,sys; c={c["id"]: c for c in json.load(sys.stdin)["checks"]}[sys.argv[1]]; print(c["status"], c["summary"])' "$1"
 }
 
 # what a device open says: EPERM = the device cgroup refused; EACCES = SELinux (or mode bits);

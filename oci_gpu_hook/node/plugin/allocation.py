@@ -28,7 +28,7 @@ lower its share but not raise it; the watchdog enforces what the hook recorded.
 
 from __future__ import annotations
 
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import memory_limit
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.request import CDI_ANNOTATION_PREFIX, IMEX_CHANNELS, IMEX_VOLUME_MOUNT_DIR, VISIBLE_DEVICES
@@ -41,7 +41,7 @@ class AllocationError(Exception):
     """The kubelet asked for something this resource cannot give: the gRPC call fails with it."""
 
 
-class ContainerAllocation(Record):
+class ContainerAllocation(Frozen):
     __slots__ = ("envs", "mounts", "devices", "annotations", "cdi_devices")
     envs: dict
     mounts: tuple  # (container path, host path, read only)

@@ -16,7 +16,7 @@ import os
 import re
 
 from oci_gpu_hook.errors import ConfigError, RequestError, printable
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import memory_limit, settings
 
 MIG_STRATEGIES = ("none", "single", "mixed")
@@ -40,7 +40,7 @@ PER_REPLICA = memory_limit.PER_REPLICA  # the same word as the hook's shared_gpu
 MAX_REPLICAS = 1024
 
 
-class TimeSlicedResource(Record):
+class TimeSlicedResource(Frozen):
     __slots__ = ("name", "replicas", "memory_limit")
     name: str  # nvidia.com/gpu or nvidia.com/mig-<profile>, before any .shared rename
     replicas: int
@@ -66,7 +66,7 @@ def _xid_health(doc: dict) -> dict:
     }
 
 
-class PluginConfig(Record):
+class PluginConfig(Frozen):
     __slots__ = ("mig_strategy", "list_strategies", "id_strategy", "pass_device_specs", "rename_by_default",
                  "fail_requests_greater_than_one", "time_slicing", "mps", "mps_root", "imex_channels",
                  "imex_required", "critical_xids", "ignored_xids", "allocation_policy")  # fmt: skip

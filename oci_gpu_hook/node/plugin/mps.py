@@ -44,7 +44,7 @@ import subprocess
 import tempfile
 
 from oci_gpu_hook.errors import PrerequisiteError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start.digits import decimal
 from oci_gpu_hook.start.inventory import host_path
 
@@ -166,7 +166,7 @@ def control_program(inventory) -> str:
     raise MpsError(f"sharing.mps: the driver has no {CONTROL} (it is part of the driver's compute files)")
 
 
-class Daemon(Record):
+class Daemon(Frozen):
     """One MPS control daemon: what it was started for and told, where, and which process it is."""
 
     __slots__ = ("resource_name", "root", "program", "commands", "generation", "process")

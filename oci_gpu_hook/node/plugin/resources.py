@@ -15,15 +15,15 @@ nvidia.com/mig-<profile>.
 from __future__ import annotations
 
 from oci_gpu_hook.errors import ConfigError
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.node.plugin import config as plugin_config
 from oci_gpu_hook.node.plugin.config import GPU_RESOURCE, MIG_RESOURCE_PREFIX, SHARED_SUFFIX
-from oci_gpu_hook.record import Record
 from oci_gpu_hook.start.inventory import device_key
 
 REPLICA_SEPARATOR = "::"
 
 
-class Unit(Record):
+class Unit(Frozen):
     """One GPU or MIG device: what a container gets for one of its ids."""
 
     __slots__ = ("uuid", "index", "gpu", "mig")
@@ -37,7 +37,7 @@ class Unit(Record):
         return self.mig.memory_total if self.mig is not None else self.gpu.memory_total
 
 
-class Advertised(Record):
+class Advertised(Frozen):
     """One device id the kubelet sees."""
 
     __slots__ = ("id", "unit", "replica")
@@ -46,7 +46,7 @@ class Advertised(Record):
     replica: int | None  # 0.. for a time-sliced resource
 
 
-class Resource(Record):
+class Resource(Frozen):
     __slots__ = ("name", "devices", "replicas", "memory_limit", "fail_requests_greater_than_one", "mps_root",
                  "renamed")  # fmt: skip
     _defaults = {"mps_root": None, "renamed": False}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 
 from oci_gpu_hook.errors import NvmlError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start.digits import decimal
 from oci_gpu_hook.start.inventory import host_path
 
@@ -31,7 +31,7 @@ NVLINK_SCORE = 100
 MAX_SETS = 20000
 
 
-class Topology(Record):
+class Topology(Frozen):
     __slots__ = ("numa", "pairs")
     numa: dict  # GPU uuid -> NUMA node, for the GPUs sysfs names one for
     pairs: dict  # frozenset({uuid, uuid}) -> score

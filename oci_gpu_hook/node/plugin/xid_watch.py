@@ -17,9 +17,9 @@ from __future__ import annotations
 import threading
 
 from oci_gpu_hook.errors import NvmlError
+from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.node.nvml_reader import DriverChanged
 from oci_gpu_hook.node.plugin.config import ALL_XIDS
-from oci_gpu_hook.record import Record
 from oci_gpu_hook.start.digits import decimal
 
 NO_INSTANCE = 0xFFFFFFFF  # an event's instance ids when it is about the whole GPU
@@ -28,7 +28,7 @@ RETRY_SECONDS = 5.0  # after NVML failed, before events are waited on again
 DISABLE_ENV, ENABLE_ENV = "DP_DISABLE_HEALTHCHECKS", "DP_ENABLE_HEALTHCHECKS"
 
 
-class XidPolicy(Record):
+class XidPolicy(Frozen):
     __slots__ = ("critical", "ignored", "enabled")
     critical: object  # ALL_XIDS or a frozenset
     ignored: frozenset
@@ -84,7 +84,7 @@ def policy(config, environ) -> XidPolicy:
     return XidPolicy(critical, frozenset(ignored), frozenset(_xids(environ.get(ENABLE_ENV, ""))))
 
 
-class XidEvent(Record):
+class XidEvent(Frozen):
     __slots__ = ("gpu_uuid", "gi", "ci", "xid")
     gpu_uuid: str
     gi: int | None  # the MIG device's GPU instance, None for the whole GPU

@@ -10,7 +10,7 @@
  * It exits 0 on its own only when it is sure the Python hook would: the state and config.json are
  * read and checked as start/state.py and start/spec.py check them, and the rule is
  * start/prestart.py's may_ask_for_gpus, whose values (prefilter_rule.h) toolkit/prefilter.py
- * writes from start/rule.py. Whatever it cannot decide exactly (input Python would reject, JSON it
+ * writes from start/prefilter_rule.py. Whatever it cannot decide exactly (input Python would reject, JSON it
  * does not parse, a value outside ASCII, a mount destination near the device-list directory) goes
  * to the Python hook, which then says what is wrong in its own words and with its own exit status.
  * It opens nothing but config.json, runs nothing but PYTHON_HOOK, and allocates only from a

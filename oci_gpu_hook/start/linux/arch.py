@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 
 from oci_gpu_hook.errors import PrerequisiteError
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 
 # Every name _linux.py passes to _nr() (verify() reads _linux.py's source to make sure).
 SYSCALL_NAMES = ("pivot_root", "bpf", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount",
@@ -33,7 +33,7 @@ _SINCE_5_2 = {"open_tree": 428, "move_mount": 429, "fsopen": 430, "fsconfig": 43
               "pidfd_open": 434, "openat2": 437, "mount_setattr": 442}  # fmt: skip
 
 
-class Architecture(Record):
+class Architecture(Frozen):
     """One machine type, by its os.uname().machine name."""
 
     __slots__ = ("machine", "syscalls", "multiarch", "multiarch32", "lib64", "lib32", "loader")

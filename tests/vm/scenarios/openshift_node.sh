@@ -1,14 +1,6 @@
 # proves: the OpenShift node as far as the VM carries it: the kubelet (cgroupDriver systemd) drives CRI-O (cgroup_manager systemd, SELinux on, hooks wired by `oci-gpu-hook install --runtime crio`), which drives runc under enforcing SELinux; a pod whose seLinuxOptions.type is gpu_container_t runs in gpu_container_t, in a crio-*.scope of the kubepods slices, opens exactly GPU 0, and keeps it across `systemctl daemon-reload` and a restart of an unrelated unit of its slices (its running process and a new exec; nvidia-container-toolkit#48): the hook asked systemd whether it filters the scope's devices and added the GPU nodes to its DeviceAllow=
 # timeout: 900
 # needs: crio kubelet
-wait_for() {
-    local limit=$1; shift
-    local end=$(( $(date +%s) + limit ))
-    until "$@" >/dev/null 2>&1; do
-        [ "$(date +%s)" -lt "$end" ] || return 1
-        sleep 2
-    done
-}
 install -m 0755 "$P"/bin/crio "$P"/bin/pinns "$P"/bin/crictl "$P"/bin/kubelet /usr/local/bin/
 restorecon -F /usr/local/bin/crio /usr/local/bin/pinns /usr/local/bin/crictl /usr/local/bin/kubelet
 run podman import -q "$P/pause.tar" localhost/pause:1

@@ -5,20 +5,6 @@ UNIT_FILE=/etc/systemd/system/$UNIT
 DIR=/var/lib/kubelet/device-plugins
 KLOG=/tmp/kubelet-standin.log
 PY=/opt/oci-gpu-hook/bin/python
-# wait_for SECONDS CMD...: until CMD succeeds, or return 1
-wait_for() {
-    local limit=$1; shift
-    local end=$(( $(date +%s) + limit ))
-    until "$@" >/dev/null 2>&1; do
-        [ "$(date +%s)" -lt "$end" ] || return 1
-        sleep 1
-    done
-}
-prop() { systemctl show -p "$2" --value "$1"; }
-# doctor_says ID: the check's "STATUS summary", from `doctor --json`
-doctor_says() {
-    "$HOOK" doctor --json | python3 -c 'import json,sys; c={c["id"]: c for c in json.load(sys.stdin)["checks"]}[sys.argv[1]]; print(c["status"], c["summary"])' "$1"
-}
 registrations() { grep -c '^register ' "$KLOG"; }
 lists() { grep -c '^devices ' "$KLOG"; }
 journal() { journalctl -u "$UNIT" --no-pager -o cat; }
@@ -135,8 +121,7 @@ echo "--- a crash: systemd restarts it (Restart=on-failure), and it registers ag
 pid=$(prop $UNIT MainPID)
 m=$(lists)
 run kill -KILL "$pid"
-wait_for 60 sh -c "p=\$(systemctl show -p MainPID --value $UNIT); [ \"\$p\" != 0 ] && [ \"\$p\" != $pid ]" \
-    || { show; fail "the plugin was not restarted after SIGKILL"; }
+wait_for 60 new_main_pid $UNIT "$pid" || { show; fail "the plugin was not restarted after SIGKILL"; }
 [ "$(prop $UNIT NRestarts)" -ge 1 ] || fail "systemd counts no restart"
 wait_for 90 sh -c "[ \$(grep -c '^register ' $KLOG) -ge 2 ]" || { show; fail "the restarted plugin did not register again"; }
 wait_for 30 sh -c "[ \$(grep -c '^devices ' $KLOG) -gt $m ]" || { show; fail "the restarted plugin sent no device list"; }

@@ -1,20 +1,6 @@
 # proves: the units `install` writes run under systemd: the refresh path unit fires when a driver update rewrites /etc/ld.so.cache and its service rewrites the inventory cache; the node services (--node-services) start, come back after a crash, restart and stop; doctor reads their state
 # timeout: 480
 CACHE=/run/oci-gpu-hook/inventory.json
-# wait_for SECONDS CMD...: until CMD succeeds, or fail
-wait_for() {
-    local limit=$1; shift
-    local end=$(( $(date +%s) + limit ))
-    until "$@" >/dev/null 2>&1; do
-        [ "$(date +%s)" -lt "$end" ] || return 1
-        sleep 1
-    done
-}
-prop() { systemctl show -p "$2" --value "$1"; }
-# doctor_says ID: the check's "STATUS summary", from `doctor --json`
-doctor_says() {
-    "$HOOK" doctor --json | python3 -c 'import json,sys; c={c["id"]: c for c in json.load(sys.stdin)["checks"]}[sys.argv[1]]; print(c["status"], c["summary"])' "$1"
-}
 # driver_update TARFILE: what a driver installer does: new files, then ldconfig
 driver_update() {
     rm -rf "$SIM" && tar -xf "$1" -C /srv && setfiles -r "$SIM" "$FC" "$SIM"
@@ -64,8 +50,7 @@ doctor_says watchdog | grep -q "pid $pid" || fail "doctor's watchdog pid is not 
 echo "--- a crash: systemd restarts it (Restart=on-failure)"
 pid=$(prop oci-gpu-hook-exporter.service MainPID)
 run kill -KILL "$pid"
-wait_for 60 sh -c "p=\$(systemctl show -p MainPID --value oci-gpu-hook-exporter.service); [ \"\$p\" != 0 ] && [ \"\$p\" != $pid ]" \
-    || fail "the exporter was not restarted after SIGKILL"
+wait_for 60 new_main_pid oci-gpu-hook-exporter.service "$pid" || fail "the exporter was not restarted after SIGKILL"
 [ "$(prop oci-gpu-hook-exporter.service NRestarts)" -ge 1 ] || fail "systemd counts no restart"
 echo "--- systemctl restart"
 pid=$(prop oci-gpu-hook-labels.service MainPID)

@@ -1,9 +1,9 @@
 import pytest
 
-from oci_gpu_hook.record import Record
+from oci_gpu_hook.frozen import Frozen
 
 
-class Point(Record):
+class Point(Frozen):
     __slots__ = ("x", "y")
     _defaults = {"y": 0}
 

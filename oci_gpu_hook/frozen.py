@@ -1,16 +1,16 @@
-"""Frozen, printable, comparable, serialisable records, for modules on the hook's start path.
+"""Frozen structs (printable, comparable, serialisable), for modules on the hook's start path.
 
 dataclasses would do, but importing it (it imports inspect) would cost a cold start 17 ms
 (docs/performance.md) and decorating each class ~0.3 ms: together more than the rest of a GPU
-container's hook run. A Record subclass
-names its fields in __slots__, may give defaults in _defaults, and gets keyword or positional
-construction, immutability, ==, hash, repr and to_json() for the cost of a class statement.
+container's hook run. A Frozen subclass names its fields in __slots__, may give defaults in
+_defaults, and gets keyword or positional construction, immutability, ==, hash, repr and
+to_json() for the cost of a class statement.
 """
 
 _set = object.__setattr__  # past the frozen __setattr__
 
 
-class Record:
+class Frozen:
     __slots__ = ()
     _defaults: dict = {}
     _fields: tuple = ()
@@ -29,8 +29,8 @@ class Record:
 
     def __init__(self, *args, **kwargs):
         # The positional values first, then only the remaining fields are looked up: a GPU start
-        # builds hundreds of records (the inventory, the plan), and this takes 25 to 45% less
-        # time per record than merging everything into one dict first.
+        # builds hundreds of them (the inventory, the plan), and this takes 25 to 45% less
+        # time per struct than merging everything into one dict first.
         fields = self._fields
         given = len(args)
         if given > len(fields):
@@ -75,8 +75,8 @@ class Record:
 
 
 def to_json(value):
-    """Plain JSON-able data from records, tuples, lists, sets and dicts."""
-    if isinstance(value, Record):
+    """Plain JSON-able data from Frozen structs, tuples, lists, sets and dicts."""
+    if isinstance(value, Frozen):
         return value.to_json()
     if isinstance(value, (list, tuple)):
         return [to_json(v) for v in value]
