@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 import drivercheck
+import leftovers
 import pytest
 
 from oci_gpu_hook.start import driver
@@ -66,6 +67,8 @@ def real(tmp_path_factory, simulated_host, require):
         config.write_text(drivercheck.config_text(root, host["root"], str(state)))
         configs[kind] = str(config)
     yield configs
+    # The hook keeps a compiled copy of each configuration under /run/oci-gpu-hook: gone with them.
+    leftovers.remove_compiled_settings(leftovers.RUN_DIR, str(top))
     shutil.rmtree(top, ignore_errors=True)
 
 
