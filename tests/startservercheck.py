@@ -10,7 +10,6 @@ import array
 import contextlib
 import json
 import os
-import select
 import shutil
 import signal
 import socket
@@ -264,22 +263,3 @@ def parent(pid: int):
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
-
-
-def read_fifo(path: str, timeout: float = 60) -> bytes:
-    """All a writer writes to the FIFO at path, once one opens it; opening it here lets a writer
-    waiting in its own open go on. Fails if nothing comes within timeout (a hang guard)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    data = b""
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            # Linux reports no hang-up on a FIFO no writer has opened yet: select waits for one.
-            if not select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise AssertionError(f"{path}: nothing written within {timeout} s")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return data
-            data += chunk
-    finally:
-        os.close(fd)

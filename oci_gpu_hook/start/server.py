@@ -65,6 +65,9 @@ QUERY = f"{prefilter_rule.START_SERVER_VERSION} ?".encode()
 VIA = "start server"  # the start's log entry and container record say so (report.VIA)
 WARM_AFTER_SECONDS = 0.05
 SPARE_RETRY_SECONDS = 1.0  # after a spare could not be forked (a worker is still forked per offer)
+# After accept() failed for want of a descriptor or memory: the listener stays readable, so polling
+# it again at once would spin the loop (and log a line each turn) until a descriptor is freed.
+ACCEPT_RETRY_SECONDS = 0.1
 # A pre-filter sends its offer as it connects and waits prefilter_rule.START_SERVER_TAKE_MS for "taken":
 # a connection whose offer has not come by then serves no start.
 OFFER_TIMEOUT_SECONDS = prefilter_rule.START_SERVER_TAKE_MS / 1000
@@ -661,6 +664,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
     _log(f"listening on {listener.getsockname() or 'the socket systemd passed'} (code {identity})")
     spare, config = None, None
     spare_after = 0.0  # after a failed fork, the next try: not at every wake-up, nor a line each time
+    accept_after = None  # while the listener is set aside after a failed accept(), when to take it back
     try:
         while not stopping:
             now = time.monotonic()
@@ -668,6 +672,9 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
             if watch.read():
                 _log("the installed code changed since this server started; stopping (the next start starts a new one)")
                 break
+            if accept_after is not None and now >= accept_after:
+                poller.register(listener.fileno(), select.POLLIN)
+                accept_after = None
             if spare is None and now >= spare_after:
                 try:
                     spare = Spare(listener, config, warm=config is not None, closing=[*own, *pending])
@@ -677,6 +684,8 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
             waits = [end - now for _, end in pending.values()]
             if spare is None:
                 waits.append(max(0.0, spare_after - now))
+            if accept_after is not None:
+                waits.append(max(0.0, accept_after - now))
             if watchdog.due_in(now) is not None:
                 waits.append(watchdog.due_in(now))
             timeout = None if not waits else max(0, int(min(waits) * 1000) + 1)
@@ -688,7 +697,9 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
                 if fd == woken:
                     _drain(woken)
                 elif fd == listener.fileno():
-                    _accept(listener, pending, poller)
+                    if not _accept(listener, pending, poller):
+                        poller.unregister(fd)
+                        accept_after = time.monotonic() + ACCEPT_RETRY_SECONDS
                 elif fd in pending:
                     conn, _ = pending.pop(fd)
                     poller.unregister(fd)
@@ -719,17 +730,22 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _accept(listener: socket.socket, pending: dict, poller) -> None:
+def _accept(listener: socket.socket, pending: dict, poller) -> bool:
     """Every connection waiting: its peer checked now, before its offer is read; a stranger's is
-    answered "not taken" and closed at once."""
+    answered "not taken" and closed at once. False when accept() failed for want of a resource
+    (EMFILE, say): the connections left queued wait, and their pre-filters go to Python in time."""
     while True:
         try:
             conn, _ = listener.accept()
         except (BlockingIOError, InterruptedError):
-            return
+            return True
+        except ConnectionAbortedError:
+            continue  # that peer is gone; the next may not be
         except OSError as e:
-            _log(f"cannot accept: {e.strerror}")  # EMFILE, say: the pre-filters wait, then go to Python
-            return
+            if e.errno == errno.EPROTO:
+                continue  # likewise
+            _log(f"cannot accept: {e.strerror}; trying again in {ACCEPT_RETRY_SECONDS} s")
+            return False
         conn.setblocking(False)
         lacks = peer_lacks(conn)
         if lacks or len(pending) >= MAX_PENDING:

@@ -253,6 +253,42 @@ def test_the_server_tells_the_code_it_serves(running, socket_path):
     assert f"(code {server.code_identity()})" in running.log()[0]
 
 
+def test_a_server_out_of_descriptors_sets_its_listener_aside_instead_of_spinning(running, socket_path):
+    """accept() fails with EMFILE while the listener stays readable: polled again at once, the loop
+    would spin, a log line each turn, until a descriptor is freed. It sets the listener aside
+    ACCEPT_RETRY_SECONDS instead, at most a line each time; the connections queued meanwhile are
+    taken once descriptors are back (here each is closed unoffered: its pre-filter would have gone
+    to Python), and the server serves as before."""
+    import resource
+
+    # The limit bounds descriptor numbers, and a new one takes the lowest free: none left.
+    held = {int(fd) for fd in os.listdir(f"/proc/{running.pid}/fd")}
+    soft, hard = resource.prlimit(running.pid, resource.RLIMIT_NOFILE)
+    clients = []
+    try:
+        resource.prlimit(running.pid, resource.RLIMIT_NOFILE, (min(set(range(len(held) + 1)) - held), hard))
+        started = time.monotonic()
+        for _ in range(3):
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            clients.append(client)
+            client.settimeout(60)  # a hang guard
+            client.connect(socket_path)  # queued in the backlog
+        time.sleep(1)  # the window in which every accept() fails
+        resource.prlimit(running.pid, resource.RLIMIT_NOFILE, (soft, hard))
+        elapsed = time.monotonic() - started
+        for client in clients:
+            while client.recv(16):
+                pass
+    finally:
+        for client in clients:
+            client.close()
+        resource.prlimit(running.pid, resource.RLIMIT_NOFILE, (soft, hard))
+    failed = [line for line in running.log() if line.startswith("oci-gpu-hook start-server: cannot accept")]
+    assert failed, f"accept() never ran out of descriptors, so this shows nothing: {running.log()}"
+    assert len(failed) <= elapsed / server.ACCEPT_RETRY_SECONDS + 2, f"{len(failed)} lines in {elapsed:.2f} s"
+    assert server.ask_identity(socket_path) == server.code_identity()
+
+
 NOBODY_OFFERS = """
 import array, json, os, select, socket, sys
 read, write = os.pipe()
