@@ -11,9 +11,15 @@ import sys
 import time
 
 from oci_gpu_hook.errors import HookError, RequestError
-from oci_gpu_hook.start import prefilter_rule
 from oci_gpu_hook.start import spec as spec_module
 from oci_gpu_hook.start import state as state_module
+from oci_gpu_hook.start.prefilter_rule import (
+    CDI_ANNOTATION_PREFIX,
+    CDI_DEVICE_ENV_PREFIX,
+    LEGACY_VARIABLE,
+    NO_DEVICES,
+    VISIBLE_DEVICES,
+)
 
 # Why a rootless start keeps no record (docs/security.md: rootless podman): the node services
 # read records as root, from root's directory alone; one that the user wrote would name pids and
@@ -26,17 +32,13 @@ def may_ask_for_gpus(spec) -> bool:
     """False only when no setting could make this a GPU container. The compiled pre-filter
     (start/csrc/prefilter.c) applies the same test, built with prefilter_rule.py's values."""
     env = spec.env
-    visible = env.get(prefilter_rule.VISIBLE_DEVICES)
-    if (
-        visible is not None
-        and visible.strip()
-        and prefilter_rule.NO_DEVICES not in [v.strip() for v in visible.split(",")]
-    ):
+    visible = env.get(VISIBLE_DEVICES)
+    if visible is not None and visible.strip() and NO_DEVICES not in [v.strip() for v in visible.split(",")]:
         return True
     return (
-        prefilter_rule.LEGACY_VARIABLE in env
-        or any(key.startswith(prefilter_rule.CDI_DEVICE_ENV_PREFIX) for key in env)
-        or any(key.startswith(prefilter_rule.CDI_ANNOTATION_PREFIX) for key in spec.annotations)
+        LEGACY_VARIABLE in env
+        or any(key.startswith(CDI_DEVICE_ENV_PREFIX) for key in env)
+        or any(key.startswith(CDI_ANNOTATION_PREFIX) for key in spec.annotations)
         or any(spec_module.volume_mount_device(m.destination) for m in spec.mounts)
     )
 

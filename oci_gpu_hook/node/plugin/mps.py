@@ -37,6 +37,7 @@ when its daemon stops or is found dead, or when the next start finds it left by 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -289,16 +290,25 @@ def make_directories(wanted) -> None:
     of their choosing (a resource directory -> /etc). So each is made and chmodded through a
     descriptor, never through a symlink, in a directory root alone can change
     (sources.HostSources: sticky /tmp counts), and must be root's."""
+    path = None
+    with _host_sources(lambda: path) as sources:
+        for path, mode in wanted:
+            _make_directory(sources, os.path.normpath(path), mode)
+
+
+@contextlib.contextmanager
+def _host_sources(where):
+    """HostSources for the MPS directories, closed after; an untrusted or failed directory as
+    MpsError (flags.mpsRoot). where: a callable, the path an OSError without a file name is about."""
     from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
 
     sources = HostSources()
     try:
-        for path, mode in wanted:
-            _make_directory(sources, os.path.normpath(path), mode)
+        yield sources
     except UntrustedSource as e:
         raise MpsError(f"flags.mpsRoot: {e.path}: {e.why}: the MPS directories must be root's alone") from None
     except OSError as e:
-        raise MpsError(f"flags.mpsRoot: {e.filename or path}: {e.strerror or e}") from None
+        raise MpsError(f"flags.mpsRoot: {e.filename or where()}: {e.strerror or e}") from None
     finally:
         sources.close()
 
@@ -337,17 +347,9 @@ def _make_directory(sources, path: str, mode: int) -> None:
 def _open_place(root: str, name: str) -> int:
     """A descriptor (to read and to make entries through) of <root>/<resource>, which
     make_directories made: checked again, as every directory on the way, through descriptors."""
-    from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
-
-    sources = HostSources()
-    try:
-        return _open_directory(".", sources.directory(resource_dir(root, name)))
-    except UntrustedSource as e:
-        raise MpsError(f"flags.mpsRoot: {e.path}: {e.why}: the MPS directories must be root's alone") from None
-    except OSError as e:
-        raise MpsError(f"flags.mpsRoot: {resource_dir(root, name)}: {e.strerror or e}") from None
-    finally:
-        sources.close()
+    place = resource_dir(root, name)
+    with _host_sources(lambda: place) as sources:
+        return _open_directory(".", sources.directory(place))
 
 
 def _open_directory(name: str, dir_fd: int | None, flags: int = os.O_RDONLY) -> int:
