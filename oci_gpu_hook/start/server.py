@@ -52,9 +52,8 @@ from oci_gpu_hook.start import prefilter_rule
 from oci_gpu_hook.start.digits import decimal
 
 DEFAULT_SOCKET = prefilter_rule.START_SERVER_SOCKET
-MAX_OFFER_BYTES = (
-    len(prefilter_rule.START_SERVER_VERSION) + 64 + 8192
-)  # the pre-filter's payload room, and its version line
+# The pre-filter's payload room, and its version line.
+MAX_OFFER_BYTES = len(prefilter_rule.START_SERVER_VERSION) + 64 + 8192
 DESCRIPTORS = 3  # the state, stdout, stderr
 PASS = b"p"
 TAKEN = b"a"
