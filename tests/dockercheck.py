@@ -197,8 +197,8 @@ class HostDockerd:
     trees of TREES) before dockerd starts and after uninstall.
 
     The start server's directory (prefilter_rule.START_SERVER_SOCKET's) is a private tmpfs, so that no
-    server of the host's takes these starts; start_server: install is run with --start-server, and a
-    server listens there, started before dockerd with the command its unit runs (the CLI's argv
+    server of the host's takes these starts; start_server: install is run as users run it (the start
+    server is its default; without, with --no-start-server), and a server listens there, started before dockerd with the command its unit runs (the CLI's argv
     prefix, start-server), its log in server_log."""
 
     TREES = ["/etc", "/usr/local", "/var/lib/oci-gpu-hook"]
@@ -227,7 +227,7 @@ class HostDockerd:
             {"daemon": [*cli, prefilter_rule.START_SERVER], "ready": ["grep", "-q", "listening on", self.server_log]},
         ]
         steps = [{"write": "/etc/docker/daemon.json", "text": json.dumps(settings)}, *trees,
-                 {"run": [*cli, "install", "--runtime", "docker", *(["--start-server"] if start_server else [])]},
+                 {"run": [*cli, "install", "--runtime", "docker", *([] if start_server else ["--no-start-server"])]},
                  *(server if start_server else []),
                  {"daemon": [DOCKERD], "ready": self.client.argv("version")},
                  {"run": ["sh", "-c", 'tar -C "$0" -cf - . | "$@"', rootfs,

@@ -26,10 +26,11 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
               help="Put the compiled pre-filter where runtimes run the hook, so that containers that cannot "
                    "ask for a GPU start without Python (docs/performance.md). Default: where a C compiler "
                    "is found and builds it (one that cannot leaves the launcher, with a warning).")  # fmt: skip
-@click.option("--start-server", is_flag=True,
-              help="Also install the start server's systemd socket and service: GPU containers then start "
-                   "from a warm process instead of a new interpreter (needs the pre-filter; "
-                   "docs/performance.md).")  # fmt: skip
+@click.option("--start-server/--no-start-server", default=None,
+              help="Install and enable the start server's systemd socket and service: GPU containers then "
+                   "start from a warm process instead of a new interpreter (docs/performance.md). Default: "
+                   "wherever runtimes run the pre-filter, which is what offers it starts (--start-server "
+                   "fails without one).")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.pass_obj
 def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server):
@@ -66,7 +67,8 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
                       f"{install_module.WATCHDOG_SERVICE}" if node_services else "")
                    + (f" && systemctl start {install_module.DEVICE_PLUGIN_SERVICE}" if device_plugin
                       else "")
-                   + (f" && systemctl start {install_module.START_SOCKET}" if start_server else ""))  # fmt: skip
+                   + (f" && systemctl start {install_module.START_SOCKET}"
+                      if os.path.lexists(install_module.START_SOCKET_LINK) else ""))  # fmt: skip
     return 0
 
 

@@ -23,9 +23,9 @@ create_runtime = click.Command("createRuntime", callback=prestart.callback, para
 @click.command(name="start-server")
 @click.option("--socket", "socket_path", metavar="PATH",
               help="Listen here, when systemd passes no socket (default /run/oci-gpu-hook/start.sock: the path "
-                   "`install --start-server` builds into the pre-filter).")  # fmt: skip
+                   "`install` builds into the pre-filter).")  # fmt: skip
 def start_server(socket_path):
-    """Serve GPU starts from a warm process, for the pre-filter that `install --start-server` built.
+    """Serve GPU starts from a warm process, for the pre-filter that `install` built.
 
     The pre-filter offers each start it would hand to Python; a worker forked from this process runs
     the hook for it, with the configuration the hook's entry names, so that a start pays for no

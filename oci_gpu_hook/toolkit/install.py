@@ -15,11 +15,11 @@ What install writes, under --root (default /):
 | /etc/udev/rules.d/71-oci-gpu-hook.rules | ... and when the nvidia kernel modules load |
 | /usr/local/libexec/oci-gpu-hook/oci-gpu-hook | what runtimes run (no RPM's): the pre-filter, or the launcher |
 | /usr/local/libexec/oci-gpu-hook/oci-gpu-hook-python | the launcher the pre-filter runs (with the pre-filter only) |
-| /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus`: the launcher (with --start-server, the pre-filter) |
+| /usr/bin/nvidia-container-runtime-hook | Docker's `--gpus`: the launcher (with the start server, the pre-filter) |
 | /usr/local/libexec/oci-gpu-hook/nvidia-container-runtime-hook-python | ... the launcher that pre-filter runs |
 | /etc/systemd/system/oci-gpu-hook-{exporter,labels,watchdog}.service (+ wants) | node services (--node-services) |
 | /etc/systemd/system/oci-gpu-hook-device-plugin.service (+ wants) | Kubernetes nodes (--device-plugin) |
-| /etc/systemd/system/oci-gpu-hook-start.{socket,service} (+ wants) | the start server (--start-server) |
+| /etc/systemd/system/oci-gpu-hook-start.{socket,service} (+ wants) | the start server (with the pre-filter) |
 | /usr/local/libexec/oci-gpu-hook/oci-gpu-hook-start-server | ... what its service runs (its SELinux domain's entry) |
 | /etc/systemd/system/sockets.target.wants/oci-gpu-hook-start.socket | ... only that link, to the RPM's units |
 | /var/lib/oci-gpu-hook/install-manifest.json | what install created, with checksums |
@@ -29,8 +29,10 @@ The pre-filter (toolkit/prefilter.py) is compiled here, where a C compiler is fo
 Docker's program is a pre-filter of its own, which runs a launcher of its own: dockerd passes only
 `prestart`, so that launcher is the one that carries the --config.
 It offers each start it would hand to Python to the start server (start/server.py) first, where one
-listens; --start-server installs the server's socket and service units, started at boot (the
-pre-filter is the same with and without them).
+listens. The server's socket and service units are installed and enabled wherever the pre-filter
+is (--start-server to require them, --no-start-server never): systemd listens from boot, starts
+the server at the first GPU start, and every fault of it leaves the start to Python within the
+pre-filter's short wait (docs/performance.md). The pre-filter is the same with and without them.
 
 Every path under the root is resolved as the tree itself resolves it (toolkit/tree.py): a link in
 an image tree is followed inside it, never out of it into the build host's own directories.
@@ -280,7 +282,7 @@ def launcher_text() -> str:
 def start_launcher_text() -> str:
     """START_LAUNCHER: the launcher of this install, as the hook's, with a note of what it is for."""
     note = (
-        f"# Written by `oci-gpu-hook install --start-server`: what {START_SERVICE} runs. SELinux\n"
+        f"# Written by `oci-gpu-hook install`: what {START_SERVICE} runs. SELinux\n"
         "# labels it oci_gpu_hook_start_exec_t, so the start server runs in its own domain\n"
         "# (docs/selinux.md). Removed by `oci-gpu-hook uninstall`.\n"
     )
@@ -369,11 +371,16 @@ def node_service_text(argv_prefix, description: str, *args: str, flag: str = "--
     )
 
 
+# The RPM's preset file, which enables the start server's socket on install (RHEL's own presets end in
+# "disable *"; an administrator's file of a lower number, or `systemctl disable`, overrides it).
+START_PRESET = "50-oci-gpu-hook.preset"
+START_PRESET_TEXT = f"# Shipped by the oci-gpu-hook RPM: GPU starts from a warm process.\nenable {START_SOCKET}\n"
+
 # The first line of the start server's units, as install writes them and as the RPM ships them
 # (rpm/oci-gpu-hook.spec writes its units with these functions, not a copy of their text).
-START_UNITS_BY_INSTALL = "Written by `oci-gpu-hook install --start-server`."
-START_UNITS_BY_PACKAGE = (f"Shipped by the oci-gpu-hook RPM, not enabled: `systemctl enable --now {START_SOCKET}` "
-                          "(or `oci-gpu-hook install --start-server`) turns it on.")  # fmt: skip
+START_UNITS_BY_INSTALL = "Written by `oci-gpu-hook install` (--no-start-server: not)."
+START_UNITS_BY_PACKAGE = (f"Shipped by the oci-gpu-hook RPM, enabled on install by its preset ({START_PRESET}): "
+                          f"`systemctl disable --now {START_SOCKET}` turns it off.")  # fmt: skip
 
 
 START_WATCHDOG_SECONDS = 10
@@ -427,6 +434,9 @@ def start_service_text(argv_prefix, note: str = START_UNITS_BY_INSTALL) -> str:
         # short wait (start/server.py, _Watchdog).
         f"WatchdogSec={START_WATCHDOG_SECONDS}\n"
         "NotifyAccess=main\n"
+        # A worker the kernel kills for memory (its container's start goes to Python or fails
+        # alone) must not take the server down with it: systemd's default would stop the unit.
+        "OOMPolicy=continue\n"
     )
 
 
@@ -495,7 +505,7 @@ def docker_entries(argv_prefix, with_prefilter: bool) -> list:
     only for `--gpus` (a plain `docker run` gets no hook), so the starts it sees ask for GPUs and go
     on, to the server or the launcher: the gain is the server's, whose warm worker saves the
     interpreter's start and the imports. Without one the pre-filter would only cost an exec more,
-    so planned() asks for it only with the start server (install --start-server)."""
+    so planned() asks for it only with the start server."""
     if not with_prefilter:
         return [Entry(DOCKER_HOOK, docker_hook_text(argv_prefix), mode=0o755, set_aside=DOCKER_HOOK_SAVED)]
     from oci_gpu_hook.toolkit import prefilter
@@ -553,6 +563,10 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
     return entries
 
 
+# What `systemctl enable` writes for the start server's socket, and what install writes for it.
+START_SOCKET_LINK = f"{UNIT_DIR}/sockets.target.wants/{START_SOCKET}"
+
+
 def start_server_command(argv_prefix) -> list:
     """What the start server's service runs: its own launcher with the hook's options."""
     return [START_LAUNCHER] + _options(argv_prefix)
@@ -565,11 +579,17 @@ def start_server_entries(root: str, argv_prefix) -> list:
     so that an upgrade's were never read. The package's service is the one install would write
     even with a --config: the server reads no configuration (each worker runs the hook with the
     hook entry's own arguments)."""
-    link = f"{UNIT_DIR}/sockets.target.wants/{START_SOCKET}"
+    link = START_SOCKET_LINK
     if argv_prefix[0] == INSTALLED_PATH:
         with Tree(root) as tree:
             packaged = all(os.path.isfile(tree.resolve(f"{PACKAGE_UNIT_DIR}/{unit}"))
                            for unit in (START_SOCKET, START_SERVICE))  # fmt: skip
+            # Enabled already, by the package's preset or an administrator (`systemctl enable`
+            # writes its own spelling of the path, /lib/... on Debian): theirs, not install's
+            # to write or to remove.
+            enabled = packaged and _same_file(tree.resolve(link), tree.resolve(f"{PACKAGE_UNIT_DIR}/{START_SOCKET}"))
+        if enabled:
+            return []
         if packaged:
             return [Entry(link, link=f"{PACKAGE_UNIT_DIR}/{START_SOCKET}")]
     # The launcher first: the service never runs without it.
@@ -577,6 +597,13 @@ def start_server_entries(root: str, argv_prefix) -> list:
             Entry(f"{UNIT_DIR}/{START_SOCKET}", start_socket_text()),
             Entry(f"{UNIT_DIR}/{START_SERVICE}", start_service_text(start_server_command(argv_prefix))),
             Entry(link, link=f"../{START_SOCKET}")]  # fmt: skip
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samestat(os.stat(a), os.stat(b))
+    except OSError:
+        return False
 
 
 def containerd_entries(root: str, argv_prefix) -> list:
@@ -800,14 +827,15 @@ class _root_only:
 
 def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False, node_services: bool = False,
             device_plugin: bool = False, prefilter: bool | None = None, warn=None,
-            start_server: bool = False) -> list:  # fmt: skip
+            start_server: bool | None = None) -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing.
     prefilter: put the compiled pre-filter where runtimes run the launcher, and as Docker's program
     (True: or fail; False: never; None: where a C compiler is found and builds it, else the
-    launcher, and warn(line), when given, hears why). start_server: the start server's units too
-    (only with a pre-filter, which is what offers it starts)."""
+    launcher, and warn(line), when given, hears why). start_server: the start server's units too,
+    which only a pre-filter offers starts to (True: or fail; False: never; None: wherever runtimes
+    run a pre-filter that offers to its socket)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
@@ -877,33 +905,43 @@ def _tree(root: str):
 
 
 def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
-             warn, start_server=False) -> list:  # fmt: skip
+             warn, start_server=None) -> list:  # fmt: skip
     root = tree.root
     argv_prefix = list(argv_prefix or hook_command())
     _check_text(argv_prefix)
     manifest = _read_manifest(tree)
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
+    asked = start_server  # None: the server wherever the pre-filter offers it starts
     if prefilter is None:
         from oci_gpu_hook.toolkit import prefilter as prefilter_module
 
         # Asked for nothing: a compiler that is there but cannot build here (no C library headers,
         # say) leaves the launcher, as no compiler does; the pre-filter only saves time, so that
         # is a warning and never a failed install.
+        prefilter = prefilter_module.compiler() is not None
         try:
-            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root,
-                              prefilter_module.compiler() is not None, start_server)  # fmt: skip
+            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, asked is not False)
         except prefilter_module.PrefilterError as e:
-            if start_server:
+            if asked:
                 raise InstallError(f"--start-server: the pre-filter offers starts to the server, and it cannot be "
                                    f"built here: {e}") from None  # fmt: skip
             if warn is not None:
-                warn(f"the pre-filter could not be built ({e}): runtimes run the launcher")
+                warn(f"the pre-filter could not be built ({e}): runtimes run the launcher, and GPU starts run in "
+                     "Python (no start server)")  # fmt: skip
+            prefilter, asked = False, False
             entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, False)
     else:
-        entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, start_server)
-    if start_server:
-        _check_offers(tree, argv_prefix, entries, runtimes)
+        entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, asked is not False)
+    if asked is not False:
+        try:
+            _check_offers(tree, argv_prefix, entries, runtimes)
+        except InstallError:
+            if asked:
+                raise
+            # By default only where a pre-filter offers it starts: without one the units would
+            # run a server no start reaches.
+            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, False)
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK, DOCKER_LAUNCHER, START_LAUNCHER) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(tree, entries)

@@ -5,10 +5,11 @@ test-only flag or PATH (tests/dockercheck.HostDockerd: a private mount namespace
 so the host's files are untouched). uninstall leaves /etc, /usr/local and /usr/bin as they were
 (root, runc, busybox, gcc, dockerd, docker, unshare).
 
-Installed with --start-server (and gcc), install's program there is the compiled pre-filter, which
+Installed as users install it (and gcc), with the start server by default, install's program there
+is the compiled pre-filter, which
 runs a launcher of its own (install.DOCKER_LAUNCHER); with the start server listening (started as
 its unit would start it, on the socket the pre-filter offers to, a private tmpfs here), the start
-is the server's worker's: its log records say "via": "start server". Without --start-server, the
+is the server's worker's: its log records say "via": "start server". With --no-start-server, the
 program is the launcher itself (no "via").
 """
 
@@ -21,7 +22,7 @@ from hookcheck import listed_uuids
 from oci_gpu_hook.toolkit import containers, install
 
 
-@pytest.mark.parametrize("start_server", [False, True], ids=["python", "start server"])
+@pytest.mark.parametrize("start_server", [False, True], ids=["no start server", "start server (default)"])
 def test_install_then_plain_docker_run_gpus_gives_exactly_the_gpu(simulated_host, require, tmp_path, start_server):
     require("root", "runc", "busybox", "gcc", "dockerd", "docker", "unshare")
     host = simulated_host(gpus=4, mig=[2])

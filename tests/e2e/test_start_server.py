@@ -1,6 +1,7 @@
-"""The start server on the path users take (issue 41): `oci-gpu-hook install --runtime podman
---start-server` exactly as a user types it, the server started with the command systemd would run
-(the ExecStart= of the unit install wrote: there is no systemd here), then plain `podman run`.
+"""The start server on the path users take (issue 41): `oci-gpu-hook install --runtime podman`
+exactly as a user types it (the start server is install's default, issue 51), the server started
+with the command systemd would run (the ExecStart= of the unit install wrote: there is no systemd
+here), then plain `podman run`.
 
 A GPU container gets exactly its GPU and nodes through the server's worker (its log records say
 "via": "start server", its container record is written); after the server is stopped (SIGTERM)
@@ -117,7 +118,7 @@ def _scenario(top: str, host: dict) -> tuple:
         ("subids", {"run": ["sh", "-c", subids, home, xdg]}),
         ("log", {"run": ["sh", "-c", log_setup, f"{host['root']}/hook.log"]}),
         *[(f"chmod {d}", {"run": ["chmod", f"{mode:o}", d]}) for d, mode in chmods.items()],
-        ("install", {"run": [*cli, "install", "--runtime", "podman", "--start-server"]}),
+        ("install", {"run": [*cli, "install", "--runtime", "podman"]}),
         ("unit", {"run": ["cat", UNIT]}),
         ("root import", {"run": ["sh", "-c", image, f"{top}/rootfs"]}),
         ("user import", {"run": [*as_user, "sh", "-c", image, f"{top}/rootfs"]}),

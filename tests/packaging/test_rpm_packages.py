@@ -15,6 +15,7 @@ PYTHON_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-python"
 START_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
 START_SOCKET = "/usr/lib/systemd/system/oci-gpu-hook-start.socket"  # the start server's units (%{_unitdir})
 START_SERVICE = "/usr/lib/systemd/system/oci-gpu-hook-start.service"
+START_PRESET = "/usr/lib/systemd/system-preset/50-oci-gpu-hook.preset"  # enables the socket (%{_presetdir})
 MAIN_PATHS = {
     "/usr/bin/oci-gpu-hook",
     PYTHON_LAUNCHER,
@@ -29,6 +30,7 @@ MAIN_PATHS = {
     "/usr/share/containers/oci/hooks.d/oci-gpu-hook.json",
     START_SOCKET,
     START_SERVICE,
+    START_PRESET,
     "/etc/oci-gpu-hook",
     "/etc/oci-gpu-hook/config.yaml",
     "/usr/share/doc/oci-gpu-hook-0.1.0/README.md",
@@ -116,14 +118,19 @@ def scriptlets(rpm) -> dict:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
-def test_the_start_server_is_not_enabled_stopped_on_removal_and_restarted_on_upgrade(rpms):
+def test_the_start_server_is_enabled_on_install_stopped_on_removal_and_restarted_on_upgrade(rpms):
     """The hook package's scriptlets, as Debian's rpm builds them (the spec's stand-ins for the
-    systemd macros): installing enables and starts nothing (administrators opt in); removing
+    systemd macros): a first install applies the preset to the socket, as RHEL's %systemd_post does
+    (an upgrade applies nothing: what the administrator chose stays), and starts nothing; removing
     stops and disables both units; an upgrade restarts a running server, so that it runs the new
     code (the socket stays open: starts offered meanwhile wait for it)."""
     found = scriptlets(rpms["main"])
     assert sorted(found) == ["postinstall", "postuninstall", "preuninstall"], found
-    assert not re.search(r"\b(enable|preset|start|restart|try-restart)\b", found["postinstall"]), found["postinstall"]
+    post = found["postinstall"]
+    preset = r"if \[ \$1 -eq 1 \] .*\n\s+systemctl --no-reload preset oci-gpu-hook-start.socket \|\| :"
+    assert re.search(preset, post), post
+    verbs = re.findall(r"^\s*systemctl (?:--\S+ )*(\S+)", post, flags=re.M)
+    assert verbs == ["preset", "daemon-reload"], post  # nothing started
     preun = found["preuninstall"]
     assert re.search(r"\$1 -eq 0", preun), preun  # removal, not the old package's half of an upgrade
     assert "disable --now oci-gpu-hook-start.socket oci-gpu-hook-start.service" in preun, preun
@@ -134,11 +141,12 @@ def test_the_start_server_is_not_enabled_stopped_on_removal_and_restarted_on_upg
                    and "command -v" not in line), text  # fmt: skip
 
 
-def test_start_server_units_are_installs_own_and_not_enabled(rpms, pk, tmp_path, require):
+def test_start_server_units_are_installs_own_and_its_preset_enables_them(rpms, pk, tmp_path, require):
     """The units are the ones install writes (toolkit/install.py, the one place their text is):
     the socket at the path the pre-filter offers to, the service running the packaged program.
-    Nothing in the package enables them: systemd's own tool, run on the package's files, says
-    "disabled", and enables them when asked, as an administrator does."""
+    The package ships no link, only its preset file: systemd's own tool, run on the package's
+    files, says "disabled" until the preset is applied, and "enabled" after, even beside RHEL's
+    policy, whose last preset file disables everything it does not name."""
     require("systemctl")
     from oci_gpu_hook.start import prefilter_rule
     from oci_gpu_hook.toolkit import install
@@ -148,13 +156,21 @@ def test_start_server_units_are_installs_own_and_not_enabled(rpms, pk, tmp_path,
         socket_unit = f.read()
     with open(os.path.join(root, START_SERVICE[1:])) as f:
         service_unit = f.read()
+    with open(os.path.join(root, START_PRESET[1:])) as f:
+        preset = f.read()
     assert f"\nListenSequentialPacket={prefilter_rule.START_SERVER_SOCKET}\n" in socket_unit
     assert f"\nExecStart={START_LAUNCHER} start-server\n" in service_unit
+    assert "\nOOMPolicy=continue\n" in service_unit
     assert socket_unit == install.start_socket_text(install.START_UNITS_BY_PACKAGE)
     assert service_unit == install.start_service_text([START_LAUNCHER], install.START_UNITS_BY_PACKAGE)
+    assert preset == install.START_PRESET_TEXT and os.path.basename(START_PRESET) == install.START_PRESET
     assert install.PACKAGE_START_LAUNCHER == START_LAUNCHER  # the path the module's file context names
     files = rpm_query("-l", rpms["main"]).split()
-    assert not [f for f in files if re.search(r"\.(wants|requires)/|system-preset", f)], files
+    assert not [f for f in files if re.search(r"\.(wants|requires)/", f)], files
+    # RHEL 9's own last word (systemd's 99-default-disable.preset), which ours must come before.
+    rhel = os.path.join(os.path.dirname(os.path.join(root, START_PRESET[1:])), "99-default-disable.preset")
+    with open(rhel, "w") as f:
+        f.write("disable *\n")
 
     def is_enabled():
         done = subprocess.run(["systemctl", f"--root={root}", "is-enabled", "oci-gpu-hook-start.socket"],
@@ -162,7 +178,7 @@ def test_start_server_units_are_installs_own_and_not_enabled(rpms, pk, tmp_path,
         return (done.stdout + done.stderr).strip()
 
     assert is_enabled() == "disabled"
-    pk.run(["systemctl", f"--root={root}", "enable", "oci-gpu-hook-start.socket"])
+    pk.run(["systemctl", f"--root={root}", "preset", "oci-gpu-hook-start.socket", "oci-gpu-hook-start.service"])
     assert is_enabled() == "enabled"
 
 
@@ -218,14 +234,14 @@ def test_packaged_console_script_runs(rpms, pk, tmp_path):
         assert proc.returncode == 0 and "0.1.0" in proc.stdout, proc
 
 
-def test_installed_package_enables_the_start_server_only_when_asked(rpms, tmp_path, require):
+def test_installed_package_enables_the_start_server_and_keeps_an_administrators_no(rpms, tmp_path, require):
     """The package installed for real (rpm -i, its scriptlets run) on a host of the test's own: a
     private mount namespace with overlays over /etc, /usr and /var/lib (tests/privatehost.py), and
-    an rpm database of its own. The start server is not enabled; `oci-gpu-hook install
-    --start-server` enables the package's units (the one link `systemctl enable` makes, no copies
-    in /etc/systemd/system to shadow them) and uninstall disables them; an administrator's own
-    `systemctl enable` is undone when the package is removed, and /etc/systemd/system is then as
-    it was."""
+    an rpm database of its own. The preset enables the socket (the one link `systemctl enable`
+    makes); `oci-gpu-hook install` then adds no copies in /etc/systemd/system to shadow the
+    package's units, and its uninstall leaves the package's link; an administrator's `systemctl
+    disable` survives an upgrade; removing the package disables it, and /etc/systemd/system is
+    then as it was."""
     require("root", "rpm", "systemctl", "unshare")
     from privatehost import run
 
@@ -239,30 +255,31 @@ def test_installed_package_enables_the_start_server_only_when_asked(rpms, tmp_pa
         {"run": [*rpm, "--initdb"]},
         {"run": [*rpm, "-i", "--nodeps", rpms["main"]]},
         {"run": ["systemctl", "is-enabled", unit]},
-        {"run": [*cli, "install", "--runtime", "runc", "--start-server"]},
-        {"run": ["systemctl", "is-enabled", unit]},
         {"run": ["readlink", link]},
+        {"run": [*cli, "install", "--runtime", "runc"]},
         {"run": ["ls", "/etc/systemd/system"]},
         {"run": [*cli, "uninstall"]},
         {"run": ["systemctl", "is-enabled", unit]},
-        {"run": ["systemctl", "enable", unit]},
+        {"run": ["systemctl", "disable", unit]},
+        {"run": [*rpm, "-U", "--replacepkgs", "--nodeps", rpms["main"]]},
         {"run": ["systemctl", "is-enabled", unit]},
+        {"run": ["systemctl", "enable", unit]},
         {"run": [*rpm, "-e", "oci-gpu-hook"]},
         {"run": ["ls", "-a", os.path.dirname(link)]},
         {"tree": ["/etc/systemd/system"]},
     ]
     work = tmp_path / "host"
     work.mkdir()
-    (before, _initdb, installed, fresh, install, enabled, value, listing, uninstall, after_uninstall, _enable,
-     by_admin, removed, wants, after) = run(str(work), ["/etc", "/usr", "/var/lib"], steps)  # fmt: skip
-    for done in (installed, install, uninstall, removed):
+    (before, _initdb, installed, fresh, value, install, listing, uninstall, after_uninstall, _disable, upgraded,
+     after_upgrade, _enable, removed, wants, after) = run(str(work), ["/etc", "/usr", "/var/lib"], steps)  # fmt: skip
+    for done in (installed, install, uninstall, upgraded, removed):
         assert done["rc"] == 0, done
-    assert fresh["stdout"].strip() == "disabled", fresh  # the package enables nothing
-    assert enabled["stdout"].strip() == "enabled", (enabled, install)
-    assert value["stdout"].strip() == START_SOCKET, value
-    assert "oci-gpu-hook-start" not in listing["stdout"], listing  # no copies shadowing the package's
-    assert after_uninstall["stdout"].strip() == "disabled", (after_uninstall, uninstall)
-    assert by_admin["stdout"].strip() == "enabled", by_admin
+    assert fresh["stdout"].strip() == "enabled", (fresh, installed)  # the preset, on first install
+    # systemctl's own spelling of the package's unit (Debian's is under /lib, a link to /usr/lib).
+    assert value["stdout"].strip() in (START_SOCKET, START_SOCKET.replace("/usr/lib/", "/lib/")), value
+    assert "oci-gpu-hook-start" not in listing["stdout"], (listing, install)  # no copies shadowing the package's
+    assert after_uninstall["stdout"].strip() == "enabled", (after_uninstall, uninstall)  # the package's link stays
+    assert after_upgrade["stdout"].strip() == "disabled", (after_upgrade, upgraded)  # the administrator's choice
     assert unit not in wants["stdout"].split(), (wants, removed)  # removal disabled it
     assert after == before
 

@@ -151,7 +151,7 @@ def test_docker_round_trip_and_the_program(root):
 
 
 def test_docker_program_is_the_prefilter_in_front_of_a_launcher_of_its_own(root, require):
-    """With a compiler and the start server: dockerd runs the compiled pre-filter (no interpreter
+    """With a compiler and the start server (the default): dockerd runs the compiled pre-filter (no interpreter
     of its own; it offers the start to the start server), which runs a launcher of Docker's own
     carrying the --config (dockerd passes only `prestart`); both in the manifest, both removed by
     uninstall. Without the start server, the launcher itself (the pre-filter would only add an exec:
@@ -162,12 +162,12 @@ def test_docker_program_is_the_prefilter_in_front_of_a_launcher_of_its_own(root,
 
     before = snapshot(root)
     argv_prefix = PREFIX + ["--config", "/etc/gpu/config.yaml"]
-    install.install(root, ("docker",), argv_prefix, prefilter=True)
+    install.install(root, ("docker",), argv_prefix, prefilter=True, start_server=False)
     program, python = root + install.DOCKER_HOOK, root + install.DOCKER_LAUNCHER
     assert launcher.is_launcher(program) and not os.path.lexists(python)
     install.uninstall(root)
     assert snapshot(root) == before
-    lines = install.install(root, ("docker",), argv_prefix, prefilter=True, start_server=True)
+    lines = install.install(root, ("docker",), argv_prefix, prefilter=True)  # the start server by default
     assert f"wrote {program}" in lines and f"wrote {python}" in lines
     assert lines.index(f"wrote {python}") < lines.index(f"wrote {program}")  # never one without the other
     assert prefilter.is_prefilter(program) and prefilter.runs(program) == install.DOCKER_LAUNCHER
@@ -1153,3 +1153,38 @@ def test_start_server_refuses_a_prefilter_that_offers_no_start(root, require):
     assert e.value.message.startswith(f"--start-server: {root}{install.INSTALLED_PATH} is a pre-filter built "
                                       "without the start server's socket")  # fmt: skip
     assert "\n" not in e.value.message and snapshot(root) == before
+
+
+def test_the_start_server_is_installed_by_default_wherever_the_prefilter_is(root, require, monkeypatch):
+    """Asked for nothing, install puts the start server's units and their link in place wherever
+    runtimes run the pre-filter it builds (which is what offers the server its starts);
+    --no-start-server writes none; and where no pre-filter can be built (no compiler), none
+    either, and no error: the units would run a server no start reaches."""
+    require("root", "gcc", "systemctl")
+    from oci_gpu_hook.start import prefilter_rule
+    from oci_gpu_hook.toolkit import prefilter
+
+    units = [f"{install.UNIT_DIR}/{install.START_SOCKET}", f"{install.UNIT_DIR}/{install.START_SERVICE}",
+             install.START_SOCKET_LINK, install.START_LAUNCHER]  # fmt: skip
+    before = snapshot(root)
+    install.install(root, ("runc",), [launcher.LAUNCHER])
+    assert prefilter.offers_to(root + launcher.LAUNCHER) == prefilter_rule.START_SERVER_SOCKET
+    assert all(os.path.lexists(root + path) for path in units), units
+    assert _is_enabled(root, install.START_SOCKET) == "enabled"
+    with open(f"{root}{install.UNIT_DIR}/{install.START_SERVICE}") as f:
+        assert "\nOOMPolicy=continue\n" in f.read()  # a worker killed for memory leaves the server up
+    install.uninstall(root)
+    assert snapshot(root) == before
+
+    install.install(root, ("runc",), [launcher.LAUNCHER], start_server=False)
+    assert prefilter.is_prefilter(root + launcher.LAUNCHER)  # the pre-filter still, with no units
+    assert not [path for path in units if os.path.lexists(root + path)]
+    install.uninstall(root)
+
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    warned = []
+    install.install(root, ("runc",), [launcher.LAUNCHER], warn=warned.append)
+    assert launcher.is_launcher(root + launcher.LAUNCHER) and warned == []
+    assert not [path for path in units if os.path.lexists(root + path)]
+    install.uninstall(root)
+    assert snapshot(root) == before
