@@ -80,10 +80,14 @@ HOW = (
     "whole rounds, hits both sides of each ratio alike; their CPU time (user and system of runc and everything it "
     "waited for) is given beside the wall time"
 )
-# Issue 41's goals, as ratios to the plain runc cycle measured in the same run.
-GOAL_GPU1_X_RUNC = 1.45  # 0.75x NVIDIA legacy's added time (its 1.60x, taken from issue 41)
-GOAL_GPU8_X_GPU1 = 1.15
-GOAL_NONGPU_X_RUNC = 1.05
+# Issue 51's goals for what install sets up by default (the start server), as ratios to the plain
+# runc cycle measured in the same run; issue 41's, for the pre-filter where no server listens.
+GOAL_GPU1_X_RUNC = 1.30  # half of NVIDIA legacy's added time (its 1.60x, taken from issue 41)
+GOAL_GPU8_X_GPU1 = 1.10
+GOAL_NONGPU_X_RUNC = 1.02  # runc's own floor for running any hook (the pre-filter answers these, server or not)
+GOAL_DOCKER_X_PLAIN = 1.05
+PYTHON_GPU1_X_RUNC = 1.45  # issue 41: 0.75x NVIDIA legacy's added time
+PYTHON_GPU8_X_GPU1 = 1.15
 
 
 def install(work: str) -> str:
@@ -449,8 +453,9 @@ def main():
             f"cycle:server:gpu1 <= {GOAL_GPU1_X_RUNC}x cycle:runc": x_served <= GOAL_GPU1_X_RUNC,
             f"cycle:server:gpu8same <= {GOAL_GPU8_X_GPU1}x its gpu1": served_gpu8same_x_gpu1 <= GOAL_GPU8_X_GPU1,
             f"cycle:server:gpu8 (all caps) <= {GOAL_GPU8_X_GPU1}x its gpu1": served_gpu8_x_gpu1 <= GOAL_GPU8_X_GPU1,
-            f"cycle:prefilter:gpu1 (no server) <= {GOAL_GPU1_X_RUNC}x cycle:runc": x_cycle["gpu1"] <= GOAL_GPU1_X_RUNC,
-            f"cycle:prefilter:gpu8 (no server) <= {GOAL_GPU8_X_GPU1}x its gpu1": gpu8_x_gpu1 <= GOAL_GPU8_X_GPU1,
+            f"cycle:prefilter:gpu1 (no server) <= {PYTHON_GPU1_X_RUNC}x cycle:runc": x_cycle["gpu1"]
+            <= PYTHON_GPU1_X_RUNC,
+            f"cycle:prefilter:gpu8 (no server) <= {PYTHON_GPU8_X_GPU1}x its gpu1": gpu8_x_gpu1 <= PYTHON_GPU8_X_GPU1,
             f"cycle:prefilter:nongpu <= {GOAL_NONGPU_X_RUNC}x cycle:runc": x_cycle["nongpu"] <= GOAL_NONGPU_X_RUNC,
             "runc+prefilter:nongpu <= 1.15x runc": results["runc+prefilter:nongpu"]["x_runc"] <= 1.15,
             "runc+prefilter:nongpu adds <= 3 ms to runc": added["prefilter:nongpu"] <= 3.0,
@@ -468,7 +473,9 @@ def main():
         for name in ways:
             if name.startswith("install:"):
                 targets[f"{name} <= 1.05x RPM launcher"] = results[name]["x_rpm"] <= 1.05
-        targets["docker run --gpus 1 (start server) <= 1.10x docker run"] = dockers_served["x_plain"] <= 1.10
+        targets[f"docker run --gpus 1 (start server) <= {GOAL_DOCKER_X_PLAIN}x docker run"] = (
+            dockers_served["x_plain"] <= GOAL_DOCKER_X_PLAIN
+        )
         targets["docker run --gpus 1 (launcher, no server) <= 1.10x docker run"] = dockers["x_plain"] <= 1.10
         # NVIDIA's legacy path is not built here: its figures stay in their own block, as issue 41 gave
         # them; the goals above are this run's ratios against limits derived from them.

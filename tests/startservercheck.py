@@ -1,7 +1,8 @@
 """The start server (start/server.py) run as a program of the test's own, on a socket in a private
 directory, stopped by its pid; the pre-filters that offer it starts (start/csrc/prefilter.c); and
-offers written by hand. Shared by tests/start/test_server.py (the server's side) and
-tests/toolkit/test_prefilter.py (the pre-filter's).
+offers written by hand. Shared by tests/start/test_server.py (the server's side),
+tests/toolkit/test_prefilter.py (the pre-filter's) and tests/reliability/test_start_server_faults.py
+(a server's faults: the socket as systemd holds it, its processes, its cgroups).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
 import hookcheck
 
 from oci_gpu_hook.start import prefilter_rule
+from oci_gpu_hook.start.digits import decimal
 
 # As a unit would run it: this interpreter and this checkout, isolated, in the hooks' environment.
 CHECKOUT = hookcheck.checkout_command()
@@ -263,3 +266,159 @@ def parent(pid: int):
             return int(f.read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+# --- faults: the socket as systemd holds it, the server's processes and cgroups -----------------
+
+# systemd's socket activation: the socket at descriptor 3, LISTEN_PID the server's own pid (the
+# shell's, which exec keeps), LISTEN_FDS their number. The socket comes in as the shell's stdin.
+ACTIVATED = 'export LISTEN_PID=$$ LISTEN_FDS="$1"; shift; exec "$@" 3<&0 </dev/null'
+
+
+def activated(log, listener: socket.socket, count: str = "1", *more, command=None) -> Server:
+    """A server started on listener as systemd starts one (socket activation); command: another
+    server's command line than this checkout's (a package copy's: package_command)."""
+    argv = ["sh", "-c", ACTIVATED, "sh", count, *(command or COMMAND), *more]
+    return Server(log, command=argv, stdin=listener.fileno())
+
+
+@contextlib.contextmanager
+def held_socket(path: str):
+    """A listening socket at path, as systemd's socket unit holds it (ListenSequentialPacket=,
+    Backlog= the server's own): connections queue there whether a server accepts them or not.
+    Closed and removed afterwards."""
+    from oci_gpu_hook.start import server
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        listener.bind(path)
+        listener.listen(server.LISTEN_BACKLOG)
+        yield listener
+    finally:
+        listener.close()
+        if os.path.lexists(path):
+            os.unlink(path)
+
+
+def package_copy(directory) -> str:
+    """A copy of this checkout's package in directory/oci_gpu_hook, its bytecode left out (an
+    install of its own, whose files a test may change); the copy's path."""
+    from oci_gpu_hook.toolkit import launcher
+
+    copy = os.path.join(str(directory), "oci_gpu_hook")
+    shutil.copytree(os.path.join(launcher.package_parent(), "oci_gpu_hook"), copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    return copy
+
+
+def package_command(package: str) -> list:
+    """The server's command line (as COMMAND) for the package at package (a package_copy)."""
+    parent = os.path.dirname(package)
+    return [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {parent!r}); "
+            "from oci_gpu_hook.hook import main; sys.exit(main())", prefilter_rule.START_SERVER]  # fmt: skip
+
+
+def children(pid: int) -> list:
+    """The pids of pid's children (of a single-threaded process: the server)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [decimal(child) for child in f.read().split()]
+    except FileNotFoundError:
+        return []  # gone
+
+
+def process_state(pid: int) -> str:
+    """R, S, T, Z, ... ("" once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+
+
+def wait_until(what: str, test, timeout: float = 60):
+    """test()'s first true value; fails after timeout seconds (a hang guard)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = test()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.01)
+
+
+def spare(running: Server, besides=()) -> int:
+    """The server's spare worker once it waits (asleep) for an offer: its one child asleep, of
+    those not in besides (spares the test stopped)."""
+
+    def waiting():
+        asleep = [pid for pid in children(running.pid) if pid not in besides and process_state(pid) == "S"]
+        return asleep[0] if len(asleep) == 1 else 0
+
+    return wait_until("spare worker waiting", waiting)
+
+
+def controller_cgroups(pid: int, controller: str) -> tuple:
+    """(pid's own cgroup in the controller's hierarchy, the one a test's cgroup is made in): on
+    cgroup v1 both are pid's own in the controller's hierarchy; on v2 the second is the nearest
+    from pid's own up to the root that enables the controller for its children (a cgroup with
+    processes in it other than the root cannot)."""
+    from oci_gpu_hook.start.linux import mountinfo
+
+    with open(f"/proc/{pid}/cgroup") as f:
+        lines = [line.rstrip("\n").split(":", 2) for line in f]
+    unified = None
+    for m in mountinfo.read():
+        if m.fstype == "cgroup" and controller in m.super_options:
+            (path,) = [p for _, names, p in lines if controller in names.split(",")]
+            own = os.path.join(m.mountpoint, path.lstrip("/"))
+            return own, own
+        if m.fstype == "cgroup2":
+            unified = m.mountpoint
+    if unified is not None:
+        own = path = os.path.join(unified, next(p for h, _, p in lines if h == "0").lstrip("/"))
+        while True:
+            with open(os.path.join(path, "cgroup.subtree_control")) as f:
+                if controller in f.read().split():
+                    return own, path
+            if os.path.samefile(path, unified):
+                break
+            path = os.path.dirname(path)
+    raise AssertionError(f"no cgroup hierarchy with the {controller} controller for a test's cgroup")
+
+
+@contextlib.contextmanager
+def own_cgroup(pid: int, controller: str):
+    """pid moved alone into a new cgroup of the controller's (controller_cgroups; its children stay
+    where they are); yields the cgroup's directory, to write its limits in. pid is moved back
+    while it lives, and the cgroup removed, afterwards."""
+    before, parent = controller_cgroups(pid, controller)
+    cgroup = os.path.join(parent, f"oci-gpu-hook-test-{os.getpid()}-{pid}")
+    os.mkdir(cgroup)
+    try:
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        try:
+            yield cgroup
+        finally:
+            try:
+                with open(os.path.join(before, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            except ProcessLookupError:
+                pass  # it died there (a zombie cannot be moved)
+    finally:
+        hookcheck.remove_cgroup(cgroup)
+
+
+def counted(socket_path: str, **wanted) -> dict:
+    """The answer to QUERY (server.ask_status) of the server at socket_path once its counts are
+    wanted's, or after 60 s (a hang guard): a worker counts once the server has reaped it, moments
+    after its pre-filter heard its last word."""
+    from oci_gpu_hook.start import server
+
+    deadline = time.monotonic() + 60
+    while True:
+        status = server.ask_status(socket_path)
+        if all(status.get(name) == n for name, n in wanted.items()) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.01)

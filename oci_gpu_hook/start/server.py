@@ -33,6 +33,10 @@ for the end of the hook's stdout and stderr, and copies of them queued in a stop
 socket would hold it there. So a pre-filter that hears nothing in time (a server stopped, busy, out of workers, or
 a late b"a") closes the connection and gives the start to Python, and the worker that would have
 had it sees the connection closed instead of b"g" and exits having done nothing.
+
+What became of the offers since the server started (served, taken too late, not taken and why:
+Counts) is said, with the identity of the code it serves, to QUERY, which only a peer that
+passes the same check at accept() may send (doctor's `start-server` check).
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ PASS = b"p"
 TAKEN = b"a"
 GO = b"g"
 VERDICT = b"v"
-IDENTITY = b"i"  # and the server's code identity: the answer to QUERY (doctor)
+IDENTITY = b"i"  # and the server's code identity and counts: the answer to QUERY (doctor; Counts.answer)
 QUERY = f"{prefilter_rule.START_SERVER_VERSION} ?".encode()
+ANSWER_MAX_BYTES = 1024  # the answer to QUERY is some 200
 VIA = "start server"  # the start's log entry and container record say so (report.VIA)
 WARM_AFTER_SECONDS = 0.05
 SPARE_RETRY_SECONDS = 1.0  # after a spare could not be forked (a worker is still forked per offer)
@@ -116,6 +121,49 @@ NOT_TAKEN = {
     "no runtime command": "an offer of a command that is not a runtime's (prestart, createRuntime)",
     "no worker": "no worker for it",
 }  # fmt: skip
+
+
+# Each reason in NOT_TAKEN counts in one class of Counts: the peer's, at accept() ("stranger", "gone"
+# among them: a pre-filter that gave up and exited), or the offer's own; those not named here, "other".
+NOT_TAKEN_COUNT = {"too many": "too_many", "no offer": "no_offer", "other code": "other_code",
+                   "no worker": "no_worker"}  # fmt: skip
+
+# A worker's exit status says what became of its offer, for the server's Counts (a child's end is
+# all the server hears of it). Any other end (70 for an error that escaped, a signal) is "lost".
+WORKER_SERVED = 0  # it had "go" and ran the hook; the hook's own status went in its verdict
+WORKER_LATE = 3  # it said "taken" and no "go" came: the pre-filter had given its start to Python
+WORKER_IDLE = 4  # a spare whose server went away before an offer came
+
+
+class Counts:
+    """What the server did since it started, said in its answer to QUERY (doctor): starts served,
+    taken too late, workers lost, and the starts not taken, by class. A worker's part is counted
+    once it has exited (its exit status: WORKER_SERVED, WORKER_LATE), by the SIGCHLD handler:
+    nothing there but adding to an int."""
+
+    NAMES = ("served", "late", "lost", "stranger", "too_many", "no_offer", "other_code", "no_worker", "other")
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.n = dict.fromkeys(self.NAMES, 0)
+
+    def ended(self, status: int) -> None:
+        """A child (a worker or a spare) reaped with this wait status."""
+        code = os.waitstatus_to_exitcode(status)
+        name = {WORKER_SERVED: "served", WORKER_LATE: "late", WORKER_IDLE: None}.get(code, "lost")
+        if name is not None:
+            self.n[name] += 1
+
+    def not_taken(self, key: str) -> None:
+        """One start not taken, for NOT_TAKEN's reason key (or "stranger": any at accept())."""
+        self.n[key if key == "stranger" else NOT_TAKEN_COUNT.get(key, "other")] += 1
+
+    def answer(self, identity: str) -> bytes:
+        """IDENTITY, then words one space apart, ASCII: the code identity, then NAME=N for
+        "up" (whole seconds since the server started) and each of NAMES, N in decimal digits
+        (docs/cli.md, "start-server"). A reader takes the names it knows and ignores others."""
+        counts = " ".join(f"{name}={self.n[name]}" for name in self.NAMES)
+        return IDENTITY + f"{identity} up={int(time.monotonic() - self.started)} {counts}".encode()
 
 
 # A worker's line (on the offer's stderr, exit 70) for a state that is no regular file: the
@@ -339,54 +387,56 @@ def peer_lacks(conn: socket.socket) -> str:
 
 
 class Offer:
-    """A checked offer: the hook's arguments and the offering process. Its three descriptors come
-    with "go", to the worker alone (_until_go)."""
+    """A checked offer: the hook's arguments, the offering process, and when the server accepted
+    its connection (time.monotonic(): the pre-filter's wait for "taken" began a little before).
+    Its three descriptors come with "go", to the worker alone (_until_go)."""
 
-    def __init__(self, argv: list, pid: int):
-        self.argv, self.pid = argv, pid
+    def __init__(self, argv: list, pid: int, accepted: float):
+        self.argv, self.pid, self.accepted = argv, pid, accepted
 
 
-def receive(conn: socket.socket, identity: str) -> tuple:
-    """(Offer or None, why not) from a connection whose peer passed peer_lacks() and whose message
-    has come (the read does not wait). An offer carries no descriptor: any that came are closed
-    here. An identity query (doctor) is answered here, and is no offer."""
+def receive(conn: socket.socket, identity: str, counts: Counts, accepted: float) -> tuple:
+    """(Offer or None, why not, its NOT_TAKEN key) from a connection whose peer passed
+    peer_lacks() and whose message has come (the read does not wait); accepted: when its
+    connection was. An offer carries no descriptor: any that came are closed here. A query
+    (doctor) is answered here, with the code identity and counts, and is no offer."""
     fds = array.array("i")
     try:
         payload, ancillary, flags, _ = conn.recvmsg(
             MAX_OFFER_BYTES + 1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize), socket.MSG_DONTWAIT
         )
     except OSError as e:
-        return None, not_taken("unreadable", error=e.strerror or e)
+        return None, not_taken("unreadable", error=e.strerror or e), "unreadable"
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     fds = list(fds)
 
-    def refuse(why: str):
+    def refuse(why: str, key: str):
         for fd in fds:
             os.close(fd)
-        return None, why
+        return None, why, key
 
     if not payload and not fds:
-        return None, ""  # connected and closed, offering nothing (a second server's probe): no offer
+        return None, "", ""  # connected and closed, offering nothing (a second server's probe): no offer
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        return refuse(not_taken("too large"))
+        return refuse(not_taken("too large"), "too large")
     head, _, rest = payload.partition(b"\0")
     if head == QUERY and not rest and not fds:
-        _reply(conn, IDENTITY + identity.encode())
-        return None, ""
+        _reply(conn, counts.answer(identity))
+        return None, "", ""
     if fds:
         # The runtime's pipes, queued unread in a stopped server's socket, would keep the runtime
         # waiting for their end: they go to a worker that has said "taken", with "go".
-        return refuse(not_taken("descriptors"))
+        return refuse(not_taken("descriptors"), "descriptors")
     if head != version_line(identity).encode():
-        return refuse(not_taken("other code", head=head[:60], version=version_line(identity)))
+        return refuse(not_taken("other code", head=head[:60], version=version_line(identity)), "other code")
     if not rest.endswith(b"\0"):
-        return refuse(not_taken("unended"))
+        return refuse(not_taken("unended"), "unended")
     argv = [os.fsdecode(a) for a in rest[:-1].split(b"\0")]
     if not prefilter_rule.is_runtime_command(argv):
-        return refuse(not_taken("no runtime command"))
-    return Offer(argv, _peer(conn)[0]), ""
+        return refuse(not_taken("no runtime command"), "no runtime command")
+    return Offer(argv, _peer(conn)[0], accepted), "", ""
 
 
 def version_line(identity: str) -> str:
@@ -435,10 +485,16 @@ def read_state(fd: int = 0) -> bytes:
 
 def work(conn: socket.socket, offer: Offer) -> None:
     """In a worker: say "taken", wait for "go", become the hook's process for this start, run it,
-    reply, exit. Without "go" it exits having done nothing."""
+    reply, exit. Without "go" it exits having done nothing (WORKER_LATE)."""
+    taken = time.monotonic()  # _until_go says "taken" first
     fds = _until_go(conn)
     if fds is None:
-        os._exit(0)
+        # To the server's log (the worker's stderr is still the server's): a pre-filter waits
+        # TAKE_MS from its connect, a little before the accept this counts from.
+        _log(f"worker {os.getpid()}: taken too late ({(taken - offer.accepted) * 1000:.0f} ms after the server "
+             f"accepted its connection; a pre-filter waits {prefilter_rule.START_SERVER_TAKE_MS} ms): no go came, "
+             "and its start went to Python")  # fmt: skip
+        os._exit(WORKER_LATE)
     code = 70
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the hook's own process
@@ -478,7 +534,7 @@ def work(conn: socket.socket, offer: Offer) -> None:
         try:
             conn.send(VERDICT + bytes([code & 0xFF]))
         finally:
-            os._exit(0)
+            os._exit(WORKER_SERVED)
 
 
 def _become_worker(listener: socket.socket, closing=()) -> None:
@@ -537,23 +593,25 @@ class Spare:
     def _wait(pair: socket.socket) -> None:
         fds = array.array("i")
         try:
-            payload, ancillary, flags, _ = pair.recvmsg(MAX_OFFER_BYTES + 8, socket.CMSG_SPACE(4 * fds.itemsize))
+            payload, ancillary, flags, _ = pair.recvmsg(MAX_OFFER_BYTES + 16, socket.CMSG_SPACE(4 * fds.itemsize))
             for level, kind, data in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
         except OSError:
-            os._exit(0)
+            os._exit(WORKER_IDLE)
         if not payload or len(fds) != 1:  # the server went away: no offer
-            os._exit(0)
+            os._exit(WORKER_IDLE)
         pair.close()
         pid = int.from_bytes(payload[:4], sys.byteorder)
-        argv = [os.fsdecode(a) for a in payload[4:].split(b"\0")]
-        work(socket.socket(fileno=fds[0]), Offer(argv, pid))
+        accepted = int.from_bytes(payload[4:12], sys.byteorder) / 1e9
+        argv = [os.fsdecode(a) for a in payload[12:].split(b"\0")]
+        work(socket.socket(fileno=fds[0]), Offer(argv, pid, accepted))
 
     def hand(self, conn: socket.socket, offer: Offer) -> bool:
         """Give the spare this offer; False when it cannot take it (it died). Never waits: the
         pair holds one offer, and a spare takes one."""
-        payload = offer.pid.to_bytes(4, sys.byteorder) + b"\0".join(os.fsencode(a) for a in offer.argv)
+        payload = (offer.pid.to_bytes(4, sys.byteorder) + int(offer.accepted * 1e9).to_bytes(8, sys.byteorder)
+                   + b"\0".join(os.fsencode(a) for a in offer.argv))  # fmt: skip
         fds = array.array("i", [conn.fileno()])
         try:
             self.socket.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)], socket.MSG_DONTWAIT)
@@ -620,6 +678,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
     or a fork) before anything is said; with none, the start is "not taken"."""
     from oci_gpu_hook.start import prestart
 
+    counts = Counts()
     watch = CodeWatch(package)
     identity = code_identity(package)
     prestart.preload()  # everything a GPU start imports, once, before the first fork
@@ -638,6 +697,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
                 return
             if pid == 0:
                 return
+            counts.ended(status)
             if os.WIFSIGNALED(status):
                 # os.write, not _log: this handler may run while _log writes through sys.stderr.
                 line = f"oci-gpu-hook start-server: worker {pid} was killed by signal {os.WTERMSIG(status)}\n"
@@ -659,7 +719,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
     for fd in (listener.fileno(), watch.fd, woken):
         poller.register(fd, select.POLLIN)
     own = [watch.fd, woken, wake]  # closed in every worker
-    pending = {}  # fileno: (connection, the time its offer must have come by)
+    pending = {}  # fileno: (connection, when it was accepted)
     _log(f"listening on {listener.getsockname() or 'the socket systemd passed'} (code {identity})")
     spare, config = None, None
     spare_after = 0.0  # after a failed fork, the next try: not at every wake-up, nor a line each time
@@ -680,7 +740,7 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
                 except OSError as e:
                     _log(f"cannot fork a spare worker: {e.strerror}")
                     spare_after = now + SPARE_RETRY_SECONDS
-            waits = [end - now for _, end in pending.values()]
+            waits = [accepted + OFFER_TIMEOUT_SECONDS - now for _, accepted in pending.values()]
             if spare is None:
                 waits.append(max(0.0, spare_after - now))
             if accept_after is not None:
@@ -696,18 +756,19 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
                 if fd == woken:
                     _drain(woken)
                 elif fd == listener.fileno():
-                    if not _accept(listener, pending, poller):
+                    if not _accept(listener, pending, poller, counts):
                         poller.unregister(fd)
                         accept_after = time.monotonic() + ACCEPT_RETRY_SECONDS
                 elif fd in pending:
-                    conn, _ = pending.pop(fd)
+                    conn, accepted = pending.pop(fd)
                     poller.unregister(fd)
-                    spare, config = _take(listener, conn, identity, spare, config, [*own, *pending])
+                    spare, config = _take(listener, conn, accepted, identity, counts, spare, config,
+                                          [*own, *pending])  # fmt: skip
             now = time.monotonic()
-            for fd in [fd for fd, (_, end) in pending.items() if end <= now]:
+            for fd in [fd for fd, (_, accepted) in pending.items() if accepted + OFFER_TIMEOUT_SECONDS <= now]:
                 conn, _ = pending.pop(fd)
                 poller.unregister(fd)
-                _log(f"not taken: {not_taken('no offer')}")
+                _not_taken(counts, "no offer", not_taken("no offer"))
                 _pass_and_close(conn)
     finally:
         for conn, _ in pending.values():
@@ -729,7 +790,13 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _accept(listener: socket.socket, pending: dict, poller) -> bool:
+def _not_taken(counts: Counts, key: str, why: str) -> None:
+    """A start not taken (why: its line; key: its NOT_TAKEN reason, or "stranger"), counted and said."""
+    counts.not_taken(key)
+    _log(f"not taken: {why}")
+
+
+def _accept(listener: socket.socket, pending: dict, poller, counts: Counts) -> bool:
     """Every connection waiting: its peer checked now, before its offer is read; a stranger's is
     answered "not taken" and closed at once. False when accept() failed for want of a resource
     (EMFILE, say): the connections left queued wait, and their pre-filters go to Python in time."""
@@ -748,26 +815,28 @@ def _accept(listener: socket.socket, pending: dict, poller) -> bool:
         conn.setblocking(False)
         lacks = peer_lacks(conn)
         if lacks or len(pending) >= MAX_PENDING:
-            _log(f"not taken: {lacks or not_taken('too many')}")
+            _not_taken(counts, "stranger" if lacks else "too many", lacks or not_taken("too many"))
             _pass_and_close(conn)
             continue
-        pending[conn.fileno()] = (conn, time.monotonic() + OFFER_TIMEOUT_SECONDS)
+        pending[conn.fileno()] = (conn, time.monotonic())
         poller.register(conn, select.POLLIN)
 
 
-def _take(listener: socket.socket, conn: socket.socket, identity: str, spare, config, closing) -> tuple:
-    """The offer on conn, to a worker; (the spare left, the configuration the next spare warms with)."""
+def _take(listener: socket.socket, conn: socket.socket, accepted: float, identity: str, counts: Counts, spare,
+          config, closing) -> tuple:  # fmt: skip
+    """The offer on conn (accepted then), to a worker; (the spare left, the configuration the next
+    spare warms with)."""
     with conn:
-        offer, why = receive(conn, identity)
+        offer, why, key = receive(conn, identity, counts, accepted)
         if offer is None:
             if why:
-                _log(f"not taken: {why}")
+                _not_taken(counts, key, why)
                 _reply(conn, PASS)
             return spare, config
         # A worker first: it says "taken" itself, once it holds the offer. Without one, nothing
         # was done, and the pre-filter hears "not taken".
         if not (spare is not None and spare.hand(conn, offer)) and not _fork_worker(listener, conn, offer, closing):
-            _log(f"not taken: {not_taken('no worker')}")
+            _not_taken(counts, "no worker", not_taken("no worker"))
             _reply(conn, PASS)
         return None, prefilter_rule.split_config(offer.argv)[0]  # the next spare warms with it
 
@@ -809,16 +878,35 @@ def _reply(conn: socket.socket, message: bytes) -> bool:
         return False
 
 
-def ask_identity(path: str = DEFAULT_SOCKET, timeout: float = 2.0) -> str:
-    """The code identity of the server listening at path (doctor); OSError where none answers."""
+def ask_status(path: str = DEFAULT_SOCKET, timeout: float = 2.0) -> dict:
+    """What the server listening at path says of itself (doctor): {"identity": its code identity,
+    and each count its answer has (Counts.answer), as an int}. A server from before the counts
+    (one that kept running through an upgrade) says its identity alone. OSError where none
+    answers, or the answer is not one."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
         s.settimeout(timeout)
         s.connect(path)
         s.send(QUERY + b"\0")
-        reply = s.recv(64)
-    if not reply.startswith(IDENTITY):
+        reply = s.recv(ANSWER_MAX_BYTES)
+    return read_answer(reply, path)
+
+
+def read_answer(reply: bytes, path: str = DEFAULT_SOCKET) -> dict:
+    """ask_status's reading of an answer to QUERY."""
+    try:
+        words = reply[len(IDENTITY) :].decode("ascii").split(" ")
+    except UnicodeDecodeError:
+        words = [""]
+    if not reply.startswith(IDENTITY) or not words[0]:
         raise OSError(f"{path}: the server did not tell its code (it answered {reply[:16]!r})")
-    return reply[len(IDENTITY) :].decode("ascii", "replace")
+    status = {"identity": words[0]}
+    for word in words[1:]:
+        name, equals, value = word.partition("=")
+        number = decimal(value)
+        if not (equals and name) or name in status or number is None:
+            raise OSError(f"{path}: the server's answer holds {word[:40]!r}, not NAME=N once each")
+        status[name] = number
+    return status
 
 
 def main(socket_path: str | None) -> int:

@@ -15,7 +15,7 @@ import os
 
 from oci_gpu_hook.frozen import Frozen
 from oci_gpu_hook.start import files
-from oci_gpu_hook.start.digits import is_decimal
+from oci_gpu_hook.start.digits import decimal, is_decimal
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.toolkit import launcher, runtime_config
 from oci_gpu_hook.toolkit.runtime_config import ConfigFileError
@@ -365,15 +365,24 @@ class Doctor:
             return PASS, "containerd is not installed: nothing to check", None
         return containerd.hook_verdict(self.root)
 
-    def check_docker(self):
-        from oci_gpu_hook.toolkit.install import DOCKER_HOOK, DOCKER_HOOK_MARKER
+    def docker_program(self) -> str | None:
+        """The nvidia-container-runtime-hook dockerd runs for `--gpus`: the first on its PATH
+        (DOCKER_PATH); None where there is none."""
+        from oci_gpu_hook.toolkit.install import DOCKER_HOOK
 
-        if not any(os.path.exists(host_path(self.root, f"{d}/dockerd")) for d in DOCKER_PATH):
+        candidates = (f"{d}/{os.path.basename(DOCKER_HOOK)}" for d in DOCKER_PATH)
+        return next((p for p in candidates if os.path.lexists(host_path(self.root, p))), None)
+
+    def docker_installed(self) -> bool:
+        return any(os.path.exists(host_path(self.root, f"{d}/dockerd")) for d in DOCKER_PATH)
+
+    def check_docker(self):
+        from oci_gpu_hook.toolkit.install import DOCKER_HOOK_MARKER
+
+        if not self.docker_installed():
             return PASS, "Docker is not installed: nothing to check", None
         fix = "oci-gpu-hook install --runtime docker, then systemctl restart docker"
-        candidates = (f"{d}/{os.path.basename(DOCKER_HOOK)}" for d in DOCKER_PATH)
-        # The first on the PATH is the one dockerd runs.
-        path = next((p for p in candidates if os.path.lexists(host_path(self.root, p))), None)
+        path = self.docker_program()
         if path is None:
             return WARN, "no nvidia-container-runtime-hook on dockerd's PATH: `docker run --gpus` fails", fix
         if not os.access(host_path(self.root, path), os.X_OK):
@@ -405,10 +414,12 @@ class Doctor:
     def check_start_server(self):
         """Where install --start-server (or the RPM's units) set it up: it answers on its socket,
         serves the code that is installed (not a version that kept running through an upgrade),
-        and the pre-filter runtimes run offers it starts with that code's identity. Asking starts
-        the server where systemd listens for it, as the next GPU start would."""
+        and the pre-filters runtimes run (the hooks.d file's hook, and Docker's program where it is
+        oci-gpu-hook's) offer it starts with that code's identity. Then, as warnings: what systemd
+        says of its units (start_units_say), and the starts that fell back to Python since it
+        started, by its own counts (fallbacks). Asking starts the server where systemd listens
+        for it, as the next GPU start would."""
         from oci_gpu_hook.start import prefilter_rule, server
-        from oci_gpu_hook.toolkit import prefilter
         from oci_gpu_hook.toolkit.install import PACKAGE_UNIT_DIR, START_SERVICE, START_SOCKET, UNIT_DIR
 
         units = [host_path(self.root, f"{d}/{START_SOCKET}") for d in (UNIT_DIR, PACKAGE_UNIT_DIR)]
@@ -423,40 +434,96 @@ class Doctor:
         installed = server.code_identity()
         restart = f"systemctl restart {START_SERVICE}"
         try:
-            serving = server.ask_identity(prefilter_rule.START_SERVER_SOCKET)
+            status = server.ask_status(prefilter_rule.START_SERVER_SOCKET)
         except OSError as e:
-            return (WARN, f"the start server does not answer on {prefilter_rule.START_SERVER_SOCKET} "
-                    f"({e.strerror or e}): every GPU start runs in Python{systemd_says(self.root, START_SERVICE)}",
+            summary = (f"the start server does not answer on {prefilter_rule.START_SERVER_SOCKET} ({e.strerror or e}): "
+                       "every GPU start runs in Python")  # fmt: skip
+            units_say = self.start_units_say()
+            if units_say:
+                return WARN, f"{summary}; {'; '.join(s for s, _ in units_say)}", units_say[0][1]
+            return (WARN, f"{summary}{systemd_says(self.root, START_SERVICE)}",
                     f"systemctl start {START_SOCKET}; journalctl -u {START_SERVICE} says why")  # fmt: skip
+        serving = status["identity"]
         if serving != installed:
             return (FAIL, f"the start server runs code {serving}, not the installed {installed} (an upgrade since it "
                     "started): it takes no start, and each runs in Python", restart)  # fmt: skip
+        serves = f"the start server serves the installed code ({installed})"
+        verdicts = self.offering_programs(installed)
+        failed = next((v for _, v in verdicts if v[0] == FAIL), None)
+        if failed is not None:
+            return failed
+        offered = [program for program, v in verdicts if v[0] == PASS]
+        warnings = [v[1:] for _, v in verdicts if v[0] == WARN]
+        if not verdicts:
+            return (WARN, f"{serves}; no hooks.d file names a hook, and Docker's program is not oci-gpu-hook's",
+                    OFFER_FIX)  # fmt: skip
+        warnings += self.start_units_say()
+        fell_back = fallbacks(status)
+        if fell_back:
+            warnings.append((fell_back, f"journalctl -u {START_SERVICE} says why (its `taken too late` and "
+                                        "`cannot fork` lines)"))  # fmt: skip
+        if warnings:
+            fixes = dict.fromkeys(fix for _, fix in warnings)
+            return WARN, f"{serves}; {'; '.join(s for s, _ in warnings)}", "; ".join(fixes)
+        since = ""
+        if "served" in status and "up" in status:
+            since = f"; since it started {status['up']} s ago it served {status['served']} start(s)"
+        offers = "offers" if len(offered) == 1 else "offer"
+        return PASS, f"{serves}, and {' and '.join(offered)} {offers} it every GPU start{since}", None
+
+    def offering_programs(self, installed: str) -> list:
+        """[(program, (status, summary, fix))] for each pre-filter that should offer the start
+        server, which serves the installed code, its starts: the hook the hooks.d file names, and
+        Docker's program where it is oci-gpu-hook's (the pre-filter, or the launcher, which offers
+        none). FAIL for one that offers no start, or offers as another version or code (an install
+        from before an upgrade): its starts all run in Python. Docker's launcher alone is a WARN:
+        `docker run --gpus` works, from Python, as install wrote it without the start server."""
+        from oci_gpu_hook.start import server
+        from oci_gpu_hook.toolkit import prefilter
+        from oci_gpu_hook.toolkit.install import DOCKER_HOOK_MARKER
+
+        programs = []
         try:
             path, _, _ = self.hooks_d_file()
         except ConfigFileError:
             path = None
-        hook = None
         if path is not None:
             try:
                 with open(path) as f:
-                    hook = json.load(f)["hook"]["path"]
+                    programs.append((json.load(f)["hook"]["path"], False))
             except (OSError, ValueError, KeyError, TypeError):
-                hook = None
-        offers = prefilter.offers_as(hook) if hook else None
-        fix = "oci-gpu-hook install --start-server (builds the pre-filter for the installed code)"
-        if hook is None:
-            return WARN, f"the start server serves the installed code ({installed}); no hooks.d file names a hook", fix
-        if offers is None:
-            return (FAIL, f"the start server serves the installed code ({installed}), but {hook} offers it no start",
-                    fix)  # fmt: skip
-        if offers != server.version_line(installed):
-            return (FAIL, f"{hook} offers starts as {offers!r}, the server takes {server.version_line(installed)!r}: "
-                    "each start runs in Python", fix)  # fmt: skip
-        return (
-            PASS,
-            f"the start server serves the installed code ({installed}), and {hook} offers it every GPU start",
-            None,
-        )
+                pass
+        docker = self.docker_program() if self.docker_installed() else None
+        if docker is not None:
+            try:
+                marked = DOCKER_HOOK_MARKER.encode() in files.read_bounded(host_path(self.root, docker), 4096)
+            except OSError:
+                marked = False
+            if marked or prefilter.runs(host_path(self.root, docker)) is not None:
+                programs.append((docker, True))
+        wanted = server.version_line(installed)
+        found = []
+        for program, dockers in programs:
+            offers = prefilter.offers_as(host_path(self.root, program))
+            named = f"{program} (Docker's program)" if dockers else program
+            if offers is None and dockers:
+                verdict = WARN, f"{named} offers it no start: `docker run --gpus` starts in Python", DOCKER_OFFER_FIX
+            elif offers is None:
+                serves = f"the start server serves the installed code ({installed})"
+                verdict = FAIL, f"{serves}, but {named} offers it no start", OFFER_FIX
+            elif offers != wanted:
+                verdict = (FAIL, f"{named} offers starts as {offers!r}, the server takes {wanted!r}: each start runs "
+                           "in Python", OFFER_FIX)  # fmt: skip
+            else:
+                verdict = PASS, "", None
+            found.append((named, verdict))
+        return found
+
+    def start_units_say(self) -> list:
+        """start_units_say() of the units as the running systemd has them ([] where it cannot be asked)."""
+        from oci_gpu_hook.toolkit.install import START_SERVICE, START_SOCKET
+
+        return start_units_say(unit_state(self.root, START_SOCKET), unit_state(self.root, START_SERVICE))
 
     def check_exporter(self):
         """Runs: its /metrics answers at the configured address."""
@@ -690,6 +757,53 @@ def unit_state(root: str, unit: str) -> dict | None:
     state = dict.fromkeys(UNIT_PROPERTIES, "")
     state.update(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     return state
+
+
+OFFER_FIX = "oci-gpu-hook install --start-server (builds the pre-filter for the installed code)"
+DOCKER_OFFER_FIX = "oci-gpu-hook install --runtime docker --start-server, then systemctl restart docker"
+# A start server service's Result that says why its last run ended, where that is worth a warning.
+START_SERVICE_RESULTS = {"watchdog": "systemd's watchdog (it stopped looping)", "oom-kill": "the OOM killer"}
+
+
+def start_units_say(socket: dict | None, service: dict | None) -> list:
+    """What systemd's state of the start server's socket and service (unit_state's properties;
+    None where systemd cannot be asked) says is wrong, as warnings: [(summary, fix)]. A socket
+    unit that is not active listens for no offer (a failed one, after its trigger or its
+    service's start limit was hit, stays so until reset); a service killed by the watchdog or
+    the OOM killer, or restarted at all, lost the starts it was taking then."""
+    from oci_gpu_hook.toolkit.install import START_SERVICE, START_SOCKET
+
+    found = []
+    if socket is not None and socket["LoadState"] != "loaded":
+        found.append((f"systemd has {START_SOCKET} {socket['LoadState'] or 'unknown'}",
+                      f"systemctl daemon-reload && systemctl enable --now {START_SOCKET}"))  # fmt: skip
+    elif socket is not None and socket["ActiveState"] != "active":
+        reset = f"systemctl reset-failed {START_SOCKET} {START_SERVICE} && systemctl start {START_SOCKET}"
+        found.append((f"systemd has {START_SOCKET} {socket['ActiveState']} ({socket['SubState']}, result "
+                      f"{socket['Result']}): nothing listens for offers, and every GPU start runs in Python",
+                      reset))  # fmt: skip
+    if service is not None:
+        journal = f"journalctl -u {START_SERVICE} says why"
+        if service["Result"] in START_SERVICE_RESULTS:
+            found.append((f"its last run was ended by {START_SERVICE_RESULTS[service['Result']]} ({START_SERVICE}: "
+                          f"result {service['Result']})", journal))  # fmt: skip
+        restarts = decimal(service["NRestarts"]) or 0
+        if restarts:
+            found.append((f"systemd restarted it {restarts} time(s) ({START_SERVICE}: NRestarts={restarts})", journal))
+    return found
+
+
+def fallbacks(status: dict) -> str | None:
+    """The starts a server's counts (server.ask_status) say fell back to Python for the server's
+    own want (taken too late, no worker, too many waiting), as a summary; None where none did,
+    or where the server counts nothing (one from before the counts)."""
+    parts = [(status.get("late", 0), "taken too late"), (status.get("no_worker", 0), "without a worker"),
+             (status.get("too_many", 0), "with too many connections waiting")]  # fmt: skip
+    total = sum(n for n, _ in parts)
+    if not total:
+        return None
+    said = ", ".join(f"{n} {why}" for n, why in parts if n)
+    return f"{total} start(s) fell back to Python since the server started {status.get('up', '?')} s ago ({said})"
 
 
 def systemd_says(root: str, unit: str) -> str:

@@ -27,7 +27,6 @@ import socket
 import stat
 import subprocess
 import sys
-import time
 
 import hookcheck
 import pytest
@@ -115,20 +114,6 @@ def running(socket_path, tmp_path, request):
 # --- processes, as procfs shows them ------------------------------------------------------------
 
 
-def children(pid: int) -> list:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:  # the server is single-threaded
-        return [int(child) for child in f.read().split()]
-
-
-def state_of(pid: int) -> str:
-    """R, S, T, Z, ... ("" once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0]
-    except OSError:
-        return ""
-
-
 def effective_caps(pid) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
@@ -136,23 +121,12 @@ def effective_caps(pid) -> int:
 
 def wait_for(what: str, test):
     """test()'s first true value; fails after HANG_GUARD seconds."""
-    deadline = time.monotonic() + HANG_GUARD
-    while True:
-        value = test()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"no {what} within {HANG_GUARD} s"
-        time.sleep(0.01)
+    return startservercheck.wait_until(what, test, HANG_GUARD)
 
 
 def the_spare(running: startservercheck.Server) -> int:
-    """The server's one child, its spare worker, once it waits (asleep) for an offer."""
-
-    def waiting():
-        found = children(running.pid)
-        return found[0] if len(found) == 1 and state_of(found[0]) == "S" else 0
-
-    return wait_for("spare worker waiting", waiting)
+    """The server's spare worker, once it waits (asleep) for an offer."""
+    return startservercheck.spare(running)
 
 
 def socket_inodes(pid: int) -> set:
@@ -174,7 +148,7 @@ def waits_for_a_reply(pid: int) -> bool:
     inodes = socket_inodes(pid)
     with open("/proc/net/unix") as f:
         rows = [line.split() for line in f][1:]
-    return any(row[6] in inodes and row[5] == "03" for row in rows) and state_of(pid) == "S"
+    return any(row[6] in inodes and row[5] == "03" for row in rows) and startservercheck.process_state(pid) == "S"
 
 
 @contextlib.contextmanager
@@ -303,10 +277,10 @@ def test_a_stopped_server_holds_no_start(host, real, socket_path, running, tmp_p
     the_spare(running)
     os.kill(running.pid, signal.SIGSTOP)
     try:
-        wait_for("stopped server", lambda: state_of(running.pid) == "T")
+        wait_for("stopped server", lambda: startservercheck.process_state(running.pid) == "T")
         with offering([real, "--config", config, "prestart"], data, tmp_path) as offered:
             out, err = offered.communicate(timeout=HANG_GUARD)
-        assert state_of(running.pid) == "T", "the start waited for the server"
+        assert startservercheck.process_state(running.pid) == "T", "the start waited for the server"
         if then == "sigterm":
             os.kill(running.pid, signal.SIGTERM)  # pending when it continues
     finally:
@@ -340,48 +314,19 @@ def test_a_late_taken_starts_nothing(host, real, running, tmp_path):
     finally:
         os.kill(spare, signal.SIGCONT)
     assert (fronted.returncode, fronted.stderr, fronted.stdout) == (alone.returncode, alone.stderr, alone.stdout)
-    wait_for("the late spare gone", lambda: spare not in children(running.pid))
+    wait_for("the late spare gone", lambda: spare not in startservercheck.children(running.pid))
     assert [r.get("via") for r in startservercheck.log_records(config)] == [None, None]
     assert killed_lines(running) == [] and running.refusals() == []
 
 
-def _pids_hierarchy() -> str:
-    """Where the pids controller is mounted: its v1 hierarchy, or the unified one where it is enabled."""
-    from oci_gpu_hook.start.linux import mountinfo
-
-    for m in mountinfo.read():
-        if m.fstype == "cgroup" and "pids" in m.super_options:
-            return m.mountpoint
-        if m.fstype == "cgroup2":
-            with open(os.path.join(m.mountpoint, "cgroup.controllers")) as f:
-                if "pids" in f.read().split():
-                    return m.mountpoint
-    raise AssertionError("no cgroup hierarchy with the pids controller: the test cannot limit the server's forks")
-
-
 @contextlib.contextmanager
-def no_forks(pid: int, name: str):
+def no_forks(pid: int):
     """pid alone in a cgroup of its own whose pids.max is 1: it can fork nothing. Moved back to
     where it was, and the cgroup removed, afterwards."""
-    top = _pids_hierarchy()
-    with open(f"/proc/{pid}/cgroup") as f:
-        lines = [line.rstrip("\n").split(":", 2) for line in f]
-    v1 = [path for _, controllers, path in lines if "pids" in controllers.split(",")]
-    before = os.path.join(top, (v1[0] if v1 else next(p for h, c, p in lines if h == "0")).lstrip("/"))
-    cgroup = os.path.join(before, name)
-    os.mkdir(cgroup)
-    try:
+    with startservercheck.own_cgroup(pid, "pids") as cgroup:
         with open(os.path.join(cgroup, "pids.max"), "w") as f:
             f.write("1")
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(pid))
-        try:
-            yield
-        finally:
-            with open(os.path.join(before, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
-    finally:
-        os.rmdir(cgroup)
+        yield
 
 
 def test_a_server_that_cannot_fork_passes_its_starts_to_python(host, real, running, tmp_path):
@@ -391,7 +336,7 @@ def test_a_server_that_cannot_fork_passes_its_starts_to_python(host, real, runni
     data = startservercheck.gpu_error_state(tmp_path)
     alone = startservercheck.python_hook(config, data)
     the_spare(running)
-    with no_forks(running.pid, f"oci-gpu-hook-test-{os.getpid()}"):
+    with no_forks(running.pid):
         first = startservercheck.run(real, config, data)
         second = startservercheck.run(real, config, data)
     for done in (first, second):
@@ -537,7 +482,7 @@ def test_sigint_to_a_waiting_spare_ends_that_spare_alone(host, real, socket_path
     spare = the_spare(running)
     identity = os.lstat(socket_path).st_ino
     os.kill(spare, signal.SIGINT)
-    wait_for("spare reaped", lambda: spare not in children(running.pid))
+    wait_for("spare reaped", lambda: spare not in startservercheck.children(running.pid))
     assert running.proc.poll() is None
     assert os.path.lexists(socket_path), "the server's socket was removed"
     assert os.lstat(socket_path).st_ino == identity
@@ -565,7 +510,7 @@ def test_a_worker_killed_mid_start_is_one_line_exit_70_and_logged(live_container
         done = startservercheck.run(real, config, container[0].encode())
         # The pre-filter hears the end when the worker's descriptors close, before the server is
         # told: stopped once it has reaped the worker (in the handler that logs it).
-        wait_for("worker reaped", lambda: spare not in children(running.pid))
+        wait_for("worker reaped", lambda: spare not in startservercheck.children(running.pid))
     line = f"oci-gpu-hook start-server: worker {spare} was killed by signal {signal.SIGKILL.value}"
     assert killed_lines(running) == [line]
     assert running.refusals() == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -29,7 +30,7 @@ import time
 import hookcheck
 import pytest
 import startservercheck
-from startservercheck import COMMAND, GPU_ENV, Server
+from startservercheck import COMMAND, GPU_ENV, Server, activated
 
 from oci_gpu_hook.errors import Exit
 from oci_gpu_hook.start import budget, digits, inventory_cache, prefilter_rule, server, settings
@@ -249,8 +250,109 @@ def test_a_prefilter_built_for_another_server_gets_the_python_hook(host, running
 def test_the_server_tells_the_code_it_serves(running, socket_path):
     """doctor asks it: the identity of the code it loaded, the one install compiles into the
     pre-filter it builds from the same files."""
-    assert server.ask_identity(socket_path) == server.code_identity()
+    assert server.ask_status(socket_path)["identity"] == server.code_identity()
     assert f"(code {server.code_identity()})" in running.log()[0]
+
+
+LATE = re.compile(r"oci-gpu-hook start-server: worker \d+: taken too late \((\d+) ms after the server accepted its "
+                  r"connection; a pre-filter waits 250 ms\): no go came, and its start went to Python")  # fmt: skip
+
+
+def test_the_server_counts_what_became_of_its_offers(host, offering, socket_path, running, tmp_path):
+    """Its answer to QUERY (doctor's) carries, beside its code identity, how long it has run and
+    what became of the offers since: one start served (a real pre-filter's), one offer of other
+    code not taken, one taken too late (its peer closed on "taken", as a pre-filter that gave up
+    does: the worker says so in the server's log and runs nothing). Nothing else is counted."""
+    before = server.ask_status(socket_path)
+    assert before == {"identity": server.code_identity(), "up": before["up"], **dict.fromkeys(server.Counts.NAMES, 0)}
+    config = startservercheck.config(host, tmp_path)
+    data = startservercheck.gpu_error_state(tmp_path)
+    same_as_python(offering, config, data)
+    other = startservercheck.payload("--config", config, "prestart", version="oci-gpu-hook start 0")
+    assert startservercheck.offer(socket_path, other) == server.PASS
+    late = startservercheck.offer(socket_path, startservercheck.payload("--config", config, "prestart"))
+    assert late == server.TAKEN
+    status = startservercheck.counted(socket_path, served=1, late=1)
+    assert status == {**before, "up": status["up"], "served": 1, "late": 1, "other_code": 1}
+    assert 0 <= status["up"] <= budget.process_age(running.pid) + 1
+    (line,) = [line for line in running.log() if "taken too late" in line]
+    assert LATE.fullmatch(line) and int(LATE.fullmatch(line).group(1)) < 60_000, line
+    assert [r.get("via") for r in startservercheck.log_records(config)] == [None, "start server"]
+
+
+NOBODY_ASKS = """
+import socket, sys
+with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+    s.settimeout(60)
+    s.connect(sys.argv[1])
+    try:  # the server may have answered and closed at accept, before the query came
+        s.send(bytes.fromhex(sys.argv[2]))
+    except BrokenPipeError:
+        pass
+    print(s.recv(1024).decode())
+"""
+
+
+def test_only_a_peer_that_could_offer_is_told_the_counts(place, socket_path, running, run_as_nobody):
+    """The query is checked at accept() as an offer is: uid 65534, through a socket opened to all,
+    hears "not taken" (counted as a stranger's), never the identity or the counts."""
+    os.chmod(place, 0o755)
+    os.chmod(socket_path, 0o666)
+    try:
+        done = run_as_nobody(["-c", NOBODY_ASKS, socket_path, (server.QUERY + b"\0").hex()], modules=(),
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.chmod(place, 0o700)
+    assert (done.returncode, done.stdout) == (0, "p\n"), done.stderr
+    assert startservercheck.counted(socket_path, stranger=1)["stranger"] == 1
+
+
+@pytest.mark.parametrize(
+    "answer, read",
+    [(b"i0123456789abcdef", {"identity": "0123456789abcdef"}),
+     (b"i0123456789abcdef up=7 served=2 late=0 spares=3", {"identity": "0123456789abcdef", "up": 7, "served": 2,
+                                                            "late": 0, "spares": 3}),
+     (b"p", None), (b"i", None), (b"i0123 served=", None), (b"i0123 served=-1", None),
+     (b"i0123 served=\xd9\xa3", None), (b"i0123 served", None), (b"i0123 served=1 served=2", None),
+     (b"i0123 identity=5", None), (b"i0123  served=1", None)],
+)  # fmt: skip
+def test_an_answer_to_query_is_read_strictly(answer, read):
+    """The identity alone is a server's from before the counts (one that kept running through an
+    upgrade); names a reader does not know are kept (a later server's); anything else that is
+    not NAME=N in ASCII digits, once each, is no answer."""
+    if read is None:
+        with pytest.raises(OSError):
+            server.read_answer(answer)
+    else:
+        assert server.read_answer(answer) == read
+
+
+def test_a_server_from_before_the_counts_still_tells_its_code(place):
+    """Over a socket: a listener that answers the query as a server from before the counts did
+    (one that kept running through an upgrade), with its bare identity: ask_status gives that
+    identity and no counts."""
+    import threading
+
+    path = os.path.join(place, "old.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as old:
+        old.bind(path)
+        old.listen(1)
+        asked = []
+
+        def answer():
+            conn, _ = old.accept()
+            with conn:
+                asked.append(conn.recv(256))
+                conn.send(b"i0123456789abcdef")
+
+        thread = threading.Thread(target=answer, daemon=True)
+        thread.start()
+        try:
+            assert server.ask_status(path) == {"identity": "0123456789abcdef"}
+        finally:
+            thread.join(60)
+            os.unlink(path)
+    assert asked == [server.QUERY + b"\0"]
 
 
 def test_a_server_out_of_descriptors_sets_its_listener_aside_instead_of_spinning(running, socket_path):
@@ -286,7 +388,7 @@ def test_a_server_out_of_descriptors_sets_its_listener_aside_instead_of_spinning
     failed = [line for line in running.log() if line.startswith("oci-gpu-hook start-server: cannot accept")]
     assert failed, f"accept() never ran out of descriptors, so this shows nothing: {running.log()}"
     assert len(failed) <= elapsed / server.ACCEPT_RETRY_SECONDS + 2, f"{len(failed)} lines in {elapsed:.2f} s"
-    assert server.ask_identity(socket_path) == server.code_identity()
+    assert server.ask_status(socket_path)["identity"] == server.code_identity()
 
 
 NOBODY_OFFERS = """
@@ -366,14 +468,6 @@ def test_a_state_that_is_a_pipe_is_read_by_no_worker(host, offering, socket_path
 
 
 # --- listening, stopping ------------------------------------------------------------------------
-
-# systemd's socket activation: the socket at descriptor 3, LISTEN_PID the server's own pid (the
-# shell's, which exec keeps), LISTEN_FDS their number. The socket comes in as the shell's stdin.
-ACTIVATED = 'export LISTEN_PID=$$ LISTEN_FDS="$1"; shift; exec "$@" 3<&0 </dev/null'
-
-
-def activated(log, listener: socket.socket, count: str = "1", *more) -> Server:
-    return Server(log, command=["sh", "-c", ACTIVATED, "sh", count, *COMMAND, *more], stdin=listener.fileno())
 
 
 def test_the_socket_systemd_passes_is_served_and_left_to_systemd(host, place, offering, socket_path, tmp_path):
@@ -635,11 +729,12 @@ def test_a_server_stops_serving_once_its_code_changes(place, tmp_path):
                "from oci_gpu_hook.hook import main; sys.exit(main())",
                prefilter_rule.START_SERVER, "--socket", own]  # fmt: skip
     with Server(tmp_path / "server.log", command=command).wait_listening() as running:
-        assert server.ask_identity(own) == server.code_identity(str(copy / "oci_gpu_hook")) == server.code_identity()
+        serving = server.ask_status(own)["identity"]
+        assert serving == server.code_identity(str(copy / "oci_gpu_hook")) == server.code_identity()
         cache = copy / "oci_gpu_hook" / "start" / "__pycache__"
         cache.mkdir(exist_ok=True)
         (cache / "report.cpython-3.pyc").write_bytes(b"not code")
-        assert server.ask_identity(own) == server.code_identity()
+        assert server.ask_status(own)["identity"] == server.code_identity()
         with open(copy / "oci_gpu_hook" / "start" / "report.py", "a") as f:
             f.write("# an upgrade\n")
         assert running.proc.wait(60) == 0

@@ -5,12 +5,14 @@ import os
 import re
 import sys
 
+import privatehost
 import pytest
+import startservercheck
 
-from oci_gpu_hook.errors import HookError
-from oci_gpu_hook.start import inventory_cache, settings
+from oci_gpu_hook.errors import Exit, HookError
+from oci_gpu_hook.start import inventory_cache, prefilter_rule, server, settings
 from oci_gpu_hook.start.linux import labels
-from oci_gpu_hook.toolkit import doctor, install, runtime_config
+from oci_gpu_hook.toolkit import containers, doctor, install, launcher, prefilter, runtime_config
 
 V1_MOUNTINFO = (
     "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
@@ -421,3 +423,194 @@ def test_node_services_running_pass(setup, tmp_path):
         assert _by_id(run(config, root, mountinfo))["labels"].status == doctor.WARN
     finally:
         exporter.stop()
+
+
+# --- the start server, as doctor meets it ---------------------------------------------------------
+
+START_SOCKET = prefilter_rule.START_SERVER_SOCKET
+# Where install writes and the server listens, each private to the namespace (tests/privatehost.py):
+# no GPU start elsewhere on this machine reaches a server of these tests, and nothing of theirs
+# reaches the host.
+START_OVERLAYS = ["/etc", "/usr/share/containers", "/usr/local", "/var/lib"]
+START_TMPFS = ["/run"]
+RUN_DIRECTORY = f"mkdir -m 0755 {os.path.dirname(START_SOCKET)}"
+# startservercheck's helpers, run inside the namespace (its socket is not reachable from outside).
+IN_NAMESPACE = "import json, sys; sys.path[:0] = sys.argv[1:3]; import startservercheck; "
+LATE_OFFER = IN_NAMESPACE + "print(startservercheck.offer(sys.argv[3], bytes.fromhex(sys.argv[4])).decode())"
+COUNTED = IN_NAMESPACE + "print(json.dumps(startservercheck.counted(sys.argv[3], served=1, late=1)))"
+STATE_IN = 'exec "$0" --config "$1" prestart < "$2"'  # as a runtime runs the hook, the state on stdin
+
+
+def _start_server_check(result: dict) -> dict:
+    (check,) = [c for c in json.loads(result["stdout"])["checks"] if c["id"] == "start-server"]
+    return check
+
+
+def _in_namespace(tmp_path, steps) -> list:
+    """privatehost.run's results of steps (after `install --runtime podman --start-server` as a user
+    types it, and the socket's directory made), in their order."""
+    work = tmp_path / "namespace"
+    work.mkdir(exist_ok=True)
+    results = privatehost.run(str(work), START_OVERLAYS, steps, tmpfs=START_TMPFS)
+    for result in results[:2]:
+        assert result["rc"] == 0, result
+    return results[2:]
+
+
+def _install(cli) -> list:
+    return [{"run": [*cli, "install", "--runtime", "podman", "--start-server"]}, {"run": ["sh", "-c", RUN_DIRECTORY]}]
+
+
+def _listening(tmp_path) -> list:
+    """A daemon step's "ready": the first daemon's log (privatehost's daemon0.log) says it listens."""
+    return ["grep", "-q", startservercheck.LISTENING, str(tmp_path / "namespace" / "daemon0.log")]
+
+
+@pytest.fixture(scope="module")
+def no_server_then_another(host, tmp_path_factory, require):
+    """doctor with nothing answering on the socket, then with a server of a copy of the package
+    whose one source differs (a server that kept running through an upgrade): (the two checks,
+    the copy's code identity)."""
+    require("root", "gcc", "unshare")
+    tmp_path = tmp_path_factory.mktemp("doctor-start")
+    config = startservercheck.config(host, tmp_path)
+    cli = containers.hook_command(config)
+    copy = startservercheck.package_copy(tmp_path / "older")
+    with open(os.path.join(copy, "start", "report.py"), "a") as f:
+        f.write("# the version before an upgrade\n")
+    steps = [*_install(cli),
+             {"run": [*cli, "doctor", "--json"]},
+             {"daemon": startservercheck.package_command(copy), "ready": _listening(tmp_path)},
+             {"run": [*cli, "doctor", "--json"]}]  # fmt: skip
+    alone, _, older = _in_namespace(tmp_path, steps)
+    return _start_server_check(alone), _start_server_check(older), server.code_identity(copy)
+
+
+def test_doctor_warns_when_no_start_server_answers(no_server_then_another):
+    check = no_server_then_another[0]
+    assert check["status"] == doctor.WARN, check
+    assert check["summary"].startswith(f"the start server does not answer on {START_SOCKET} ("), check
+    assert check["summary"].endswith("every GPU start runs in Python"), check
+
+
+def test_doctor_fails_a_start_server_of_other_code(no_server_then_another):
+    _, check, older = no_server_then_another
+    installed = server.code_identity()
+    assert older != installed
+    assert check["status"] == doctor.FAIL, check
+    assert check["summary"].startswith(f"the start server runs code {older}, not the installed {installed} "), check
+    assert check["fix"] == f"systemctl restart {install.START_SERVICE}"
+
+
+@pytest.fixture(scope="module")
+def fallen_back(host, tmp_path_factory, require):
+    """A server of the installed code that served one start (install's pre-filter's) and said
+    "taken" to one peer that had given up (it closed instead of saying "go"): its counts, doctor's
+    check then, and doctor's check with Docker's program a pre-filter built for other code."""
+    require("root", "gcc", "unshare")
+    tmp_path = tmp_path_factory.mktemp("doctor-start")
+    config = startservercheck.config(host, tmp_path)
+    cli = containers.hook_command(config)
+    state = tmp_path / "state"
+    state.write_bytes(startservercheck.gpu_error_state(tmp_path))
+    with pytest.MonkeyPatch.context() as patch:  # a pre-filter built before an upgrade
+        patch.setattr(server, "code_identity", lambda package=None: "0123456789abcdef")
+        older = prefilter.build(str(tmp_path / "older-prefilter"), "/nonexistent", start_server=START_SOCKET)
+    docker = os.path.join("/usr/local/bin", os.path.basename(install.DOCKER_HOOK))  # before /usr/bin on its PATH
+    as_dockers = 'printf "#!/bin/sh\\n" > /usr/local/bin/dockerd && chmod 0755 /usr/local/bin/dockerd && cp "$0" "$1"'
+    helpers = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), launcher.package_parent()]
+    offer = startservercheck.payload("--config", config, "prestart").hex()
+    steps = [*_install(cli),
+             {"daemon": [install.START_LAUNCHER, "--config", config, prefilter_rule.START_SERVER],
+              "ready": _listening(tmp_path)},
+             {"run": ["sh", "-c", STATE_IN, launcher.LAUNCHER, config, str(state)]},
+             {"run": [sys.executable, "-I", "-c", LATE_OFFER, *helpers, START_SOCKET, offer]},
+             {"run": [sys.executable, "-I", "-c", COUNTED, *helpers, START_SOCKET]},
+             {"run": [*cli, "doctor", "--json"]},
+             {"run": ["sh", "-c", as_dockers, older, docker]},
+             {"run": [*cli, "doctor", "--json"]}]  # fmt: skip
+    ready, served, late, counts, fell_back, as_dockers, docker_check = _in_namespace(tmp_path, steps)
+    for result in (ready, late, counts, as_dockers):
+        assert result["rc"] == 0, result
+    return {"served": served, "late": late, "counts": json.loads(counts["stdout"]),
+            "check": _start_server_check(fell_back), "docker": _start_server_check(docker_check)}  # fmt: skip
+
+
+def test_doctor_warns_of_starts_that_fell_back_to_python(fallen_back):
+    """The server's counts: the start install's pre-filter offered was served (its exit status is
+    the refused GPU's, the Python hook's own), the peer that gave up was counted late. doctor
+    says the install is right (no FAIL) and warns of the fallback, with where to read why."""
+    assert fallen_back["served"]["rc"] == Exit.REQUEST, fallen_back["served"]
+    assert fallen_back["late"]["stdout"] == "a\n", fallen_back["late"]
+    counts = fallen_back["counts"]
+    assert (counts["served"], counts["late"], counts["identity"]) == (1, 1, server.code_identity()), counts
+    check = fallen_back["check"]
+    assert check["status"] == doctor.WARN, check
+    said = re.fullmatch(
+        rf"the start server serves the installed code \({server.code_identity()}\); 1 start\(s\) fell "
+        r"back to Python since the server started (\d+) s ago \(1 taken too late\)",
+        check["summary"],
+    )
+    assert said and int(said.group(1)) >= counts["up"], check
+    assert check["fix"].startswith(f"journalctl -u {install.START_SERVICE} says why"), check
+
+
+def test_doctor_checks_dockers_program_like_the_hooks_d_one(fallen_back):
+    """Docker's program, first on dockerd's PATH, a pre-filter built for other code than the
+    server serves: each `docker run --gpus` start runs in Python, a FAIL with install's fix."""
+    check = fallen_back["docker"]
+    assert check["status"] == doctor.FAIL, check
+    wanted = server.version_line(server.code_identity())
+    assert check["summary"] == (f"/usr/local/bin/nvidia-container-runtime-hook (Docker's program) offers starts as "
+                                f"{server.version_line('0123456789abcdef')!r}, the server takes {wanted!r}: each "
+                                "start runs in Python"), check  # fmt: skip
+    assert check["fix"] == doctor.OFFER_FIX
+
+
+UNIT = {"LoadState": "loaded", "ActiveState": "active", "SubState": "listening", "Result": "success", "NRestarts": ""}
+SERVICE = {**UNIT, "SubState": "running", "NRestarts": "0"}
+SOCKET_FIX = f"systemctl reset-failed {install.START_SOCKET} {install.START_SERVICE} && systemctl start " \
+             f"{install.START_SOCKET}"  # fmt: skip
+JOURNAL = f"journalctl -u {install.START_SERVICE} says why"
+
+
+@pytest.mark.parametrize(
+    "socket, service, said",
+    [(None, None, []),
+     (UNIT, SERVICE, []),
+     ({**UNIT, "ActiveState": "inactive", "SubState": "dead"}, None,
+      [("systemd has oci-gpu-hook-start.socket inactive (dead, result success): nothing listens for offers, and "
+        "every GPU start runs in Python", SOCKET_FIX)]),
+     ({**UNIT, "ActiveState": "failed", "SubState": "failed", "Result": "trigger-limit-hit"}, SERVICE,
+      [("systemd has oci-gpu-hook-start.socket failed (failed, result trigger-limit-hit): nothing listens for "
+        "offers, and every GPU start runs in Python", SOCKET_FIX)]),
+     ({**UNIT, "LoadState": "not-found"}, None,
+      [("systemd has oci-gpu-hook-start.socket not-found",
+        "systemctl daemon-reload && systemctl enable --now oci-gpu-hook-start.socket")]),
+     (UNIT, {**SERVICE, "Result": "watchdog", "NRestarts": "2"},
+      [("its last run was ended by systemd's watchdog (it stopped looping) (oci-gpu-hook-start.service: result "
+        "watchdog)", JOURNAL),
+       ("systemd restarted it 2 time(s) (oci-gpu-hook-start.service: NRestarts=2)", JOURNAL)]),
+     (UNIT, {**SERVICE, "Result": "oom-kill", "ActiveState": "failed"},
+      [("its last run was ended by the OOM killer (oci-gpu-hook-start.service: result oom-kill)", JOURNAL)]),
+     (UNIT, {**SERVICE, "Result": "exit-code", "NRestarts": "\u0663"}, [])],
+    ids=["no systemd", "healthy", "socket stopped", "socket failed", "socket not loaded", "watchdog, restarts",
+         "oom-kill", "other result, restarts not ASCII"],
+)  # fmt: skip
+def test_systemds_state_of_the_start_servers_units(socket, service, said):
+    """What doctor makes of `systemctl show`'s properties of the two units (there is no systemd as
+    PID 1 here to ask)."""
+    assert doctor.start_units_say(socket, service) == said
+
+
+@pytest.mark.parametrize(
+    "status, said",
+    [({"identity": "0123456789abcdef"}, None),
+     ({"identity": "x", "up": 9, "served": 5, "late": 0, "no_worker": 0, "too_many": 0, "stranger": 3}, None),
+     ({"identity": "x", "up": 9, "served": 5, "late": 1, "no_worker": 2, "too_many": 3},
+      "6 start(s) fell back to Python since the server started 9 s ago (1 taken too late, 2 without a worker, 3 with "
+      "too many connections waiting)")],
+    ids=["a server before the counts", "strangers are no fallback", "each fallback"],
+)  # fmt: skip
+def test_fallbacks_are_the_servers_own(status, said):
+    assert doctor.fallbacks(status) == said

@@ -601,12 +601,14 @@ static ssize_t read_config(const struct value *bundle, unsigned char *buffer, si
 #ifdef START_SERVER
 #define NO_SERVER (-1)
 
-/* Milliseconds from now to deadline (CLOCK_MONOTONIC), at least 0. */
+/* Whole milliseconds from now to deadline (CLOCK_MONOTONIC), rounded down, at least 0: a wait of
+ * that many ends by the deadline. Counted in nanoseconds first: where the deadline's nanoseconds
+ * are below now's (a whole second between), C's division would round their negative part up. */
 static int ms_until(const struct timespec *deadline) {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    long long ms = (long long)(deadline->tv_sec - now.tv_sec) * 1000 + (deadline->tv_nsec - now.tv_nsec) / 1000000;
-    return ms < 0 ? 0 : (int)ms;
+    long long ns = (long long)(deadline->tv_sec - now.tv_sec) * 1000000000 + (deadline->tv_nsec - now.tv_nsec);
+    return ns <= 0 ? 0 : (int)(ns / 1000000);
 }
 
 /* One reply of up to 2 bytes by deadline (NULL: none, wait as long as it takes); 0 when nothing
