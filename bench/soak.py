@@ -6,7 +6,8 @@ mount namespace of its own), the server probed every `--every` served starts whi
 Judged from the sample taken after the first 10% of the starts (the warm-up) on: its resident
 size within 5% of that sample's, its descriptors, children and mounts exactly that sample's; no
 zombie among its children and no journal left pending in any sample; the records of containers
-that are gone never past the hook's own bound (it collects them above 512: soakcheck.records_bound).
+that are gone never past the hook's own bound (it collects them above 512: soakcheck.records_bound)
+while starts come, and none left once the server has been idle a moment (its spare collects them).
 
 The server runs with soakcheck.GC_TRACE: serve() freezes what exists and disables the collector
 (server.py), so a cycle made per offer would never be freed; the trace says how many objects the
@@ -70,6 +71,8 @@ def main():
         shutil.rmtree(work)
     samples = result["samples"]
     checks = soakcheck.verdicts(samples, warmup, RSS_LIMIT, RSS_LIMIT, soakcheck.records_bound())
+    left, idle = result["gone_records_after_idle"], result["idle_seconds_to_collect"]
+    checks["no record of a gone container once idle"] = {"ok": left == 0, "why": f"{left} left after {idle} s idle"}
     checks["every container's life cycle went as its kind should"] = {
         "ok": not result["errors"], "why": f"{len(result['errors'])} did not: {result['errors'][:5]}"}  # fmt: skip
     seconds = samples[-1]["seconds"]
@@ -90,6 +93,8 @@ def main():
         "errors": result["errors"],
         "server_log": result["server_log"],
         "gc": result.get("gc"),
+        "gone_records_after_idle": result["gone_records_after_idle"],
+        "idle_seconds_to_collect": result["idle_seconds_to_collect"],
     }
     doc = {}
     if os.path.exists(args.output):

@@ -395,6 +395,16 @@ def _main(spec_path: str) -> None:
                 if running.proc.poll() is not None:
                     results["errors"].append(f"the server exited ({running.proc.returncode})")
                     break
+            # Once the server has been idle a while, its spare collects the records of the
+            # containers that are gone (server.COLLECT_IDLE_SECONDS): none is left.
+            idle = time.monotonic()
+            while True:
+                left = probe(running.pid, records, pending)["gone_records"]
+                if left == 0 or time.monotonic() - idle > server.COLLECT_IDLE_SECONDS + 10:
+                    break
+                time.sleep(0.1)
+            results["gone_records_after_idle"] = left
+            results["idle_seconds_to_collect"] = round(time.monotonic() - idle, 2)
             log = running.log()
     finally:
         _delete_containers(runc[-1])

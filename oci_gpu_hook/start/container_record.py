@@ -12,7 +12,8 @@ watchdog at a process or puts a pod's name on a GPU. A record names a live conta
 its init process has the recorded start time (pids are reused); the readers collect the rest
 (collect()). The hook collects too, but only when the directory has grown past COLLECT_ABOVE
 files (looked at by one start in CHECK_ONE_IN), so a host with no node service running stays
-bounded at little cost.
+bounded at little cost; and a start server's spare worker collects whenever it has waited idle
+(start/server.py, Spare), so that with the server no record outlives its container for long.
 Standard library only: this is on the start path.
 """
 
@@ -218,11 +219,12 @@ def is_live(record: dict, proc: str = "/proc") -> bool:
     return record.get("pid") is not None and pids.is_same_process(record["pid"], record.get("pid_start"), proc)
 
 
-def read_all(directory: str, refused: dict | None = None) -> dict:
+def read_all(directory: str, refused: dict | None = None, stop=None) -> dict:
     """{file name: record or None (garbage)} for every record file; {} when there is no directory;
     UntrustedRecords when it is not root's alone. A file the hook did not write (not a regular
     file of settings.CACHE_UID's that no one else may write: settings.read_trusted, checked on the
-    descriptor read), a symlink, or one too large is garbage, and refused gets {name: why}."""
+    descriptor read), a symlink, or one too large is garbage, and refused gets {name: why}.
+    stop: asked before each file; once it says True, those read so far."""
     records = {}
     try:
         if not _owned_alone(os.lstat(directory)):
@@ -233,6 +235,8 @@ def read_all(directory: str, refused: dict | None = None) -> dict:
     for name in names:
         if not name.endswith(SUFFIX) or name.startswith("."):
             continue
+        if stop is not None and stop():
+            break
         try:
             data = settings.read_trusted(os.path.join(directory, name), MAX_RECORD_BYTES)
         except (OSError, ValueError) as e:
@@ -263,8 +267,9 @@ def remove(directory: str, names) -> list:
     return removed
 
 
-def collect(directory: str, records: dict | None = None, proc: str = "/proc") -> list:
-    """Remove the records of containers that are gone, and garbage; returns the names removed."""
-    records = read_all(directory) if records is None else records
+def collect(directory: str, records: dict | None = None, proc: str = "/proc", stop=None) -> list:
+    """Remove the records of containers that are gone, and garbage; returns the names removed.
+    stop: as read_all's (a start server's idle spare stops when an offer comes)."""
+    records = read_all(directory, stop=stop) if records is None else records
     running = live(records, proc)
     return remove(directory, [name for name in records if name not in running])

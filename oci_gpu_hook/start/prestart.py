@@ -76,6 +76,19 @@ def warm(config: str | None) -> None:
         pass
 
 
+def collect_records(config: str | None, stop=None) -> None:
+    """In a start server's idle spare worker: remove the records of containers that are gone
+    (container_record.collect) from the directory this configuration names; stop: as collect's.
+    Anything that fails here is left to the next look (a start's, a node service's)."""
+    from oci_gpu_hook.start import container_record
+    from oci_gpu_hook.start import settings as settings_module
+
+    try:
+        container_record.collect(settings_module.load(config, cache=True).records_path, stop=stop)
+    except Exception:  # noqa: BLE001 - an untrusted directory, a configuration that fails: not ours to say
+        pass
+
+
 def run(config: str | None, stdin=None, since_process_start: bool = False, started: float | None = None) -> int:
     # How long the start took is counted from the process's start when the runtime started this
     # process for it, from started (time.monotonic()) when a start server's worker runs it for

@@ -68,6 +68,11 @@ QUERY = f"{prefilter_rule.START_SERVER_VERSION} ?".encode()
 ANSWER_MAX_BYTES = 1024  # the answer to QUERY is some 200
 VIA = "start server"  # the start's log entry and container record say so (report.VIA)
 WARM_AFTER_SECONDS = 0.05
+# A warm spare that has waited this long with no offer collects the records of containers that
+# are gone (prestart.collect_records), and again after each COLLECT_EVERY_SECONDS of waiting: off
+# every start's path, and stopped as soon as an offer comes.
+COLLECT_IDLE_SECONDS = 1.0
+COLLECT_EVERY_SECONDS = 60.0
 SPARE_RETRY_SECONDS = 1.0  # after a spare could not be forked (a worker is still forked per offer)
 # After accept() failed for want of a descriptor or memory: the listener stays readable, so polling
 # it again at once would spin the loop (and log a line each turn) until a descriptor is freed.
@@ -586,8 +591,13 @@ class Spare:
 
         # Forked while the previous start's worker runs: on a small machine, reading now would
         # take a CPU from it. An offer that comes first is served cold, as without a spare.
-        if not select.select([pair], [], [], WARM_AFTER_SECONDS)[0]:
-            prestart.warm(config)
+        if select.select([pair], [], [], WARM_AFTER_SECONDS)[0]:
+            return
+        prestart.warm(config)
+        wait = COLLECT_IDLE_SECONDS
+        while not select.select([pair], [], [], wait)[0]:
+            prestart.collect_records(config, stop=lambda: bool(select.select([pair], [], [], 0)[0]))
+            wait = COLLECT_EVERY_SECONDS
 
     @staticmethod
     def _wait(pair: socket.socket) -> None:

@@ -235,6 +235,26 @@ def test_the_hook_collects_only_past_its_threshold(tmp_path, monkeypatch):
     assert os.listdir(directory) == []
 
 
+def test_a_collection_told_to_stop_removes_only_what_it_read(tmp_path):
+    """stop (a start server's idle spare: an offer came) ends the reading at once: of the gone
+    containers' records, only those read before it said so are removed, and the rest wait for
+    the next look."""
+    directory = str(tmp_path / "records")
+    dead = cr.build(_state(os.getpid()), {}, (), 0.1)
+    dead["pid_start"] -= 1
+    for i in range(6):  # below COLLECT_ABOVE: write() itself collects none
+        assert cr.write(directory, dict(dead, id=f"dead{i}"))
+    asked = []
+
+    def stop():
+        asked.append(True)
+        return len(asked) > 2
+
+    removed = cr.collect(directory, stop=stop)
+    assert len(removed) == 2 and len(os.listdir(directory)) == 4, (removed, os.listdir(directory))
+    assert sorted(cr.collect(directory) + removed) == sorted(cr.file_name(f"dead{i}") for i in range(6))
+
+
 # --- what real starts leave ----------------------------------------------------------------------
 
 ANNOTATIONS = {"io.kubernetes.pod.name": "pod-x", "io.kubernetes.pod.namespace": "ns-x",

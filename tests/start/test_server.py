@@ -140,6 +140,33 @@ def test_a_gpu_start_is_the_python_hooks_own(live_container, offering, running, 
     assert sorted(r["pid"] for r in records if r["outcome"] == "started") == sorted(c[2] for c in containers.values())
 
 
+def test_an_idle_spare_collects_the_records_of_containers_that_are_gone(live_container, offering, running, tmp_path):
+    """After a served start, the spare that waits for the next one, once idle for
+    COLLECT_IDLE_SECONDS, removes the record of a container that is gone (its init process
+    exited) and keeps the record of the one that runs: with the server, no record outlives its
+    container for long, however few the records (the hook itself looks only past 512)."""
+    from oci_gpu_hook.start import container_record
+
+    state, _, pid, _, host = live_container(GPU_ENV)
+    config = startservercheck.config(host, tmp_path)
+    directory = os.path.join(os.path.dirname(config), "records")
+    done = startservercheck.run(offering, config, state.encode())
+    assert (done.returncode, done.stderr) == (0, b""), done.stderr
+    (record,) = startservercheck.container_records(config)
+    assert record["pid"] == pid and record["outcome"] == "started", record
+    # A record as the hook writes them, of a container whose init process has exited.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = dict(record, id="gone", pid=gone.pid)
+    settings.write_trusted(os.path.join(directory, container_record.file_name("gone")), container_record.encode(stale))
+    running_record = container_record.file_name(json.loads(state)["id"])
+    assert sorted(os.listdir(directory)) == sorted([running_record, container_record.file_name("gone")])
+    startservercheck.wait_until("collection of the gone container's record",
+                                lambda: os.listdir(directory) == [running_record],
+                                timeout=server.COLLECT_IDLE_SECONDS + 30)  # fmt: skip
+    assert [r["pid"] for r in startservercheck.container_records(config)] == [pid]
+
+
 def test_the_budget_counts_from_the_prefilters_start(live_container, offering, running, tmp_path):
     """deadline_seconds 2.5. A pre-filter that offers at once to a server (and any spare worker)
     older than that: the start is made. One that waited 3.5 s for its state before offering: the
