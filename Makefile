@@ -69,6 +69,7 @@ SOAK_STARTS ?= 10000
 
 bench: setup
 	$(PY) bench/run.py --runs 30
+	$(PY) bench/cdi.py --cdi-runs 10
 	$(PY) bench/soak.py --starts $(SOAK_STARTS)
 
 # `make rpm`: the oci-gpu-hook (per architecture: the compiled pre-filter) and oci-gpu-hook-selinux

@@ -333,3 +333,22 @@ def live_container(tmp_path, simulated_host, require):
         proc.kill()
         proc.wait()
         remove_cgroup(cgroup)
+
+
+# --- measurements ---------------------------------------------------------------------------------
+
+_MEASURED = []
+
+
+@pytest.fixture
+def report_measurement():
+    """report_measurement(line): a wall time or other figure a test measured and does not judge,
+    shown under 'measurements' after the test summary (reliability and load tests)."""
+    return _MEASURED.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measurements")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)

@@ -198,12 +198,14 @@ class HostDockerd:
 
     The start server's directory (prefilter_rule.START_SERVER_SOCKET's) is a private tmpfs, so that no
     server of the host's takes these starts; start_server: install is run as users run it (the start
-    server is its default; without, with --no-start-server), and a server listens there, started before dockerd with the command its unit runs (the CLI's argv
-    prefix, start-server), its log in server_log."""
+    server is its default; without, with --no-start-server), and a server listens there, started
+    before dockerd with the command its unit runs (the CLI's argv prefix, start-server) at the
+    unit's priority, its log in server_log."""
 
     TREES = ["/etc", "/usr/local", "/var/lib/oci-gpu-hook"]
 
     def __init__(self, work: str, cli: list, rootfs: str, tag: str, start_server: bool = False):
+        import startservercheck
         from privatehost import Session
 
         from oci_gpu_hook.start import prefilter_rule
@@ -224,7 +226,10 @@ class HostDockerd:
         self.server_log = f"{work}/daemon0.log"  # privatehost's log of the first daemon step
         server = [
             {"run": ["mkdir", "-p", "-m", "0755", run_dir]},
-            {"daemon": [*cli, prefilter_rule.START_SERVER], "ready": ["grep", "-q", "listening on", self.server_log]},
+            {
+                "daemon": startservercheck.as_its_unit_runs([*cli, prefilter_rule.START_SERVER]),
+                "ready": ["grep", "-q", "listening on", self.server_log],
+            },
         ]
         steps = [{"write": "/etc/docker/daemon.json", "text": json.dumps(settings)}, *trees,
                  {"run": [*cli, "install", "--runtime", "docker", *([] if start_server else ["--no-start-server"])]},

@@ -24,6 +24,14 @@ create fails), no GPU (the pre-filter decides alone: never offered), and 1-GPU c
 its resident size, open descriptors, children and zombies among them, mounts, the hook's journals
 left pending and the records of containers that are gone. `python soakcheck.py SPEC` is what runs
 inside the namespace.
+
+The load (issue 51, goal 2; load()): 32 runc and 16 podman GPU containers released at once by one
+barrier, each with one GPU, through the same pre-filter and a server of the same install, in a
+namespace of its own likewise (a tmpfs over /run and /dev/shm besides: runc's and podman's state,
+podman's locks). podman reads install's hooks.d document from the directory a containers.conf of
+the load's own names (CONTAINERS_CONF), and keeps its storage in the load's tmpfs
+(CONTAINERS_STORAGE_CONF). Shared by bench/concurrent_starts.py (`make bench`) and
+tests/e2e/test_start_server_load.py; `python soakcheck.py --load SPEC` runs inside the namespace.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import json
 import os
 import select
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -214,8 +223,14 @@ def soak(work: str, starts: int, every: int, patch: str = "", timeout: float = 3
     spec = os.path.join(work, "soak-spec.json")
     with open(spec, "w") as f:
         json.dump({"work": work, "starts": starts, "every": every, "patch": patch}, f)
+    return _in_namespace("the soak", [spec], timeout, progress)
+
+
+def _in_namespace(what: str, args: list, timeout: float, progress=None) -> dict:
+    """Run this file with args (a spec's path last) in a private mount namespace; what it wrote
+    beside the spec (SPEC.results). progress(line): told of each line it prints."""
     proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", sys.executable, "-I",
-                             os.path.abspath(__file__), spec], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             os.path.abspath(__file__), *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         for line in proc.stdout:
@@ -227,8 +242,8 @@ def soak(work: str, starts: int, every: int, patch: str = "", timeout: float = 3
         proc.communicate()
         raise
     if proc.returncode != 0:
-        raise AssertionError(f"the soak failed ({proc.returncode}): {err.strip()[-3000:]}")
-    with open(spec + ".results") as f:
+        raise AssertionError(f"{what} failed ({proc.returncode}): {err.strip()[-3000:]}")
+    with open(args[-1] + ".results") as f:
         return json.load(f)
 
 
@@ -245,21 +260,10 @@ class _Starts:
     """One thread's containers: its bundles, and the life cycle each kind of start goes through."""
 
     def __init__(self, runc: list, ram: str, prefilter: str, config: str, index: int):
-        from oci_gpu_hook.toolkit import containers
-
         self.runc, self.index, self.scratch = runc, index, os.path.join(ram, f"thread{index}")
         os.mkdir(self.scratch)
-        self.bundles = {}
-        for name, env in ENVS.items():
-            bundle = containers.make_bundle(os.path.join(self.scratch, name), args=ARGS.get(name, ["true"]), env=env,
-                                            config_file=config)  # fmt: skip
-            path = os.path.join(bundle, "config.json")
-            with open(path) as f:
-                doc = json.load(f)
-            doc["hooks"]["prestart"][0].update(path=prefilter, args=[prefilter, "--config", config, "prestart"])
-            with open(path, "w") as f:
-                json.dump(doc, f)
-            self.bundles[name] = bundle
+        self.bundles = {name: hooked_bundle(os.path.join(self.scratch, name), env, ARGS.get(name, ["true"]),
+                                            prefilter, config) for name, env in ENVS.items()}  # fmt: skip
 
     def run(self, kind: str, cid: str) -> str | None:
         """One container's life cycle; None when it went as its kind should, else what went wrong."""
@@ -303,6 +307,19 @@ class _Starts:
         return out.returncode == 0
 
 
+def hooked_bundle(path: str, env: dict, args: list, prefilter: str, config: str) -> str:
+    """A bundle at path running args, whose prestart hook is prefilter (as install wires it)."""
+    from oci_gpu_hook.toolkit import containers
+
+    bundle = containers.make_bundle(path, args=args, env=env, config_file=config)
+    with open(os.path.join(bundle, "config.json")) as f:
+        doc = json.load(f)
+    doc["hooks"]["prestart"][0].update(path=prefilter, args=[prefilter, "--config", config, "prestart"])
+    with open(os.path.join(bundle, "config.json"), "w") as f:
+        json.dump(doc, f)
+    return bundle
+
+
 def _install(ram: str, package: str, socket_path: str) -> tuple:
     """(the copy's parent directory, the pre-filter): a copy of package, a launcher of it, and the
     pre-filter built by the copy's own code in front of that launcher, offering to socket_path as
@@ -320,6 +337,31 @@ def _install(ram: str, package: str, socket_path: str) -> tuple:
              f"prefilter.build({front!r}, {python_hook!r}, start_server={socket_path!r})\n")  # fmt: skip
     subprocess.run([sys.executable, "-I", "-c", build], check=True, stdin=subprocess.DEVNULL)
     return site, front
+
+
+def _server_command(site: str, socket_path: str, preamble: str = "") -> list:
+    """The server of the copy in site, on socket_path, preamble (Python) run in its process first."""
+    code = f"import sys\nsys.path.insert(0, {site!r})\n{preamble}from oci_gpu_hook.hook import main\nsys.exit(main())\n"
+    import startservercheck
+
+    command = [sys.executable, "-I", "-c", code, "start-server", "--socket", socket_path]
+    return startservercheck.as_its_unit_runs(command)
+
+
+def _stale_records(directory: str) -> int:
+    """Records of gone containers written over KEEP_FOR_READERS_SECONDS ago."""
+    from oci_gpu_hook.start import container_record
+
+    records = container_record.read_all(directory)
+    running = container_record.live(records)
+    since = time.time() - container_record.KEEP_FOR_READERS_SECONDS
+    old = 0
+    for name in records:
+        try:
+            old += name not in running and os.lstat(os.path.join(directory, name)).st_mtime < since
+        except FileNotFoundError:
+            pass
+    return old
 
 
 def _run_batch(threads: list, batch: list) -> list:
@@ -366,9 +408,7 @@ def _main(spec_path: str) -> None:
     runc = ["runc", "--root", os.path.join(ram, "runc")]
     threads = [_Starts(runc, ram, front, config, i) for i in range(THREADS)]
     trace = os.path.join(spec["work"], "gc-trace.json")
-    code = (f"import sys\nsys.path.insert(0, {site!r})\nGC_TRACE_FILE = {trace!r}\n{spec['patch']}\n"
-            "from oci_gpu_hook.hook import main\nsys.exit(main())\n")  # fmt: skip
-    command = [sys.executable, "-I", "-c", code, "start-server", "--socket", socket_path]
+    command = _server_command(site, socket_path, f"GC_TRACE_FILE = {trace!r}\n{spec['patch']}\n")
     records = os.path.join(ram, "records")
     with open(config) as f:
         pending = journal_directory(yaml.safe_load(f)["inventory_cache"])
@@ -395,15 +435,18 @@ def _main(spec_path: str) -> None:
                 if running.proc.poll() is not None:
                     results["errors"].append(f"the server exited ({running.proc.returncode})")
                     break
-            # Once the server has been idle a while, its spare collects the records of the
-            # containers that are gone (server.COLLECT_IDLE_SECONDS): none is left.
+            # Once the server has been idle a while (server.COLLECT_IDLE_SECONDS), its spare
+            # collects the records of the containers that are gone, those written long enough ago
+            # for the exporter to have counted them: none of those is left (a soak shorter than
+            # container_record.KEEP_FOR_READERS_SECONDS has none to collect).
             idle = time.monotonic()
             while True:
-                left = probe(running.pid, records, pending)["gone_records"]
-                if left == 0 or time.monotonic() - idle > server.COLLECT_IDLE_SECONDS + 10:
+                stale = _stale_records(records)
+                if stale == 0 or time.monotonic() - idle > server.COLLECT_IDLE_SECONDS + 10:
                     break
                 time.sleep(0.1)
-            results["gone_records_after_idle"] = left
+            results["stale_records_after_idle"] = stale
+            results["gone_records_after_idle"] = probe(running.pid, records, pending)["gone_records"]
             results["idle_seconds_to_collect"] = round(time.monotonic() - idle, 2)
             log = running.log()
     finally:
@@ -421,6 +464,382 @@ def _main(spec_path: str) -> None:
         json.dump(results, f)
 
 
+# --- the load: many served starts at once (issue 51, goal 2) --------------------------------------
+
+LOAD_RUNC = 32
+LOAD_PODMAN = 16
+LOAD_ARGS = ["nvidia-smi", "-L"]  # each container lists the GPUs it sees
+LOAD_IMAGE = "localhost/ocigpu-load:latest"
+# The hook's own time: its container record's duration_seconds (from the pre-filter's start). A
+# server's idle spare removes the records of containers that are gone (prestart.collect_records),
+# which a round's are well before it ends: they are read as they come, this often.
+RECORD_POLL_SECONDS = 0.05
+START_TIMEOUT_SECONDS = 300  # a hang guard
+RUNC_ROOT = "/run/runc"  # runc's default, podman's too: a tmpfs of the load's own (/run)
+PODMAN_STORAGE = "/run/ocigpu-load"
+# Where an offer's time goes in the server under load (bench/concurrent_starts.py --trace): a line
+# in its log for each accept() round (connections taken, ms), each offer given to a worker (ms from
+# its accept until then, and how long the giving took), each fork of a worker (ms, in the server),
+# each worker's first moment (ms from its offer's accept), each spare's warming (ms). Standard
+# library only; a write per event.
+LOAD_TRACE = (
+    "import os as _os, time as _time\n"
+    "from oci_gpu_hook.start import prestart as _prestart, server as _server\n"
+    "def _say(*words):\n"
+    "    _os.write(2, ('trace: ' + ' '.join(map(str, words)) + '\\n').encode())\n"
+    "def _ms(since):\n"
+    "    return round((_time.monotonic() - since) * 1e3, 1)\n"
+    "_accept, _take, _fork, _work, _warm = (_server._accept, _server._take, _server._fork_worker, _server.work,\n"
+    "                                      _prestart.warm)\n"
+    "def _traced_accept(listener, pending, *rest):\n"
+    "    began, before = _time.monotonic(), len(pending)\n"
+    "    done = _accept(listener, pending, *rest)\n"
+    "    _say('accept', len(pending) - before, _ms(began))\n"
+    "    return done\n"
+    "def _traced_take(listener, conn, accepted, *rest):\n"
+    "    began = _time.monotonic()\n"
+    "    done = _take(listener, conn, accepted, *rest)\n"
+    "    _say('take', round((began - accepted) * 1e3, 1), _ms(began))\n"
+    "    return done\n"
+    "def _traced_fork(*args):\n"
+    "    began = _time.monotonic()\n"
+    "    done = _fork(*args)\n"
+    "    _say('fork', _ms(began))\n"
+    "    return done\n"
+    "def _traced_work(conn, offer):\n"
+    "    _say('worker', _ms(offer.accepted))\n"
+    "    return _work(conn, offer)\n"
+    "def _traced_warm(*args):\n"
+    "    began = _time.monotonic()\n"
+    "    try:\n"
+    "        return _warm(*args)\n"
+    "    finally:\n"
+    "        _say('warm', _ms(began))\n"
+    "_server._accept, _server._take, _server._fork_worker, _server.work, _prestart.warm = (\n"
+    "    _traced_accept, _traced_take, _traced_fork, _traced_work, _traced_warm)\n"
+)
+# The server's counts of offers it did not serve (server.Counts); in a load, whose every offer is
+# root's, a "stranger" is a pre-filter that had given up before the server accepted its connection.
+FALLBACK_COUNTS = ("late", "no_offer", "no_worker", "too_many", "stranger")
+
+
+def load(work: str, runc: int = LOAD_RUNC, podman: int = LOAD_PODMAN, rounds: int = 1, lone: int = 0,
+         warmup: bool = False, patch: str = "", timeout: float = 1800) -> dict:  # fmt: skip
+    """`runc` runc and `podman` podman GPU containers (the i-th of each runtime with GPU i % GPUS),
+    all released by one barrier, `rounds` times, through the pre-filter and a start server, in a
+    private mount namespace; before each round its share of `lone` served 1-GPU starts of each
+    runtime, one at a time; warmup: one lone start of each and a round first. patch: Python run in
+    the server's process before it starts (LOAD_TRACE). work: an empty directory of root's.
+    Returns {"rounds": [[start, ...], ...], "lone": {runtime: [start, ...]}, "warmup": [start,
+    ...], "counts": the server's answer to QUERY at the end (server.ask_status), "offers": every
+    GPU start made, "server_log": its lines, "loadavg": /proc/loadavg's three figures before
+    anything, after the warm-up and at the end}; a start: {"runtime", "name", "gpu", "uuid": its GPU's, "listed":
+    the GPU UUIDs nvidia-smi listed in it, "rc", "error", "wall_s": from its runtime's command to
+    that command's exit, "record": its container record's via, outcome and duration_seconds, or
+    None}."""
+    spec = os.path.join(work, "load-spec.json")
+    with open(spec, "w") as f:
+        json.dump({"work": work, "runc": runc, "podman": podman, "rounds": rounds, "lone": lone, "warmup": warmup,
+                   "patch": patch}, f)  # fmt: skip
+    before = _loadavg()
+    result = _in_namespace("the load", ["--load", spec], timeout)
+    result["loadavg"].insert(0, before)
+    return result
+
+
+def load_starts(result: dict) -> list:
+    """Every start of a load's result, the warm-up's included."""
+    return [*result["warmup"], *(s for starts in result["lone"].values() for s in starts),
+            *(s for starts in result["rounds"] for s in starts)]  # fmt: skip
+
+
+def load_errors(result: dict) -> list:
+    """What went wrong in a load, whatever the times: a container that failed, that did not list
+    exactly its own GPU, or whose start left no record of a start."""
+    wrong = []
+    for start in load_starts(result):
+        what = f"{start['name']} ({start['runtime']}, GPU {start['gpu']})"
+        if start["rc"] != 0:
+            wrong.append(f"{what}: exit {start['rc']}: {start['error']}")
+        elif start["listed"] != [start["uuid"]]:
+            wrong.append(f"{what}: nvidia-smi listed {start['listed']}, not its GPU {start['uuid']}")
+        elif (start["record"] or {}).get("outcome") != "started":
+            wrong.append(f"{what}: no container record of a start ({start['record']})")
+    return wrong
+
+
+def load_fallbacks(result: dict) -> dict:
+    """Starts the server did not run: those whose record does not say so (Python's, after the
+    pre-filter's wait for "taken"), and the server's own counts (FALLBACK_COUNTS) of offers taken
+    too late, left unread past that wait, without a worker, over its pending bound, or given up
+    before they were accepted."""
+    from oci_gpu_hook.start import server
+
+    counts = result["counts"]
+    return {"not_via_server": sum(1 for s in load_starts(result) if (s["record"] or {}).get("via") != server.VIA),
+            **{name: counts.get(name) for name in FALLBACK_COUNTS}}  # fmt: skip
+
+
+def spread(seconds: list) -> dict:
+    """p50, p95 (nearest rank, as bench/run.py's summary) and max, in ms, and how many."""
+    ordered = sorted(seconds)
+    p95 = ordered[min(len(ordered) - 1, int(round(0.95 * (len(ordered) - 1))))]
+    return {"p50_ms": statistics.median(ordered) * 1e3, "p95_ms": p95 * 1e3, "max_ms": ordered[-1] * 1e3,
+            "n": len(ordered)}  # fmt: skip
+
+
+def load_figures(result: dict) -> dict:
+    """By runtime: the spread of the hook's time (its record's duration_seconds) and of the
+    container's wall time over the rounds' starts; with lone starts, theirs, and the slowest of
+    the rounds against the median of a lone start ("max_x_lone"). Only for a load without
+    load_errors (every start has its record)."""
+    figures = {}
+    for runtime in ("runc", "podman"):
+        starts = [s for starts in result["rounds"] for s in starts if s["runtime"] == runtime]
+        if not starts:
+            continue
+        figures[runtime] = under = {"hook": spread([s["record"]["duration_seconds"] for s in starts]),
+                                    "wall": spread([s["wall_s"] for s in starts])}  # fmt: skip
+        lone = result["lone"].get(runtime)
+        if lone:
+            alone = {"hook": spread([s["record"]["duration_seconds"] for s in lone]),
+                     "wall": spread([s["wall_s"] for s in lone])}  # fmt: skip
+            figures[f"lone {runtime}"] = alone
+            under["max_x_lone"] = {part: under[part]["max_ms"] / alone[part]["p50_ms"] for part in ("hook", "wall")}
+    starts = [s for starts in result["rounds"] for s in starts]
+    figures["all"] = {"hook": spread([s["record"]["duration_seconds"] for s in starts])}
+    return figures
+
+
+def load_trace(server_log: list) -> dict:
+    """LOAD_TRACE's lines in a load's server log, as spreads (spread()) of ms: "accept" (an accept()
+    round), "queued" (from an offer's accept until the server gave it to a worker), "give" (the
+    giving: a spare's hand or a fork), "fork" (a fork alone), "worker" (from the accept until the
+    worker ran: it says "taken" next), "warm" (a spare's warming, which an offer handed to it waits
+    for)."""
+    found = {}
+    for line in server_log:
+        words = line.split("trace: ", 1)[-1].split() if "trace: " in line else []
+        if words and words[0] in ("accept", "fork", "worker", "warm"):
+            found.setdefault(words[0], []).append(float(words[-1]) / 1e3)
+        elif words and words[0] == "take":
+            found.setdefault("queued", []).append(float(words[1]) / 1e3)
+            found.setdefault("give", []).append(float(words[2]) / 1e3)
+    return {name: spread(seconds) for name, seconds in found.items()}
+
+
+class _RecordWatch:
+    """The container records, kept as they are written (RECORD_POLL_SECONDS), by id."""
+
+    def __init__(self, directory: str):
+        self.directory, self.seen, self.stopped = directory, {}, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while True:
+            self.read()
+            if self.stopped.wait(RECORD_POLL_SECONDS):
+                return
+
+    def read(self) -> None:
+        from oci_gpu_hook.start import container_record
+
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return  # before the first start
+        for name in names:
+            if name in self.seen:
+                continue
+            try:
+                with open(os.path.join(self.directory, name), "rb") as f:
+                    record = container_record.parse(f.read())
+            except OSError:
+                continue  # collected meanwhile
+            if record is not None:
+                self.seen[name] = record
+
+    def record(self, container_id: str) -> dict | None:
+        """What a start's record says of how it went."""
+        from oci_gpu_hook.start import container_record
+
+        record = self.seen.get(container_record.file_name(container_id))
+        return None if record is None else {k: record.get(k) for k in ("via", "outcome", "duration_seconds")}
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self.read()
+
+
+class _Load:
+    """Inside the namespace: the bundles, the image and podman's private configuration, and how a
+    start is made, at once with others or alone."""
+
+    def __init__(self, ram: str, prefilter: str, config: str, host: dict, runc: int):
+        from oci_gpu_hook.toolkit import containers, install
+
+        self.ram, self.uuids, self.made = ram, [g["uuid"] for g in host["gpus"]], 0
+        self.bundles = [hooked_bundle(os.path.join(ram, f"runc{i}"), {"NVIDIA_VISIBLE_DEVICES": str(i % GPUS)},
+                                      LOAD_ARGS, prefilter, config) for i in range(max(runc, 1))]  # fmt: skip
+        # podman reads the hooks.d directory its containers.conf names (CONTAINERS_CONF: that file
+        # alone), holding the document install writes for the pre-filter; its storage is the
+        # load's own (CONTAINERS_STORAGE_CONF), in the load's /run: under a longer directory (a
+        # test's tmp_path) each podman run waited 20 s for its container's exit (conmon's paths).
+        hooks = install.write_hooks_dir(os.path.join(ram, "hooks.d"), [prefilter, "--config", config])
+        conf, storage = os.path.join(ram, "containers.conf"), os.path.join(ram, "storage.conf")
+        with open(conf, "w") as f:
+            f.write(f'[engine]\nhooks_dir = ["{hooks}"]\n')
+        with open(storage, "w") as f:
+            f.write(f'[storage]\ndriver = "vfs"\ngraphroot = "{PODMAN_STORAGE}"\nrunroot = "{PODMAN_STORAGE}-run"\n')
+        self.env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+        self.podman_env = {**self.env, "HOME": "/root", "CONTAINERS_CONF": conf, "CONTAINERS_STORAGE_CONF": storage}
+        self.podman = ["podman", "--runtime", "runc"]
+        rootfs = containers.make_rootfs(os.path.join(ram, "rootfs"))
+        tar = subprocess.Popen(["tar", "-C", rootfs, "-cf", "-", "."], stdout=subprocess.PIPE)
+        subprocess.run([*self.podman, "import", "-", LOAD_IMAGE], stdin=tar.stdout, env=self.podman_env, check=True,
+                       capture_output=True)  # fmt: skip
+        tar.stdout.close()
+        if tar.wait():
+            raise RuntimeError(f"tar of {rootfs} failed")
+
+    def plan(self, tag: str, runtime: str, index: int) -> tuple:
+        """(runtime, name, GPU, argv, env) of a start: runc's bundle index or podman's index-th."""
+        self.made += 1
+        name, gpu = f"ogh-load-{os.getpid()}-{self.made}-{tag}", index % GPUS
+        if runtime == "runc":
+            return runtime, name, gpu, ["runc", "run", "--bundle", self.bundles[index], name], self.env
+        from oci_gpu_hook.toolkit import containers
+
+        argv = [*self.podman, "run", *containers.PODMAN_RUN_OPTIONS, "--name", name, "-e",
+                f"NVIDIA_VISIBLE_DEVICES={gpu}", LOAD_IMAGE, *LOAD_ARGS]  # fmt: skip
+        return runtime, name, gpu, argv, self.podman_env
+
+    def run(self, plans: list, watch: _RecordWatch) -> list:
+        """The planned starts at once (a thread each, released by one barrier); their results once
+        all have ended and their containers are removed."""
+        barrier = threading.Barrier(len(plans))
+        results = [None] * len(plans)
+
+        def one(i: int, plan: tuple) -> None:
+            barrier.wait()
+            results[i] = self._start(*plan)
+
+        threads = [threading.Thread(target=one, args=(i, plan)) for i, plan in enumerate(plans)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return self._finish(results, watch)
+
+    def alone(self, plan: tuple, watch: _RecordWatch) -> dict:
+        return self._finish([self._start(*plan)], watch)[0]
+
+    def _start(self, runtime: str, name: str, gpu: int, argv: list, env: dict) -> dict:
+        from hookcheck import listed_uuids
+
+        began = time.perf_counter()
+        try:
+            out = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                                 timeout=START_TIMEOUT_SECONDS)  # fmt: skip
+            rc, stdout, error = out.returncode, out.stdout, out.stderr.strip()[-500:]
+        except subprocess.TimeoutExpired:
+            rc, stdout, error = None, "", f"did not end within {START_TIMEOUT_SECONDS} s"
+        wall = time.perf_counter() - began
+        return {"runtime": runtime, "name": name, "gpu": gpu, "uuid": self.uuids[gpu], "rc": rc, "error": error,
+                "listed": listed_uuids(stdout, ("GPU",)), "wall_s": round(wall, 6)}  # fmt: skip
+
+    def _finish(self, results: list, watch: _RecordWatch) -> list:
+        """Each start's container record (by its container's id: podman's, from its name), then its
+        container removed."""
+        names = [r["name"] for r in results if r["runtime"] == "podman"]
+        ids = {}
+        if names:
+            listed = subprocess.run([*self.podman, "ps", "--all", "--no-trunc", "--format", "{{.Names}} {{.ID}}"],
+                                    env=self.podman_env, capture_output=True, text=True, check=True)  # fmt: skip
+            ids = dict(line.split(" ", 1) for line in listed.stdout.splitlines() if " " in line)
+            subprocess.run([*self.podman, "rm", "--force", *names], env=self.podman_env, capture_output=True,
+                           timeout=START_TIMEOUT_SECONDS)  # fmt: skip
+        _delete_containers(RUNC_ROOT)  # runc run deletes its own: any left by a failure
+        watch.read()  # the last ones, if the watch has not read them yet
+        for result in results:
+            result["record"] = watch.record(ids.get(result["name"], result["name"]))
+        return results
+
+    def close(self) -> None:
+        """Every container of the load removed, however it ended."""
+        subprocess.run([*self.podman, "rm", "--all", "--force"], env=self.podman_env, capture_output=True,
+                       timeout=START_TIMEOUT_SECONDS)  # fmt: skip
+        _delete_containers(RUNC_ROOT)
+
+
+def _loadavg() -> list:
+    with open("/proc/loadavg") as f:
+        return [float(x) for x in f.read().split()[:3]]
+
+
+def _load_main(spec_path: str) -> None:
+    import startservercheck
+
+    from oci_gpu_hook.start import server, settings
+    from oci_gpu_hook.toolkit.simulate import simulate
+
+    with open(spec_path) as f:
+        spec = json.load(f)
+    ram = os.path.join(spec["work"], "ram")
+    os.mkdir(ram, 0o700)
+    # /run of its own: runc's and podman's state and the hook's compiled settings (settings.RUN_DIR);
+    # /dev/shm: podman's locks, which another podman on the host takes by the same name.
+    for directory, mode in ((ram, "0700"), ("/run", "0755"), ("/dev/shm", "1777")):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"mode={mode}", "ocigpu-load", directory], check=True)
+    os.makedirs(settings.RUN_DIR, mode=0o755)
+    host = simulate(os.path.join(ram, "host"), gpus=GPUS)
+    config = startservercheck.config(host, ram)
+    # The inventory cache, as a node's refresh unit makes it at boot and on each driver change:
+    # the starts find it fresh, as on a node in service (48 starts that each found none would each
+    # ask NVML at once, on 2 CPUs past the budget NVML gets).
+    from oci_gpu_hook.toolkit import containers
+
+    subprocess.run([*containers.hook_command(config), "inventory", "refresh"], check=True, stdout=subprocess.DEVNULL)
+    socket_path = os.path.join(ram, "start.sock")
+    site, front = _install(ram, server.PACKAGE, socket_path)
+    load_at_once = [("runc", i) for i in range(spec["runc"])] + [("podman", i) for i in range(spec["podman"])]
+    results = {"warmup": [], "lone": {"runc": [], "podman": []}, "rounds": []}
+    command = _server_command(site, socket_path, spec["patch"])
+    starts = _Load(ram, front, config, host, spec["runc"])
+    watch = _RecordWatch(os.path.join(ram, "records"))
+    try:
+        with startservercheck.Server(os.path.join(ram, "server.log"), command=command) as running:
+            running.wait_listening()
+            if spec["warmup"]:
+                for runtime in ("runc", "podman"):
+                    results["warmup"].append(starts.alone(starts.plan("warmup", runtime, 0), watch))
+                results["warmup"] += starts.run([starts.plan("warmup", *s) for s in load_at_once], watch)
+            results["loadavg"] = [_loadavg()]
+            for round_ in range(spec["rounds"]):
+                share = spec["lone"] // spec["rounds"] + (round_ < spec["lone"] % spec["rounds"])
+                for runtime in ("runc", "podman"):
+                    for _ in range(share):
+                        results["lone"][runtime].append(starts.alone(starts.plan("lone", runtime, 0), watch))
+                results["rounds"].append(starts.run([starts.plan(f"round{round_}", *s) for s in load_at_once],
+                                                    watch))  # fmt: skip
+            results["loadavg"].append(_loadavg())
+            served = sum(1 for s in load_starts(results) if (s["record"] or {}).get("via") == server.VIA)
+            results["offers"] = len(load_starts(results))
+            results["counts"] = startservercheck.counted(socket_path, served=served)
+            log = running.log()
+    finally:
+        watch.stop()
+        starts.close()
+    results["server_log"] = [line for line in log if not line.startswith(startservercheck.LISTENING)]
+    with open(spec_path + ".results", "w") as f:
+        json.dump(results, f)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, HERE)  # startservercheck and hookcheck, beside this file
-    _main(sys.argv[1])
+    if sys.argv[1] == "--load":
+        _load_main(sys.argv[2])
+    else:
+        _main(sys.argv[1])

@@ -98,6 +98,16 @@ class Server:
         self.stop()
 
 
+def as_its_unit_runs(command: list) -> list:
+    """command (a server's) at the scheduling priority its systemd unit gives it (Nice=, in the
+    text install writes), as a test or the bench that starts a server without systemd runs it."""
+    from oci_gpu_hook.toolkit import install
+
+    unit = install.start_service_text(["x"]).splitlines()
+    (nice,) = [line[len("Nice=") :] for line in unit if line.startswith("Nice=")]
+    return ["nice", "-n", nice, *command]
+
+
 def started(socket_path, log_path) -> Server:
     """A server listening on socket_path: a context manager that stops it."""
     return Server(log_path, socket_path).wait_listening()

@@ -13,7 +13,8 @@ its init process has the recorded start time (pids are reused); the readers coll
 (collect()). The hook collects too, but only when the directory has grown past COLLECT_ABOVE
 files (looked at by one start in CHECK_ONE_IN), so a host with no node service running stays
 bounded at little cost; and a start server's spare worker collects whenever it has waited idle
-(start/server.py, Spare), so that with the server no record outlives its container for long.
+(start/server.py, Spare), the records written over KEEP_FOR_READERS_SECONDS ago, so that with the
+server no record outlives its container for long, and the exporter still counts every start.
 Standard library only: this is on the start path.
 """
 
@@ -33,6 +34,10 @@ SUFFIX = ".json"
 MAX_RECORD_BYTES = 64 << 10
 COLLECT_ABOVE = 512
 CHECK_ONE_IN = 16
+# The exporter counts each start (and each failed one) from its record, at its scrape: a start
+# server's idle spare leaves a gone container's record this long after it was written, so that a
+# scrape (every 15 to 60 s) sees it first. The hook's own collection and the readers' need none.
+KEEP_FOR_READERS_SECONDS = 120
 # Pod, namespace and container names as the runtimes pass them into config.json: containerd's
 # CRI plugin first, then CRI-O's.
 KUBERNETES_ANNOTATIONS = {
@@ -267,9 +272,21 @@ def remove(directory: str, names) -> list:
     return removed
 
 
-def collect(directory: str, records: dict | None = None, proc: str = "/proc", stop=None) -> list:
+def collect(directory: str, records: dict | None = None, proc: str = "/proc", stop=None,
+            written_before: float | None = None) -> list:  # fmt: skip
     """Remove the records of containers that are gone, and garbage; returns the names removed.
-    stop: as read_all's (a start server's idle spare stops when an offer comes)."""
+    stop: as read_all's (a start server's idle spare stops when an offer comes); written_before:
+    only files last written before this time (time.time()) go."""
     records = read_all(directory, stop=stop) if records is None else records
     running = live(records, proc)
-    return remove(directory, [name for name in records if name not in running])
+    gone = [name for name in records if name not in running]
+    if written_before is not None:
+        gone = [name for name in gone if _written_before(os.path.join(directory, name), written_before)]
+    return remove(directory, gone)
+
+
+def _written_before(path: str, when: float) -> bool:
+    try:
+        return os.lstat(path).st_mtime < when
+    except OSError:
+        return False  # gone meanwhile

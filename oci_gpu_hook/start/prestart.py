@@ -78,13 +78,16 @@ def warm(config: str | None) -> None:
 
 def collect_records(config: str | None, stop=None) -> None:
     """In a start server's idle spare worker: remove the records of containers that are gone
-    (container_record.collect) from the directory this configuration names; stop: as collect's.
-    Anything that fails here is left to the next look (a start's, a node service's)."""
+    (container_record.collect) from the directory this configuration names, once the readers have
+    had KEEP_FOR_READERS_SECONDS to count them; stop: as collect's. Anything that fails here is
+    left to the next look (a start's, a node service's)."""
     from oci_gpu_hook.start import container_record
     from oci_gpu_hook.start import settings as settings_module
 
+    kept_since = time.time() - container_record.KEEP_FOR_READERS_SECONDS
     try:
-        container_record.collect(settings_module.load(config, cache=True).records_path, stop=stop)
+        directory = settings_module.load(config, cache=True).records_path
+        container_record.collect(directory, stop=stop, written_before=kept_since)
     except Exception:  # noqa: BLE001 - an untrusted directory, a configuration that fails: not ours to say
         pass
 

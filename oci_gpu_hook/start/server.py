@@ -73,6 +73,7 @@ WARM_AFTER_SECONDS = 0.05
 # every start's path, and stopped as soon as an offer comes.
 COLLECT_IDLE_SECONDS = 1.0
 COLLECT_EVERY_SECONDS = 60.0
+WORKER_NICE = 0  # a taken start's worker runs at the niceness of a runtime's hook (_as_a_runtimes_hook)
 SPARE_RETRY_SECONDS = 1.0  # after a spare could not be forked (a worker is still forked per offer)
 # After accept() failed for want of a descriptor or memory: the listener stays readable, so polling
 # it again at once would spin the loop (and log a line each turn) until a descriptor is freed.
@@ -500,6 +501,7 @@ def work(conn: socket.socket, offer: Offer) -> None:
              f"accepted its connection; a pre-filter waits {prefilter_rule.START_SERVER_TAKE_MS} ms): no go came, "
              "and its start went to Python")  # fmt: skip
         os._exit(WORKER_LATE)
+    _as_a_runtimes_hook()
     code = 70
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in the hook's own process
@@ -542,6 +544,19 @@ def work(conn: socket.socket, offer: Offer) -> None:
             os._exit(WORKER_SERVED)
 
 
+def _as_a_runtimes_hook() -> None:
+    """In a worker that has said "taken" and had "go": back to the scheduling priority a hook the
+    runtime starts has (nice 0). The server and its spares run ahead of other work (the unit's
+    Nice=), so that under load "taken" comes within the pre-filter's wait; the start itself then
+    takes its CPU as the runtime's own hook would, and a flood of GPU starts cannot crowd out the
+    rest of the node from above. Where the policy refuses it (setsched), the start goes on as is."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) < WORKER_NICE:
+            os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICE)
+    except OSError:
+        pass
+
+
 def _become_worker(listener: socket.socket, closing=()) -> None:
     """In a freshly forked child: nothing of the server's own is kept (its sockets, its handlers)."""
     listener.close()
@@ -555,6 +570,20 @@ def _become_worker(listener: socket.socket, closing=()) -> None:
     for name in ("SIGCHLD", "SIGTERM", "SIGHUP"):
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a spare waits; work() answers a SIGINT as the hook does
+
+
+def _only_child() -> bool:
+    """In a spare: no other worker of its server's runs (the spare is the server's one child), so
+    what the spare does while it waits takes no CPU from a start. True where the kernel does not
+    list a process's children (CONFIG_PROC_CHILDREN), as before the question was asked."""
+    server = os.getppid()
+    try:
+        with open(f"/proc/{server}/task/{server}/children") as f:
+            return f.read().split() == [str(os.getpid())]
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
 
 
 class Spare:
@@ -590,12 +619,22 @@ class Spare:
         from oci_gpu_hook.start import prestart
 
         # Forked while the previous start's worker runs: on a small machine, reading now would
-        # take a CPU from it. An offer that comes first is served cold, as without a spare.
-        if select.select([pair], [], [], WARM_AFTER_SECONDS)[0]:
-            return
+        # take a CPU from it. So it waits for a quiet moment: WARM_AFTER_SECONDS with no offer,
+        # and no other worker of the server's running. Under load there is none, and each offer
+        # is served cold: one that came to a spare still warming would wait for it, behind every
+        # busy worker, past the pre-filter's wait for "taken" (issue 51's load test: a warm took
+        # up to 1.7 s there, and its offer went to Python).
+        while True:
+            if select.select([pair], [], [], WARM_AFTER_SECONDS)[0]:
+                return
+            if _only_child():
+                break
         prestart.warm(config)
         wait = COLLECT_IDLE_SECONDS
         while not select.select([pair], [], [], wait)[0]:
+            if not _only_child():
+                wait = COLLECT_IDLE_SECONDS
+                continue
             prestart.collect_records(config, stop=lambda: bool(select.select([pair], [], [], 0)[0]))
             wait = COLLECT_EVERY_SECONDS
 

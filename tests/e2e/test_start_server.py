@@ -47,8 +47,14 @@ GPU_COMMAND = ["sh", "-c", "nvidia-smi -L && ls /dev && cat /etc/hostname"]
 VIA = "start server"
 RUNC_ID = "ocigpu-start-server-runc"
 # The server as systemd would start it: the words of the unit's ExecStart= (the test checks that
-# they are plain words, which systemd and this shell split alike), with its pid kept to signal it.
-SERVER = 'echo $$ > "$0" && set -f && exec $(sed -n "s/^ExecStart=//p" "$1")'
+# they are plain words, which systemd and this shell split alike) at the unit's Nice=, with its pid
+# kept to signal it.
+SERVER = 'echo $$ > "$0" && set -f && exec nice -n "$(sed -n "s/^Nice=//p" "$1")" $(sed -n "s/^ExecStart=//p" "$1")'
+# Every container record, copied as soon as it is there (the hook puts each in place by a rename):
+# the server's idle spare collects the records of containers that are gone a second after the
+# starts, and these containers are gone as soon as they have listed their GPUs.
+WATCH_RECORDS = ('mkdir -p "$1" && while :; do for f in "$0"/*.json; do [ -e "$f" ] && [ ! -e "$1/${f##*/}" ] && '
+                 'cp "$f" "$1/"; done; sleep 0.01; done')  # fmt: skip
 # SIGTERM by pid; done when the socket it bound is gone (it removes it on its way out).
 TERM = 'kill -TERM "$(cat "$0")" && i=0 && while [ -e "$1" ]; do i=$((i+1)); [ $i -lt 600 ] || exit 1; sleep 0.1; done'
 # SIGKILL by pid; done when the process is dead (a zombie until privatehost reaps it, or gone).
@@ -108,9 +114,10 @@ def _scenario(top: str, host: dict) -> tuple:
     bundle_config = f"{top}/bundle/config.json"
 
     def server(i: int) -> dict:
-        # privatehost names a daemon's log daemon<N>.log, N counting from 0 in the order started.
+        # privatehost names a daemon's log daemon<N>.log, N counting from 0 in the order started
+        # (the record watch is the first).
         return {"daemon": ["sh", "-c", SERVER, pids[i], UNIT], "ready": ["grep", "-q", "listening on",
-                                                                         f"{work}/daemon{i}.log"]}  # fmt: skip
+                                                                         f"{work}/daemon{i + 1}.log"]}  # fmt: skip
 
     named = [
         ("storage", {"write": "/etc/containers/storage.conf", "text": storage}),
@@ -123,6 +130,13 @@ def _scenario(top: str, host: dict) -> tuple:
         ("root import", {"run": ["sh", "-c", image, f"{top}/rootfs"]}),
         ("user import", {"run": [*as_user, "sh", "-c", image, f"{top}/rootfs"]}),
         ("bundle", {"run": [sys.executable, "-I", "-c", HOOK_ENTRY, install.HOOKS_D_FILE, bundle_config]}),
+        (
+            "record watch",
+            {
+                "daemon": ["sh", "-c", WATCH_RECORDS, f"{host['root']}/containers", f"{work}/records"],
+                "ready": ["test", "-d", f"{work}/records"],
+            },
+        ),
         ("server 1", server(0)),
         ("doctor served", {"run": [*cli, "doctor", "--json"]}),
         ("served", {"run": podman_gpu}),
@@ -167,12 +181,12 @@ def world(require):
         with open(f"{host['root']}/hook.log") as f:
             log = [json.loads(line) for line in f]
         records = {}
-        for name in os.listdir(f"{host['root']}/containers"):
-            with open(f"{host['root']}/containers/{name}") as f:
+        for name in os.listdir(f"{work}/records"):  # as the record watch copied them
+            with open(f"{work}/records/{name}") as f:
                 records[name] = json.load(f)
         servers = []
         for i in range(3):
-            with open(f"{work}/daemon{i}.log") as f:
+            with open(f"{work}/daemon{i + 1}.log") as f:
                 servers.append(f.read())
         yield {"host": host, "r": results, "log": log, "records": records, "servers": servers, "uid": uid,
                "config": f"{host['root']}/config.yaml"}  # fmt: skip

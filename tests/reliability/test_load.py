@@ -2,7 +2,7 @@
 own set of GPUs (named by index, UUID or PCI bus id), while `inventory refresh` rewrites the cache
 the hooks read, again and again, from several processes. Every container must start and see
 exactly its GPUs; the cache must never be seen torn. The wall time is reported at the end of the
-run ('reliability measurements').
+run ('measurements').
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Python hook's own (status, stdout, stderr), no log record says "via": "start ser
 start is held (each under HELD_SECONDS of wall time), and the median of what the fault adds to the
 pre-filter's part of its start (from its exec to its exec of the Python hook, which the kernel's
 process events time; REAL_TIME says why both run real-time) is at most BOUND_MS + SLACK_MS. The
-medians and maxima, and the same in wall time, are reported under 'reliability measurements'.
+medians and maxima, and the same in wall time, are reported under 'measurements'.
 """
 
 from __future__ import annotations

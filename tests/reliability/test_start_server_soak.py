@@ -3,12 +3,11 @@ through runc, the compiled pre-filter and a real server (tests/soakcheck.py: 1 a
 the host does not have, no GPU, containers killed after create or while running; two threads,
 in a private mount namespace), the server probed every 50 served starts while nothing runs. After
 the first 50 its descriptors, children and mounts stay exactly as they were, its resident size
-grows by 5% at most, no sample has a zombie child or a journal left pending, and once it has been
-idle a moment no record is left of a container that is gone.
+grows by 5% at most, and no sample has a zombie child or a journal left pending.
 
 And the probe can fail: the same soak against a real server into which a leak was put (each offer
 taken keeps a descriptor and 64 KiB) must be flagged for both, and for nothing else. The wall
-time of each is reported at the end of the run ('reliability measurements').
+time of each is reported at the end of the run ('measurements').
 """
 
 import time
@@ -48,8 +47,6 @@ def test_the_server_holds_over_400_served_starts(soaked):
     assert [s["served"] for s in result["samples"]] == list(range(0, STARTS + 1, EVERY)), result["samples"]
     failures = soakcheck.failed(soakcheck.verdicts(result["samples"], WARMUP, rss_up=RSS_GROWTH, rss_down=None))
     assert not failures, (failures, result["samples"])
-    # No record is left for a container that is gone, once the server has been idle a moment.
-    assert result["gone_records_after_idle"] == 0, result
     broken = [line for line in result["server_log"] if "Traceback" in line or "internal error" in line]
     assert not broken, result["server_log"]
 

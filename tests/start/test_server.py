@@ -143,8 +143,9 @@ def test_a_gpu_start_is_the_python_hooks_own(live_container, offering, running, 
 def test_an_idle_spare_collects_the_records_of_containers_that_are_gone(live_container, offering, running, tmp_path):
     """After a served start, the spare that waits for the next one, once idle for
     COLLECT_IDLE_SECONDS, removes the record of a container that is gone (its init process
-    exited) and keeps the record of the one that runs: with the server, no record outlives its
-    container for long, however few the records (the hook itself looks only past 512)."""
+    exited) once it was written over KEEP_FOR_READERS_SECONDS ago, and keeps the record of the one
+    that runs and a gone one's the exporter may not have counted yet: with the server, no record
+    outlives its container for long, however few the records (the hook itself looks only past 512)."""
     from oci_gpu_hook.start import container_record
 
     state, _, pid, _, host = live_container(GPU_ENV)
@@ -157,14 +158,18 @@ def test_an_idle_spare_collects_the_records_of_containers_that_are_gone(live_con
     # A record as the hook writes them, of a container whose init process has exited.
     gone = subprocess.Popen(["true"])
     gone.wait()
-    stale = dict(record, id="gone", pid=gone.pid)
-    settings.write_trusted(os.path.join(directory, container_record.file_name("gone")), container_record.encode(stale))
+    old, new = container_record.file_name("gone-long-ago"), container_record.file_name("gone-just-now")
+    for name in (old, new):
+        data = container_record.encode(dict(record, id=name, pid=gone.pid))
+        settings.write_trusted(os.path.join(directory, name), data)
+    long_ago = time.time() - container_record.KEEP_FOR_READERS_SECONDS - 1
+    os.utime(os.path.join(directory, old), (long_ago, long_ago))
     running_record = container_record.file_name(json.loads(state)["id"])
-    assert sorted(os.listdir(directory)) == sorted([running_record, container_record.file_name("gone")])
+    assert sorted(os.listdir(directory)) == sorted([running_record, old, new])
     startservercheck.wait_until("collection of the gone container's record",
-                                lambda: os.listdir(directory) == [running_record],
+                                lambda: old not in os.listdir(directory),
                                 timeout=server.COLLECT_IDLE_SECONDS + 30)  # fmt: skip
-    assert [r["pid"] for r in startservercheck.container_records(config)] == [pid]
+    assert sorted(os.listdir(directory)) == sorted([running_record, new])
 
 
 def test_the_budget_counts_from_the_prefilters_start(live_container, offering, running, tmp_path):
@@ -492,6 +497,21 @@ def test_a_state_that_is_a_pipe_is_read_by_no_worker(host, offering, socket_path
     assert startservercheck.log_records(config) == []
     same_as_python(offering, config, data)
     assert running.log()[1:] == []  # no refusal, no worker killed
+
+
+def test_a_worker_runs_its_start_at_a_runtimes_hooks_priority(host, offering, socket_path, tmp_path):
+    """Started as its unit starts it (Nice=), the server and its waiting spare run ahead of other
+    work, so that under load "taken" comes within the pre-filter's wait (issue 51); the worker
+    that has its start drops back to nice 0, as the runtime's own hook runs."""
+    from oci_gpu_hook.toolkit import install
+
+    command = startservercheck.as_its_unit_runs([*COMMAND, "--socket", socket_path])
+    assert install.START_NICE < server.WORKER_NICE == 0
+    with Server(tmp_path / "server.log", command=command).wait_listening() as running:
+        assert os.getpriority(os.PRIO_PROCESS, running.pid) == install.START_NICE
+        assert os.getpriority(os.PRIO_PROCESS, startservercheck.spare(running)) == install.START_NICE
+        with startservercheck.stalled_start(offering, host, tmp_path, running) as (_, worker, _):
+            assert os.getpriority(os.PRIO_PROCESS, worker) == server.WORKER_NICE
 
 
 # --- listening, stopping ------------------------------------------------------------------------
