@@ -11,8 +11,9 @@ device, and its operations are translated:
   the MPS directory, only when they exist now: a CDI mount of a missing source fails the start);
 - Symlink and RefreshLdcache -> one createContainer hook that runs `oci-gpu-hook ldcache-refresh`
   with the links and library directories, with an explicit environment;
-- the /proc/driver/nvidia masking (tmpfs, sanitised copies) has no CDI form and is left out, as
-  in NVIDIA's own CDI specs; so is the graphics application profile (a tmpfs and a file whose
+- the /proc/driver/nvidia masking (tmpfs, sanitised copies) has no CDI form and is left out
+  (NVIDIA's own CDI specs mount a copy of its params alone, through a hook program of theirs:
+  docs/performance.md); so is the graphics application profile (a tmpfs and a file whose
   mask depends on the container's whole device set, which a per-device spec cannot know).
 
 The plans are built with for_cdi: NVIDIA's CDI specs carry the libnvidia-ml.so and GBM backend
