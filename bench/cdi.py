@@ -50,6 +50,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(1, os.path.join(REPO, "tests"))  # hookcheck, startservercheck: shared with the suite
 
 import hookcheck  # noqa: E402
+import leftovers  # noqa: E402
 import results  # noqa: E402 - bench/results.py
 import run  # noqa: E402 - bench/run.py: the regular install, timed runs, medians and paired ratios
 import startservercheck  # noqa: E402
@@ -276,6 +277,7 @@ def main():
     finally:
         subprocess.run(["umount", "--lazy", work], check=True)
         os.rmdir(work)
+        leftovers.remove_compiled_settings(leftovers.RUN_DIR, work)  # what the hooks kept of the bench's config
     results.save_part(args.output, "cdi", figures)
     loads = figures["load_average_1_5_15"]
     print(f"podman {figures['podman']}, {args.cdi_runs} paired rounds; load average "

@@ -60,6 +60,7 @@ import concurrent_starts  # noqa: E402
 import docker  # noqa: E402
 import hookcheck  # noqa: E402
 import install_ways  # noqa: E402
+import leftovers  # noqa: E402
 import node  # noqa: E402
 import startservercheck  # noqa: E402
 
@@ -584,6 +585,7 @@ def main():
             server.wait()
         subprocess.run(["umount", "--lazy", work], check=True)  # a lazy unmount: a straggler cannot block it
         os.rmdir(work)
+        leftovers.remove_compiled_settings(leftovers.RUN_DIR, work)  # what the hooks kept of the bench's config
 
 
 if __name__ == "__main__":
