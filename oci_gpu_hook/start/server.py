@@ -418,15 +418,15 @@ def receive(conn: socket.socket, identity: str, counts: Counts, accepted: float)
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     fds = list(fds)
 
-    def refuse(why: str, key: str):
+    def refuse(key: str, **fields):
         for fd in fds:
             os.close(fd)
-        return None, why, key
+        return None, not_taken(key, **fields), key
 
     if not payload and not fds:
         return None, "", ""  # connected and closed, offering nothing (a second server's probe): no offer
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-        return refuse(not_taken("too large"), "too large")
+        return refuse("too large")
     head, _, rest = payload.partition(b"\0")
     if head == QUERY and not rest and not fds:
         _reply(conn, counts.answer(identity))
@@ -434,14 +434,14 @@ def receive(conn: socket.socket, identity: str, counts: Counts, accepted: float)
     if fds:
         # The runtime's pipes, queued unread in a stopped server's socket, would keep the runtime
         # waiting for their end: they go to a worker that has said "taken", with "go".
-        return refuse(not_taken("descriptors"), "descriptors")
+        return refuse("descriptors")
     if head != version_line(identity).encode():
-        return refuse(not_taken("other code", head=head[:60], version=version_line(identity)), "other code")
+        return refuse("other code", head=head[:60], version=version_line(identity))
     if not rest.endswith(b"\0"):
-        return refuse(not_taken("unended"), "unended")
+        return refuse("unended")
     argv = [os.fsdecode(a) for a in rest[:-1].split(b"\0")]
     if not prefilter_rule.is_runtime_command(argv):
-        return refuse(not_taken("no runtime command"), "no runtime command")
+        return refuse("no runtime command")
     return Offer(argv, _peer(conn)[0], accepted), "", ""
 
 

@@ -447,7 +447,7 @@ class Doctor:
         if serving != installed:
             return (FAIL, f"the start server runs code {serving}, not the installed {installed} (an upgrade since it "
                     "started): it takes no start, and each runs in Python", restart)  # fmt: skip
-        serves = f"the start server serves the installed code ({installed})"
+        serves = _serves(installed)
         verdicts = self.offering_programs(installed)
         failed = next((v for _, v in verdicts if v[0] == FAIL), None)
         if failed is not None:
@@ -509,8 +509,7 @@ class Doctor:
             if offers is None and dockers:
                 verdict = WARN, f"{named} offers it no start: `docker run --gpus` starts in Python", DOCKER_OFFER_FIX
             elif offers is None:
-                serves = f"the start server serves the installed code ({installed})"
-                verdict = FAIL, f"{serves}, but {named} offers it no start", OFFER_FIX
+                verdict = FAIL, f"{_serves(installed)}, but {named} offers it no start", OFFER_FIX
             elif offers != wanted:
                 verdict = (FAIL, f"{named} offers starts as {offers!r}, the server takes {wanted!r}: each start runs "
                            "in Python", OFFER_FIX)  # fmt: skip
@@ -757,6 +756,10 @@ def unit_state(root: str, unit: str) -> dict | None:
     state = dict.fromkeys(UNIT_PROPERTIES, "")
     state.update(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
     return state
+
+
+def _serves(installed: str) -> str:
+    return f"the start server serves the installed code ({installed})"
 
 
 OFFER_FIX = "oci-gpu-hook install --start-server (builds the pre-filter for the installed code)"

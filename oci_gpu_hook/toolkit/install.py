@@ -592,7 +592,9 @@ def start_server_entries(root: str, argv_prefix) -> list:
             # Enabled already, by the package's preset or an administrator (`systemctl enable`
             # writes its own spelling of the path, /lib/... on Debian): theirs, not install's
             # to write or to remove.
-            enabled = packaged and _same_file(tree.resolve(link), tree.resolve(f"{PACKAGE_UNIT_DIR}/{START_SOCKET}"))
+            linked = tree.resolve(link)
+            unit = tree.resolve(f"{PACKAGE_UNIT_DIR}/{START_SOCKET}")
+            enabled = packaged and os.path.exists(linked) and os.path.samefile(linked, unit)
         if enabled:
             return []
         if packaged:
@@ -602,13 +604,6 @@ def start_server_entries(root: str, argv_prefix) -> list:
             Entry(f"{UNIT_DIR}/{START_SOCKET}", start_socket_text()),
             Entry(f"{UNIT_DIR}/{START_SERVICE}", start_service_text(start_server_command(argv_prefix))),
             Entry(link, link=f"../{START_SOCKET}")]  # fmt: skip
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samestat(os.stat(a), os.stat(b))
-    except OSError:
-        return False
 
 
 def containerd_entries(root: str, argv_prefix) -> list:
