@@ -415,7 +415,7 @@ def test_the_start_servers_conditions_name_its_limits():
 
 def test_the_start_server_refuses_only_with_its_table():
     """server.py writes no refusal of its own beside NOT_TAKEN (no literal "an offer ..." outside
-    it), and each line of the table is one it can say (named in a not_taken() call)."""
+    it), and each line of the table is one it can say (named in a not_taken() or refuse() call)."""
     import ast
 
     from oci_gpu_hook.start import server
@@ -430,7 +430,8 @@ def test_the_start_server_refuses_only_with_its_table():
     assert stray == [], f"refusals outside server.NOT_TAKEN: {stray}"
     named = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "not_taken" and node.args:
+        # receive() names its refusals through refuse(key, ...), which hands the key to not_taken()
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("not_taken", "refuse") and node.args:
             key = node.args[0]
             if isinstance(key, ast.Constant):
                 named.append(re.escape(key.value))
