@@ -79,8 +79,19 @@ def _processes_on(host: dict, count: int):
     return root, records, sleepers, devices
 
 
-def exporter_figures(launcher: str, host: dict, runs: int) -> dict:
+def pod_record(i: int, pid: int, gpu_uuid: str, mig_uuid, limit=None) -> dict:
+    """The record of bench pod i, holding one device, as the hook writes it."""
     from oci_gpu_hook.start import container_record, pids
+
+    return {"format": container_record.FORMAT, "id": f"bench-{i}", "outcome": "started", "reason": None,
+            "devices": [{"gpu_index": 0, "gpu_uuid": gpu_uuid, "mig_index": None, "mig_uuid": mig_uuid}],
+            "pid": pid, "pid_start": pids.start_ticks(pid), "cgroup": f"/bench/{i}",
+            "kubernetes": {"pod": f"pod-{i}", "namespace": "bench", "container": "c"},
+            "gpu_memory_limit": limit, "time": time.time(), "duration_seconds": 0.05}  # fmt: skip
+
+
+def exporter_figures(launcher: str, host: dict, runs: int) -> dict:
+    from oci_gpu_hook.start import container_record
     from oci_gpu_hook.toolkit.simulate import control
 
     root, records, sleepers, devices = _processes_on(host, 50)
@@ -90,12 +101,7 @@ def exporter_figures(launcher: str, host: dict, runs: int) -> dict:
         processes = []
         for i, proc in enumerate(sleepers):
             gpu_uuid, mig_uuid = devices[i % len(devices)]
-            record = {"format": container_record.FORMAT, "id": f"bench-{i}", "outcome": "started", "reason": None,
-                      "devices": [{"gpu_index": 0, "gpu_uuid": gpu_uuid, "mig_index": None, "mig_uuid": mig_uuid}],
-                      "pid": proc.pid, "pid_start": pids.start_ticks(proc.pid), "cgroup": f"/bench/{i}",
-                      "kubernetes": {"pod": f"pod-{i}", "namespace": "bench", "container": "c"},
-                      "gpu_memory_limit": None, "time": time.time(), "duration_seconds": 0.05}  # fmt: skip
-            container_record.write(records, record)
+            container_record.write(records, pod_record(i, proc.pid, gpu_uuid, mig_uuid))
             processes.append((mig_uuid or gpu_uuid, proc.pid, (i + 1) << 20))
         control.write(root, {g["uuid"]: {"util_gpu": 50, "temperature": 60} for g in host["gpus"]}, processes)
         command = [launcher, "--config", os.path.join(root, "config.yaml"), "exporter", "--listen", f"127.0.0.1:{port}"]

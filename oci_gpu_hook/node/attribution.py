@@ -98,13 +98,47 @@ def leaf_samples(samples) -> list:
     return [s for s in samples if s.device.gi is not None or s.device.uuid not in with_mig]
 
 
-def memory_by_container(samples, live: list, proc: str = "/proc") -> list:
+class Owners:
+    """pid -> the record of the container whose cgroup holds it (container_of), each pid's cgroup
+    read once per pass however many devices and lists name it."""
+
+    def __init__(self, live: list, proc: str = "/proc"):
+        self.live, self.proc, self.known = live, proc, {}
+
+    def __call__(self, pid: int) -> dict | None:
+        if pid not in self.known:
+            self.known[pid] = container_of(pid, self.live, self.proc)
+        return self.known[pid]
+
+
+def memory_by_container(samples, live: list, proc: str = "/proc", owner=None) -> list:
     """[(record, device, bytes)]: GPU memory each container's processes use on each device."""
+    owner = owner or Owners(live, proc)
     used = {}
     for sample in leaf_samples(samples):
         for pid, size in sample.processes:
-            record = container_of(pid, live, proc)
+            record = owner(pid)
             if record is not None:
                 key = (record["id"], sample.device)
                 used[key] = (record, sample.device, used.get(key, (None, None, 0))[2] + size)
     return list(used.values())
+
+
+def utilization_by_container(samples, live: list, proc: str = "/proc", owner=None) -> list:
+    """[(record, device, (sm, memory, encoder, decoder) %)]: each holder of a device whose NVML
+    keeps per-process utilization, summed over its processes' newest samples; a holder none of
+    whose processes has a sample since the last read used it 0%."""
+    owner = owner or Owners(live, proc)
+    held = holders(live)
+    found = []
+    for sample in leaf_samples(samples):
+        if sample.utilization is None:
+            continue
+        use = {record["id"]: [0, 0, 0, 0] for record in held.get(sample.device.uuid, ())}
+        for pid, *percent in sample.utilization:
+            record = owner(pid)
+            if record is not None and record["id"] in use:
+                use[record["id"]] = [a + b for a, b in zip(use[record["id"]], percent)]
+        for record in held.get(sample.device.uuid, ()):
+            found.append((record, sample.device, tuple(min(100, p) for p in use[record["id"]])))
+    return found

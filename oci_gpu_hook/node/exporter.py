@@ -5,6 +5,7 @@ Each scrape reads the container records (collecting those of containers that are
 NVML through the one reader, attributes devices and GPU processes to containers, and renders the
 page (metrics.py). NVML failing does not take the endpoint down: the page keeps the last facts
 read, oci_gpu_hook_gpu_facts_stale says so, and one line is logged when that starts and ends.
+XIDs come from NVML's events, which a thread of the exporter waits on (XidCounting).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from oci_gpu_hook.errors import HookError, NvmlError, UsageError
 from oci_gpu_hook.node import attribution, metrics, say, watchdog
 from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged
+from oci_gpu_hook.node.plugin import health, xid_watch
 from oci_gpu_hook.node.scrape_server import REUSE_SECONDS, ScrapeServer
 from oci_gpu_hook.start import container_record
 from oci_gpu_hook.start.digits import decimal
@@ -35,6 +37,20 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host.strip("[]"), number
 
 
+class XidCounting(xid_watch.XidWatch):
+    """The device plugin's XID thread, counting every XID for the page rather than marking health."""
+
+    name = "XID counts"
+    unwatched = "no XID is counted for it"
+    EVERY_XID = xid_watch.XidPolicy(xid_watch.ALL_XIDS, frozenset(), frozenset())
+
+    def __init__(self, library_path: str, gpu_uuids, counts: metrics.XidCounts):
+        def report(event):
+            counts.record(event.gpu_uuid, event.xid)
+
+        super().__init__(library_path, gpu_uuids, self.EVERY_XID, report, log)
+
+
 class Exporter:
     def __init__(self, reader, records_directory: str, hostname: str | None = None, proc: str = "/proc"):
         self.reader = reader
@@ -43,12 +59,20 @@ class Exporter:
         self.proc = proc
         self.counters = metrics.StartCounters()
         self.samples = ()
+        self.read_at = None  # time.monotonic() of the samples' read
         self.stale = False
         self.renders = 0  # pages rendered: what clients can make the exporter do (NVML, records)
         self.garbage_seen = set()
         self.warned_namespace = False
         self.records = attribution.Records(records_directory, log, "removed")
         self.lock = threading.Lock()
+        self.xids = metrics.XidCounts()
+        self.xid_watch = None
+        if hasattr(reader, "before_restart"):
+            reader.before_restart = self.stop  # started again on the new inventory (_follow_inventory)
+        self.watched = None  # (library, GPU uuids) the XID thread waits on
+        self.followed = None  # the inventory the XID thread and the sharing were set from
+        self.sharing = {}  # sharing()
 
     def scrape(self) -> str:
         with self.lock:
@@ -71,6 +95,7 @@ class Exporter:
             live = attribution.started(running)
             try:
                 self.samples = self.reader.read()
+                self.read_at = time.monotonic()
                 if self.stale:
                     log("NVML answers again; GPU facts are current")
                 self.stale = False
@@ -79,13 +104,8 @@ class Exporter:
                     kept = "the last GPU facts read" if self.samples else "no GPU facts"
                     log(f"{e.message}; serving {kept}, marked stale")
                 self.stale = True
-            memory = attribution.memory_by_container(self.samples, live, self.proc)
-            actions = metrics.Family(
-                "oci_gpu_hook_watchdog_actions_total", "counter",
-                "What the GPU memory watchdog did (kill, warn, would-kill), since it started.",
-            )  # fmt: skip
-            for action, count in sorted(watchdog.read_counters(self.records_directory).items()):
-                actions.add({"action": action}, count)
+            self._follow_inventory()
+            owner = attribution.Owners(live, self.proc)
             renders = metrics.Family(
                 "oci_gpu_hook_exporter_renders_total", "counter",
                 "Pages this exporter rendered (each reads NVML and the records), this one included, since it "
@@ -93,8 +113,67 @@ class Exporter:
                 "a slower render).",
             )  # fmt: skip
             renders.add({}, self.renders)
-            return metrics.render(self.samples, attribution.holders(live), memory, self.counters, self.stale,
-                                  len(live), self.hostname, [actions, renders])  # fmt: skip
+            inventory = getattr(self.reader, "inventory", None)
+            page = metrics.Page(
+                hostname=self.hostname,
+                driver_version=(inventory.driver_version or "") if inventory else "",
+                live=live,
+                memory=attribution.memory_by_container(self.samples, live, self.proc, owner),
+                utilization=attribution.utilization_by_container(self.samples, live, self.proc, owner),
+                stale=self.stale,
+                age=None if self.read_at is None else time.monotonic() - self.read_at,
+                counters=self.counters,
+                xids=self.xids,
+                watchdog=watchdog.read_counters(self.records_directory),
+                sharing=self.sharing,
+                health=health.read_health(self.records_directory),
+                extra=(renders,),
+            )
+            return metrics.render(self.samples, page)
+
+    def _follow_inventory(self) -> None:
+        """Keep the XID thread on the GPUs and the library of the inventory read, and the devices'
+        sharing as the device plugin offers them: from the first inventory, and again when it
+        changes (a GPU gone or added, a driver)."""
+        inventory = getattr(self.reader, "inventory", None)
+        path = getattr(self.reader, "path", None)
+        if inventory is None or path is None or inventory is self.followed:
+            return
+        self.followed = inventory
+        settings = getattr(self.reader, "settings", None)
+        if settings is not None:
+            self.sharing = sharing(settings, inventory)
+        wanted = (path, tuple(sorted(g.uuid for g in inventory.gpus)))
+        if wanted == self.watched:
+            return
+        self.stop()
+        self.watched = wanted
+        self.xid_watch = XidCounting(path, wanted[1], self.xids).start()
+
+    def stop(self) -> None:
+        if self.xid_watch is not None:
+            self.xid_watch.stop()
+            self.xid_watch = None
+            self.watched = None
+
+
+def sharing(settings, inventory) -> dict:
+    """{device uuid: (mechanism, replicas, resource)}: how the device plugin offers each device
+    under this node's configuration (the one source the plugin and the labels read): whole,
+    time-sliced, mps or mig. {} where the configuration does not fit the node (the plugin and the
+    labels say why)."""
+    from oci_gpu_hook.errors import ConfigError
+    from oci_gpu_hook.node.plugin import config as plugin_config
+    from oci_gpu_hook.node.plugin.resources import resources
+
+    path = settings.node.device_plugin_config
+    try:
+        offered = resources(inventory, plugin_config.load(path, settings.node), plugin_config.source(path))
+    except ConfigError:
+        return {}
+    words = {"none": "whole", "time-slicing": "time-sliced", "mps": "mps"}
+    return {unit.uuid: ("mig" if unit.mig is not None else words[r.sharing_strategy], r.replicas, r.name)
+            for r in offered for unit in r.units}  # fmt: skip
 
 
 def responder(exporter: Exporter):
@@ -135,12 +214,13 @@ def serve(exporter: Exporter, listen: str, ready=None) -> None:
         server.serve_forever()
     finally:
         server.close()
+        exporter.stop()
 
 
 def run(settings, listen: str) -> int:
     from oci_gpu_hook.node.nvml_reader import HostReader
 
-    exporter = Exporter(HostReader(settings), settings.records_path)
+    exporter = Exporter(HostReader(settings, detail=True, tell=log), settings.records_path)
 
     def ready(server):
         started = time.monotonic()

@@ -1,10 +1,13 @@
 """The node services' one NVML reader: what each GPU and MIG device reports now (utilization,
-memory, temperature, power, clocks, energy) and which processes use it, through NVIDIA's
-official bindings, bound to the driver library the inventory found.
+memory, temperatures, power, clocks, energy, PCIe and NVLink counters, row remapping, and the
+GPU Performance Monitoring ratios where the GPU has GPM) and which processes use it, through
+NVIDIA's official bindings, bound to the driver library the inventory found.
 
 A read either returns a sample of every device or raises NvmlError; the caller decides what a
 failure means (the exporter: stale facts; the watchdog: no action). After a failure the next
-read starts NVML afresh, so a driver that comes back is picked up without a restart.
+read starts NVML afresh, so a driver that comes back is picked up without a restart. A value the
+device does not give (NVML answers "not supported", or the driver predates the call) is left out
+of the sample: the exporter then writes no series for it, never a made-up zero.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ MIB = 1 << 20
 class Device(Frozen):
     """A GPU, or a MIG device of one, as the metrics name it."""
 
-    __slots__ = ("uuid", "gpu_index", "gpu_uuid", "minor", "model", "gi", "ci", "profile")
-    _defaults = {"gi": None, "ci": None, "profile": None}
+    __slots__ = ("uuid", "gpu_index", "gpu_uuid", "minor", "model", "gi", "ci", "profile", "pci_bus_id")
+    _defaults = {"gi": None, "ci": None, "profile": None, "pci_bus_id": ""}
     uuid: str  # the device's own: GPU-... or MIG-...
     gpu_index: int  # NVML index of the GPU (of the parent, for a MIG device)
     gpu_uuid: str
@@ -29,38 +32,83 @@ class Device(Frozen):
     gi: int | None  # MIG: GPU instance id
     ci: int | None
     profile: str | None  # MIG: 1g.5gb
+    pci_bus_id: str  # the GPU's, as NVML writes it: 00000000:07:00.0
 
 
 class Sample(Frozen):
-    __slots__ = ("device", "values", "processes")
+    __slots__ = ("device", "values", "processes", "utilization")
+    _defaults = {"utilization": None}
     device: Device
     values: dict  # name -> number, for what the device supports (nvml_reader.FIELDS)
     processes: tuple  # (pid, used bytes) of the processes using it
+    # (pid, sm %, memory %, encoder %, decoder %): each process's newest utilization sample since
+    # the last read; None where NVML keeps none (a MIG device, an older GPU, or not read)
+    utilization: tuple | None
 
 
 # What a sample may carry, and its unit.
 FIELDS = {
     "util_gpu": "%",
     "util_memory": "%",
+    "util_encoder": "%",
+    "util_decoder": "%",
     "fb_used": "MiB",
     "fb_free": "MiB",
+    "fb_reserved": "MiB",
     "temperature": "C",
+    "memory_temperature": "C",
     "power": "W",
     "sm_clock": "MHz",
     "mem_clock": "MHz",
     "energy": "mJ",
+    "pcie_replays": "retries",
+    "nvlink_traffic": "KiB",
+    "rows_remapped_correctable": "rows",
+    "rows_remapped_uncorrectable": "rows",
+    "row_remap_failure": "0 or 1",
+    "vgpu_license": "0 or 1",
+    "gr_engine_active": "ratio",
+    "tensor_active": "ratio",
+    "dram_active": "ratio",
+    "pcie_tx": "B/s",
+    "pcie_rx": "B/s",
+}
+# GPM metric id -> (sample field, factor): NVML gives percentages and MiB/s; DCGM's profiling
+# fields are ratios and bytes per second.
+GPM_METRICS = {
+    1: ("gr_engine_active", 0.01),  # NVML_GPM_METRIC_GRAPHICS_UTIL
+    5: ("tensor_active", 0.01),  # NVML_GPM_METRIC_ANY_TENSOR_UTIL: every tensor pipe, as DCGM's field
+    10: ("dram_active", 0.01),  # NVML_GPM_METRIC_DRAM_BW_UTIL
+    20: ("pcie_tx", MIB),  # NVML_GPM_METRIC_PCIE_TX_PER_SEC
+    21: ("pcie_rx", MIB),  # NVML_GPM_METRIC_PCIE_RX_PER_SEC
+}
+# NVML field ids read in one nvmlDeviceGetFieldValues call per GPU -> sample field
+FIELD_IDS = {
+    82: "memory_temperature",  # NVML_FI_DEV_MEMORY_TEMP
+    94: "pcie_replays",  # NVML_FI_DEV_PCIE_REPLAY_COUNTER
+    140: "nvlink_raw_tx",  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX, KiB: data and protocol, all links
+    141: "nvlink_raw_rx",  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX
 }
 
 
 class NvmlReader:
-    def __init__(self, inventory):
+    """detail: also what only the exporter shows (encoder and decoder, memory temperature, PCIe
+    and NVLink counters, row remapping, GPM, per-process utilization), which the watchdog and the
+    device plugin have no use for. tell(line): where the reader says, once per device, that a
+    GPU has no GPM (the profiling series are then absent, and the log says why)."""
+
+    def __init__(self, inventory, detail: bool = False, tell=None):
         self.inventory = inventory
         from oci_gpu_hook.start.nvml import library
 
         self.path = library(inventory.files, inventory.driver_root)
+        self.detail, self.tell = detail, tell
         self._nvml = None
         self._started = False
         self.identity = None  # library_identity() of what this process loaded, once it has
+        self._gpm_samples = {}  # device uuid -> the GPM sample of the last read: the next read's start
+        self._without_gpm = set()  # GPU uuids said to have no GPM
+        self._utilization_seen = {}  # GPU uuid -> NVML's timestamp of the newest process sample read
 
     def changed_library(self, other: NvmlReader) -> bool:
         """Whether other's NVML library is not the one this reader loaded into the process (which
@@ -84,11 +132,12 @@ class NvmlReader:
         return self._nvml
 
     def _call(self, fn, *args):
-        """fn's answer; None where the device does not support it; NvmlError for a failure."""
+        """fn's answer; None where the device does not support it (or the driver's NVML predates
+        the call); NvmlError for a failure."""
         nvml = self._nvml
         try:
             return fn(*args)
-        except nvml.NVMLError_NotSupported:
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound):
             return None
         except nvml.NVMLError as e:
             raise NvmlError(f"NVML: {fn.__name__}: {e}") from None
@@ -100,6 +149,12 @@ class NvmlReader:
 
     def close(self) -> None:
         if self._started:
+            for sample in self._gpm_samples.values():
+                try:
+                    self._nvml.nvmlGpmSampleFree(sample)
+                except self._nvml.NVMLError:
+                    pass
+            self._gpm_samples.clear()
             try:
                 self._nvml.nvmlShutdown()
             except self._nvml.NVMLError:
@@ -121,8 +176,15 @@ class NvmlReader:
             handle = call(nvml.nvmlDeviceGetHandleByIndex, index)
             uuid = text(call(nvml.nvmlDeviceGetUUID, handle))
             known = by_uuid.get(uuid)
-            gpu = Device(uuid, index, uuid, known.minor if known else index, text(call(nvml.nvmlDeviceGetName, handle)))
-            yield Sample(gpu, self._values(nvml, handle, board=True), self._processes(nvml, handle))
+            pci = call(nvml.nvmlDeviceGetPciInfo, handle) if self.detail else None
+            gpu = Device(uuid, index, uuid, known.minor if known else index, text(call(nvml.nvmlDeviceGetName, handle)),
+                         pci_bus_id=text(pci.busId) if pci is not None else "")  # fmt: skip
+            values = self._values(nvml, handle, board=True)
+            gpm = self.detail and self._has_gpm(nvml, handle, gpu)
+            if gpm:
+                values.update(self._gpm(nvml, uuid, nvml.nvmlGpmSampleGet, handle))
+            utilization = self._utilization(nvml, handle, uuid) if self.detail else None
+            yield Sample(gpu, values, self._processes(nvml, handle), utilization)
             mode = call(nvml.nvmlDeviceGetMigMode, handle)
             if not mode or not mode[0]:
                 continue
@@ -140,11 +202,18 @@ class NvmlReader:
                     ci=call(nvml.nvmlDeviceGetComputeInstanceId, mig),
                     profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else None,
                 )
-                yield Sample(device, self._values(nvml, mig, board=False), self._processes(nvml, mig))
+                values = self._values(nvml, mig, board=False)
+                if gpm and device.gi is not None:
+                    values.update(self._gpm(nvml, device.uuid, nvml.nvmlGpmMigSampleGet, handle, device.gi))
+                yield Sample(device, values, self._processes(nvml, mig))
 
     def _values(self, nvml, handle, board: bool) -> dict:
         call, values = self._call, {}
-        memory = call(nvml.nvmlDeviceGetMemoryInfo, handle)
+        memory = call(nvml.nvmlDeviceGetMemoryInfo, handle, nvml.nvmlMemory_v2) if self.detail else None
+        if memory is None:  # the first version has no reserved memory (and counts it as used)
+            memory = call(nvml.nvmlDeviceGetMemoryInfo, handle)
+        else:
+            values["fb_reserved"] = memory.reserved // MIB
         if memory is not None:
             values["fb_used"] = memory.used // MIB
             values["fb_free"] = memory.free // MIB
@@ -164,7 +233,107 @@ class NvmlReader:
                     values[name] = value
             if "power" in values:
                 values["power"] /= 1000  # NVML says milliwatts; DCGM, watts
+            if self.detail:
+                values.update(self._board_detail(nvml, handle))
         return values
+
+    def _board_detail(self, nvml, handle) -> dict:
+        """What only the exporter shows of a GPU's board: encoder and decoder use, NVML's field
+        values (memory temperature, PCIe replays, NVLink traffic), row remapping."""
+        call, values = self._call, {}
+        for name, fn in (("util_encoder", nvml.nvmlDeviceGetEncoderUtilization),
+                         ("util_decoder", nvml.nvmlDeviceGetDecoderUtilization)):  # fmt: skip
+            answer = call(fn, handle)
+            if answer is not None:
+                values[name] = answer[0]  # (percent, sampling period in microseconds)
+        fields = call(nvml.nvmlDeviceGetFieldValues, handle, list(FIELD_IDS)) or ()
+        read = {FIELD_IDS[f.fieldId]: field_value(nvml, f) for f in fields if f.nvmlReturn == nvml.NVML_SUCCESS}
+        for name in ("memory_temperature", "pcie_replays"):
+            if read.get(name) is not None:
+                values[name] = read[name]
+        if read.get("nvlink_raw_tx") is not None and read.get("nvlink_raw_rx") is not None:
+            values["nvlink_traffic"] = read["nvlink_raw_tx"] + read["nvlink_raw_rx"]
+        if call(nvml.nvmlDeviceGetVirtualizationMode, handle) == nvml.NVML_GPU_VIRTUALIZATION_MODE_VGPU:
+            # a vGPU guest: licensed while its vGPU feature is (bare metal has no licence to report)
+            features = call(nvml.nvmlDeviceGetGridLicensableFeatures, handle)
+            if features is not None:
+                found = features.gridLicensableFeatures[: features.licensableFeaturesCount]
+                values["vgpu_license"] = int(any(f.featureCode == nvml.NVML_GRID_LICENSE_FEATURE_CODE_VGPU
+                                                 and f.featureState for f in found))  # fmt: skip
+        rows = call(nvml.nvmlDeviceGetRemappedRows, handle)
+        if rows is not None:
+            correctable, uncorrectable, _pending, failure = rows
+            values["rows_remapped_correctable"] = correctable
+            values["rows_remapped_uncorrectable"] = uncorrectable
+            values["row_remap_failure"] = 1 if failure else 0
+        return values
+
+    def _has_gpm(self, nvml, handle, gpu: Device) -> bool:
+        support = self._call(nvml.nvmlGpmQueryDeviceSupport, handle)
+        if support is not None and support.isSupportedDevice:
+            self._without_gpm.discard(gpu.uuid)
+            return True
+        if gpu.uuid not in self._without_gpm and self.tell:
+            self.tell(f"GPU {gpu.gpu_index} ({gpu.uuid}, {gpu.model}) has no GPM (GPU Performance Monitoring, "
+                      "Hopper and later): no DCGM_FI_PROF_* series for it")  # fmt: skip
+        self._without_gpm.add(gpu.uuid)
+        return False
+
+    def _gpm(self, nvml, uuid: str, take, *device) -> dict:
+        """The GPM ratios over the time since the last read's sample of this device (none on the
+        first read: a rate needs two samples). take(*device, sample) fills a sample of it."""
+        call = self._call
+        sample = call(nvml.nvmlGpmSampleAlloc)
+        if sample is None:
+            return {}
+        try:
+            taken = call(take, *device, sample)
+        except NvmlError:
+            call(nvml.nvmlGpmSampleFree, sample)
+            raise
+        if taken is None:
+            call(nvml.nvmlGpmSampleFree, sample)
+            return {}
+        previous, self._gpm_samples[uuid] = self._gpm_samples.get(uuid), sample
+        if previous is None:
+            return {}
+        try:
+            request = nvml.c_nvmlGpmMetricsGet_t()
+            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+            request.numMetrics = len(GPM_METRICS)
+            request.sample1, request.sample2 = previous, sample
+            for i, metric in enumerate(GPM_METRICS):
+                request.metrics[i].metricId = metric
+            if call(nvml.nvmlGpmMetricsGet, request) is None:
+                return {}
+        finally:
+            call(nvml.nvmlGpmSampleFree, previous)
+        values = {}
+        for i in range(len(GPM_METRICS)):
+            metric = request.metrics[i]
+            if metric.nvmlReturn == nvml.NVML_SUCCESS and metric.metricId in GPM_METRICS:
+                name, factor = GPM_METRICS[metric.metricId]
+                values[name] = round(metric.value * factor, 6)
+        return values
+
+    def _utilization(self, nvml, handle, uuid: str) -> tuple | None:
+        """Each process's newest utilization sample since the last read: () when there is none
+        (no process has run on it since), None where NVML keeps none for this GPU."""
+        try:
+            found = nvml.nvmlDeviceGetProcessUtilization(handle, self._utilization_seen.get(uuid, 0))
+        except nvml.NVMLError_NotFound:
+            return ()
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound):
+            return None
+        except nvml.NVMLError as e:
+            raise NvmlError(f"NVML: nvmlDeviceGetProcessUtilization: {e}") from None
+        newest = {}
+        for s in found:
+            if s.pid not in newest or s.timeStamp >= newest[s.pid].timeStamp:
+                newest[s.pid] = s
+        if newest:
+            self._utilization_seen[uuid] = max(s.timeStamp for s in newest.values())
+        return tuple((s.pid, s.smUtil, s.memUtil, s.encUtil, s.decUtil) for s in newest.values())
 
     def _processes(self, nvml, handle) -> tuple:
         found = self._call(nvml.nvmlDeviceGetComputeRunningProcesses, handle) or ()
@@ -174,6 +343,15 @@ class NvmlReader:
         for p in (*found, *graphics):
             used[p.pid] = max(used.get(p.pid, 0), p.usedGpuMemory or 0)
         return tuple(used.items())
+
+
+def field_value(nvml, field):
+    """The number in an nvmlFieldValue_t, by its type; None for a type not known."""
+    member = {nvml.NVML_VALUE_TYPE_DOUBLE: "dVal", nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+              nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal", nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+              nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal", nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+              getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal"}.get(field.valueType)  # fmt: skip
+    return getattr(field.value, member) if member else None
 
 
 # The exit status of a node service that stops because the driver changed: not 0, so that systemd
@@ -193,10 +371,24 @@ class HostReader:
     the GPUs or device nodes changed, the inventory is read again and NVML started afresh; when
     the NVML library itself changed (another driver, or the same one reinstalled), DriverChanged."""
 
-    def __init__(self, settings):
-        self.settings = settings
+    def __init__(self, settings, detail: bool = False, tell=None):
+        self.settings, self.detail, self.tell = settings, detail, tell
+        # Called before NVML is started afresh for a changed host: whoever else holds NVML open in
+        # this process (the exporter's XID thread) lets go first, as NVML lists the GPUs again
+        # only when no one holds it.
+        self.before_restart = None
         self.reader = None
         self.fingerprint = None
+
+    @property
+    def inventory(self):
+        """The inventory of the last read (None before one found it)."""
+        return self.reader.inventory if self.reader is not None else None
+
+    @property
+    def path(self):
+        """The NVML library that inventory names."""
+        return self.reader.path if self.reader is not None else None
 
     def read(self) -> tuple[Sample, ...]:
         from oci_gpu_hook.errors import InventoryError
@@ -208,9 +400,11 @@ class HostReader:
                 inventory = inventory_cache.load(self.settings)
             except InventoryError as e:
                 raise NvmlError(f"no GPU inventory: {e.message}") from None
-            reader = NvmlReader(inventory)
+            reader = NvmlReader(inventory, self.detail, self.tell)
             if self.reader is not None:
                 check_library(self.reader, reader)
+                if self.before_restart is not None:
+                    self.before_restart()
                 self.reader.close()
             self.reader, self.fingerprint = reader, current
         return self.reader.read()

@@ -3,68 +3,18 @@ on a simulated host whose NVML values the test sets: the framebuffer-used series
 the value set for that pod's GPU, and a deleted container's labels are gone at the next scrape.
 The server gets its own port, configuration and data directory, and is stopped by its pid."""
 
-import json
 import os
-import subprocess
 import time
-import urllib.parse
-import urllib.request
 
 import pytest
 from hookcheck import runc_delete, runc_detached
-from servicecheck import Exporter, free_port
+from servicecheck import Exporter, Prometheus
 
 from oci_gpu_hook.node.scrape_server import REUSE_SECONDS
 from oci_gpu_hook.toolkit import containers
 from oci_gpu_hook.toolkit.simulate import control
 
 MIB = 1 << 20
-SCRAPE_SECONDS = 1
-
-
-class Prometheus:
-    def __init__(self, tmp_path, target: str):
-        self.port = free_port()
-        config = tmp_path / "prometheus.yml"
-        config.write_text(
-            "global:\n"
-            f"  scrape_interval: {SCRAPE_SECONDS}s\n"
-            "scrape_configs:\n"
-            "  - job_name: gpu\n"
-            f"    static_configs: [{{targets: ['{target}']}}]\n"
-        )
-        self.log = open(tmp_path / "prometheus.log", "w+")
-        self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL, cwd=str(tmp_path),
-        )  # fmt: skip
-
-    def query(self, expr: str) -> list:
-        url = f"http://127.0.0.1:{self.port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
-        with urllib.request.urlopen(url, timeout=10) as r:
-            doc = json.load(r)
-        assert doc["status"] == "success", doc
-        return doc["data"]["result"]
-
-    def wait_for(self, expr: str, timeout: float = 60) -> list:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                result = self.query(expr)
-                if result:
-                    return result
-            except OSError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.log.seek(0)
-                pytest.fail(f"Prometheus never answered {expr!r}: {self.log.read()[-2000:]}")
-            time.sleep(0.2)
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.log.close()
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ the DCGM names and labels, the container holding each device, per-container memo
 process lists, the hook's counters, and every fault (NVML failing or missing, garbage records,
 a container that is gone, a port in use) met with one line and an endpoint that keeps serving."""
 
-import json
 import os
 import socket
 import subprocess
@@ -11,7 +10,7 @@ import time
 
 import hookcheck
 import pytest
-from servicecheck import Exporter
+from servicecheck import ANNOTATIONS, Exporter, start_gpu_container, values
 
 from oci_gpu_hook.start import container_record, pids, settings
 from oci_gpu_hook.toolkit.containers import hook_command
@@ -21,12 +20,6 @@ pytestmark = [pytest.mark.host(gpus=2, mig=[1], needs=("pynvml", "prometheus_cli
               pytest.mark.usefixtures("fresh_nvml_values")]  # fmt: skip
 
 MIB = 1 << 20
-ANNOTATIONS = {"io.kubernetes.cri.sandbox-name": "pod-a", "io.kubernetes.cri.sandbox-namespace": "team",
-               "io.kubernetes.cri.container-name": "cuda"}  # fmt: skip
-
-
-def values(samples, name, **labels) -> list:
-    return [v for n, ls, v in samples if n == name and all(ls.get(k) == w for k, w in labels.items())]
 
 
 @pytest.fixture
@@ -41,19 +34,6 @@ def exporter(host, tmp_path):
     yield start
     for e in started:
         e.stop()
-
-
-def start_gpu_container(live_container, host, devices, annotations=None):
-    state, bundle, pid, cgroup, _ = live_container({"NVIDIA_VISIBLE_DEVICES": devices})
-    if annotations:
-        config_path = os.path.join(bundle, "config.json")
-        config = json.load(open(config_path))
-        config["annotations"] = annotations
-        with open(config_path, "w") as f:
-            json.dump(config, f)
-    done = hookcheck.run_hook(f"{host['root']}/config.yaml", state)
-    assert done.returncode == 0, done.stderr
-    return json.loads(state)["id"], pid
 
 
 def test_device_metrics_carry_the_holding_containers_names(host, exporter, live_container):
@@ -74,13 +54,17 @@ def test_device_metrics_carry_the_holding_containers_names(host, exporter, live_
     finally:
         host_process.kill()
         host_process.wait()
-    held = {"gpu": "0", "UUID": gpu0["uuid"], "device": f"nvidia{gpu0['minor']}", "pod": "pod-a",
-            "namespace": "team", "container": "cuda"}  # fmt: skip
+    # pci_bus_id as NVML writes it: an eight-digit domain (the host's summary has sysfs's four)
+    held = {"gpu": "0", "UUID": gpu0["uuid"], "device": "nvidia0", "pod": "pod-a", "namespace": "team",
+            "container": "cuda", "pci_bus_id": "0000" + gpu0["bus_id"],
+            "DCGM_FI_DRIVER_VERSION": host["driver_version"]}  # fmt: skip
     expected = {"DCGM_FI_DEV_GPU_UTIL": 42, "DCGM_FI_DEV_MEM_COPY_UTIL": 17, "DCGM_FI_DEV_GPU_TEMP": 61,
                 "DCGM_FI_DEV_POWER_USAGE": 123.456, "DCGM_FI_DEV_SM_CLOCK": 1305, "DCGM_FI_DEV_MEM_CLOCK": 1593,
                 # prometheus_client's parser adds _total to a counter's samples; DCGM's name has none (below)
                 "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION_total": 987654, "DCGM_FI_DEV_FB_USED": 3000,
-                "DCGM_FI_DEV_FB_FREE": (gpu0["model"]["memory_total"] >> 20) - 3000}  # fmt: skip
+                # free is what neither the processes nor the driver (reserved: 384 MiB by default) hold
+                "DCGM_FI_DEV_FB_FREE": (gpu0["model"]["memory_total"] >> 20) - 3000 - 384,
+                "DCGM_FI_DEV_FB_RESERVED": 384}  # fmt: skip
     for name, value in expected.items():
         assert values(samples, name, **held) == [value], name
     assert "# TYPE DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION counter\n" in text
@@ -88,8 +72,9 @@ def test_device_metrics_carry_the_holding_containers_names(host, exporter, live_
     (labels,) = [ls for n, ls, v in samples if n == "DCGM_FI_DEV_FB_USED" and ls.get("pod") == "pod-a"]
     assert labels["modelName"] == gpu0["model"]["name"]
     assert labels["Hostname"] == socket.gethostname()
-    # GPU 1 is not held: its series have no container labels; its MIG devices carry their profile.
-    assert [ls for n, ls, v in samples if n == "DCGM_FI_DEV_FB_USED" and ls["gpu"] == "1" and "pod" in ls] == []
+    # GPU 1 is not held: its series have empty container labels; its MIG devices carry their profile.
+    (free,) = [ls for n, ls, v in samples if n == "DCGM_FI_DEV_FB_USED" and ls["gpu"] == "1" and "GPU_I_ID" not in ls]
+    assert (free["pod"], free["namespace"], free["container"]) == ("", "", "")
     mig_series = [ls for n, ls, v in samples if n == "DCGM_FI_DEV_FB_FREE" and "GPU_I_ID" in ls]
     assert sorted(ls["GPU_I_ID"] for ls in mig_series) == sorted(str(m["gi"]) for m in gpu1["mig"])
     assert all(ls["UUID"] == gpu1["uuid"] for ls in mig_series)  # DCGM's: the GPU's UUID
@@ -154,7 +139,8 @@ def test_failing_nvml_keeps_the_endpoint_serving_marked_stale(host, exporter):
     samples = e.scrape()
     assert values(samples, "oci_gpu_hook_gpu_facts_stale") == [0]
     assert values(samples, "DCGM_FI_DEV_GPU_TEMP", gpu="0") == [70]
-    lines = [line for line in e.output().splitlines() if "NVML" in line]
+    # (the XID thread says its own NVML trouble, once, as "XID counts: ...")
+    lines = [line for line in e.output().splitlines() if "NVML" in line and "XID counts:" not in line]
     assert len(lines) == 2 and "Unknown Error" in lines[0] and "stale" in lines[0] and "again" in lines[1]
     assert "Traceback" not in e.output()
 
@@ -447,3 +433,16 @@ def test_starts_a_start_servers_worker_ran_are_counted_apart():
     got = {f.name: f for f in counters.families()}
     assert [v for _, _, v in got["oci_gpu_hook_gpu_container_served_starts_total"].samples] == [1]
     assert [v for _, _, v in got["oci_gpu_hook_gpu_container_starts_total"].samples] == [3]
+
+
+def test_a_gpu_without_gpm_has_no_profiling_series_and_says_so_once(host, exporter):
+    """The A100s here predate GPM (Hopper): no DCGM_FI_PROF_* series, never a made-up zero, and one
+    line per GPU in the log however many scrapes (test_exporter_fields.py has an H100 with GPM)."""
+    e = exporter()
+    for _ in range(2):
+        samples = e.scrape()
+        time.sleep(1.1)
+    assert [n for n, ls, v in samples if n.startswith("DCGM_FI_PROF_")] == []
+    said = [line for line in e.output().splitlines() if "has no GPM" in line]
+    assert sorted(line.split(" (")[0].split()[-1] for line in said) == ["0", "1"], said
+    assert all("no DCGM_FI_PROF_* series" in line for line in said)

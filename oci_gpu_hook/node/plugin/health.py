@@ -6,10 +6,48 @@ until its GPU goes and comes back (a reset, a driver reload), which NVIDIA's plu
 
 from __future__ import annotations
 
+import json
+import os
+
 from oci_gpu_hook.errors import NvmlError
 from oci_gpu_hook.node.plugin import say
 from oci_gpu_hook.node.plugin.xid_watch import describe
 from oci_gpu_hook.start.inventory import device_key
+
+# The plugin's verdicts for the exporter (oci_gpu_hook_gpu_health), beside the records directory
+# as the watchdog's counts are: the one place both services' containers mount.
+HEALTH_FILE = "device-plugin-health.json"
+
+
+def health_path(records_directory: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(records_directory)), HEALTH_FILE)
+
+
+def write_health(records_directory: str, health: dict) -> None:
+    """The running plugin's {device uuid: None when healthy, else why not}, with its pid: a file
+    only root can write (settings.write_trusted). Raises OSError."""
+    from oci_gpu_hook.start.settings import write_trusted
+
+    doc = {"format": 1, "pid": os.getpid(), "devices": health}
+    write_trusted(health_path(records_directory), json.dumps(doc, sort_keys=True).encode())
+
+
+def read_health(records_directory: str) -> dict:
+    """What write_health wrote, for the exporter; {} when no plugin runs (its pid is gone), or
+    when the file is not one the plugin wrote (settings.read_trusted: anyone else's verdicts)."""
+    from oci_gpu_hook.start import pids
+    from oci_gpu_hook.start.settings import read_trusted
+
+    try:
+        doc = json.loads(read_trusted(health_path(records_directory), 1 << 20))
+        devices = doc["devices"]
+        if pids.start_ticks(doc["pid"]) is None:
+            return {}  # that plugin has stopped: its verdicts ended with it
+        if isinstance(devices, dict) and all(v is None or isinstance(v, str) for v in devices.values()):
+            return {str(k): v for k, v in devices.items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return {}
 
 
 def device_health(inventory, reader, gone: set | None = None) -> dict:

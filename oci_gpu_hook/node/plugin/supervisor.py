@@ -35,6 +35,8 @@ class DevicePlugin:
         self.resources: tuple = ()
         self.topology = topology.EMPTY
         self.health: dict = {}
+        self.health_kept = False  # health as written for the exporter (health.write_health)
+        self._health_problem = None
         self.servers: dict = {}  # resource name -> ResourceServer
         self.registered_with = None  # file_identity() of the kubelet.sock we registered with
         self._last_problem = None
@@ -98,22 +100,30 @@ class DevicePlugin:
         gone: set = set()
         found = health.device_health(self.inventory, self.reader, gone)
         self.xid_marks.apply(self.inventory, found, gone)
-        if found == self.health:
-            return
-        # One line per cause (a failing NVML makes every device Unhealthy at once), and the
-        # devices that became healthy again; devices healthy from the start are not listed.
-        causes: dict = {}
-        for uuid, problem in sorted(found.items()):
-            if problem is not None and self.health.get(uuid) != problem:
-                causes.setdefault(problem, []).append(uuid)
-        for problem, uuids in causes.items():
-            say(f"Unhealthy: {', '.join(uuids)}: {problem}")
-        recovered = [u for u, p in sorted(found.items()) if p is None and self.health.get(u) is not None]
-        if recovered:
-            say(f"Healthy again: {', '.join(recovered)}")
-        self.health = found
-        for server in self.servers.values():
-            server.update()
+        if found != self.health:
+            # One line per cause (a failing NVML makes every device Unhealthy at once), and the
+            # devices that became healthy again; devices healthy from the start are not listed.
+            causes: dict = {}
+            for uuid, problem in sorted(found.items()):
+                if problem is not None and self.health.get(uuid) != problem:
+                    causes.setdefault(problem, []).append(uuid)
+            for problem, uuids in causes.items():
+                say(f"Unhealthy: {', '.join(uuids)}: {problem}")
+            recovered = [u for u, p in sorted(found.items()) if p is None and self.health.get(u) is not None]
+            if recovered:
+                say(f"Healthy again: {', '.join(recovered)}")
+            self.health = found
+            self.health_kept = False
+            for server in self.servers.values():
+                server.update()
+        if not self.health_kept:  # for the exporter; tried again each round until it is written
+            try:
+                health.write_health(self.settings.records_path, found)
+                self.health_kept = True
+            except OSError as e:
+                if self._health_problem != str(e):
+                    say(f"cannot keep its devices' health for the exporter: {e.strerror or e}; trying each round")
+                self._health_problem = str(e)
 
     def sync_servers(self) -> None:
         """Servers for exactly the current resources; new device lists reach the kubelet. The MPS

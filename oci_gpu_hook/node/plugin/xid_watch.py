@@ -96,11 +96,15 @@ class XidWatch:
     """The thread: registers the GPUs for XID events and waits, reporting the critical ones
     (report(XidEvent)) and saying the others. NVML failing is said once, then tried again."""
 
+    # How the thread names its work in what it says; the exporter's watch counts XIDs instead.
+    name = "XID health"
+    unwatched = "its device nodes and NVML still count"
+
     def __init__(self, library_path: str, gpu_uuids, xids: XidPolicy, report, say):
         self.path, self.uuids, self.xids, self.report, self.say = library_path, tuple(gpu_uuids), xids, report, say
         self.stopping = threading.Event()
         self.ready = threading.Event()  # set once the GPUs are registered (tests, and a first message)
-        self.thread = threading.Thread(target=self._run, name="xid-health", daemon=True)
+        self.thread = threading.Thread(target=self._run, name=self.name.lower().replace(" ", "-"), daemon=True)
         self._last_problem = None
 
     def start(self) -> XidWatch:
@@ -124,7 +128,7 @@ class XidWatch:
     def _trouble(self, problem: str) -> None:
         """Say it (once while it stays the same) and try again after a while."""
         if problem != self._last_problem:
-            self.say(f"XID health: {problem}; trying again every {RETRY_SECONDS:g}s")
+            self.say(f"{self.name}: {problem}; trying again every {RETRY_SECONDS:g}s")
         self._last_problem = problem
         self.stopping.wait(RETRY_SECONDS)
 
@@ -167,12 +171,12 @@ class XidWatch:
                     supported = nvml.nvmlDeviceGetSupportedEventTypes(handle)
                     nvml.nvmlDeviceRegisterEvents(handle, xid & supported, events)
                 except nvml.NVMLError_NotSupported:
-                    self.say(f"XID health: {uuid} reports no events (too old a GPU); its device nodes and NVML "
-                             "still count")  # fmt: skip
+                    self.say(f"{self.name}: {uuid} reports no events (too old a GPU); "
+                             f"{self.unwatched}")  # fmt: skip
         except nvml.NVMLError as e:
             raise NvmlError(f"NVML: registering for XID events: {e}") from None
         if not self.ready.is_set() or self._last_problem is not None:
-            self.say(f"XID health: waiting on NVML events of {len(self.uuids)} GPU(s); {self.xids.describe()}")
+            self.say(f"{self.name}: waiting on NVML events of {len(self.uuids)} GPU(s); {self.xids.describe()}")
         self._last_problem = None
         self.ready.set()
         return events

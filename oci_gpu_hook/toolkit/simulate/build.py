@@ -284,6 +284,8 @@ def sim_host_header(host: SimulatedHost) -> str:
     out.append(f"#define SIM_NVML_VERSION {c_str('12.' + host.driver_version)}")
     out.append(f"#define SIM_CUDA_VERSION {host.cuda_version_int}")
     out.append(f"#define SIM_CAPS_MAJOR {host.caps_major}")
+    # A vGPU guest's NVML reports its GPUs in vGPU mode, with a licence to report (1: a guest)
+    out.append(f"#define SIM_VGPU_GUEST {0 if host.vgpu_host_driver is None else 1}")
     out.append("static const struct sim_gi_profile GI_PROFILES[] = {")
     for p in model.MIG_PROFILES:
         out.append(
@@ -312,7 +314,7 @@ def sim_host_header(host: SimulatedHost) -> str:
             f"{c_str(model.nvml_bus_id(gpu.bus_id))}, {int(domain, 16)}, {int(bus, 16)}, {device}, "
             f"{m.pci_device_id:#x}, {m.pci_subsystem_id:#x}, {gpu.minor}, {m.compute_capability[0]}, "
             f"{m.compute_capability[1]}, {m.memory_total}ULL, {(512 << 20)}ULL, 0, 0, "
-            f"{1 if gpu.mig else 0}, {len(gpu.mig)}, {mig}}},"
+            f"{1 if gpu.mig else 0}, {len(gpu.mig)}, {mig}, {1 if m.hbm else 0}}},"
         )
     out.append("};")
     out += topology_header_lines(host)

@@ -76,6 +76,9 @@ class GpuModel:
     # The size of BAR1, the window onto the GPU's memory (lspci's "Region 1"); BAR0 (registers,
     # 16 MiB) and BAR3 (32 MiB) are alike on every model here (pci.py).
     bar1_size: int
+    # HBM memory (stacked on the package, with its own temperature sensor: NVML's memory
+    # temperature field answers only on such parts), not GDDR on the board.
+    hbm: bool
     # The PCI class sysfs shows: 0x030200, a 3D controller (every data-centre GPU simulated here),
     # or 0x030000, a VGA controller (a GPU in display mode). GFD's gpu.mode reads it.
     pci_class: int = 0x030200
@@ -86,10 +89,10 @@ class GpuModel:
 VGA_CONTROLLER = 0x030000
 
 MODELS = {
-    "a100": GpuModel("NVIDIA A100-SXM4-40GB", "Tesla", (8, 0), 40 << 30, 0x20B010DE, 0x134F10DE, 64 << 30),
-    "h100": GpuModel("NVIDIA H100 80GB HBM3", "Nvidia", (9, 0), 80 << 30, 0x233010DE, 0x16C110DE, 128 << 30),
-    "l4": GpuModel("NVIDIA L4", "Nvidia", (8, 9), 24 << 30, 0x27B810DE, 0x16CA10DE, 32 << 30),
-    "t4": GpuModel("Tesla T4", "Tesla", (7, 5), 15 << 30, 0x1EB810DE, 0x12A210DE, 256 << 20),
+    "a100": GpuModel("NVIDIA A100-SXM4-40GB", "Tesla", (8, 0), 40 << 30, 0x20B010DE, 0x134F10DE, 64 << 30, True),
+    "h100": GpuModel("NVIDIA H100 80GB HBM3", "Nvidia", (9, 0), 80 << 30, 0x233010DE, 0x16C110DE, 128 << 30, True),
+    "l4": GpuModel("NVIDIA L4", "Nvidia", (8, 9), 24 << 30, 0x27B810DE, 0x16CA10DE, 32 << 30, False),
+    "t4": GpuModel("Tesla T4", "Tesla", (7, 5), 15 << 30, 0x1EB810DE, 0x12A210DE, 256 << 20, False),
 }
 
 

@@ -29,6 +29,12 @@
             return try_;                   \
     } while (0)
 
+/* The layouts clients read through their own copy of nvml.h (pynvml's ctypes structures among
+ * them): a field out of place would hand them another field's bytes. */
+_Static_assert(sizeof(nvmlFieldValue_t) == 40, "nvmlFieldValue_t is 40 bytes in nvml.h");
+_Static_assert(sizeof(nvmlProcessUtilizationSample_t) == 32, "nvmlProcessUtilizationSample_t is 32 bytes");
+_Static_assert(sizeof(nvmlGpmMetric_t) == 40, "nvmlGpmMetric_t is 40 bytes in nvml.h");
+
 /* Upper bound on MIG devices per GPU: A100/H100 allow 7 compute instances. */
 #define SIM_MAX_MIG 16
 
@@ -175,6 +181,49 @@ static nvmlReturn_t copy_string(char *dst, unsigned length, const char *src)
     return NVML_SUCCESS;
 }
 
+/* Handles handed out from static storage (event sets, GPM samples): slots of one size whose
+ * first member is `int used`.  A handle is checked against its pool before it is followed, so
+ * one freed, or never ours, answers INVALID_ARGUMENT instead of crashing the caller. */
+struct sim_pool {
+    void *slots;
+    size_t size, count;
+    pthread_mutex_t *lock;
+};
+
+/* Called with the pool's lock held. */
+static int pool_holds(const struct sim_pool *pool, const void *handle)
+{
+    uintptr_t p = (uintptr_t)handle, base = (uintptr_t)pool->slots;
+    return handle != NULL && p >= base && p < base + pool->size * pool->count && (p - base) % pool->size == 0 &&
+           *(const int *)handle;
+}
+
+/* A free slot, zeroed and marked used; NULL when every one is taken.  Called with the lock held. */
+static void *pool_take(const struct sim_pool *pool)
+{
+    for (size_t i = 0; i < pool->count; i++) {
+        int *slot = (int *)((char *)pool->slots + i * pool->size);
+        if (!*slot) {
+            memset(slot, 0, pool->size);
+            *slot = 1;
+            return slot;
+        }
+    }
+    return NULL;
+}
+
+static nvmlReturn_t pool_free(const struct sim_pool *pool, void *handle)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    pthread_mutex_lock(pool->lock);
+    int ok = pool_holds(pool, handle);
+    if (ok)
+        *(int *)handle = 0;
+    pthread_mutex_unlock(pool->lock);
+    return ok ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+}
+
 /* MIG is a GA100/GH100/GB100-class feature; the host header only says
  * whether it is enabled, so infer the capability from the architecture. */
 static int mig_capable(const struct sim_gpu *gpu)
@@ -190,17 +239,53 @@ static int mig_capable(const struct sim_gpu *gpu)
  * clients run, through SIM_ROOT/nvml-control, re-read whenever it changes:
  *     fail <nvmlReturn_t>            nvmlInit, the device count and handle
  *                                    lookups and every device query answer it
- *     <uuid> <key> <number>          util_gpu util_memory memory_used (bytes)
- *                                    temperature (C) power (mW) sm_clock
- *                                    mem_clock (MHz) energy (mJ)
+ *     <uuid> <key> <number>          a value of that GPU or MIG device (below)
  *     <uuid> process <pid> <bytes>   a process using that GPU or MIG device
+ *     <uuid> process_util <pid> <sm%> <mem%> <enc%> <dec%>
+ *                                    a process's utilization sample on that GPU
+ * The keys, and what a device reports without one:
+ *     util_gpu util_memory (%)       the host description's (0)
+ *     memory_used (bytes)            its live processes' sum, else the host's
+ *     memory_reserved (bytes)        384 MiB on a GPU, 0 on a MIG device
+ *     temperature (C) 33   power (mW) 58000   sm_clock 1410, mem_clock 1215
+ *     (MHz)   energy (mJ) 0          board values: GPUs only
+ *     memory_temp (C) 45             GPUs with HBM only (field 82)
+ *     pcie_replay 0                  GPUs only
+ *     enc_util dec_util (%) 0        GPUs only
+ *     remapped_correctable remapped_uncorrectable (rows) 0, remap_pending
+ *     remap_failure (0/1) 0          GPUs of compute capability 8.0 and later
+ *     nvlink_raw_tx nvlink_raw_rx (KiB) 0   GPUs with an NVLink (fields 140, 141)
+ *     gpm_graphics_util gpm_sm_util gpm_sm_occupancy gpm_tensor_util
+ *     gpm_dram_util (%) 0, gpm_pcie_tx gpm_pcie_rx (MiB/s) 0
+ *                                    GPM metrics, GPUs (and their MIG devices)
+ *                                    of compute capability 9.0 and later
+ *     vgpu_licensed (0/1) 1          a vGPU guest's GPUs only (SIM_VGPU_GUEST)
  * Only on the host: inside a container the file is out of reach, as the
  * real driver's state is out of a container's reach too. */
 #define SIM_MAX_LIVE (SIM_N_GPUS * (SIM_MAX_MIG + 1) + 1)
 #define SIM_MAX_PROCS 256
-enum { L_UTIL_GPU, L_UTIL_MEM, L_MEM_USED, L_TEMP, L_POWER, L_SM_CLOCK, L_MEM_CLOCK, L_ENERGY, L_N };
-static const char *const LIVE_KEYS[L_N] = {"util_gpu", "util_memory", "memory_used", "temperature",
-                                           "power", "sm_clock", "mem_clock", "energy"};
+/* One list makes both the key enum and the names the file uses, so the two stay in step. */
+#define SIM_LIVE_KEYS(X)                                                                        \
+    X(L_UTIL_GPU, "util_gpu") X(L_UTIL_MEM, "util_memory") X(L_MEM_USED, "memory_used")         \
+    X(L_TEMP, "temperature") X(L_POWER, "power") X(L_SM_CLOCK, "sm_clock")                      \
+    X(L_MEM_CLOCK, "mem_clock") X(L_ENERGY, "energy") X(L_MEM_TEMP, "memory_temp")              \
+    X(L_PCIE_REPLAY, "pcie_replay") X(L_ENC_UTIL, "enc_util") X(L_DEC_UTIL, "dec_util")         \
+    X(L_MEM_RESERVED, "memory_reserved") X(L_REMAP_CORR, "remapped_correctable")                \
+    X(L_REMAP_UNC, "remapped_uncorrectable") X(L_REMAP_PENDING, "remap_pending")                \
+    X(L_REMAP_FAILURE, "remap_failure") X(L_NVLINK_TX, "nvlink_raw_tx")                         \
+    X(L_NVLINK_RX, "nvlink_raw_rx") X(L_GPM_GRAPHICS, "gpm_graphics_util")                      \
+    X(L_GPM_SM, "gpm_sm_util") X(L_GPM_SM_OCCUPANCY, "gpm_sm_occupancy")                        \
+    X(L_GPM_TENSOR, "gpm_tensor_util") X(L_GPM_DRAM, "gpm_dram_util")                           \
+    X(L_GPM_PCIE_TX, "gpm_pcie_tx") X(L_GPM_PCIE_RX, "gpm_pcie_rx")                             \
+    X(L_VGPU_LICENSED, "vgpu_licensed")
+#define SIM_KEY_ENUM(key, name) key,
+#define SIM_KEY_NAME(key, name) name,
+enum { SIM_LIVE_KEYS(SIM_KEY_ENUM) L_N };
+static const char *const LIVE_KEYS[L_N] = {SIM_LIVE_KEYS(SIM_KEY_NAME)};
+
+/* Defaults of the keys above that are not the host description's. */
+#define SIM_MEMORY_RESERVED (384ULL << 20)
+#define SIM_MEMORY_TEMP 45
 
 struct sim_live {
     char uuid[96];
@@ -212,11 +297,17 @@ struct sim_proc {
     unsigned pid;
     unsigned long long bytes;
 };
+struct sim_proc_util {
+    char uuid[96];
+    unsigned pid, sm, mem, enc, dec;
+};
 
 static struct sim_live g_live[SIM_MAX_LIVE];
 static unsigned g_n_live;
 static struct sim_proc g_procs[SIM_MAX_PROCS];
 static unsigned g_n_procs;
+static struct sim_proc_util g_proc_utils[SIM_MAX_PROCS];
+static unsigned g_n_proc_utils;
 static nvmlReturn_t g_fail;
 static struct stat g_control_stat;
 static int g_control_seen;
@@ -241,7 +332,7 @@ static void reload_control(void)
     const char *path = SIM_ROOT "/nvml-control";
     struct stat st;
     if (stat(path, &st) != 0) {
-        g_n_live = g_n_procs = 0;
+        g_n_live = g_n_procs = g_n_proc_utils = 0;
         g_fail = NVML_SUCCESS;
         g_control_seen = 0;
         return;
@@ -253,13 +344,24 @@ static void reload_control(void)
     FILE *f = fopen(path, "re");
     if (f == NULL)
         return;
-    g_n_live = g_n_procs = 0;
+    g_n_live = g_n_procs = g_n_proc_utils = 0;
     g_fail = NVML_SUCCESS;
     char line[512], uuid[96], key[32];
-    unsigned long long a, b;
+    unsigned long long a, b, u[4];
     while (fgets(line, sizeof line, f)) {
         if (sscanf(line, "fail %llu", &a) == 1) {
             g_fail = (nvmlReturn_t)a;
+        } else if (sscanf(line, "%95s process_util %llu %llu %llu %llu %llu", uuid, &a, &u[0], &u[1], &u[2],
+                          &u[3]) == 6) {
+            if (g_n_proc_utils < SIM_MAX_PROCS) {
+                struct sim_proc_util *p = &g_proc_utils[g_n_proc_utils++];
+                snprintf(p->uuid, sizeof p->uuid, "%s", uuid);
+                p->pid = (unsigned)a;
+                p->sm = (unsigned)u[0];
+                p->mem = (unsigned)u[1];
+                p->enc = (unsigned)u[2];
+                p->dec = (unsigned)u[3];
+            }
         } else if (sscanf(line, "%95s process %llu %llu", uuid, &a, &b) == 3) {
             if (g_n_procs < SIM_MAX_PROCS) {
                 struct sim_proc *p = &g_procs[g_n_procs++];
@@ -304,6 +406,12 @@ static nvmlReturn_t injected_fault(void)
 static const char *uuid_of(nvmlDevice_t device)
 {
     return device->mig ? device->mig->uuid : device->gpu->uuid;
+}
+
+/* The device's GPU's place in SIM_GPUS (and SIM_TOPOLOGY). */
+static unsigned gpu_number(nvmlDevice_t device)
+{
+    return (unsigned)(device->gpu - SIM_GPUS);
 }
 
 /* The control file's value of key for device, or fallback. */
@@ -742,8 +850,15 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v
     if (memory->version != nvmlMemory_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     memory_of(device, &memory->total, &memory->used);
-    memory->reserved = 0;
-    memory->free = memory->total - memory->used;
+    /* The driver's own share (firmware, page tables, ECC), which the first version of the call
+     * counts as used; here the first version reports the used figure alone. total = reserved +
+     * used + free holds: what the file says is used is cut to what reservation leaves. */
+    memory->reserved = live_value(device, L_MEM_RESERVED, device->mig ? 0 : SIM_MEMORY_RESERVED);
+    if (memory->reserved > memory->total)
+        memory->reserved = memory->total;
+    if (memory->used > memory->total - memory->reserved)
+        memory->used = memory->total - memory->reserved;
+    memory->free = memory->total - memory->reserved - memory->used;
     return NVML_SUCCESS;
 }
 
@@ -856,6 +971,340 @@ PROCESS_QUERY(nvmlDeviceGetGraphicsRunningProcesses_v3, nvmlProcessInfo_t, 0, 0)
 PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses, nvmlProcessInfo_v1_t, 1, 0)
 PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v2, nvmlProcessInfo_t, 0, 0)
 PROCESS_QUERY(nvmlDeviceGetMPSComputeRunningProcesses_v3, nvmlProcessInfo_t, 0, 0)
+
+/* ---- what DCGM exporter's default fields read ---------------------------- */
+
+EXPORT nvmlReturn_t nvmlDeviceGetPcieReplayCounter(nvmlDevice_t device, unsigned int *value)
+{
+    TRY(board_value(device, value));
+    *value = (unsigned)live_value(device, L_PCIE_REPLAY, 0);
+    return NVML_SUCCESS;
+}
+
+/* The window encoder and decoder use is averaged over, which the calls report beside the
+ * figure: fixed here at a sixth of a second. */
+#define SIM_CODEC_PERIOD_US 167000u
+
+static nvmlReturn_t codec_utilization(nvmlDevice_t device, int key, unsigned int *utilization,
+                                      unsigned int *samplingPeriodUs)
+{
+    TRY(board_value(device, utilization));
+    if (samplingPeriodUs == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *utilization = (unsigned)live_value(device, key, 0);
+    *samplingPeriodUs = SIM_CODEC_PERIOD_US;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEncoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                    unsigned int *samplingPeriodUs)
+{
+    return codec_utilization(device, L_ENC_UTIL, utilization, samplingPeriodUs);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetDecoderUtilization(nvmlDevice_t device, unsigned int *utilization,
+                                                    unsigned int *samplingPeriodUs)
+{
+    return codec_utilization(device, L_DEC_UTIL, utilization, samplingPeriodUs);
+}
+
+/* Row remapping replaced page retirement with Ampere (compute capability 8.0). */
+EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t device, unsigned int *corrRows, unsigned int *uncRows,
+                                              unsigned int *isPending, unsigned int *failureOccurred)
+{
+    TRY(check(device));
+    if (corrRows == NULL || uncRows == NULL || isPending == NULL || failureOccurred == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->mig || device->gpu->cc_major < 8)
+        return NVML_ERROR_NOT_SUPPORTED;
+    *corrRows = (unsigned)live_value(device, L_REMAP_CORR, 0);
+    *uncRows = (unsigned)live_value(device, L_REMAP_UNC, 0);
+    *isPending = (unsigned)live_value(device, L_REMAP_PENDING, 0);
+    *failureOccurred = (unsigned)live_value(device, L_REMAP_FAILURE, 0);
+    return NVML_SUCCESS;
+}
+
+/* A vGPU guest's GPUs are in vGPU mode (bare metal's in none); a MIG handle answers for its GPU. */
+EXPORT nvmlReturn_t nvmlDeviceGetVirtualizationMode(nvmlDevice_t device, nvmlGpuVirtualizationMode_t *mode)
+{
+    TRY(check_out(device, mode));
+    *mode = SIM_VGPU_GUEST ? NVML_GPU_VIRTUALIZATION_MODE_VGPU : NVML_GPU_VIRTUALIZATION_MODE_NONE;
+    return NVML_SUCCESS;
+}
+
+/* A guest's one licensable feature, vGPU, licensed as the control file says (by default it is);
+ * bare metal has none to license (supported 0, no features), as a real GPU without vGPU. */
+EXPORT nvmlReturn_t nvmlDeviceGetGridLicensableFeatures_v4(nvmlDevice_t device,
+                                                           nvmlGridLicensableFeatures_t *features)
+{
+    TRY(check_out(device, features));
+    memset(features, 0, sizeof(*features));
+    if (!SIM_VGPU_GUEST || device->mig)
+        return NVML_SUCCESS;
+    nvmlGridLicensableFeature_t *vgpu = &features->gridLicensableFeatures[0];
+    features->isGridLicenseSupported = 1;
+    features->licensableFeaturesCount = 1;
+    vgpu->featureCode = NVML_GRID_LICENSE_FEATURE_CODE_VGPU;
+    vgpu->featureState = live_value(device, L_VGPU_LICENSED, 1) ? 1 : 0;
+    vgpu->featureEnabled = 1;
+    snprintf(vgpu->licenseInfo, sizeof(vgpu->licenseInfo), "%s", "NVIDIA-vComputeServer,9.0");
+    snprintf(vgpu->productName, sizeof(vgpu->productName), "%s", "NVIDIA Virtual Compute Server");
+    return NVML_SUCCESS;
+}
+
+static long long now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (long long)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* One field of a field values request: its value and type, or why there is none. */
+static nvmlReturn_t field_value(nvmlDevice_t device, nvmlFieldValue_t *field)
+{
+    int key;
+    nvmlValueType_t type = NVML_VALUE_TYPE_UNSIGNED_LONG_LONG; /* counters */
+    switch (field->fieldId) {
+    case NVML_FI_DEV_MEMORY_TEMP:
+        if (!device->gpu->has_hbm)
+            return NVML_ERROR_NOT_SUPPORTED;
+        key = L_MEM_TEMP;
+        type = NVML_VALUE_TYPE_UNSIGNED_INT;
+        break;
+    case NVML_FI_DEV_PCIE_REPLAY_COUNTER: key = L_PCIE_REPLAY; break;
+    case NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX:
+    case NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX:
+        if (SIM_TOPOLOGY[gpu_number(device)].n_nvlinks == 0)
+            return NVML_ERROR_NOT_SUPPORTED;
+        /* One counter per GPU, all its links together, whatever link scopeId names. */
+        key = field->fieldId == NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX ? L_NVLINK_TX : L_NVLINK_RX;
+        break;
+    default: return NVML_ERROR_NOT_SUPPORTED;
+    }
+    if (device->mig) /* every field here is the board's */
+        return NVML_ERROR_NOT_SUPPORTED;
+    unsigned long long v = live_value(device, key, key == L_MEM_TEMP ? SIM_MEMORY_TEMP : 0);
+    field->valueType = type;
+    if (type == NVML_VALUE_TYPE_UNSIGNED_INT)
+        field->value.uiVal = (unsigned)v;
+    else
+        field->value.ullVal = v;
+    return NVML_SUCCESS;
+}
+
+/* The call succeeds while the device does; each field says on its own whether it has a value. */
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, nvmlFieldValue_t *values)
+{
+    TRY(check(device));
+    if (valuesCount < 0 || (valuesCount > 0 && values == NULL))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    long long now = now_us();
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *field = &values[i];
+        field->timestamp = now;
+        field->latencyUsec = 0; /* the values are at hand: no driver round trip to wait for */
+        field->valueType = NVML_VALUE_TYPE_DOUBLE;
+        memset(&field->value, 0, sizeof field->value);
+        field->nvmlReturn = field_value(device, field);
+    }
+    return NVML_SUCCESS;
+}
+
+/* ---- per-process utilization ---------------------------------------------
+ * The control file's process_util lines of a GPU, for the processes that still
+ * exist.  The simulated GPU samples all the time: every sample is stamped with
+ * the time of the call (microseconds since 1970), so a caller that passes the
+ * newest timestamp it has seen gets the processes again on its next read, and
+ * one that passes a time not yet reached gets none.  GPUs in MIG mode keep no
+ * per-process samples (as their utilization is not supported either). */
+EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *utilization,
+                                                    unsigned int *processSamplesCount,
+                                                    unsigned long long lastSeenTimeStamp)
+{
+    TRY(check_out(device, processSamplesCount));
+    if (device->mig || device->gpu->mig_enabled)
+        return NVML_ERROR_NOT_SUPPORTED;
+    nvmlProcessUtilizationSample_t found[SIM_MAX_PROCS];
+    unsigned n = 0;
+    unsigned long long now = (unsigned long long)now_us();
+    if (on_host() && now > lastSeenTimeStamp) {
+        pthread_mutex_lock(&g_live_lock);
+        reload_control();
+        for (unsigned i = 0; i < g_n_proc_utils && n < SIM_MAX_PROCS; i++) {
+            const struct sim_proc_util *p = &g_proc_utils[i];
+            if (strcmp(p->uuid, device->gpu->uuid) != 0 || !process_exists(p->pid))
+                continue;
+            found[n++] = (nvmlProcessUtilizationSample_t){p->pid, now, p->sm, p->mem, p->enc, p->dec};
+        }
+        pthread_mutex_unlock(&g_live_lock);
+    }
+    if (n == 0) {
+        *processSamplesCount = 0;
+        return NVML_ERROR_NOT_FOUND;
+    }
+    if (utilization == NULL || *processSamplesCount < n) {
+        *processSamplesCount = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    memcpy(utilization, found, n * sizeof found[0]);
+    *processSamplesCount = n;
+    return NVML_SUCCESS;
+}
+
+/* ---- GPM: GPU Performance Monitoring (Hopper and later) -------------------
+ * A sample is a snapshot of one device's gpm_* values from the control file,
+ * numbered in the order samples are taken; a metric over two samples is the
+ * value the second one holds (what the file said the rate was then).  Samples
+ * live in a static pool, so a bad or freed handle is refused, not followed. */
+
+#define SIM_MAX_GPM_SAMPLES 1024
+#define SIM_GPM_KEYS 7
+
+struct nvmlGpmSample_st {
+    int used;
+    nvmlDevice_t device; /* NULL until taken; a GPU or a MIG device */
+    unsigned long long taken; /* order among all samples taken */
+    unsigned long long value[SIM_GPM_KEYS];
+};
+
+/* The metrics the simulation models: their live value and NVML's names for them. */
+static const struct {
+    unsigned id;
+    int key;
+    char *short_name, *long_name, *unit;
+} GPM_METRICS[SIM_GPM_KEYS] = {
+    {NVML_GPM_METRIC_GRAPHICS_UTIL, L_GPM_GRAPHICS, "gr_util", "graphics engine utilization", "%"},
+    {NVML_GPM_METRIC_SM_UTIL, L_GPM_SM, "sm_util", "streaming multiprocessor utilization", "%"},
+    {NVML_GPM_METRIC_SM_OCCUPANCY, L_GPM_SM_OCCUPANCY, "sm_occupancy", "warps resident on the SMs", "%"},
+    {NVML_GPM_METRIC_ANY_TENSOR_UTIL, L_GPM_TENSOR, "any_tensor_util", "any tensor pipe utilization", "%"},
+    {NVML_GPM_METRIC_DRAM_BW_UTIL, L_GPM_DRAM, "dram_bw_util", "memory bandwidth utilization", "%"},
+    {NVML_GPM_METRIC_PCIE_TX_PER_SEC, L_GPM_PCIE_TX, "pcie_tx", "PCIe bytes sent", "MiB/s"},
+    {NVML_GPM_METRIC_PCIE_RX_PER_SEC, L_GPM_PCIE_RX, "pcie_rx", "PCIe bytes received", "MiB/s"},
+};
+
+static struct nvmlGpmSample_st g_gpm[SIM_MAX_GPM_SAMPLES];
+static unsigned long long g_gpm_taken;
+static pthread_mutex_t g_gpm_lock = PTHREAD_MUTEX_INITIALIZER;
+static const struct sim_pool GPM_SAMPLES = {g_gpm, sizeof g_gpm[0], SIM_MAX_GPM_SAMPLES, &g_gpm_lock};
+
+static int gpm_capable(const struct sim_gpu *gpu)
+{
+    return gpu->cc_major >= 9;
+}
+
+/* Called with g_gpm_lock held. */
+static int valid_sample(nvmlGpmSample_t sample)
+{
+    return pool_holds(&GPM_SAMPLES, sample);
+}
+
+EXPORT nvmlReturn_t nvmlGpmQueryDeviceSupport(nvmlDevice_t device, nvmlGpmSupport_t *gpmSupport)
+{
+    TRY(check_out(device, gpmSupport));
+    if (gpmSupport->version != NVML_GPM_SUPPORT_VERSION)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    gpmSupport->isSupportedDevice = gpm_capable(device->gpu); /* a MIG device: its GPU's answer */
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleAlloc(nvmlGpmSample_t *gpmSample)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (gpmSample == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_mutex_lock(&g_gpm_lock);
+    nvmlGpmSample_t sample = pool_take(&GPM_SAMPLES);
+    if (sample)
+        *gpmSample = sample;
+    pthread_mutex_unlock(&g_gpm_lock);
+    return sample ? NVML_SUCCESS : NVML_ERROR_MEMORY;
+}
+
+EXPORT nvmlReturn_t nvmlGpmSampleFree(nvmlGpmSample_t gpmSample)
+{
+    return pool_free(&GPM_SAMPLES, gpmSample);
+}
+
+/* Fill sample with device's values now. */
+static nvmlReturn_t take_sample(nvmlDevice_t device, nvmlGpmSample_t sample)
+{
+    unsigned long long value[SIM_GPM_KEYS];
+    for (unsigned i = 0; i < SIM_GPM_KEYS; i++) /* read first: live_value takes its own lock */
+        value[i] = live_value(device, GPM_METRICS[i].key, 0);
+    pthread_mutex_lock(&g_gpm_lock);
+    int ok = valid_sample(sample);
+    if (ok) {
+        sample->device = device;
+        sample->taken = ++g_gpm_taken;
+        memcpy(sample->value, value, sizeof value);
+    }
+    pthread_mutex_unlock(&g_gpm_lock);
+    return ok ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+}
+
+/* A GPU's sample, or with a MIG device's handle that MIG device's. */
+EXPORT nvmlReturn_t nvmlGpmSampleGet(nvmlDevice_t device, nvmlGpmSample_t gpmSample)
+{
+    TRY(check(device));
+    if (!gpm_capable(device->gpu))
+        return NVML_ERROR_NOT_SUPPORTED;
+    return take_sample(device, gpmSample);
+}
+
+/* The sample of the MIG device of GPU instance gpuInstanceId on GPU device. */
+EXPORT nvmlReturn_t nvmlGpmMigSampleGet(nvmlDevice_t device, unsigned int gpuInstanceId, nvmlGpmSample_t gpmSample)
+{
+    TRY(check(device));
+    if (device->mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (!gpm_capable(device->gpu))
+        return NVML_ERROR_NOT_SUPPORTED;
+    for (unsigned i = 0; i < device->n_mig; i++)
+        if (device->migs[i]->mig->gi_id == gpuInstanceId)
+            return take_sample(device->migs[i], gpmSample);
+    return NVML_ERROR_NOT_FOUND;
+}
+
+EXPORT nvmlReturn_t nvmlGpmMetricsGet(nvmlGpmMetricsGet_t *metricsGet)
+{
+    if (!initialized())
+        return NVML_ERROR_UNINITIALIZED;
+    if (metricsGet == NULL)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (metricsGet->version != NVML_GPM_METRICS_GET_VERSION)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    TRY(injected_fault());
+    if (metricsGet->numMetrics > NVML_GPM_METRIC_MAX)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    struct nvmlGpmSample_st second;
+    pthread_mutex_lock(&g_gpm_lock);
+    nvmlGpmSample_t s1 = metricsGet->sample1, s2 = metricsGet->sample2;
+    /* Two samples of one device, the second taken after the first: a rate needs an interval. */
+    int ok = valid_sample(s1) && valid_sample(s2) && s1->device != NULL && s1->device == s2->device &&
+             s2->taken > s1->taken;
+    if (ok)
+        second = *s2;
+    pthread_mutex_unlock(&g_gpm_lock);
+    if (!ok)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (unsigned i = 0; i < metricsGet->numMetrics; i++) {
+        nvmlGpmMetric_t *m = &metricsGet->metrics[i];
+        m->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+        m->value = 0;
+        m->metricInfo.shortName = m->metricInfo.longName = m->metricInfo.unit = NULL;
+        for (unsigned k = 0; k < SIM_GPM_KEYS; k++) {
+            if (GPM_METRICS[k].id == m->metricId) {
+                m->nvmlReturn = NVML_SUCCESS;
+                m->value = (double)second.value[k];
+                m->metricInfo.shortName = GPM_METRICS[k].short_name;
+                m->metricInfo.longName = GPM_METRICS[k].long_name;
+                m->metricInfo.unit = GPM_METRICS[k].unit;
+            }
+        }
+    }
+    return NVML_SUCCESS;
+}
 
 /* ---- MIG ---------------------------------------------------------------- */
 
@@ -1220,6 +1669,7 @@ struct nvmlEventSet_st {
 
 static struct nvmlEventSet_st g_sets[SIM_MAX_EVENT_SETS];
 static pthread_mutex_t g_sets_lock = PTHREAD_MUTEX_INITIALIZER;
+static const struct sim_pool EVENT_SETS = {g_sets, sizeof g_sets[0], SIM_MAX_EVENT_SETS, &g_sets_lock};
 
 static long events_size(void)
 {
@@ -1227,17 +1677,10 @@ static long events_size(void)
     return on_host() && stat(SIM_EVENTS_FILE, &st) == 0 ? (long)st.st_size : 0;
 }
 
-static unsigned gpu_number(nvmlDevice_t device)
-{
-    return (unsigned)(device->gpu - SIM_GPUS);
-}
-
 /* A set handle is valid if it is one of ours and in use; called with g_sets_lock held. */
 static int valid_set(nvmlEventSet_t set)
 {
-    uintptr_t p = (uintptr_t)set, base = (uintptr_t)g_sets;
-    return set != NULL && p >= base && p < base + sizeof g_sets && (p - base) % sizeof g_sets[0] == 0 &&
-           set->used;
+    return pool_holds(&EVENT_SETS, set);
 }
 
 EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
@@ -1248,30 +1691,18 @@ EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set)
         return NVML_ERROR_INVALID_ARGUMENT;
     TRY(injected_fault());
     pthread_mutex_lock(&g_sets_lock);
-    for (unsigned i = 0; i < SIM_MAX_EVENT_SETS; i++) {
-        if (!g_sets[i].used) {
-            memset(&g_sets[i], 0, sizeof g_sets[i]);
-            g_sets[i].used = 1;
-            g_sets[i].offset = events_size();
-            *set = &g_sets[i];
-            pthread_mutex_unlock(&g_sets_lock);
-            return NVML_SUCCESS;
-        }
+    nvmlEventSet_t made = pool_take(&EVENT_SETS);
+    if (made) {
+        made->offset = events_size();
+        *set = made;
     }
     pthread_mutex_unlock(&g_sets_lock);
-    return NVML_ERROR_MEMORY;
+    return made ? NVML_SUCCESS : NVML_ERROR_MEMORY;
 }
 
 EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set)
 {
-    if (!initialized())
-        return NVML_ERROR_UNINITIALIZED;
-    pthread_mutex_lock(&g_sets_lock);
-    int ok = valid_set(set);
-    if (ok)
-        set->used = 0;
-    pthread_mutex_unlock(&g_sets_lock);
-    return ok ? NVML_SUCCESS : NVML_ERROR_INVALID_ARGUMENT;
+    return pool_free(&EVENT_SETS, set);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes)

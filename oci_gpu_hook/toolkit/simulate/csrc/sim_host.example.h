@@ -5,6 +5,7 @@
 #define SIM_NVML_VERSION "12.550.54.15"
 #define SIM_CUDA_VERSION 12040
 #define SIM_CAPS_MAJOR 510
+#define SIM_VGPU_GUEST 0
 static const struct sim_gi_profile GI_PROFILES[] = {
     {"1g.5gb", 19, 1, 7, 14, 1, 0, 0, 0, 0, 4864, 1},
     {"2g.10gb", 14, 2, 3, 28, 2, 1, 0, 0, 0, 9984, 2},
@@ -20,9 +21,9 @@ static const struct sim_mig SIM_MIG_1[] = {
 #define SIM_N_GPUS 2
 static const struct sim_gpu SIM_GPUS[SIM_N_GPUS] = {
     {"NVIDIA A100-SXM4-40GB", 2, "GPU-5d5ba0d6-d33d-2b2c-524d-9e3d8d2b8a77", "00000000:07:00.0",
-     0, 7, 0, 0x20B010DE, 0x134F10DE, 1, 8, 0, 42949672960ULL, 0ULL, 0, 0, 0, 0, 0},
+     0, 7, 0, 0x20B010DE, 0x134F10DE, 1, 8, 0, 42949672960ULL, 0ULL, 0, 0, 0, 0, 0, 1},
     {"NVIDIA A100-SXM4-40GB", 2, "GPU-2f76cbca-88aa-4e8e-2fde-65765797dbbb", "00000000:0f:00.0",
-     0, 15, 0, 0x20B010DE, 0x134F10DE, 0, 8, 0, 42949672960ULL, 0ULL, 0, 0, 1, 3, SIM_MIG_1},
+     0, 15, 0, 0x20B010DE, 0x134F10DE, 0, 8, 0, 42949672960ULL, 0ULL, 0, 0, 1, 3, SIM_MIG_1, 1},
 };
 /* Both GPUs under one PCIe switch, on NUMA node 0, joined by one NVLink. */
 static const struct sim_topology SIM_TOPOLOGY[SIM_N_GPUS] = {

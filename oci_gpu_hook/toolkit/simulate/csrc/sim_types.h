@@ -40,6 +40,7 @@ struct sim_gpu {
     int mig_enabled;
     unsigned n_mig;
     const struct sim_mig *mig;
+    int has_hbm;               /* model.GpuModel.hbm: memory with its own temperature sensor */
 };
 
 /* Where a GPU sits (sim_host.h's SIM_TOPOLOGY, in SIM_GPUS order): its PCIe switch, its NUMA
@@ -58,6 +59,7 @@ struct sim_topology {
  *   SIM_NVML_VERSION    "12.550.54.15"
  *   SIM_CUDA_VERSION    12040
  *   SIM_CAPS_MAJOR      major of "nvidia-caps" in the simulated /proc/devices
+ *   SIM_VGPU_GUEST      1 in a vGPU guest (simulate's vgpu_host_driver), else 0
  *   SIM_N_GPUS          number of entries in SIM_GPUS
  *   static const struct sim_gpu SIM_GPUS[]   in NVML index (PCI bus) order
  *   static const struct sim_gi_profile GI_PROFILES[]   the MIG GPU instance profiles
