@@ -104,7 +104,11 @@ class Exporter:
                     kept = "the last GPU facts read" if self.samples else "no GPU facts"
                     log(f"{e.message}; serving {kept}, marked stale")
                 self.stale = True
-            self._follow_inventory()
+                # NVML lists the GPUs again only once no one holds it: the XID thread lets go
+                # too, and starts again with the next read that succeeds
+                self.stop()
+            if not self.stale:
+                self._follow_inventory()
             owner = attribution.Owners(live, self.proc)
             renders = metrics.Family(
                 "oci_gpu_hook_exporter_renders_total", "counter",
@@ -132,23 +136,24 @@ class Exporter:
             return metrics.render(self.samples, page)
 
     def _follow_inventory(self) -> None:
-        """Keep the XID thread on the GPUs and the library of the inventory read, and the devices'
-        sharing as the device plugin offers them: from the first inventory, and again when it
-        changes (a GPU gone or added, a driver)."""
+        """Keep the devices' sharing as the device plugin offers them, from the inventory read,
+        and the XID thread on its GPUs and library: both from the first inventory, and again
+        when it changes (a GPU gone or added, a driver); the thread also after it was stopped
+        (NVML failing, or started afresh)."""
         inventory = getattr(self.reader, "inventory", None)
         path = getattr(self.reader, "path", None)
-        if inventory is None or path is None or inventory is self.followed:
+        if inventory is None or path is None:
             return
-        self.followed = inventory
         settings = getattr(self.reader, "settings", None)
-        if settings is not None:
+        if inventory is not self.followed and settings is not None:
             self.sharing = sharing(settings, inventory)
+        self.followed = inventory
         wanted = (path, tuple(sorted(g.uuid for g in inventory.gpus)))
-        if wanted == self.watched:
+        if wanted == self.watched and self.xid_watch is not None:
             return
         self.stop()
-        self.watched = wanted
         self.xid_watch = XidCounting(path, wanted[1], self.xids).start()
+        self.watched = wanted
 
     def stop(self) -> None:
         if self.xid_watch is not None:

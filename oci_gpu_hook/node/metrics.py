@@ -155,18 +155,21 @@ class XidCounts:
             self.counts[(gpu_uuid, xid)] = self.counts.get((gpu_uuid, xid), 0) + 1
 
     def families(self, gpus: list) -> list:
-        """gpus: [(uuid, labels)] of the GPUs on the page (whole GPUs: XIDs are the board's)."""
+        """gpus: [(uuid, labels, board labels)] of the GPUs on the page (whole GPUs: XIDs are the
+        board's). DCGM's gauge carries its holder, as DCGM's series do; the counters carry none
+        (empty holder labels), so that a count is one series whoever holds the GPU, and an XID
+        that comes as its pod goes is still an increase of that one series."""
         last = Family("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error encountered.")
         total = Family("oci_gpu_hook_gpu_xid_errors_total", "counter",
                        "XID errors NVML reported for the GPU since the exporter started, by XID.")  # fmt: skip
         with self.lock:
             last_seen, counts = dict(self.last), dict(self.counts)
-        for uuid, labels in gpus:
+        for uuid, labels, board in gpus:
             xid = last_seen.get(uuid, 0)
             last.add(dict(labels, err_code=str(xid), err_msg=xid_meaning(xid) if xid else "No error"), xid)
             seen = {x for u, x in counts if u == uuid}
             for x in sorted(set(XID_MEANINGS) | seen):
-                total.add(dict(labels, xid=str(x)), counts.get((uuid, x), 0))
+                total.add(dict(board, xid=str(x)), counts.get((uuid, x), 0))
         return [last, total]
 
 
@@ -272,11 +275,17 @@ def render(samples, page: Page) -> str:
         # the per-container families, and the device's series carry empty names.
         labels = dict(base, **container_labels(holding[0] if len(holding) == 1 else None))
         if device.gi is None:
-            gpus.append((device.uuid, labels))
+            gpus.append((device.uuid, labels, dict(base, **container_labels(None))))
         for field, value in sample.values.items():
             if field in families:
                 families[field].add(labels, value)
     out = [f for f in families.values() if f.samples]
+
+    def board_of(device) -> dict:
+        """The device labels of our per-device families: the holder labels empty (never the
+        exporter pod's, under honoured labels), so that each stays one series whoever holds it."""
+        return dict(labels_of[device], **container_labels(None))
+
     if page.sharing:
         shared = Family("oci_gpu_hook_gpu_sharing", "gauge",
                         "1 for each device the device plugin offers, with how: mechanism (whole, time-sliced, mps, "
@@ -284,7 +293,7 @@ def render(samples, page: Page) -> str:
         for sample in samples:
             if sample.device.uuid in page.sharing:
                 mechanism, replicas, resource = page.sharing[sample.device.uuid]
-                shared.add(dict(labels_of[sample.device], mechanism=mechanism, replicas=str(replicas),
+                shared.add(dict(board_of(sample.device), mechanism=mechanism, replicas=str(replicas),
                                 resource=resource), 1)  # fmt: skip
         out.append(shared)
     if page.health:
@@ -294,7 +303,7 @@ def render(samples, page: Page) -> str:
         for sample in samples:
             if sample.device.uuid in page.health:
                 why = page.health[sample.device.uuid]
-                healthy.add(dict(labels_of[sample.device], reason=why or ""), 0 if why else 1)
+                healthy.add(dict(board_of(sample.device), reason=why or ""), 0 if why else 1)
         out.append(healthy)
     if page.xids is not None:
         out += page.xids.families(gpus)

@@ -86,9 +86,15 @@ GPM_METRICS = {
 FIELD_IDS = {
     82: "memory_temperature",  # NVML_FI_DEV_MEMORY_TEMP
     94: "pcie_replays",  # NVML_FI_DEV_PCIE_REPLAY_COUNTER
-    140: "nvlink_raw_tx",  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX, KiB: data and protocol, all links
+    140: "nvlink_raw_tx",  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX, KiB: data and protocol
     141: "nvlink_raw_rx",  # NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX
 }
+# The NVLink fields name a link in scopeId; UINT_MAX asks for all links summed (nvml.h).
+ALL_LINKS = 0xFFFFFFFF
+FIELD_REQUEST = [(field, ALL_LINKS) if name.startswith("nvlink") else field for field, name in FIELD_IDS.items()]
+# A process utilization sample stamped later than this after now is the driver's garbage: taken as
+# the newest seen, it would hide every real sample after it.
+FUTURE_SAMPLE_US = 60_000_000
 
 
 class NvmlReader:
@@ -109,6 +115,7 @@ class NvmlReader:
         self._gpm_samples = {}  # device uuid -> the GPM sample of the last read: the next read's start
         self._without_gpm = set()  # GPU uuids said to have no GPM
         self._utilization_seen = {}  # GPU uuid -> NVML's timestamp of the newest process sample read
+        self._failing = set()  # (device uuid, what) of the detail calls NVML fails (said once)
 
     def changed_library(self, other: NvmlReader) -> bool:
         """Whether other's NVML library is not the one this reader loaded into the process (which
@@ -164,7 +171,9 @@ class NvmlReader:
     def read(self) -> tuple[Sample, ...]:
         try:
             nvml = self._start()
-            return tuple(self._read_all(nvml))
+            samples = tuple(self._read_all(nvml))
+            self._forget_gone({sample.device.uuid for sample in samples})
+            return samples
         except NvmlError:
             self.close()  # the next read starts NVML again
             raise
@@ -179,7 +188,7 @@ class NvmlReader:
             pci = call(nvml.nvmlDeviceGetPciInfo, handle) if self.detail else None
             gpu = Device(uuid, index, uuid, known.minor if known else index, text(call(nvml.nvmlDeviceGetName, handle)),
                          pci_bus_id=text(pci.busId) if pci is not None else "")  # fmt: skip
-            values = self._values(nvml, handle, board=True)
+            values = self._values(nvml, handle, uuid, board=True)
             gpm = self.detail and self._has_gpm(nvml, handle, gpu)
             if gpm:
                 values.update(self._gpm(nvml, uuid, nvml.nvmlGpmSampleGet, handle))
@@ -202,14 +211,37 @@ class NvmlReader:
                     ci=call(nvml.nvmlDeviceGetComputeInstanceId, mig),
                     profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else None,
                 )
-                values = self._values(nvml, mig, board=False)
+                values = self._values(nvml, mig, device.uuid, board=False)
                 if gpm and device.gi is not None:
                     values.update(self._gpm(nvml, device.uuid, nvml.nvmlGpmMigSampleGet, handle, device.gi))
                 yield Sample(device, values, self._processes(nvml, mig))
 
-    def _values(self, nvml, handle, board: bool) -> dict:
+    def _optional(self, uuid: str, what: str, fn, *args):
+        """fn's answer, for what the exporter shows beyond the node's basic facts: None where the
+        device does not support it, and None too where NVML fails this one call (said once per
+        device and call while it fails): one detail failing leaves that detail out of the page,
+        and never makes every fact stale (a driver that fails this call on every read would)."""
+        nvml = self._nvml
+        try:
+            answer = fn(*args)
+        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound):
+            return None
+        except nvml.NVMLError as e:
+            if (uuid, what) not in self._failing and self.tell:
+                self.tell(f"{uuid}: NVML fails {what} ({e}): left out of the page while it does")
+            self._failing.add((uuid, what))
+            return None
+        if (uuid, what) in self._failing:
+            self._failing.discard((uuid, what))
+            if self.tell:
+                self.tell(f"{uuid}: NVML answers {what} again")
+        return answer
+
+    def _values(self, nvml, handle, uuid: str, board: bool) -> dict:
         call, values = self._call, {}
-        memory = call(nvml.nvmlDeviceGetMemoryInfo, handle, nvml.nvmlMemory_v2) if self.detail else None
+        memory = None
+        if self.detail:
+            memory = self._optional(uuid, "its memory (v2)", nvml.nvmlDeviceGetMemoryInfo, handle, nvml.nvmlMemory_v2)
         if memory is None:  # the first version has no reserved memory (and counts it as used)
             memory = call(nvml.nvmlDeviceGetMemoryInfo, handle)
         else:
@@ -234,33 +266,37 @@ class NvmlReader:
             if "power" in values:
                 values["power"] /= 1000  # NVML says milliwatts; DCGM, watts
             if self.detail:
-                values.update(self._board_detail(nvml, handle))
+                values.update(self._board_detail(nvml, handle, uuid))
         return values
 
-    def _board_detail(self, nvml, handle) -> dict:
+    def _board_detail(self, nvml, handle, uuid: str) -> dict:
         """What only the exporter shows of a GPU's board: encoder and decoder use, NVML's field
-        values (memory temperature, PCIe replays, NVLink traffic), row remapping."""
-        call, values = self._call, {}
-        for name, fn in (("util_encoder", nvml.nvmlDeviceGetEncoderUtilization),
-                         ("util_decoder", nvml.nvmlDeviceGetDecoderUtilization)):  # fmt: skip
-            answer = call(fn, handle)
+        values (memory temperature, PCIe replays, NVLink traffic), a vGPU guest's licence, row
+        remapping."""
+        optional, values = self._optional, {}
+        for name, what, fn in (("util_encoder", "encoder use", nvml.nvmlDeviceGetEncoderUtilization),
+                               ("util_decoder", "decoder use", nvml.nvmlDeviceGetDecoderUtilization)):  # fmt: skip
+            answer = optional(uuid, what, fn, handle)
             if answer is not None:
                 values[name] = answer[0]  # (percent, sampling period in microseconds)
-        fields = call(nvml.nvmlDeviceGetFieldValues, handle, list(FIELD_IDS)) or ()
-        read = {FIELD_IDS[f.fieldId]: field_value(nvml, f) for f in fields if f.nvmlReturn == nvml.NVML_SUCCESS}
+        fields = optional(uuid, "field values", nvml.nvmlDeviceGetFieldValues, handle, FIELD_REQUEST) or ()
+        read = {FIELD_IDS[f.fieldId]: field_value(nvml, f) for f in fields
+                if f.nvmlReturn == nvml.NVML_SUCCESS and f.fieldId in FIELD_IDS}  # fmt: skip
         for name in ("memory_temperature", "pcie_replays"):
             if read.get(name) is not None:
                 values[name] = read[name]
         if read.get("nvlink_raw_tx") is not None and read.get("nvlink_raw_rx") is not None:
             values["nvlink_traffic"] = read["nvlink_raw_tx"] + read["nvlink_raw_rx"]
-        if call(nvml.nvmlDeviceGetVirtualizationMode, handle) == nvml.NVML_GPU_VIRTUALIZATION_MODE_VGPU:
+        mode = optional(uuid, "its virtualization mode", nvml.nvmlDeviceGetVirtualizationMode, handle)
+        if mode == nvml.NVML_GPU_VIRTUALIZATION_MODE_VGPU:
             # a vGPU guest: licensed while its vGPU feature is (bare metal has no licence to report)
-            features = call(nvml.nvmlDeviceGetGridLicensableFeatures, handle)
+            features = optional(uuid, "its vGPU licence", nvml.nvmlDeviceGetGridLicensableFeatures, handle)
             if features is not None:
-                found = features.gridLicensableFeatures[: features.licensableFeaturesCount]
+                found = features.gridLicensableFeatures[: min(features.licensableFeaturesCount,
+                                                              len(features.gridLicensableFeatures))]  # fmt: skip
                 values["vgpu_license"] = int(any(f.featureCode == nvml.NVML_GRID_LICENSE_FEATURE_CODE_VGPU
                                                  and f.featureState for f in found))  # fmt: skip
-        rows = call(nvml.nvmlDeviceGetRemappedRows, handle)
+        rows = optional(uuid, "row remapping", nvml.nvmlDeviceGetRemappedRows, handle)
         if rows is not None:
             correctable, uncorrectable, _pending, failure = rows
             values["rows_remapped_correctable"] = correctable
@@ -269,30 +305,26 @@ class NvmlReader:
         return values
 
     def _has_gpm(self, nvml, handle, gpu: Device) -> bool:
-        support = self._call(nvml.nvmlGpmQueryDeviceSupport, handle)
+        support = self._optional(gpu.uuid, "GPM support", nvml.nvmlGpmQueryDeviceSupport, handle)
         if support is not None and support.isSupportedDevice:
             self._without_gpm.discard(gpu.uuid)
             return True
-        if gpu.uuid not in self._without_gpm and self.tell:
+        if support is not None and gpu.uuid not in self._without_gpm and self.tell:
             self.tell(f"GPU {gpu.gpu_index} ({gpu.uuid}, {gpu.model}) has no GPM (GPU Performance Monitoring, "
                       "Hopper and later): no DCGM_FI_PROF_* series for it")  # fmt: skip
-        self._without_gpm.add(gpu.uuid)
+        if support is not None:
+            self._without_gpm.add(gpu.uuid)
         return False
 
     def _gpm(self, nvml, uuid: str, take, *device) -> dict:
         """The GPM ratios over the time since the last read's sample of this device (none on the
         first read: a rate needs two samples). take(*device, sample) fills a sample of it."""
-        call = self._call
-        sample = call(nvml.nvmlGpmSampleAlloc)
+        optional = self._optional
+        sample = optional(uuid, "a GPM sample", nvml.nvmlGpmSampleAlloc)
         if sample is None:
             return {}
-        try:
-            taken = call(take, *device, sample)
-        except NvmlError:
-            call(nvml.nvmlGpmSampleFree, sample)
-            raise
-        if taken is None:
-            call(nvml.nvmlGpmSampleFree, sample)
+        if optional(uuid, "a GPM sample", take, *device, sample) is None:
+            self._free_gpm(sample)
             return {}
         previous, self._gpm_samples[uuid] = self._gpm_samples.get(uuid), sample
         if previous is None:
@@ -304,10 +336,10 @@ class NvmlReader:
             request.sample1, request.sample2 = previous, sample
             for i, metric in enumerate(GPM_METRICS):
                 request.metrics[i].metricId = metric
-            if call(nvml.nvmlGpmMetricsGet, request) is None:
+            if optional(uuid, "GPM metrics", nvml.nvmlGpmMetricsGet, request) is None:
                 return {}
         finally:
-            call(nvml.nvmlGpmSampleFree, previous)
+            self._free_gpm(previous)
         values = {}
         for i in range(len(GPM_METRICS)):
             metric = request.metrics[i]
@@ -316,20 +348,41 @@ class NvmlReader:
                 values[name] = round(metric.value * factor, 6)
         return values
 
+    def _free_gpm(self, sample) -> None:
+        try:
+            self._nvml.nvmlGpmSampleFree(sample)
+        except self._nvml.NVMLError:
+            pass
+
+    def _forget_gone(self, seen: set) -> None:
+        """The GPM samples and utilization marks of devices this read did not find (a MIG device
+        destroyed, a GPU gone): freed and forgotten, so that nothing grows with the devices a
+        node has had."""
+        for uuid in [u for u in self._gpm_samples if u not in seen]:
+            self._free_gpm(self._gpm_samples.pop(uuid))
+        for uuid in [u for u in self._utilization_seen if u not in seen]:
+            del self._utilization_seen[uuid]
+
     def _utilization(self, nvml, handle, uuid: str) -> tuple | None:
         """Each process's newest utilization sample since the last read: () when there is none
-        (no process has run on it since), None where NVML keeps none for this GPU."""
-        try:
-            found = nvml.nvmlDeviceGetProcessUtilization(handle, self._utilization_seen.get(uuid, 0))
-        except nvml.NVMLError_NotFound:
-            return ()
-        except (nvml.NVMLError_NotSupported, nvml.NVMLError_FunctionNotFound):
+        (no process has run on it since), None where NVML keeps none for this GPU (or fails)."""
+        import time
+
+        def samples():
+            try:
+                return nvml.nvmlDeviceGetProcessUtilization(handle, self._utilization_seen.get(uuid, 0))
+            except nvml.NVMLError_NotFound:
+                return ()  # no sample since the last read: nothing ran
+
+        # None: not supported, older than the call, or failing (a driver whose size query and
+        # answer disagree): no per-process figures for this GPU this time
+        found = self._optional(uuid, "per-process utilization", samples)
+        if found is None:
             return None
-        except nvml.NVMLError as e:
-            raise NvmlError(f"NVML: nvmlDeviceGetProcessUtilization: {e}") from None
+        latest = time.time_ns() // 1000 + FUTURE_SAMPLE_US
         newest = {}
         for s in found:
-            if s.pid not in newest or s.timeStamp >= newest[s.pid].timeStamp:
+            if s.timeStamp <= latest and (s.pid not in newest or s.timeStamp >= newest[s.pid].timeStamp):
                 newest[s.pid] = s
         if newest:
             self._utilization_seen[uuid] = max(s.timeStamp for s in newest.values())

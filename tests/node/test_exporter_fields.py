@@ -15,7 +15,8 @@ from servicecheck import ANNOTATIONS, Exporter, start_gpu_container, values
 from oci_gpu_hook.node import metrics
 from oci_gpu_hook.toolkit.simulate import control
 
-HOST = {"gpus": 2, "model": "h100", "nvlinks": "0+1", "mig": [1]}  # GPU 0 whole, GPU 1 in MIG mode
+# GPU 0 whole, with two NVLinks (its traffic is both links'), GPU 1 in MIG mode, GPU 2 whole
+HOST = {"gpus": 3, "model": "h100", "nvlinks": "0+1,0+2", "mig": [1]}
 pytestmark = [pytest.mark.host(**HOST, needs=("pynvml", "prometheus_client")),
               pytest.mark.usefixtures("fresh_nvml_values")]  # fmt: skip
 

@@ -230,3 +230,19 @@ def test_how_each_device_is_offered():
     offered = {dict(ls)["gpu"]: (dict(ls)["mechanism"], dict(ls)["replicas"], dict(ls)["resource"])
                for ls in labelsets(found, "oci_gpu_hook_gpu_sharing")}  # fmt: skip
     assert offered == {"0": ("time-sliced", "4", "nvidia.com/gpu"), "1": ("mig", "1", "nvidia.com/mig-1g.5gb")}
+
+
+def test_our_per_device_families_name_no_holder_but_carry_the_labels_empty():
+    """The XID counts, the sharing and the plugin's verdicts are the board's: while a pod holds the
+    GPU they name no pod (a count stays one series whoever holds it, so an XID that comes as its
+    pod goes is still an increase), and they carry the holder labels empty, so that honoured
+    labels do not give them the exporter pod's names. DCGM's own XID gauge names the holder."""
+    xids = metrics.XidCounts()
+    xids.record(GPU0.uuid, 48)
+    found = page([Sample(GPU0, {}, ())], [record("a", GPU0)], xids=xids, health={GPU0.uuid: None},
+                 sharing={GPU0.uuid: ("whole", 1, "nvidia.com/gpu")})  # fmt: skip
+    for name in ("oci_gpu_hook_gpu_xid_errors_total", "oci_gpu_hook_gpu_sharing", "oci_gpu_hook_gpu_health"):
+        for labels in labelsets(found, name):
+            assert (labels["pod"], labels["namespace"], labels["container"]) == ("", "", ""), (name, labels)
+    (gauge,) = labelsets(found, "DCGM_FI_DEV_XID_ERRORS")
+    assert gauge["pod"] == "pod-a"

@@ -26,23 +26,26 @@ def health_path(records_directory: str) -> str:
 def write_health(records_directory: str, health: dict) -> None:
     """The running plugin's {device uuid: None when healthy, else why not}, with its pid: a file
     only root can write (settings.write_trusted). Raises OSError."""
+    from oci_gpu_hook.start import pids
     from oci_gpu_hook.start.settings import write_trusted
 
-    doc = {"format": 1, "pid": os.getpid(), "devices": health}
+    # the pid and its start time: a process that reuses the pid later is not the plugin
+    doc = {"format": 1, "pid": os.getpid(), "pid_start": pids.start_ticks(os.getpid()), "devices": health}
     write_trusted(health_path(records_directory), json.dumps(doc, sort_keys=True).encode())
 
 
 def read_health(records_directory: str) -> dict:
-    """What write_health wrote, for the exporter; {} when no plugin runs (its pid is gone), or
-    when the file is not one the plugin wrote (settings.read_trusted: anyone else's verdicts)."""
+    """What write_health wrote, for the exporter; {} when the plugin that wrote it no longer runs
+    (its pid gone or reused), or when the file is not one the plugin wrote (settings.read_trusted:
+    anyone else's verdicts)."""
     from oci_gpu_hook.start import pids
     from oci_gpu_hook.start.settings import read_trusted
 
     try:
         doc = json.loads(read_trusted(health_path(records_directory), 1 << 20))
         devices = doc["devices"]
-        if pids.start_ticks(doc["pid"]) is None:
-            return {}  # that plugin has stopped: its verdicts ended with it
+        if not pids.is_same_process(doc["pid"], doc["pid_start"]):
+            return {}  # that plugin has stopped (its pid gone, or another process's now)
         if isinstance(devices, dict) and all(v is None or isinstance(v, str) for v in devices.values()):
             return {str(k): v for k, v in devices.items()}
     except (OSError, ValueError, KeyError, TypeError):

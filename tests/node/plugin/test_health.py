@@ -40,7 +40,7 @@ def test_a_file_anyone_else_wrote_is_no_verdict(tmp_path, require):
     assert health.read_health(records) == {}
 
 
-def test_a_stopped_plugins_verdicts_end_with_it(tmp_path, require):
+def test_a_stopped_plugins_verdicts_end_with_it_a_reused_pid_included(tmp_path, require):
     require("root")
     records = records_directory(tmp_path)
     gone = subprocess.Popen(["true"])
@@ -48,8 +48,12 @@ def test_a_stopped_plugins_verdicts_end_with_it(tmp_path, require):
     health.write_health(records, {UUID: "NVML does not list it"})
     with open(health.health_path(records)) as f:
         doc = json.load(f)
-    doc["pid"] = gone.pid
     from oci_gpu_hook.start.settings import write_trusted
 
-    write_trusted(health.health_path(records), json.dumps(doc).encode())
+    write_trusted(health.health_path(records), json.dumps(dict(doc, pid=gone.pid)).encode())
     assert health.read_health(records) == {}
+    # A live process on the plugin's pid that is not the plugin (a reused pid: another start time)
+    write_trusted(health.health_path(records), json.dumps(dict(doc, pid_start=doc["pid_start"] - 1)).encode())
+    assert health.read_health(records) == {}
+    write_trusted(health.health_path(records), json.dumps(doc).encode())
+    assert health.read_health(records) == {UUID: "NVML does not list it"}

@@ -142,8 +142,23 @@ def test_field_values_as_set_with_their_types_and_the_others_not_supported(hosts
         [RAW_TX, 0, 0, ULONGLONG, 0, 0],  # GPU 1 has the other end of the NVLink
         [RAW_RX, 0, 0, ULONGLONG, 0, 0],
     ]
-    # One counter per GPU: a link's scope reads it whole (the scope is handed back as given).
-    assert h100["scoped"] == [[RAW_TX, 3, 0, ULONGLONG, (1 << 40) + 5, 0], [RAW_RX, 0xFFFFFFFF, 0, ULONGLONG, 7, 0]]
+    # A link the GPU lacks (it has one, link 0) is refused; UINT_MAX, all links, is the total
+    # (the scope is handed back as given).
+    assert h100["scoped"] == [[RAW_TX, 3, INVALID_ARGUMENT, None, 0, 0], [RAW_RX, 0xFFFFFFFF, 0, ULONGLONG, 7, 0]]
+
+
+def test_nvlink_traffic_by_link_and_for_all_links(simulated_host):
+    """nvml.h: an NVLink field's scopeId names a link, UINT_MAX all of them summed. The control file
+    sets a GPU's total; its links share it evenly (the first take what does not divide)."""
+    host = simulated_host(model="h100", gpus=3, nvlinks="0+1,0+2")  # GPU 0: two links
+    try:
+        control.write(host["root"], {host["gpus"][0]["uuid"]: {"nvlink_raw_tx": 11, "nvlink_raw_rx": 4}})
+        found = nvml(host, FIELDS, f"r['f'] = fields(gpus[0], [({RAW_TX}, 0), ({RAW_TX}, 1), ({RAW_TX}, 0xFFFFFFFF), "
+                                   f"({RAW_RX}, 0), ({RAW_RX}, 0xFFFFFFFF), ({RAW_RX}, 2)])\n")  # fmt: skip
+    finally:
+        control.clear(host["root"])
+    assert [(f[1], f[2], f[4]) for f in found["f"]] == [
+        (0, 0, 6), (1, 0, 5), (0xFFFFFFFF, 0, 11), (0, 0, 2), (0xFFFFFFFF, 0, 4), (2, INVALID_ARGUMENT, 0)]  # fmt: skip
 
 
 def test_memory_temperature_only_on_hbm_models(hosts):

@@ -1076,7 +1076,10 @@ static nvmlReturn_t field_value(nvmlDevice_t device, nvmlFieldValue_t *field)
     case NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_RX:
         if (SIM_TOPOLOGY[gpu_number(device)].n_nvlinks == 0)
             return NVML_ERROR_NOT_SUPPORTED;
-        /* One counter per GPU, all its links together, whatever link scopeId names. */
+        /* scopeId names a link, or UINT_MAX all of them (nvml.h): the file sets the GPU's total,
+         * which its links share evenly (the first links take what does not divide). */
+        if (field->scopeId != 0xFFFFFFFFu && field->scopeId >= SIM_TOPOLOGY[gpu_number(device)].n_nvlinks)
+            return NVML_ERROR_INVALID_ARGUMENT;
         key = field->fieldId == NVML_FI_DEV_NVLINK_THROUGHPUT_RAW_TX ? L_NVLINK_TX : L_NVLINK_RX;
         break;
     default: return NVML_ERROR_NOT_SUPPORTED;
@@ -1084,6 +1087,10 @@ static nvmlReturn_t field_value(nvmlDevice_t device, nvmlFieldValue_t *field)
     if (device->mig) /* every field here is the board's */
         return NVML_ERROR_NOT_SUPPORTED;
     unsigned long long v = live_value(device, key, key == L_MEM_TEMP ? SIM_MEMORY_TEMP : 0);
+    if ((key == L_NVLINK_TX || key == L_NVLINK_RX) && field->scopeId != 0xFFFFFFFFu) {
+        unsigned links = SIM_TOPOLOGY[gpu_number(device)].n_nvlinks;
+        v = v / links + (field->scopeId < v % links ? 1 : 0);
+    }
     field->valueType = type;
     if (type == NVML_VALUE_TYPE_UNSIGNED_INT)
         field->value.uiVal = (unsigned)v;
