@@ -22,12 +22,13 @@ def free_port() -> int:
 
 class Exporter:
     def __init__(self, config: str, tmp_path, open_files: int | None = None, listen: str = "127.0.0.1",
-                 hostname: str | None = None):  # fmt: skip
+                 hostname: str | None = None, port: int | None = None):  # fmt: skip
         """open_files: the exporter's RLIMIT_NOFILE (soft and hard), to run it short of descriptors;
         listen: the host part of --listen ("" for every address); the tests connect to 127.0.0.1;
         hostname: the host name it sees (its Hostname label), in a UTS namespace of its own, as if
-        it ran on that node of a cluster (needs root)."""
-        self.port = free_port()
+        it ran on that node of a cluster (needs root); port: the one to listen on (a stopped
+        exporter's, to start it again where Prometheus scrapes it), else a free one."""
+        self.port = port or free_port()
         self.last_reply = None  # when the last page came: text() asks again only REUSE_SECONDS later
         self.log = open(tmp_path / f"exporter-{self.port}.log", "w+")
 
@@ -147,11 +148,15 @@ class Prometheus:
                 pytest.fail(f"Prometheus never gave {what}: {self.log.read()[-2000:]}")
             time.sleep(0.2)
 
-    def alerts(self) -> dict:
-        """{alert name: [its alerts' labels with their state]} as the rules evaluate now."""
+    def alerts(self, annotations: bool = False) -> dict:
+        """{alert name: [its alerts' labels with their state]} as the rules evaluate now; with
+        annotations, each also with "annotations": {name: the text its template rendered}."""
         found = {}
         for alert in self.api("alerts")["alerts"]:
-            found.setdefault(alert["labels"]["alertname"], []).append(dict(alert["labels"], state=alert["state"]))
+            shown = dict(alert["labels"], state=alert["state"])
+            if annotations:
+                shown["annotations"] = alert["annotations"]
+            found.setdefault(alert["labels"]["alertname"], []).append(shown)
         return found
 
     def stop(self):
