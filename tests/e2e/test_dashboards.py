@@ -235,9 +235,14 @@ TENSOR = 60  # % of GPM's tensor utilization on the H100 that the pod "llm" hold
 
 def node_config(host: dict, additions: dict, path) -> str:
     """The simulated host's config.yaml with the node's own keys: a file of the test's, so the
-    session's shared simulated host keeps its own configuration."""
+    session's shared simulated host keeps its own configuration. Its records directory is the
+    test's own too: the shared host's holds what other tests' containers left (a failed start
+    there would count among this cluster's)."""
     with open(f"{host['root']}/config.yaml") as f:
         text = f.read()
+    shared = f'records_directory: "{host["root"]}/containers"\n'
+    assert shared in text, "simulate's config.yaml names no records directory to replace"
+    text = text.replace(shared, f'records_directory: "{path.parent / (path.stem + "-records")}"\n')
     if additions.get("node"):
         assert "\nnode:\n" in text, "simulate's config.yaml has no node: section to add to"
         text = text.replace("\nnode:\n", "\nnode:\n" + "".join(f"  {line}\n" for line in additions["node"]))

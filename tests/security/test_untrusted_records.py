@@ -153,7 +153,7 @@ def test_a_planted_record_and_counts_are_not_on_the_exporters_page(by, host, vic
     if by == "the hook":
         assert pods and kills == [999]
         return
-    assert pods == [] and kills == []
+    assert pods == [] and kills == [0]  # the kill counter is on the page from the start, at 0: not the 999 planted
     assert (
         f"oci-gpu-hook exporter: {path}: not a record the hook wrote: owned by uid 0 with mode 0644: only a "
         f"file of uid {settings.CACHE_UID} that no one else may write is used; removed\n"
