@@ -96,10 +96,7 @@ def main():
                 utilization.append((gpu_uuid, proc.pid, 20, 10, 0, 0))
             values = {g["uuid"]: {"util_gpu": 50, "temperature": 60, "gpm_tensor_util": 40, "gpm_dram_util": 30}
                       for g in host["gpus"]}  # fmt: skip
-            try:
-                control.write(root, values, processes, process_utilization=utilization)
-            except TypeError:  # a simulator without per-process utilization
-                control.write(root, values, processes)
+            control.write(root, values, processes, process_utilization=utilization)
             config = os.path.join(root, "config.yaml")
             old_site = baseline_site(work)
             rounds = []
