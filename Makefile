@@ -43,13 +43,14 @@ lint: setup
 # The shared tools the end-to-end suites run are built in the background from the start (a cold
 # machine needs about 12 minutes for them), while lint and the other suites run; pytest runs the
 # end-to-end suites last (tests/conftest.py), and waits on a tool still being built. The node VM
-# boots in the background too, once lint passed, and stops if make does (tests/vmcheck.py):
-# tests/e2e/test_node_vm.py reads its run from build/node-vm.json (VMCHECK_BOOTED).
+# boots in the background too, once lint passed, each policy flavour in turn, and stops if make
+# does (tests/vmcheck.py): tests/e2e/test_node_vm.py reads its runs from build/node-vm.json (debian)
+# and build/node-vm-rhel.json (VMCHECK_BOOTED).
 test: setup
 	mkdir -p build
 	nice -n 10 $(PY) tests/toolbuild.py > build/tools.log 2>&1 &
 	$(MAKE) lint
-	rm -f build/node-vm.json build/node-vm.json.lock
+	rm -f build/node-vm*.json build/node-vm*.json.lock
 	$(PY) tests/vmcheck.py --for-pid $$PPID build/node-vm.json > build/node-vm.log 2>&1 &
 	VMCHECK_BOOTED=$(CURDIR)/build/node-vm.json $(VENV)/bin/pytest -q tests
 	cat build/tools.log build/node-vm.log
@@ -75,7 +76,8 @@ bench: setup
 
 # `make rpm`: the oci-gpu-hook (per architecture: the compiled pre-filter) and oci-gpu-hook-selinux
 # (noarch) RPMs from the working tree, with rpmbuild (Debian's works; see rpm/oci-gpu-hook.spec),
-# left in $(RPM_TOPDIR)/RPMS/<arch>/.
+# left in $(RPM_TOPDIR)/RPMS/<arch>/. SELINUX_HEADERS=DIR builds the module against another policy's
+# headers than this host's selinux-policy-devel (the spec's selinux_headers).
 RPM_SPEC := rpm/oci-gpu-hook.spec
 RPM_VERSION := $(shell awk '/^Version:/ {print $$2; exit}' $(RPM_SPEC))
 RPM_TOPDIR ?= $(CURDIR)/build/rpm
@@ -102,7 +104,8 @@ rpm:
 	tar -czf $(RPM_TOPDIR)/SOURCES/oci-gpu-hook-$(RPM_VERSION).tar.gz --sort=name --owner=0 --group=0 \
 		--exclude=__pycache__ --exclude='*.pyc' --exclude=tmp --exclude='*.pp' --exclude='*.pp.bz2' \
 		--transform 's,^,oci-gpu-hook-$(RPM_VERSION)/,S' $(RPM_SOURCES)
-	rpmbuild -bb --nodeps --quiet --define "_topdir $(RPM_TOPDIR)" $(RPM_SPEC)
+	rpmbuild -bb --nodeps --quiet --define "_topdir $(RPM_TOPDIR)" \
+		$(if $(SELINUX_HEADERS),--define "selinux_headers $(SELINUX_HEADERS)") $(RPM_SPEC)
 	@ls -1 $(RPM_TOPDIR)/RPMS/*/*.rpm
 
 clean:

@@ -95,3 +95,15 @@ def test_a_session_does_not_take_a_lock_that_is_still_held(tmp_path):
         with pytest.raises(vmcheck.VmError, match="did not finish within 3 s"):
             vmcheck.booted(result, NAMES, wait=3)
     assert os.path.exists(result)
+
+
+def test_each_flavour_boots_its_own_scenarios_and_writes_its_own_result():
+    """A scenario's `# flavours:` line keeps it to those flavours (the RPM and the boolean exist on
+    RHEL's policy alone); one without runs on both. Each flavour's background boot has a result
+    file of its own, so a session reads the first while the second boots."""
+    debian, rhel = vmcheck.scenarios("debian"), vmcheck.scenarios("rhel")
+    for only_rhel in ("rpm_selinux_package", "selinux_container_use_devices"):
+        assert only_rhel in rhel and only_rhel not in debian
+    assert set(debian) < set(rhel) and "podman_gpu_enforcing" in debian
+    assert vmcheck.result_of("/b/node-vm.json", "debian") == "/b/node-vm.json"
+    assert vmcheck.result_of("/b/node-vm.json", "rhel") == "/b/node-vm-rhel.json"

@@ -1,7 +1,7 @@
 """The tools the end-to-end suites run, built or fetched once per machine into their caches: the
 shared ones (../shared/tools: a kubelet, a Kubernetes control plane, CRI-O, NVIDIA's driver files,
 RHEL's policy headers) and the project's own (tests/tools/containerd17.sh: Debian 13's containerd
-1.7, for CDI; tests/vm/build-base.sh: the node VM's base image).
+1.7, for CDI; tests/vm/build-base.sh: the node VM's base images, of both policy flavours).
 
 One place for where each is cached and for the lock that keeps two builds of one tool apart, used
 by the harnesses (kubeletcheck.shared_tool) and by `make test`, which starts
@@ -34,12 +34,18 @@ TOOLS = {
     # containerd 1.7 (Debian 13's, fetched): the CDI answers on containerd (test_kubernetes_cdi_containerd)
     "containerd17": ("CONTAINERD17_CACHE", "/var/cache/oci-gpu-hook-containerd17", "containerd17.sh"),
     "kube": ("KUBE_CACHE", "/var/cache/oci-gpu-hook-kube", "build.sh"),
-    # the node VM's base image (tests/vmcheck.py), last: tests/e2e/test_node_vm.py comes late
+    # the node VM's base images (tests/vmcheck.py), last: tests/e2e/test_node_vm.py comes late.
+    # The rhel flavour's is made from the debian one's root, in the same cache, with Fedora's
+    # targeted policy built from ../shared/tools/selinux-rhel (its build-policy.sh, cached there).
     "node-vm": ("SEVM", "/var/cache/oci-gpu-hook-node-vm", "build-base.sh"),
+    "node-vm-rhel": ("SEVM", "/var/cache/oci-gpu-hook-node-vm", "build-base.sh"),
 }
+# the arguments a script gets after its cache
+ARGS = {"node-vm-rhel": ("rhel",)}
 # tools whose script is the project's own (tests/vm, tests/tools), not ../shared/tools'
 OWN_SCRIPTS = {
     "node-vm": os.path.join(REPO, "tests", "vm", "build-base.sh"),
+    "node-vm-rhel": os.path.join(REPO, "tests", "vm", "build-base.sh"),
     "containerd17": os.path.join(REPO, "tests", "tools", "containerd17.sh"),
 }
 WAIT_FOR_OTHERS = 1200  # seconds: a build started by hand, outside the lock
@@ -67,8 +73,8 @@ def build(tool: str) -> subprocess.CompletedProcess:
     with open(os.path.join(cache(tool), "build.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         shell = "bash" if tool in OWN_SCRIPTS else "sh"
-        return subprocess.run([shell, script(tool), cache(tool)], capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL)  # fmt: skip
+        return subprocess.run([shell, script(tool), cache(tool), *ARGS.get(tool, ())], capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL)  # fmt: skip
 
 
 def _runs_of(tool: str) -> list[int]:

@@ -84,8 +84,12 @@ SCENARIO_DIR = os.path.join(VM_DIR, "scenarios")
 SELFCHECK = os.path.join(VM_DIR, "selfcheck.sh")
 NAME = re.compile(r"^[a-z0-9_]+$")
 SIM_VERSIONS = {"gpuhost.tar": "550.54.15", "gpuhost-next.tar": "560.35.03"}
+# the base image's policy flavours (tests/vm/build-base.sh), in the order `make test` boots them;
+# VMCHECK_FLAVOURS (a comma list) narrows them
+FLAVOURS = ("debian", "rhel")
+BASE_TOOLS = {"debian": ("node-vm", "base"), "rhel": ("node-vm-rhel", "base-rhel")}
 BOOT_TIMEOUT = 3000  # seconds, the whole boot: a hang guard, never a speed check
-KEEP_RUNS = 3
+KEEP_RUNS = 4  # two sessions' boots, of both flavours
 BOOTED = "VMCHECK_BOOTED"  # the result file of a boot started in the background (make test)
 # seconds a session waits for the background boot's result: the tools it may wait on first (the
 # base image, CRI-O, the kubelet, built by tests/toolbuild.py meanwhile), then the boot; a hang guard
@@ -103,21 +107,34 @@ def cache() -> str:
     return toolbuild.cache("node-vm")
 
 
-def base() -> dict:
-    """The base image's files. The build script runs every time, under the build's lock (waiting
-    for a build in progress): its stamps make it a no-op unless its recipe changed."""
-    done = toolbuild.build("node-vm")
+def flavours() -> list:
+    """The flavours a session boots: FLAVOURS, or those VMCHECK_FLAVOURS names."""
+    wanted = [f for f in os.environ.get("VMCHECK_FLAVOURS", "").split(",") if f]
+    unknown = sorted(set(wanted) - set(FLAVOURS))
+    assert not unknown, f"VMCHECK_FLAVOURS: no flavour {unknown} (there are {FLAVOURS})"
+    return [f for f in FLAVOURS if f in wanted] if wanted else list(FLAVOURS)
+
+
+def base(flavour: str = "debian") -> dict:
+    """The flavour's base image files. The build script runs every time, under the build's lock
+    (waiting for a build in progress): its stamps make it a no-op unless its recipe changed."""
+    tool, folder = BASE_TOOLS[flavour]
+    done = toolbuild.build(tool)
     if done.returncode != 0:
-        raise VmError(f"the base image build failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-    out = os.path.join(cache(), "base")
+        raise VmError(f"the {flavour} base image build failed ({done.returncode}):\n"
+                      f"{done.stdout[-2000:]}{done.stderr[-3000:]}")  # fmt: skip
+    out = os.path.join(cache(), folder)
     return {name: os.path.join(out, name) for name in ("rootfs.img", "vmlinuz", "initrd.img")}
 
 
-def scenarios() -> list:
-    """The scenario names, in the order a boot runs them. VMCHECK_SCENARIOS (a comma list) narrows
-    them; an entry that is a path to a .sh file adds a scenario from outside tests/vm/scenarios
-    (one being written)."""
+def scenarios(flavour: str | None = None) -> list:
+    """The scenario names, in the order a boot runs them; with flavour, those that run on it (a
+    scenario's `# flavours:` line names them; without one it runs on all). VMCHECK_SCENARIOS (a
+    comma list) narrows them; an entry that is a path to a .sh file adds a scenario from outside
+    tests/vm/scenarios (one being written)."""
     names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(SCENARIO_DIR, "*.sh")))
+    if flavour:
+        names = [n for n in names if flavour in (_header(path(n), "flavours") or FLAVOURS)]
     wanted = [n for n in os.environ.get("VMCHECK_SCENARIOS", "").split(",") if n]
     for entry in wanted:
         if entry.endswith(".sh"):
@@ -139,22 +156,23 @@ def path(name: str) -> str:
     return _OUTSIDE.get(name) or os.path.join(SCENARIO_DIR, name + ".sh")
 
 
+def _header(file: str, key: str) -> list:
+    """The words of a scenario's `# KEY:` line ([] when it has none)."""
+    with open(file) as f:
+        for line in f:
+            if line.startswith(f"# {key}:"):
+                return line.split(":", 1)[1].split()
+    return []
+
+
 def proves(name: str) -> str:
     """What the scenario says it proves (its `# proves:` line)."""
-    with open(path(name)) as f:
-        for line in f:
-            if line.startswith("# proves:"):
-                return line.split(":", 1)[1].strip()
-    return ""
+    return " ".join(_header(path(name), "proves"))
 
 
 def needs(name: str) -> list:
     """The shared tools the scenario needs in the VM (its `# needs:` line: crio, kubelet)."""
-    with open(path(name)) as f:
-        for line in f:
-            if line.startswith("# needs:"):
-                return line.split(":", 1)[1].split()
-    return []
+    return _header(path(name), "needs")
 
 
 # tool: the programs of it a scenario gets in the payload's bin/ (what toolbuild.build prints: a
@@ -224,9 +242,24 @@ def _simulated_host(tar_path: str, version: str) -> None:
     _sh("unshare", "-m", "--propagation", "private", "sh", "-c", script, python, version, tar_path, cwd=REPO)
 
 
-def payload(directory: str, names) -> str:
-    """The payload tar for a boot that runs the scenarios names (in that order), built in
-    directory; returns its path."""
+def _selinux_rpm(directory: str, into: str) -> None:
+    """The oci-gpu-hook-selinux RPM as `make rpm` builds it, its module compiled against RHEL's
+    policy headers (../shared/tools/selinux-rhel, cached by toolbuild), for the rhel flavour."""
+    done = toolbuild.build("selinux-rhel")
+    headers = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
+    if not headers:
+        raise VmError(f"RHEL's policy headers: their build failed ({done.returncode}): {done.stderr[-2000:]}")
+    topdir = os.path.join(directory, "rpmbuild")
+    _sh("make", "-s", "rpm", f"RPM_TOPDIR={topdir}", f"SELINUX_HEADERS={headers}", cwd=REPO)
+    os.makedirs(into)
+    for rpm in glob.glob(os.path.join(topdir, "RPMS", "noarch", "oci-gpu-hook-selinux-*.rpm")):
+        shutil.copy(rpm, into)
+    shutil.rmtree(topdir)
+
+
+def payload(directory: str, names, flavour: str = "debian") -> str:
+    """The payload tar for a boot of the flavour's image that runs the scenarios names (in that
+    order), built in directory; returns its path."""
     stage = os.path.join(directory, "payload")
     os.makedirs(os.path.join(stage, "src"))
     listing = os.path.join(directory, "files")
@@ -251,6 +284,8 @@ def payload(directory: str, names) -> str:
             f.write("#!/bin/sh\nexec /bin/busybox sleep 1000000000\n")
         os.chmod(os.path.join(directory, "gpubox", "pause"), 0o755)
         _sh("tar", "-C", os.path.join(directory, "gpubox"), "-cf", os.path.join(stage, "pause.tar"), ".")
+    if flavour == "rhel":
+        _selinux_rpm(directory, os.path.join(stage, "rpms"))
     for name in ("guest.sh", "lib.sh", "setup.sh"):
         shutil.copy(os.path.join(VM_DIR, name), stage)
     os.makedirs(os.path.join(stage, "scenarios"))
@@ -321,19 +356,22 @@ class Run:
         return None
 
 
-def boot(names, timeout: int = BOOT_TIMEOUT, memory: int = 4096, abandoned=lambda: False) -> Run:
-    """Boot the base image once with this checkout and run the scenarios names in it. abandoned():
-    asked every few seconds while qemu runs; True stops it (no one waits for the run any more)."""
-    images = base()
+def boot(names, flavour: str = "debian", timeout: int = BOOT_TIMEOUT, memory: int = 4096,
+         abandoned=lambda: False) -> Run:  # fmt: skip
+    """Boot the flavour's base image once with this checkout and run the scenarios names in it.
+    abandoned(): asked every few seconds while qemu runs; True stops it (no one waits for the run
+    any more)."""
+    images = base(flavour)
     runs = os.path.join(cache(), "runs")
     os.makedirs(runs, exist_ok=True)
     # the newest KEEP_RUNS stay for a look; older ones go, unless a boot may still be using them
     for old in sorted(glob.glob(os.path.join(runs, "*")))[:-KEEP_RUNS]:
         if time.time() - os.path.getmtime(old) > BOOT_TIMEOUT + 600:
             shutil.rmtree(old, ignore_errors=True)
-    directory = os.path.join(runs, time.strftime("%Y%m%d-%H%M%S-") + hashlib.sha1(os.urandom(8)).hexdigest()[:6])
+    stamp = time.strftime("%Y%m%d-%H%M%S-") + hashlib.sha1(os.urandom(8)).hexdigest()[:6]
+    directory = os.path.join(runs, f"{stamp}-{flavour}")
     os.makedirs(directory)
-    disk = payload(directory, names)
+    disk = payload(directory, names, flavour)
     results = os.path.join(directory, "results.img")
     with open(results, "wb") as f:
         f.truncate(256 << 20)
@@ -384,27 +422,39 @@ def boot(names, timeout: int = BOOT_TIMEOUT, memory: int = 4096, abandoned=lambd
 _SESSION: dict = {}
 
 
-def session_run() -> Run:
-    """One boot per pytest session, with the harness's self-check first and every scenario: the
-    one `make test` started in the background when VMCHECK_BOOTED names its result file, else one
-    of the session's own. A boot that failed is not tried again: every test reports the same
-    failure."""
-    if "run" not in _SESSION:
-        names = ["selfcheck", *scenarios()]
+def session_run(flavour: str = "debian") -> Run:
+    """One boot of each flavour per pytest session, with the harness's self-check first and every
+    scenario of the flavour: the one `make test` started in the background when VMCHECK_BOOTED
+    names its result file, else one of the session's own. A boot that failed is not tried again:
+    every test of that flavour reports the same failure."""
+    if flavour not in _SESSION:
+        names = ["selfcheck", *scenarios(flavour)]
         try:
-            _SESSION["run"] = booted(os.environ[BOOTED], names) if os.environ.get(BOOTED) else boot(names)
+            if os.environ.get(BOOTED):
+                _SESSION[flavour] = booted(result_of(os.environ[BOOTED], flavour), names, flavour=flavour)
+            else:
+                _SESSION[flavour] = boot(names, flavour)
         except VmError as e:
-            _SESSION["run"] = e
-    if isinstance(_SESSION["run"], VmError):
-        raise _SESSION["run"]
-    return _SESSION["run"]
+            _SESSION[flavour] = e
+    if isinstance(_SESSION[flavour], VmError):
+        raise _SESSION[flavour]
+    return _SESSION[flavour]
+
+
+def result_of(result: str, flavour: str) -> str:
+    """The result file of the flavour's background boot: RESULT's name with the flavour in it
+    (build/node-vm.json: build/node-vm-rhel.json), RESULT itself for debian."""
+    if flavour == "debian":
+        return result
+    stem, extension = os.path.splitext(result)
+    return f"{stem}-{flavour}{extension}"
 
 
 def _log_of(result: str) -> str:
     return os.path.splitext(result)[0] + ".log"
 
 
-def booted(result: str, names, wait: float = BACKGROUND_WAIT) -> Run:
+def booted(result: str, names, wait: float = BACKGROUND_WAIT, flavour: str = "debian") -> Run:
     """The run of the background boot whose result file is result, once it has finished (its lock
     free). A boot of other scenarios than names (VMCHECK_SCENARIOS changed since) is not this
     session's: it boots its own."""
@@ -431,7 +481,7 @@ def booted(result: str, names, wait: float = BACKGROUND_WAIT) -> Run:
     except (OSError, ValueError) as e:
         raise VmError(f"the background boot ended without a result ({e}); its log: {_log_of(result)}") from None
     if doc.get("names") != list(names):
-        return boot(names)
+        return boot(names, flavour)
     if "error" in doc:
         raise VmError(doc["error"])
     return Run(doc["directory"], names, doc["qemu_rc"], doc["wall"])
@@ -448,34 +498,46 @@ def _alive(pid: int) -> bool:
 
 
 def main(argv) -> int:
-    """The background boot: boot once with every scenario (VMCHECK_SCENARIOS narrows them, as for
-    pytest), write the run, or why there is none, to RESULT; booted() reads it."""
+    """The background boots: one of each flavour (VMCHECK_FLAVOURS narrows them), in turn, with
+    every scenario of it (VMCHECK_SCENARIOS narrows them, as for pytest); each writes its run, or
+    why there is none, to its result file (result_of(RESULT, flavour)); booted() reads it. A
+    flavour's result is there as soon as its boot ended: a session reads the first while the
+    second boots."""
     parser = argparse.ArgumentParser(prog="vmcheck.py", description=main.__doc__)
     parser.add_argument("result", help="the JSON file to write the run to (its lock beside it, RESULT.lock)")
     parser.add_argument("--for-pid", type=int, help="stop qemu if this process (make) ends first")
     args = parser.parse_args(argv)
     result = os.path.abspath(args.result)
     os.makedirs(os.path.dirname(result), exist_ok=True)
-    # The lock file appears already locked: a session that finds it unlocked finds a result too.
-    made = f"{result}.lock.{os.getpid()}"
-    lock = open(made, "w")
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    os.rename(made, result + ".lock")
-    names = ["selfcheck", *scenarios()]
-    started = time.monotonic()
-    try:
-        run = boot(names, abandoned=lambda: args.for_pid is not None and not _alive(args.for_pid))
-        doc = {"names": names, "directory": run.directory, "qemu_rc": run.qemu_rc, "wall": run.wall}
-    except VmError as e:
-        doc = {"names": names, "error": str(e)}
-    except Exception:  # a session must hear of any failure, never find no result
-        doc = {"names": names, "error": f"the background boot failed:\n{traceback.format_exc()}"}
-    with open(result + ".tmp", "w") as f:
-        json.dump(doc, f)
-    os.rename(result + ".tmp", result)
-    took = time.monotonic() - started
-    print(f"vmcheck: {doc.get('error') or 'booted, results in ' + doc['directory']} ({took:.0f} s)", flush=True)
-    lock.close()
+    # Every lock file appears already locked, all of them before the first boot: a session that
+    # finds one unlocked finds its result too.
+    locks = {}
+    for flavour in flavours():
+        made = f"{result_of(result, flavour)}.lock.{os.getpid()}"
+        locks[flavour] = open(made, "w")
+        fcntl.flock(locks[flavour], fcntl.LOCK_EX)
+        os.rename(made, result_of(result, flavour) + ".lock")
+    gone = lambda: args.for_pid is not None and not _alive(args.for_pid)  # noqa: E731
+    for flavour, lock in locks.items():
+        names = ["selfcheck", *scenarios(flavour)]
+        started = time.monotonic()
+        try:
+            if gone():
+                raise VmError("stopped: the make that started this boot is gone")
+            run = boot(names, flavour, abandoned=gone)
+            doc = {"names": names, "directory": run.directory, "qemu_rc": run.qemu_rc, "wall": run.wall}
+        except VmError as e:
+            doc = {"names": names, "error": str(e)}
+        except Exception:  # a session must hear of any failure, never find no result
+            doc = {"names": names, "error": f"the background boot failed:\n{traceback.format_exc()}"}
+        out = result_of(result, flavour)
+        with open(out + ".tmp", "w") as f:
+            json.dump(doc, f)
+        os.rename(out + ".tmp", out)
+        took = time.monotonic() - started
+        print(f"vmcheck: {flavour}: {doc.get('error') or 'booted, results in ' + doc['directory']} ({took:.0f} s)",
+              flush=True)  # fmt: skip
+        lock.close()
     return 0
 
 

@@ -4,6 +4,8 @@
 #   $SIM    the simulated GPU host standing in for the driver (config.yaml points the hook at it)
 #   $HOOK   the installed oci-gpu-hook command (the venv's, as a user installs it)
 #   $FC     the policy's file_contexts
+#   $FLAVOUR  the image's policy: debian (refpolicy `default`) or rhel (Fedora's `targeted` with
+#           container-selinux); tests/vm/build-base.sh says what each is
 #   run CMD...           print the command, run it, print its exit status and time; returns it
 #   fail MESSAGE         print "FAIL: MESSAGE" and end the scenario with exit status 1
 #   expect TEXT FILE|-   fail unless the file (or stdin) holds a line containing TEXT
@@ -23,7 +25,9 @@
 P=/opt/vmcheck
 SIM=/srv/gpuhost
 HOOK=/usr/local/bin/oci-gpu-hook
-FC=/etc/selinux/default/contexts/files/file_contexts
+POLICY_NAME=$(sed -n 's/^SELINUXTYPE=//p' /etc/selinux/config)
+FC=/etc/selinux/$POLICY_NAME/contexts/files/file_contexts
+case $POLICY_NAME in targeted) FLAVOUR=rhel ;; *) FLAVOUR=debian ;; esac
 export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LC_ALL=C HOME=/root
 
 run() {

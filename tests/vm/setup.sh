@@ -1,6 +1,7 @@
 # The set-up every scenario starts from, as a user does it on a GPU host (docs/toolkit.md, "Typical
 # sequence"; selinux/README.md): the package into a venv from wheels (the VM has no network), the
-# SELinux module built with the devel Makefile and loaded with `semodule -i`, then `oci-gpu-hook
+# SELinux module (debian: built with the devel Makefile and loaded with `semodule -i`; rhel: the
+# oci-gpu-hook-selinux RPM installed with rpm), then `oci-gpu-hook
 # install --runtime podman` (no --root, no test-only flags), daemon-reload, the refresh units
 # enabled, doctor. The one stand-in is the driver: the simulated GPU host in $SIM, labelled as a
 # real host's files are, with /etc/oci-gpu-hook/config.yaml pointing the hook at it, and
@@ -18,11 +19,20 @@ printf 'driver_root: %s\ndev_root: %s\nproc_root: %s\n' "$SIM" "$SIM" "$SIM" > /
 run mount -t tmpfs -o mode=0755 vmcheck-driver /proc/driver
 mkdir -p /proc/driver/nvidia && cp "$SIM/proc/driver/nvidia/version" /proc/driver/nvidia/version
 
-# the SELinux module, as selinux/README.md says to build and load it
-rm -rf /root/selinux && cp -r "$P/src/selinux" /root/selinux
+# the SELinux module. debian: as selinux/README.md says to build and load it. rhel: as RHEL installs
+# it, the oci-gpu-hook-selinux package (`make rpm`, its module built against RHEL's headers) with
+# rpm, whose %post loads it at priority 200. --nodeps: this rpm database knows none of the packages
+# it requires (selinux-policy-targeted, container-selinux), whose files the image has.
 t=$(date +%s)
-run make -s -C /root/selinux -f /usr/share/selinux/devel/Makefile oci_gpu_hook.pp
-run semodule -i /root/selinux/oci_gpu_hook.pp
+if [ "$FLAVOUR" = rhel ]; then
+    semodule -l > /root/modules-before-rpm
+    run rpm -i --nodeps "$P"/rpms/oci-gpu-hook-selinux-*.noarch.rpm
+    semodule --list-modules=full | grep -a -E '^200 +oci_gpu_hook ' || { echo "the package did not load the module at priority 200"; exit 1; }
+else
+    rm -rf /root/selinux && cp -r "$P/src/selinux" /root/selinux
+    run make -s -C /root/selinux -f /usr/share/selinux/devel/Makefile oci_gpu_hook.pp
+    run semodule -i /root/selinux/oci_gpu_hook.pp
+fi
 echo "module built and loaded in $(( $(date +%s) - t )) s"
 semodule -l | grep -w oci_gpu_hook
 
