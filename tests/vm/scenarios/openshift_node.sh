@@ -34,25 +34,31 @@ echo '{"default": [{"type": "insecureAcceptAnything"}]}' > /etc/crio/policy.json
 # Debian's policy: a service's runc is container_engine_t and may not start containers
 # (shared/tools/node-vm/README.md); the daemons run where an administrator's shell does. An
 # /etc/init.d path is initrc_exec_t: systemd starts it in initrc_t, which may change to that.
-for d in crio kubelet; do
-    printf '#!/bin/sh\nexec runcon unconfined_u:unconfined_r:unconfined_t:s0-s0:c0.c1023 "$@"\n' > /etc/init.d/vmcheck-$d
-    chmod 0755 /etc/init.d/vmcheck-$d
-done
-restorecon -F /etc/init.d/vmcheck-crio /etc/init.d/vmcheck-kubelet
-cat > /etc/systemd/system/crio.service <<'UNIT'
+# RHEL's policy: systemd starts each program in its own domain, as on an OpenShift node
+# (container-selinux labels them): CRI-O in container_runtime_t, the kubelet in kubelet_t.
+launch_crio="" launch_kubelet=""
+if [ "$FLAVOUR" = debian ]; then
+    for d in crio kubelet; do
+        printf '#!/bin/sh\nexec runcon unconfined_u:unconfined_r:unconfined_t:s0-s0:c0.c1023 "$@"\n' > /etc/init.d/vmcheck-$d
+        chmod 0755 /etc/init.d/vmcheck-$d
+    done
+    restorecon -F /etc/init.d/vmcheck-crio /etc/init.d/vmcheck-kubelet
+    launch_crio="/etc/init.d/vmcheck-crio " launch_kubelet="/etc/init.d/vmcheck-kubelet "
+fi
+cat > /etc/systemd/system/crio.service <<UNIT
 [Unit]
 Description=CRI-O (vmcheck)
 [Service]
-ExecStart=/etc/init.d/vmcheck-crio /usr/local/bin/crio
+ExecStart=${launch_crio}/usr/local/bin/crio
 Delegate=yes
 KillMode=process
 UNIT
-cat > /etc/systemd/system/kubelet.service <<'UNIT'
+cat > /etc/systemd/system/kubelet.service <<UNIT
 [Unit]
 Description=kubelet (vmcheck)
 After=crio.service
 [Service]
-ExecStart=/etc/init.d/vmcheck-kubelet /usr/local/bin/kubelet --container-runtime-endpoint=unix:///var/run/crio/crio.sock --cgroup-driver=systemd --fail-swap-on=false --pod-manifest-path=/etc/kubernetes/manifests --file-check-frequency=5s --anonymous-auth=true --authentication-token-webhook=false --authorization-mode=AlwaysAllow --address=127.0.0.1 --healthz-bind-address=127.0.0.1 --make-iptables-util-chains=false --eviction-hard=memory.available<100Mi,nodefs.available<1%,imagefs.available<1% --image-gc-high-threshold=100 --image-gc-low-threshold=99 --v=2
+ExecStart=${launch_kubelet}/usr/local/bin/kubelet --container-runtime-endpoint=unix:///var/run/crio/crio.sock --cgroup-driver=systemd --fail-swap-on=false --pod-manifest-path=/etc/kubernetes/manifests --file-check-frequency=5s --anonymous-auth=true --authentication-token-webhook=false --authorization-mode=AlwaysAllow --address=127.0.0.1 --healthz-bind-address=127.0.0.1 --make-iptables-util-chains=false --eviction-hard=memory.available<100Mi,nodefs.available<1%,imagefs.available<1% --image-gc-high-threshold=100 --image-gc-low-threshold=99 --v=2
 UNIT
 run systemctl daemon-reload
 run systemctl start crio.service
@@ -60,6 +66,12 @@ wait_for 180 test -S /var/run/crio/crio.sock || { journalctl -u crio --no-pager 
 printf 'runtime-endpoint: unix:///var/run/crio/crio.sock\nimage-endpoint: unix:///var/run/crio/crio.sock\n' > /etc/crictl.yaml
 crictl() { /usr/local/bin/crictl "$@"; }
 run systemctl start kubelet.service
+domain_of() { ps -o label= -p "$(prop "$1" MainPID)"; }
+echo "crio: $(domain_of crio.service); kubelet: $(domain_of kubelet.service)"
+if [ "$FLAVOUR" = rhel ]; then
+    domain_of crio.service | grep -q ':container_runtime_t:' || fail "CRI-O does not run in container_runtime_t"
+    domain_of kubelet.service | grep -q ':kubelet_t:' || fail "the kubelet does not run in kubelet_t"
+fi
 
 # after the probe, the container opens its GPU nodes every 2 s, one line each
 LOOP='while true; do /bin/busybox sleep 2; for d in /dev/nvidiactl /dev/nvidia0; do err=$(head -c1 $d 2>&1 >/dev/null); echo "loop $d $(classify "$err")"; done; done'
@@ -136,7 +148,7 @@ still_gpu() {  # $1: what happened; the loop's last lines, then a fresh exec
         grep -q "loop $d \(ENXIO\|ENODEV\)-allowed" /tmp/pod.loop || die "the running pod lost $d after $1"
     done
     # the exec's output goes to a file in the container, read here through its pid's root: a
-    # gpu_container_t process may not write to CRI-O's pipes (unconfined_t here), and crictl
+    # gpu_container_t process may not write to CRI-O's pipes (unconfined_t on Debian), and crictl
     # gives an exec a tty only with -i
     rm -f "/proc/$pid/root/vmcheck-exec.out"
     crictl exec "$cid" /bin/sh -c "{ $GPU_PROBE
