@@ -97,13 +97,19 @@ def test_a_session_does_not_take_a_lock_that_is_still_held(tmp_path):
     assert os.path.exists(result)
 
 
-def test_each_flavour_boots_its_own_scenarios_and_writes_its_own_result():
+def test_each_flavour_boots_its_own_scenarios_and_writes_its_own_result(monkeypatch):
     """A scenario's `# flavours:` line keeps it to those flavours (the RPM and the boolean exist on
     RHEL's policy alone); one without runs on both. Each flavour's background boot has a result
-    file of its own, so a session reads the first while the second boots."""
+    file of its own, and their errors name the one log they share."""
+    monkeypatch.delenv("VMCHECK_SCENARIOS", raising=False)
+    monkeypatch.delenv("VMCHECK_FLAVOURS", raising=False)
     debian, rhel = vmcheck.scenarios("debian"), vmcheck.scenarios("rhel")
     for only_rhel in ("rpm_selinux_package", "selinux_container_use_devices"):
         assert only_rhel in rhel and only_rhel not in debian
     assert set(debian) < set(rhel) and "podman_gpu_enforcing" in debian
     assert vmcheck.result_of("/b/node-vm.json", "debian") == "/b/node-vm.json"
     assert vmcheck.result_of("/b/node-vm.json", "rhel") == "/b/node-vm-rhel.json"
+    assert vmcheck._log_of("/b/node-vm-rhel.json") == vmcheck._log_of("/b/node-vm.json") == "/b/node-vm.log"
+    # narrowed to a scenario of one flavour, a session boots that flavour alone
+    monkeypatch.setenv("VMCHECK_SCENARIOS", "rpm_selinux_package")
+    assert vmcheck.flavours() == ["rhel"] and vmcheck.scenarios("rhel") == ["rpm_selinux_package"]

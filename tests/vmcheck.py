@@ -1,8 +1,11 @@
-"""A real node in a VM (issue 38): systemd as PID 1, unified cgroup2 and SELinux enforcing, which
-no machine here has. The harness boots a cached Debian 12 base image under qemu (TCG: this
+"""A real node in a VM (issues 38 and 50): systemd as PID 1, unified cgroup2 and SELinux enforcing,
+which no machine here has. The harness boots a cached Debian 12 base image under qemu (TCG: this
 machine's /dev/kvm is a nested PVM that cannot run a stock kernel) with this checkout as a payload
 on a second disk, runs named scenarios in one boot, and brings back their results and the audit
-log. tests/e2e/test_node_vm.py has a test per scenario.
+log. The image comes in two policy flavours (FLAVOURS; tests/vm/build-base.sh): debian
+(refpolicy `default`, $SEVM/base) and rhel (Fedora's targeted policy with container-selinux,
+$SEVM/base-rhel); each is booted once per session. tests/e2e/test_node_vm.py has a test per
+scenario and flavour.
 
 How to add a scenario
 ---------------------
@@ -15,7 +18,9 @@ service), with SELinux enforcing. Its first lines say what it proves and its tim
     # proves: gpu_container_t gets its GPU under enforcing; container_t none
     # timeout: 300
 
-It passes when it exits 0; `fail MESSAGE` ends it. Its output, its exit status, its time and
+A scenario that means something on one policy alone says which (`# flavours: rhel`); without that
+line it runs on both, and $FLAVOUR (lib.sh) tells it where it runs. It passes when it exits 0;
+`fail MESSAGE` ends it. Its output, its exit status, its time and
 the AVC/SELINUX_ERR records logged while it ran are brought back; a failing test shows them and
 the serial console's tail. A scenario may also assert that it caused no denial: `no_denials`
 (lib.sh) fails on any logged since it started. Scenarios run in name order, after the common
@@ -29,10 +34,10 @@ programs then come in the payload's bin/ (and CRI-O's pause image as pause.tar).
 
 The pieces
 ----------
-- tests/vm/build-base.sh: the base image (packages, refpolicy + container module, a boot unit that
-  runs the payload), cached in $SEVM (default /var/cache/oci-gpu-hook-node-vm)/base; about 10
-  minutes once per machine, in the background of `make test` (tests/toolbuild.py). Nothing of the
-  checkout is in it, so no project change rebuilds it.
+- tests/vm/build-base.sh: the base images (packages, the flavour's policy, a boot unit that runs
+  the payload), cached in $SEVM (default /var/cache/oci-gpu-hook-node-vm)/base and base-rhel;
+  about 10 minutes, and 5 more for rhel, once per machine, in the background of `make test`
+  (tests/toolbuild.py). Nothing of the checkout is in them, so no project change rebuilds them.
 - payload(): the checkout's files (git ls-files: tracked and untracked-not-ignored), wheels of the
   package and its dependencies (the VM has no network; dependency wheels cached in $SEVM/wheels),
   two simulated GPU hosts built at host speed (driver 550.54.15 and, for a driver update,
@@ -46,14 +51,18 @@ its output and its denial come back.
 
 Time (2 cores, shared with other work, TCG): the base image 185 s once per machine; then per
 session the payload 5-20 s, boot to the guest 35-70 s, the set-up 145-280 s (a venv 40 s,
-`semodule -i` 40-85 s), a GPU `podman run` 4-8 s, the whole boot 6-11 minutes.
+`semodule -i` 40-85 s), a GPU `podman run` 4-8 s, the whole boot 6-11 minutes; the rhel
+flavour's set-up 126-164 s (the RPM's `semodule` relinks 422 modules) and its whole boot 17 minutes.
+On rhel the payload also carries the oci-gpu-hook-selinux RPM (`make rpm SELINUX_HEADERS=`: the
+module compiled against RHEL's policy headers, ../shared/tools/selinux-rhel).
 
 In the background of `make test`
 --------------------------------
 The boot touches nothing of the host's mount table, cgroups or /dev, so `make test` starts it at
 once (`python3 tests/vmcheck.py --for-pid MAKE'S_PID build/node-vm.json`), beside the other suites,
-instead of when pytest reaches tests/e2e/test_node_vm.py. That process writes its run (or why there
-is none) to build/node-vm.json, holding build/node-vm.json.lock while it works, and stops qemu if
+instead of when pytest reaches tests/e2e/test_node_vm.py. That process boots each flavour in turn
+and writes each run (or why there is none) to the flavour's file (build/node-vm.json for debian,
+build/node-vm-rhel.json for rhel: result_of()), holding FILE.lock while it works, and stops qemu if
 make is gone (an interrupted `make test`). pytest, told the file by VMCHECK_BOOTED, waits for it
 (booted()) and its tests read that run as they would their own boot's. Without VMCHECK_BOOTED (pytest
 run by hand) the session boots when its first test asks, as before.
@@ -108,11 +117,15 @@ def cache() -> str:
 
 
 def flavours() -> list:
-    """The flavours a session boots: FLAVOURS, or those VMCHECK_FLAVOURS names."""
+    """The flavours a session boots: FLAVOURS, or those VMCHECK_FLAVOURS names; where
+    VMCHECK_SCENARIOS narrows the scenarios, only the flavours that run one of them."""
     wanted = [f for f in os.environ.get("VMCHECK_FLAVOURS", "").split(",") if f]
     unknown = sorted(set(wanted) - set(FLAVOURS))
     assert not unknown, f"VMCHECK_FLAVOURS: no flavour {unknown} (there are {FLAVOURS})"
-    return [f for f in FLAVOURS if f in wanted] if wanted else list(FLAVOURS)
+    chosen = [f for f in FLAVOURS if f in wanted] if wanted else list(FLAVOURS)
+    if os.environ.get("VMCHECK_SCENARIOS"):
+        chosen = [f for f in chosen if scenarios(f)]
+    return chosen
 
 
 def base(flavour: str = "debian") -> dict:
@@ -133,17 +146,25 @@ def scenarios(flavour: str | None = None) -> list:
     comma list) narrows them; an entry that is a path to a .sh file adds a scenario from outside
     tests/vm/scenarios (one being written)."""
     names = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(SCENARIO_DIR, "*.sh")))
-    if flavour:
-        names = [n for n in names if flavour in (_header(path(n), "flavours") or FLAVOURS)]
     wanted = [n for n in os.environ.get("VMCHECK_SCENARIOS", "").split(",") if n]
     for entry in wanted:
         if entry.endswith(".sh"):
             _OUTSIDE[os.path.basename(entry)[:-3]] = os.path.abspath(entry)
     bad = [n for n in names + list(_OUTSIDE) if not NAME.match(n)]
     assert not bad, f"scenario names must be lower case, digits and underscores: {bad}"
-    if not wanted:
-        return names
-    return [n for n in names if n in wanted] + sorted(_OUTSIDE)
+    if wanted:
+        names = [n for n in names if n in wanted] + sorted(_OUTSIDE)
+    if flavour:
+        names = [n for n in names if flavour in _flavours_of(n)]
+    return names
+
+
+def _flavours_of(name: str) -> tuple:
+    """The flavours a scenario runs on: its `# flavours:` line, else all."""
+    named = _header(path(name), "flavours")
+    unknown = sorted(set(named) - set(FLAVOURS))
+    assert not unknown, f"{path(name)}: no flavour {unknown} (there are {FLAVOURS})"
+    return tuple(named) or FLAVOURS
 
 
 _OUTSIDE: dict = {}  # name: path, of the scenarios VMCHECK_SCENARIOS names by path
@@ -251,9 +272,11 @@ def _selinux_rpm(directory: str, into: str) -> None:
         raise VmError(f"RHEL's policy headers: their build failed ({done.returncode}): {done.stderr[-2000:]}")
     topdir = os.path.join(directory, "rpmbuild")
     _sh("make", "-s", "rpm", f"RPM_TOPDIR={topdir}", f"SELINUX_HEADERS={headers}", cwd=REPO)
+    made = glob.glob(os.path.join(topdir, "RPMS", "noarch", "oci-gpu-hook-selinux-*.rpm"))
+    if len(made) != 1:
+        raise VmError(f"make rpm made {len(made)} oci-gpu-hook-selinux packages, not one: {made}")
     os.makedirs(into)
-    for rpm in glob.glob(os.path.join(topdir, "RPMS", "noarch", "oci-gpu-hook-selinux-*.rpm")):
-        shutil.copy(rpm, into)
+    shutil.copy(made[0], into)
     shutil.rmtree(topdir)
 
 
@@ -444,14 +467,19 @@ def session_run(flavour: str = "debian") -> Run:
 def result_of(result: str, flavour: str) -> str:
     """The result file of the flavour's background boot: RESULT's name with the flavour in it
     (build/node-vm.json: build/node-vm-rhel.json), RESULT itself for debian."""
-    if flavour == "debian":
+    if flavour == FLAVOURS[0]:
         return result
     stem, extension = os.path.splitext(result)
     return f"{stem}-{flavour}{extension}"
 
 
 def _log_of(result: str) -> str:
-    return os.path.splitext(result)[0] + ".log"
+    """The background boots' log (make test's build/node-vm.log), from any flavour's result file."""
+    stem = os.path.splitext(result)[0]
+    for flavour in FLAVOURS[1:]:  # result_of: the first flavour's file has no suffix
+        if stem.endswith("-" + flavour):
+            stem = stem[: -len(flavour) - 1]
+    return stem + ".log"
 
 
 def booted(result: str, names, wait: float = BACKGROUND_WAIT, flavour: str = "debian") -> Run:
@@ -501,8 +529,8 @@ def main(argv) -> int:
     """The background boots: one of each flavour (VMCHECK_FLAVOURS narrows them), in turn, with
     every scenario of it (VMCHECK_SCENARIOS narrows them, as for pytest); each writes its run, or
     why there is none, to its result file (result_of(RESULT, flavour)); booted() reads it. A
-    flavour's result is there as soon as its boot ended: a session reads the first while the
-    second boots."""
+    flavour's result is there as soon as its boot ended, so a session's tests of the first
+    flavour need not wait for the second's boot."""
     parser = argparse.ArgumentParser(prog="vmcheck.py", description=main.__doc__)
     parser.add_argument("result", help="the JSON file to write the run to (its lock beside it, RESULT.lock)")
     parser.add_argument("--for-pid", type=int, help="stop qemu if this process (make) ends first")

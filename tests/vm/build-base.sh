@@ -103,9 +103,8 @@ stage_policy_debian() {
     mounts_down
 }
 
-# The root of the rhel flavour: the debian flavour's, whole (the same packages), built first.
+# The root of the rhel flavour: the debian flavour's, whole (the same packages), built just before.
 stage_copy() {
-    VMCHECK_UNSHARED=1 bash "$0" "$SEVM" debian >&2
     rm -rf "$ROOT"; mkdir -p "$BASE"
     cp -a --reflink=auto "$SEVM/base/root" "$ROOT"
 }
@@ -124,11 +123,11 @@ stage_policy_rhel() {
     rm -rf "$ROOT/etc/selinux/targeted" "$ROOT/var/lib/selinux/targeted"
     # shellcheck disable=SC2046
     semodule -p "$ROOT" -s targeted -n -X 100 -i "$pp/base.pp" $(ls "$pp"/*.pp | grep -v '/base\.pp$')
-    semodule -p "$ROOT" -s targeted -l | grep -qw container
+    semodule -p "$ROOT" -s targeted -l | grep -w container >/dev/null
     # libsemanage makes the directories it creates root's alone (0700); RHEL's packages ship them
     # 0755, and services that are not root read them (dbus-daemon its dbus_contexts)
     find "$ROOT/etc/selinux/targeted" -type d -exec chmod 0755 {} +
-    src=$(mktemp -d); conf=$src/selinux-policy/config
+    src=$BASE/policy-src; rm -rf "$src"; mkdir -p "$src"; conf=$src/selinux-policy/config  # in the cache: no leftover in /tmp on failure
     tar -xJf "$RHEL_TOOL/src.tar.xz" -C "$src" ./selinux-policy/config ./SOURCES
     local ctx=$ROOT/etc/selinux/targeted/contexts f
     mkdir -p "$ctx/users" "$ctx/files"
@@ -235,6 +234,11 @@ stamp_of() {
 
 mkdir -p "$BASE"
 trap mounts_down EXIT
+# the rhel root is a copy of the debian one's: that one first (a no-op when it is built), so that
+# the copy's stamp reads the debian stamps it is copied with
+if [ "$FLAVOUR" = rhel ]; then
+    VMCHECK_UNSHARED=1 bash "$0" "$SEVM" debian >&2
+fi
 rebuild=""
 for s in $STAGES; do
     want=$(stamp_of "$s")

@@ -1,8 +1,9 @@
 #!/bin/bash
 # Runs inside the node VM at boot (the base image's vmcheck.service unpacked the payload into
-# /opt/vmcheck and started this in initrc_t), with SELinux enforcing and systemd as PID 1.
-# Set-up as a user does it (a venv from the payload's wheels, the SELinux module built with the
-# devel Makefile and loaded with `semodule -i`, `oci-gpu-hook install`), then each scenario named
+# /opt/vmcheck and started this: in initrc_t on the debian flavour, in an administrator's
+# unconfined_t on the rhel one), with SELinux enforcing and systemd as PID 1.
+# Set-up as a user does it (tests/vm/setup.sh: a venv from the payload's wheels, the SELinux
+# module, `oci-gpu-hook install`), then each scenario named
 # in scenarios.list, in that order, then the results as a tar stream onto /dev/vdc.
 # Results: setup/ and scenarios/NAME/ each with rc, seconds, output.log, avc.log; audit.log,
 # journal.log, oci-gpu-hook.log (the console is the serial log). tests/vmcheck.py reads them.

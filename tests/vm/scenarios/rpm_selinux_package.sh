@@ -15,6 +15,8 @@ rpm -q oci-gpu-hook-selinux || fail "the set-up did not install oci-gpu-hook-sel
 semodule --list-modules=full | grep -a -E '^200 +oci_gpu_hook ' || fail "the module is not at priority 200"
 in_policy || fail "gpu_container_t is not in the running policy after the package's %post"
 
+# whatever fails below, the node keeps its module for the scenarios after this one
+trap 'rpm -q oci-gpu-hook-selinux >/dev/null || rpm -i --nodeps "$P"/rpms/oci-gpu-hook-selinux-*.noarch.rpm' EXIT
 run rpm -e oci-gpu-hook-selinux || fail "rpm -e failed"
 semodule -l > /tmp/modules-after-erase
 diff /root/modules-before-rpm /tmp/modules-after-erase || fail "semodule -l after rpm -e differs from before the package"

@@ -91,7 +91,9 @@ grep -q "^ExecStart=$SERVER start-server$" "$UNITS/$SERVICE" || fail "the servic
 # (RHEL's base policy already lets its unconfined init_t do everything on itself.) The server's
 # domain may, and systemd enters it from the launcher's type.
 echo "init_t on itself: $(sesearch -A -s init_t -t init_t -c system)"
+rm -f /tmp/oci_gpu_hook.cil
 (cd /tmp && semodule --cil -E oci_gpu_hook) || fail "semodule -E oci_gpu_hook failed"
+grep -q '(type gpu_container_t)' /tmp/oci_gpu_hook.cil || fail "semodule -E gave no CIL of the module"
 grep -E '\((allow|allowx|auditallow) init_t (init_t|self) ' /tmp/oci_gpu_hook.cil && fail "the module has a rule for init_t on itself"
 rm -f /tmp/oci_gpu_hook.cil
 if [ "$FLAVOUR" = debian ]; then
