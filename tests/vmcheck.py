@@ -201,11 +201,17 @@ def needs(name: str) -> list:
 TOOL_PROGRAMS = {"crio": ("crio", "pinns", "crictl"), "kubelet": ("kubelet",)}
 
 
-def _tool_programs(tool: str, into: str) -> None:
+def _made(tool: str) -> str:
+    """What the tool's build made (the last line it printed: a program, or a directory)."""
     done = toolbuild.build(tool)
     made = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
     if not made:
         raise VmError(f"{tool}: its build failed ({done.returncode}): {done.stderr[-2000:]}")
+    return made
+
+
+def _tool_programs(tool: str, into: str) -> None:
+    made = _made(tool)
     os.makedirs(into, exist_ok=True)
     for program in TOOL_PROGRAMS[tool]:
         source = os.path.join(made, program) if os.path.isdir(made) else made
@@ -266,10 +272,7 @@ def _simulated_host(tar_path: str, version: str) -> None:
 def _selinux_rpm(directory: str, into: str) -> None:
     """The oci-gpu-hook-selinux RPM as `make rpm` builds it, its module compiled against RHEL's
     policy headers (../shared/tools/selinux-rhel, cached by toolbuild), for the rhel flavour."""
-    done = toolbuild.build("selinux-rhel")
-    headers = done.stdout.strip().splitlines()[-1] if done.returncode == 0 and done.stdout.strip() else ""
-    if not headers:
-        raise VmError(f"RHEL's policy headers: their build failed ({done.returncode}): {done.stderr[-2000:]}")
+    headers = _made("selinux-rhel")
     topdir = os.path.join(directory, "rpmbuild")
     _sh("make", "-s", "rpm", f"RPM_TOPDIR={topdir}", f"SELINUX_HEADERS={headers}", cwd=REPO)
     made = glob.glob(os.path.join(topdir, "RPMS", "noarch", "oci-gpu-hook-selinux-*.rpm"))
