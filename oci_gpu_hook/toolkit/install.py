@@ -43,6 +43,9 @@ it reads back as itself and can never end its line or open a section of its own.
 Idempotent: a file whose content is already right is not touched. uninstall removes exactly what
 the manifest lists, and only while each file still has the checksum install gave it (a file an
 administrator changed is kept, with a warning), then the directories install created, if empty.
+It removes what names a program (hooks.d, containerd's files, units, Docker's program) before the
+programs, and a link install replaces is replaced in one rename: a container starting meanwhile
+finds the hook whole or not at all.
 A file install did not write (an administrator's own) is never replaced. The one exception is
 NVIDIA's nvidia-container-runtime-hook, and only with --replace-nvidia-hook: it is moved aside
 (to DOCKER_HOOK_SAVED) and uninstall puts it back.
@@ -103,6 +106,10 @@ DOCKER_LAUNCHER = "/usr/local/libexec/oci-gpu-hook/nvidia-container-runtime-hook
 START_LAUNCHER = "/usr/local/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
 PACKAGE_START_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
 MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
+# The programs that other files install writes name (hooks.d, containerd's base spec, units, a
+# pre-filter naming its launcher), in the order uninstall removes them: after everything else,
+# each after what runs it.
+PROGRAMS_REMOVED_LAST = (launcher.LAUNCHER, launcher.PYTHON_LAUNCHER, DOCKER_LAUNCHER, START_LAUNCHER)
 # The environment every runtime gives the hook (hooks.d, CDI hooks, test bundles): the one list.
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
 HOOK_TIMEOUT = 10
@@ -990,9 +997,7 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
                     continue
             _makedirs(tree, os.path.dirname(entry.path), directories)
             if entry.link is not None:
-                if now is not None:
-                    os.unlink(path)
-                os.symlink(entry.link, path)
+                _link_atomically(entry.link, path)
             else:
                 _write_text(path, entry.content, entry.mode)
             written[entry.path] = entry.checksum
@@ -1004,6 +1009,21 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
             _makedirs(tree, os.path.dirname(MANIFEST), directories)
             _write_text(tree.entry(MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return lines
+
+
+def _link_atomically(value: str, path: str) -> None:
+    """Make path a symlink to value in one rename: whoever resolves path while install replaces a
+    link there finds the old link or the new one, never nothing (a start that ran the program
+    between an unlink and a symlink would fail)."""
+    spare = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.link")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(spare)  # one a killed install left
+    os.symlink(value, spare)
+    try:
+        os.rename(spare, path)  # the same directory: atomic, and it replaces a link or a file
+    except OSError:
+        os.unlink(spare)
+        raise
 
 
 def _label_as_the_policy_says(path: str) -> list:
@@ -1085,16 +1105,14 @@ def _uninstall(tree: Tree) -> list:
     _check_destinations(tree, [Entry(p) for p in list(manifest["files"]) + list(manifest.get("saved", {}))
                                + list(manifest.get("edited", {}))], manifest["directories"])  # fmt: skip
     lines = []
-    for relative, checksum in sorted(manifest["files"].items(), key=lambda kv: kv[0], reverse=True):
-        path = tree.entry(relative)
-        now = _current(path)
-        if now is None:
-            continue
-        if now != checksum:
-            lines.append(f"kept {path}: changed since install wrote it")
-            continue
-        os.unlink(path)
-        lines.append(f"removed {path}")
+    # What names a program goes before the program (install wrote them the other way round), so
+    # that no runtime, unit or pre-filter is ever left pointing at a program already gone: a
+    # container started while uninstall runs gets the hook or no hook, never a missing program.
+    files_ = sorted(manifest["files"].items(), key=lambda kv: kv[0], reverse=True)
+    named = [kv for kv in files_ if kv[0] not in PROGRAMS_REMOVED_LAST]
+    programs = sorted((kv for kv in files_ if kv[0] in PROGRAMS_REMOVED_LAST),
+                      key=lambda kv: PROGRAMS_REMOVED_LAST.index(kv[0]))  # fmt: skip
+    lines += _remove_unchanged(tree, named)
     for relative, line in sorted(manifest.get("edited", {}).items()):
         said = _unedit(tree.entry(relative), line)
         lines += [said] if said else []
@@ -1107,6 +1125,7 @@ def _uninstall(tree: Tree) -> list:
             continue
         os.rename(saved_path, path)
         lines.append(f"restored {path}")
+    lines += _remove_unchanged(tree, programs)
     os.unlink(manifest_path)
     for relative in sorted(manifest["directories"], key=lambda p: p.count("/"), reverse=True):
         place = tree.entry(relative)  # a link there (install never made one) is not followed: ENOTDIR
@@ -1116,4 +1135,20 @@ def _uninstall(tree: Tree) -> list:
             pass
         except OSError as e:
             lines.append(f"kept {place}: {'not empty' if e.errno == errno.ENOTEMPTY else e.strerror}")
+    return lines
+
+
+def _remove_unchanged(tree: Tree, recorded) -> list:
+    """Remove each (path, checksum) that still has the checksum install gave it."""
+    lines = []
+    for relative, checksum in recorded:
+        path = tree.entry(relative)
+        now = _current(path)
+        if now is None:
+            continue
+        if now != checksum:
+            lines.append(f"kept {path}: changed since install wrote it")
+            continue
+        os.unlink(path)
+        lines.append(f"removed {path}")
     return lines

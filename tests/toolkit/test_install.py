@@ -1188,3 +1188,48 @@ def test_the_start_server_is_installed_by_default_wherever_the_prefilter_is(root
     assert not [path for path in units if os.path.lexists(root + path)]
     install.uninstall(root)
     assert snapshot(root) == before
+
+
+def test_uninstall_removes_what_names_a_program_before_the_program(root, require):
+    """A container started while uninstall runs gets the hook or none, never a hooks.d entry (or a
+    unit, or Docker's pre-filter) naming a program already gone: every file that names one of
+    install's programs goes first, then each program after whatever runs it, the reverse of the
+    order install writes them in."""
+    require("gcc")
+    plant_nvidias_hook(root)
+    before = snapshot(root)
+    install.install(root, ("crio", "podman", "docker"), [launcher.LAUNCHER], replace_nvidia_hook=True,
+                    prefilter=True, start_server=True)  # fmt: skip
+    lines = install.uninstall(root)
+    said = [line.split(" ", 1)[1][len(root) :] for line in lines if line.startswith(("removed /", "restored /"))]
+    programs = [p for p in said if p in install.PROGRAMS_REMOVED_LAST]
+    assert programs == list(install.PROGRAMS_REMOVED_LAST), said  # each after what runs it
+    first_program = said.index(programs[0])
+    assert set(said[:first_program]) >= {install.HOOKS_D_FILE, install.CRIO_DROPIN, install.DOCKER_HOOK,
+                                         f"{install.UNIT_DIR}/{install.START_SERVICE}"}, said  # fmt: skip
+    assert said[first_program:] == programs, said
+    assert snapshot(root) == before
+
+
+def test_a_link_install_replaces_is_never_missing(tmp_path):
+    """install replaces a link (a unit's wants link whose target changed) in one rename: a reader
+    resolving it all the while never finds nothing there, and no spare is left beside it."""
+    path = str(tmp_path / "link")
+    os.symlink("a", path)
+    reader = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys\n"
+        "missing = 0\n"
+        "while not os.path.exists(sys.argv[1] + '.stop'):\n"
+        "    try:\n"
+        "        os.readlink(sys.argv[1])\n"
+        "    except FileNotFoundError:\n"
+        "        missing += 1\n"
+        "print(missing)\n"), path], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for i in range(3000):
+            install._link_atomically("ab"[i % 2], path)
+    finally:
+        open(path + ".stop", "w").close()
+        out, _ = reader.communicate(timeout=30)
+    assert out.strip() == "0"
+    assert os.readlink(path) == "b" and sorted(os.listdir(tmp_path)) == ["link", "link.stop"]
