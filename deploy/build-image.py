@@ -3,6 +3,8 @@
 `make image`, or `deploy/build-image.py [--output FILE] [--name NAME]`.
 
 No registry, no base image and no network. The root is assembled from what is installed here:
+one bundle (toolkit/bundle.py: a directory that runs from anywhere, with nothing of the host's),
+under /usr/local/libexec/oci-gpu-hook/bundles/<id>/, which holds
 - the host's python3 and the part of its standard library the services can load (STDLIB_LEFT_OUT
   and EXTENSIONS_LEFT_OUT say what is left out, and why);
 - this project's package, from this tree (its Python files and schemas);
@@ -10,8 +12,11 @@ No registry, no base image and no network. The root is assembled from what is in
   deploy/image-requirements.txt locks, copied from the environment this script runs in, which
   must hold those versions (`make image` installs them; `--lock` writes the file anew);
 - every shared library the interpreter and the extension modules need, as ldd resolves them on
-  this machine, at the same paths;
-- /usr/bin/oci-gpu-hook, the project's launcher (`python3 -IS`, the package's directory appended).
+  this machine, and LOADED_BY_NAME, with the loader, in its own lib/;
+- bin/python3, compiled here (static), which runs the interpreter with that loader and lib/;
+- its launcher (`python3 -IS`, the package's directory appended);
+and, leading into it: /usr/bin/python3, /usr/bin/oci-gpu-hook (the same launcher), and links at
+the libraries' paths on this machine.
 No compiled bytecode: Python compiles what it imports.
 
 Reproducible: the same tree, lock and machine give the same archive, byte for byte. Every entry's
@@ -40,9 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from oci_gpu_hook.toolkit import launcher  # noqa: E402
+from oci_gpu_hook.toolkit import bundle, prefilter  # noqa: E402
 
-SITE = "/usr/lib/oci-gpu-hook"
 LOCK = os.path.join(HERE, "image-requirements.txt")
 EXTRAS = ("kubernetes",)  # the device plugin's gRPC
 # The standard library's parts that no node service loads: tests, IDLE and Tk (and with _tkinter
@@ -61,6 +65,10 @@ PACKAGE_FILES = (".py", ".json")  # the package's modules and its schemas (no C 
 # from where), not what the distribution is: left out, so that any venv holding the lock's
 # versions (`make image`'s, the test suite's) gives the same image.
 INSTALL_RECORDS = {"RECORD", "REQUESTED", "INSTALLER", "direct_url.json"}
+# Libraries that nothing NEEDs and the hook loads by name (ctypes): libselinux to label what it
+# creates; libgcc_s, which glibc loads itself when a thread exits (pthread_exit unwinds with it).
+# A bundle that lacked them would load the host's, built against another C library.
+LOADED_BY_NAME = ("libselinux.so.1", "libgcc_s.so.1")
 
 
 class BuildError(Exception):
@@ -304,6 +312,76 @@ def write_archive(root: str, output: str, name: str, command: list, epoch: int) 
         member(archive, "manifest.json", manifest.encode())
 
 
+def loaded_by_name(libc: str) -> set:
+    """LOADED_BY_NAME, from the C library's own directory, with what each needs."""
+    found = set()
+    for soname in LOADED_BY_NAME:
+        path = os.path.join(os.path.dirname(libc), soname)
+        if not os.path.exists(path):
+            raise BuildError(f"{path}: not on this machine; the bundle needs it (install its package)")
+        found |= {path} | needed_libraries(path)
+    return found
+
+
+def make_bundle(root: str, interpreter: str, stdlib: str, dynload: str, installed: dict) -> str:
+    """The bundle (toolkit/bundle.py) under root's BUNDLES_DIR: the interpreter, its standard
+    library, this package and its locked dependencies, and every library these need, in the
+    bundle's own lib/. Returns its id. The root's own paths of those libraries become links to
+    the bundle's copies, so that whatever else runs in the image finds them where ldd did."""
+    parent = os.path.join(root, bundle.BUNDLES_DIR.lstrip("/"))
+    top = os.path.join(parent, ".staging")
+    short = os.path.basename(stdlib)
+    copy(interpreter, top, bundle.INTERPRETER)
+    library_tree = os.path.join(top, bundle.LIBRARIES, short)
+    shutil.copytree(stdlib, library_tree, symlinks=True, ignore=left_out_of_stdlib)
+    if not os.path.isdir(os.path.join(library_tree, "lib-dynload")):
+        shutil.copytree(dynload, os.path.join(library_tree, "lib-dynload"), ignore=left_out_of_stdlib)
+    site = os.path.join(top, bundle.SITE)
+    package = os.path.join(REPO, "oci_gpu_hook")
+    for directory, names, files in os.walk(package):
+        names[:] = [n for n in names if n != "__pycache__"]
+        for file in files:
+            if file.endswith(PACKAGE_FILES):
+                source = os.path.join(directory, file)
+                copy(source, site, os.path.relpath(source, REPO))
+    for distribution in sorted(installed):
+        copy_distribution(distribution, site)
+    programs = [interpreter] + [os.path.join(d, f) for top_ in (site, library_tree)
+                                for d, _, files in os.walk(top_) for f in files if ".so" in f]  # fmt: skip
+    libraries = set()
+    for program in programs:
+        libraries |= needed_libraries(program)
+    libc = next((p for p in libraries if os.path.basename(p) == "libc.so.6"), None)
+    if libc is None:
+        raise BuildError(f"{interpreter}: ldd names no libc.so.6 (the bundle runs only with glibc)")
+    libraries |= loaded_by_name(libc)
+    loaders = [p for p in libraries if os.path.basename(p).startswith("ld-linux")]
+    if len(loaders) != 1:
+        raise BuildError(f"{interpreter}: ldd names {len(loaders)} dynamic loaders, not one: {sorted(loaders)}")
+    by_name: dict = {}
+    for library in sorted(libraries):
+        if by_name.setdefault(os.path.basename(library), library) != library:
+            raise BuildError(f"{library} and {by_name[os.path.basename(library)]}: one name, two libraries")
+        copy(library, top, f"{bundle.LIBRARIES}/{os.path.basename(library)}")
+    cc = prefilter.compiler()
+    if cc is None:
+        raise BuildError("no C compiler (cc, gcc or $CC) to build the bundle's python3: `make image` installs one")
+    os.makedirs(os.path.join(top, "bin"), exist_ok=True)
+    try:
+        bundle.build_python(os.path.join(top, bundle.PYTHON), os.path.basename(loaders[0]), cc)
+    except bundle.BundleError as e:
+        raise BuildError(str(e)) from None
+    normalise(top)  # the id covers the modes the image will have
+    bundle_id = bundle.identity(top)
+    os.rename(top, os.path.join(parent, bundle_id))
+    here = bundle.directory(bundle_id)
+    for library in sorted(libraries):
+        link = os.path.join(root, library.lstrip("/"))
+        os.makedirs(os.path.dirname(link), exist_ok=True)
+        os.symlink(f"{here}/{bundle.LIBRARIES}/{os.path.basename(library)}", link)
+    return bundle_id
+
+
 def build(output: str, name: str, python: str, epoch: int, lock: str = LOCK) -> str:
     interpreter, short, stdlib, dynload = python_paths(python)
     running = "{}.{}".format(*sys.version_info[:2])
@@ -316,30 +394,14 @@ def build(output: str, name: str, python: str, epoch: int, lock: str = LOCK) -> 
         root = os.path.join(work, "rootfs")
         for directory in ("etc", "tmp", "usr/bin", "proc", "sys", "dev", "run", "var/cache"):
             os.makedirs(os.path.join(root, directory), exist_ok=True)
-        copy(interpreter, root, "/usr/bin/python3")
-        shutil.copytree(stdlib, os.path.join(root, stdlib.lstrip("/")), symlinks=True, ignore=left_out_of_stdlib)
-        if not os.path.isdir(os.path.join(root, dynload.lstrip("/"))):
-            shutil.copytree(dynload, os.path.join(root, dynload.lstrip("/")), ignore=left_out_of_stdlib)
-        site = os.path.join(root, SITE.lstrip("/"))
-        package = os.path.join(REPO, "oci_gpu_hook")
-        for directory, names, files in os.walk(package):
-            names[:] = [n for n in names if n != "__pycache__"]
-            for file in files:
-                if file.endswith(PACKAGE_FILES):
-                    source = os.path.join(directory, file)
-                    copy(source, site, os.path.relpath(source, REPO))
-        for distribution in sorted(installed):
-            copy_distribution(distribution, site)
-        programs = [interpreter] + [os.path.join(d, f) for top in (site, os.path.join(root, dynload.lstrip("/")))
-                                    for d, _, files in os.walk(top) for f in files if ".so" in f]  # fmt: skip
-        libraries = set()
-        for program in programs:
-            libraries |= needed_libraries(program)
-        for library in sorted(libraries):
-            copy(library, root)
-        with open(os.path.join(root, "usr/bin/oci-gpu-hook"), "w") as f:
-            f.write(launcher.text("/usr/bin/python3", SITE, note="# The node services' image (build-image.py).\n"))
-        os.chmod(os.path.join(root, "usr/bin/oci-gpu-hook"), 0o755)
+        bundle_id = make_bundle(root, interpreter, stdlib, dynload, installed)
+        here = bundle.directory(bundle_id)
+        os.symlink(f"{here}/{bundle.PYTHON}", os.path.join(root, "usr/bin/python3"))
+        note = "# The node image's bundle (deploy/build-image.py, toolkit/bundle.py).\n"
+        for path in (f"{here}/{bundle.LAUNCHER}", "/usr/bin/oci-gpu-hook"):
+            with open(os.path.join(root, path.lstrip("/")), "w") as f:
+                f.write(bundle.launcher_text(bundle_id, note))
+            os.chmod(os.path.join(root, path.lstrip("/")), 0o755)
         with open(os.path.join(root, "etc/passwd"), "w") as f:
             f.write("root:x:0:0:root:/:/usr/sbin/nologin\n")
         with open(os.path.join(root, "etc/group"), "w") as f:

@@ -261,7 +261,7 @@ def test_the_circle_check_sees_what_it_must_refuse(tmp_path):
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Where the product names what it runs besides its own code: its console script, the RPM's %check.
-PRODUCT_FILES = ("pyproject.toml", "rpm/oci-gpu-hook.spec")
+PRODUCT_FILES = ("pyproject.toml", "rpm/oci-gpu-hook.spec", "deploy/build-image.py")
 
 
 def python_files(top: str):

@@ -28,26 +28,29 @@ import pytest
 from hookcheck import expected_labels
 from servicecheck import free_port
 
+from oci_gpu_hook.toolkit import bundle, install, launcher
+
 pytestmark = pytest.mark.host(gpus=2, mig=[1], needs=("unshare", "chroot", "mount"))
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILDER = os.path.join(REPO, "deploy", "build-image.py")
 LOCK = os.path.join(REPO, "deploy", "image-requirements.txt")
-SITE = "/usr/lib/oci-gpu-hook"
-# 54 MiB measured (Debian 12, amd64, Python 3.11; grpcio alone is 18 MiB of it), with 6 MiB for
+# Where the image's package is: the site of its one bundle (toolkit/bundle.py).
+SITE_PATTERN = re.escape(bundle.BUNDLES_DIR.lstrip("/")) + rf"/[0-9a-f]{{{bundle.ID_LENGTH}}}/{bundle.SITE}"
+# 56 MiB measured (Debian 12, amd64, Python 3.11; grpcio alone is 18 MiB of it), with 4 MiB for
 # the dependencies to grow. What the review found in it crosses the bound on its own: the static
 # libpython and config-* 24 MiB, Tk, Tcl and X11 with their fonts 9 MiB, bytecode 8 MiB.
 SIZE_BOUND = 60 << 20
 # What no node service runs, by the names of the layer's members.
 LEFT_OUT = {
     "the static libpython": r"/libpython[^/]*\.a$",
-    "config-* (libpython's objects and Makefile)": r"^usr/lib/python3\.\d+/config-",
+    "config-* (libpython's objects and Makefile)": r"/lib/python3\.\d+/config-",
     "Tk": r"(/tkinter(/|$)|/_tkinter\.|/libtk[^/]*\.so)",
     "Tcl": r"/lib(tcl|BLT)[^/]*\.so",
     "X11 and fonts": r"/lib(X11|xcb|Xft|Xrender|Xext|Xss|Xau|Xdmcp|fontconfig|freetype|png)[^/]*\.so",
     "IDLE": r"/idlelib(/|$)",
     "turtledemo": r"/turtledemo(/|$)",
-    "the standard library's tests": r"^usr/lib/python3\.\d+/(test|unittest/test)(/|$)|/_test[a-z]*\.cpython",
+    "the standard library's tests": r"/lib/python3\.\d+/(test|unittest/test)(/|$)|/_test[a-z]*\.cpython",
     "compiled bytecode": r"(\.pyc$|(^|/)__pycache__(/|$))",
     "curses and readline": r"(/_curses|/readline\.cpython|/lib(readline|ncurses)[^/]*\.so)",
     "SQLite and DBM": r"(/_sqlite3\.|/_dbm\.|/_gdbm\.|/lib(sqlite3|db-|gdbm)[^/]*\.so)",
@@ -127,7 +130,7 @@ def test_its_dependencies_are_the_locked_versions(images):
         locked = dict(line.strip().split("==") for line in f if line.strip() and not line.startswith("#"))
     found = {}
     for name in layer(images[0]).getnames():
-        match = re.fullmatch(rf"{SITE.lstrip('/')}/([^/]+)-([^-/]+)\.dist-info", name)
+        match = re.fullmatch(rf"{SITE_PATTERN}/([^/]+)-([^-/]+)\.dist-info", name)
         if match:
             found[re.sub(r"[-_.]+", "-", match.group(1)).lower()] = match.group(2)
     assert found == locked
@@ -213,7 +216,9 @@ def test_every_module_imports_in_the_image(image_root, host):
              "names = [m.name for m in pkgutil.walk_packages(oci_gpu_hook.__path__, 'oci_gpu_hook.') "
              "if not m.name.endswith('__main__')]; "
              "[importlib.import_module(n) for n in names]; print(*names)")  # fmt: skip
-    proc = in_image(image_root, host, ["/usr/bin/python3", "-I", "-c", probe, SITE], stdout=subprocess.PIPE,
+    _, site = launcher.named(os.path.join(image_root, "usr/bin/oci-gpu-hook"))
+    assert re.fullmatch("/" + SITE_PATTERN, site), site
+    proc = in_image(image_root, host, ["/usr/bin/python3", "-I", "-c", probe, site], stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE, text=True)  # fmt: skip
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -235,3 +240,65 @@ def test_make_image_installs_only_what_the_build_needs():
     assert "setup-host.sh image" in out.stdout and "setup-host.sh test" not in out.stdout, out.stdout
     installs = [line for line in out.stdout.splitlines() if "pip install" in line and "--upgrade pip" not in line]
     assert installs and all("-r deploy/image-requirements.txt" in line and "[test]" not in line for line in installs)
+
+
+def image_bundle(image_root: str) -> str:
+    """The image's one bundle, as a path under image_root."""
+    parent = os.path.join(image_root, bundle.BUNDLES_DIR.lstrip("/"))
+    (bundle_id,) = os.listdir(parent)
+    return os.path.join(parent, bundle_id)
+
+
+def test_the_image_carries_one_bundle_whose_id_is_its_content(image_root):
+    """Everything Python is in one bundle, named by the digest of its files: the image's python3,
+    its launcher and the root's library paths all lead into it, and its launcher is the one that
+    install puts on a host (the same path there)."""
+    top = image_bundle(image_root)
+    bundle_id = os.path.basename(top)
+    assert bundle.identity(top) == bundle_id
+    here = bundle.directory(bundle_id)
+    assert os.readlink(os.path.join(image_root, "usr/bin/python3")) == f"{here}/{bundle.PYTHON}"
+    with open(os.path.join(top, bundle.LAUNCHER)) as f:
+        text = f.read()
+    assert text == open(os.path.join(image_root, "usr/bin/oci-gpu-hook")).read()
+    assert launcher.named(os.path.join(top, bundle.LAUNCHER)) == (f"{here}/{bundle.PYTHON}", f"{here}/{bundle.SITE}")
+    links = [os.path.join(d, n) for d, _, files in os.walk(os.path.join(image_root, "lib")) for n in files]
+    links += [os.path.join(image_root, "lib64", n) for n in os.listdir(os.path.join(image_root, "lib64"))]
+    assert links and all(os.readlink(p).startswith(f"{here}/{bundle.LIBRARIES}/") for p in links)
+    assert all(os.path.isfile(image_root + os.readlink(p)) for p in links)
+
+
+def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path):
+    """The bundle copied alone into a root with nothing else (no C library, no loader at /lib64,
+    no python3) runs the hook's CLI: it is what a host without Python, or with another C library,
+    runs. Run on this host, from wherever it was copied, with the environment every runtime
+    gives the hook, its process maps no file but the bundle's, even with LD_PRELOAD and
+    LD_LIBRARY_PATH set by the caller (the loader would complain of a preload it cannot find).
+    (LC_ALL=C is why no locale file of the host's is read: in another locale, glibc reads the
+    host's locale files, and ignores them where their format is not its own.)"""
+    import shutil
+
+    top = image_bundle(image_root)
+    here = bundle.directory(os.path.basename(top))
+    empty = tmp_path / "empty"
+    shutil.copytree(top, str(empty) + here, symlinks=True)
+    (empty / "proc").mkdir()
+    script = 'mount -t proc proc "$1/proc" && r="$1" && shift && exec chroot "$r" "$@"'
+    version = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(empty),
+                              f"{here}/{bundle.LAUNCHER}", "--version"], capture_output=True, text=True, timeout=120,
+                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # fmt: skip
+    assert version.returncode == 0 and "oci-gpu-hook" in version.stdout, version.stdout + version.stderr
+    assert set(os.listdir(empty)) == {"proc", here.split("/")[1]}  # nothing else was there
+    probe = ("import sys; sys.path.append(sys.argv[1]); import oci_gpu_hook.hook, oci_gpu_hook.cli; "
+             "print(sys.executable); print(*sorted({l.split()[-1] for l in open('/proc/self/maps') "
+             "if l.split()[-1].startswith('/')}), sep='\\n')")  # fmt: skip
+    elsewhere = str(empty) + here
+    out = subprocess.run([f"{elsewhere}/{bundle.PYTHON}", "-IS", "-c", probe, f"{elsewhere}/{bundle.SITE}"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**dict(v.split("=", 1) for v in install.HOOK_ENV), "LD_PRELOAD": "/nowhere/preload.so",
+                              "LD_LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"})  # fmt: skip
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    executable, *mapped = out.stdout.splitlines()
+    assert executable == f"{elsewhere}/{bundle.PYTHON}"
+    assert mapped and all(p.startswith(elsewhere + "/") for p in mapped), mapped
+    assert f"{elsewhere}/{bundle.LIBRARIES}/libc.so.6" in mapped
