@@ -14,7 +14,8 @@ under /usr/local/libexec/oci-gpu-hook/bundles/<id>/, which holds
 - every shared library the interpreter and the extension modules need, as ldd resolves them on
   this machine, and LOADED_BY_NAME, with the loader, in its own lib/;
 - bin/python3, compiled here (static), which runs the interpreter with that loader and lib/;
-- its launcher (`python3 -IS`, the package's directory appended);
+- its launcher (`python3 -IS`, the package's directory appended), and the pre-filter in front
+  of it (static), which is what runtimes run;
 and, leading into it: /usr/bin/python3, /usr/bin/oci-gpu-hook (the same launcher), and links at
 the libraries' paths on this machine.
 No compiled bytecode: Python compiles what it imports.
@@ -60,7 +61,9 @@ EXTENSIONS_LEFT_OUT = {"_tkinter", "_curses", "_curses_panel", "readline", "_dbm
                        "ossaudiodev", "_ctypes_test", "_testbuffer", "_testcapi", "_testclinic", "_testimportmultiple",
                        "_testinternalcapi", "_testmultiphase", "_testsinglephase", "_xxtestfuzz", "xxlimited",
                        "xxlimited_35", "xxsubtype"}  # fmt: skip
-PACKAGE_FILES = (".py", ".json")  # the package's modules and its schemas (no C sources, no .proto)
+# The package's modules, its schemas, and its C sources (the bundle's id covers the pre-filter's,
+# compiled into it; no .proto).
+PACKAGE_FILES = (".py", ".json", ".c", ".h")
 # What pip writes about one install (which files, whether asked for by name, by which installer,
 # from where), not what the distribution is: left out, so that any venv holding the lock's
 # versions (`make image`'s, the test suite's) gives the same image.
@@ -375,6 +378,13 @@ def make_bundle(root: str, interpreter: str, stdlib: str, dynload: str, installe
     bundle_id = bundle.identity(top)
     os.rename(top, os.path.join(parent, bundle_id))
     here = bundle.directory(bundle_id)
+    try:
+        program = bundle.build_prefilter(bundle_id, cc)
+    except prefilter.PrefilterError as e:
+        raise BuildError(f"the bundle's pre-filter (static: libc6-dev's libc.a): {e}") from None
+    with open(os.path.join(root, f"{here}/{bundle.PREFILTER}".lstrip("/")), "wb") as f:
+        f.write(program)
+    os.chmod(os.path.join(root, f"{here}/{bundle.PREFILTER}".lstrip("/")), 0o755)
     for library in sorted(libraries):
         link = os.path.join(root, library.lstrip("/"))
         os.makedirs(os.path.dirname(link), exist_ok=True)

@@ -14,9 +14,16 @@ the hook loads. Laid out as:
 | lib/pythonX.Y/ | the standard library, found by Python from bin/python3's path |
 | site/ | this package and its dependencies |
 | oci-gpu-hook-python | the launcher (toolkit/launcher.py) of bin/python3 with site/ |
+| oci-gpu-hook | the pre-filter (toolkit/prefilter.py), static, handing on to that launcher |
 
-The id is a digest of everything in it but the launcher (which names the id): two bundles with
-one id are the same files, so a bundle is never changed in place, only a new one made beside it.
+What a runtime runs is the pre-filter: a compiled program, which the kernel maps once and which
+runs its own bundle's launcher by that bundle's path, so that a start that began with one bundle
+ends in it, whichever bundle a link names meanwhile (a script's interpreter opens the script again
+by the path the runtime named).
+
+The id is a digest of everything in it but the launcher and the pre-filter, which name the id and
+are made from what the digest covers (site/ holds the pre-filter's C source): a bundle is never
+changed in place, only a new one made beside it.
 The bundle sits at the same path in the image and on the host, so that its launcher, which names
 absolute paths, is the same file in both.
 """
@@ -27,6 +34,7 @@ import hashlib
 import os
 import stat
 import subprocess
+import tempfile
 
 from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.toolkit import launcher
@@ -37,6 +45,7 @@ INTERPRETER = "bin/python3.bin"
 LIBRARIES = "lib"
 SITE = "site"
 LAUNCHER = "oci-gpu-hook-python"
+PREFILTER = "oci-gpu-hook"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "bundle_python.c")
 CFLAGS = ("-O2", "-std=c11", "-Wall", "-Wextra", "-static-pie", "-s", "-Wl,-z,relro,-z,now")
 ID_LENGTH = 16  # hex digits of the digest: 64 bits, against bundles that number a handful per host
@@ -56,6 +65,20 @@ def launcher_text(bundle_id: str, note: str = "") -> str:
     return launcher.text(f"{here}/{PYTHON}", f"{here}/{SITE}", note=note)
 
 
+def build_prefilter(bundle_id: str, cc: str) -> bytes:
+    """The bundle's pre-filter: static (it runs on hosts with another C library), running the
+    bundle's launcher, offering starts to the start server as install's does."""
+    from oci_gpu_hook.start import prefilter_rule
+    from oci_gpu_hook.toolkit import prefilter
+
+    with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-bundle-") as work:
+        output = os.path.join(work, PREFILTER)
+        prefilter.build(output, f"{directory(bundle_id)}/{LAUNCHER}", cc=cc, flags=("-static-pie", "-s"),
+                        start_server=prefilter_rule.START_SERVER_SOCKET)  # fmt: skip
+        with open(output, "rb") as f:
+            return f.read()
+
+
 def build_python(output: str, loader_name: str, cc: str) -> str:
     """Compile bin/python3 for a bundle whose lib/ holds the loader loader_name; returns output."""
     if not loader_name.replace(".", "").replace("-", "").replace("_", "").isalnum():
@@ -72,7 +95,7 @@ def build_python(output: str, loader_name: str, cc: str) -> str:
 
 def identity(top: str) -> str:
     """The id of the bundle in top: a digest of every entry's relative path, kind, executable bit
-    and content (a link's value), in name order; the launcher left out, and the bytecode Python
+    and content (a link's value), in name order; the launcher and the pre-filter left out, and the bytecode Python
     writes beside what it imports (__pycache__: derived from the sources, and written as the
     bundle runs)."""
     digest = hashlib.sha256()
@@ -81,7 +104,7 @@ def identity(top: str) -> str:
         for name in sorted(files + [n for n in names if os.path.islink(os.path.join(here, n))]):
             path = os.path.join(here, name)
             relative = os.path.relpath(path, top)
-            if relative == LAUNCHER:
+            if relative in (LAUNCHER, PREFILTER):
                 continue
             st = os.lstat(path)
             if stat.S_ISLNK(st.st_mode):

@@ -28,7 +28,8 @@ import pytest
 from hookcheck import expected_labels
 from servicecheck import free_port
 
-from oci_gpu_hook.toolkit import bundle, install, launcher
+from oci_gpu_hook.start import prefilter_rule
+from oci_gpu_hook.toolkit import bundle, install, launcher, prefilter
 
 pytestmark = pytest.mark.host(gpus=2, mig=[1], needs=("unshare", "chroot", "mount"))
 
@@ -289,6 +290,23 @@ def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path):
                              env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # fmt: skip
     assert version.returncode == 0 and "oci-gpu-hook" in version.stdout, version.stdout + version.stderr
     assert set(os.listdir(empty)) == {"proc", here.split("/")[1]}  # nothing else was there
+    # What a runtime runs: the pre-filter, static, answering a start that asks for no GPU itself
+    # and handing the rest to the bundle's launcher (above, --version went through it).
+    program = f"{here}/{bundle.PREFILTER}"
+    assert prefilter.is_prefilter(str(empty) + program)
+    assert prefilter.runs(str(empty) + program) == f"{here}/{bundle.LAUNCHER}"
+    assert prefilter.offers_to(str(empty) + program) == prefilter_rule.START_SERVER_SOCKET
+    with open(str(empty) + program, "rb") as f:
+        head = f.read(1 << 16)
+    assert b"/lib64/ld-linux" not in head  # no PT_INTERP: static
+    (empty / "oci").mkdir()
+    config = {"ociVersion": "1.0.2", "root": {"path": "rootfs"}, "process": {"args": ["sh"], "env": ["PATH=/bin"]}}
+    (empty / "oci" / "config.json").write_text(json.dumps(config))
+    state = json.dumps({"ociVersion": "1.0.2", "id": "c1", "status": "created", "pid": 1, "bundle": "/oci"})
+    handed = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(empty),
+                             program, "--version"], capture_output=True, text=True, timeout=120,
+                            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # fmt: skip
+    assert handed.returncode == 0 and handed.stdout == version.stdout, handed
     probe = ("import sys; sys.path.append(sys.argv[1]); import oci_gpu_hook.hook, oci_gpu_hook.cli; "
              "print(sys.executable); print(*sorted({l.split()[-1] for l in open('/proc/self/maps') "
              "if l.split()[-1].startswith('/')}), sep='\\n')")  # fmt: skip
@@ -302,3 +320,8 @@ def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path):
     assert executable == f"{elsewhere}/{bundle.PYTHON}"
     assert mapped and all(p.startswith(elsewhere + "/") for p in mapped), mapped
     assert f"{elsewhere}/{bundle.LIBRARIES}/libc.so.6" in mapped
+    os.unlink(str(empty) + f"{here}/{bundle.INTERPRETER}")  # from here on, no Python could answer
+    plain = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(empty),
+                            program, "prestart"], input=state, capture_output=True, text=True, timeout=120,
+                           env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # fmt: skip
+    assert plain.returncode == 0 and plain.stdout == plain.stderr == "", plain
