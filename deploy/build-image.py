@@ -53,10 +53,12 @@ EXTRAS = ("kubernetes",)  # the device plugin's gRPC
 # The standard library's parts that no node service loads: tests, IDLE and Tk (and with _tkinter
 # Tcl, Tk and X11 themselves), curses, the DBM and SQLite databases, packaging and build tools
 # (distutils, ensurepip, venv, lib2to3), pydoc's topics, and config-*: the static libpython, its
-# objects and Makefile, for building extensions. Compiled bytecode is left out everywhere.
+# objects and Makefile, for building extensions. Compiled bytecode is left out everywhere. And
+# Debian's sitecustomize.py, a link to /etc/python3.X/ (the distribution's hook, for apport): a
+# bundle holds no link out of itself, and runs on hosts whose /etc is not Debian's.
 STDLIB_LEFT_OUT = {"test", "idlelib", "tkinter", "turtledemo", "turtle.py", "curses", "dbm", "sqlite3", "distutils",
                    "ensurepip", "venv", "lib2to3", "pydoc_data", "site-packages", "dist-packages", "__phello__",
-                   "__pycache__"}  # fmt: skip
+                   "__pycache__", "sitecustomize.py"}  # fmt: skip
 EXTENSIONS_LEFT_OUT = {"_tkinter", "_curses", "_curses_panel", "readline", "_dbm", "_gdbm", "_sqlite3", "nis", "_crypt",
                        "ossaudiodev", "_ctypes_test", "_testbuffer", "_testcapi", "_testclinic", "_testimportmultiple",
                        "_testinternalcapi", "_testmultiphase", "_testsinglephase", "_xxtestfuzz", "xxlimited",

@@ -39,12 +39,26 @@ def cli(ctx, config):
 
 
 def _register():
-    from oci_gpu_hook.cli import cdi, demo, doctor, info, install, inventory, node, plan, runtime, simulate, validate
+    from oci_gpu_hook.cli import (
+        cdi,
+        demo,
+        doctor,
+        info,
+        install,
+        inventory,
+        node,
+        plan,
+        runtime,
+        simulate,
+        toolkit,
+        validate,
+    )
 
     commands = (demo.demo, info.info, inventory.inventory, plan.plan, runtime.prestart, runtime.create_runtime,
                 runtime.start_server,
                 simulate.simulate, cdi.cdi, cdi.ldcache_refresh, doctor.doctor, install.install, install.uninstall,
-                validate.validate, node.exporter, node.labels, node.watchdog, node.device_plugin)  # fmt: skip
+                validate.validate, node.exporter, node.labels, node.watchdog, node.device_plugin,
+                toolkit.toolkit)  # fmt: skip
     for command in commands:
         cli.add_command(command)
 

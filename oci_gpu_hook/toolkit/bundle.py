@@ -34,6 +34,7 @@ import hashlib
 import os
 import stat
 import subprocess
+import sys
 import tempfile
 
 from oci_gpu_hook.errors import Exit, HookError
@@ -57,6 +58,25 @@ class BundleError(HookError):
 
 def directory(bundle_id: str) -> str:
     return f"{BUNDLES_DIR}/{bundle_id}"
+
+
+def running() -> str | None:
+    """The id of the bundle this process runs from (its interpreter is the python3 of a bundle in
+    BUNDLES_DIR, by whatever path: RHCOS's /usr/local is a link to /var/usrlocal), else None."""
+    top = os.path.dirname(os.path.dirname(sys.executable))
+    name = os.path.basename(top)
+    if os.path.relpath(sys.executable, top) != PYTHON or not is_id(name):
+        return None
+    try:
+        if not os.path.samefile(os.path.dirname(top), BUNDLES_DIR):
+            return None
+    except OSError:
+        return None
+    return name if os.path.isfile(os.path.join(top, PREFILTER)) else None
+
+
+def is_id(name: str) -> bool:
+    return len(name) == ID_LENGTH and all(c in "0123456789abcdef" for c in name)
 
 
 def launcher_text(bundle_id: str, note: str = "") -> str:

@@ -65,7 +65,7 @@ from oci_gpu_hook.errors import Exit, HookError
 from oci_gpu_hook.start import files, prefilter_rule, settings
 from oci_gpu_hook.start.inventory import host_path
 from oci_gpu_hook.start.linux.sources import HostSources, UntrustedSource
-from oci_gpu_hook.toolkit import containerd, launcher, runtime_config
+from oci_gpu_hook.toolkit import bundle, containerd, launcher, runtime_config
 from oci_gpu_hook.toolkit.runtime_config import TomlUnavailable
 from oci_gpu_hook.toolkit.tree import Tree, TreeError
 
@@ -110,6 +110,12 @@ MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
 # pre-filter naming its launcher), in the order uninstall removes them: after everything else,
 # each after what runs it.
 PROGRAMS_REMOVED_LAST = (launcher.LAUNCHER, launcher.PYTHON_LAUNCHER, DOCKER_LAUNCHER, START_LAUNCHER)
+# LAUNCHER's value where it is a link into a bundle: relative, so that it resolves alike in an
+# image tree, from the host, and inside a chroot of the host.
+BUNDLES_LINK = os.path.relpath(bundle.BUNDLES_DIR, os.path.dirname(launcher.LAUNCHER))
+# Bundles install keeps: the one runtimes run, and the one before it, which starts that read the
+# link before an upgrade may still be running from; older ones go at the next install.
+BUNDLES_KEPT = 2
 # The environment every runtime gives the hook (hooks.d, CDI hooks, test bundles): the one list.
 HOOK_ENV = ["PATH=/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL=C"]
 HOOK_TIMEOUT = 10
@@ -500,7 +506,15 @@ class Entry:
 def launcher_entries(with_prefilter: bool) -> list:
     """What runtimes run: the launcher; or, with_prefilter, the compiled pre-filter in its place and
     the launcher beside it, for what the pre-filter hands on (toolkit/prefilter.py), offered to
-    the start server first where one listens."""
+    the start server first where one listens.
+
+    Run from a bundle (toolkit/bundle.py), what runtimes run is a link to the bundle's own
+    pre-filter (or launcher): an upgrade to another bundle is then one rename, after which every
+    start runs the new bundle, and every start that began in the old one ends in it."""
+    running = bundle.running()
+    if running is not None:
+        target = bundle.PREFILTER if with_prefilter else bundle.LAUNCHER
+        return [Entry(launcher.LAUNCHER, link=f"{BUNDLES_LINK}/{running}/{target}")]
     if not with_prefilter:
         return [Entry(launcher.LAUNCHER, launcher_text(), mode=0o755)]
     from oci_gpu_hook.toolkit import prefilter
@@ -688,14 +702,16 @@ def _read_manifest(tree: Tree) -> dict:
     doc.setdefault("files", {})
     doc.setdefault("directories", [])
     known = _installable_paths()
-    parents = {os.path.dirname(p) for p in known | {MANIFEST}}
+    parents = {os.path.dirname(p) for p in known | {MANIFEST}} | {bundle.BUNDLES_DIR}
     parents |= {d for p in set(parents) for d in _ancestors(p)}
     files_ok = isinstance(doc["files"], dict) and all(
         k in known and isinstance(v, str) for k, v in doc["files"].items()
     )
     dirs_ok = isinstance(doc["directories"], list) and all(d in parents for d in doc["directories"])
     saved_ok = doc.get("saved", {}) in ({}, {DOCKER_HOOK: DOCKER_HOOK_SAVED})
-    if not (files_ok and dirs_ok and saved_ok and _edited_ok(doc.get("edited", {}))):
+    bundles = doc.get("bundles", [])
+    bundles_ok = isinstance(bundles, list) and all(isinstance(b, str) and bundle.is_id(b) for b in bundles)
+    if not (files_ok and dirs_ok and saved_ok and bundles_ok and _edited_ok(doc.get("edited", {}))):
         raise InstallError(f"{path}: names paths install never writes; not trusted (remove it, and what it "
                            "lists, by hand)")  # fmt: skip
     return doc
@@ -866,6 +882,11 @@ def _check_offers(tree: Tree, argv_prefix, entries, runtimes=()) -> None:
     program = next((e.content for e in entries if e.path == argv_prefix[0] and isinstance(e.content, bytes)), None)
     if program is not None and prefilter.MARKER in program:
         return
+    link = next((e.link for e in entries if e.path == argv_prefix[0] and e.link is not None), None)
+    if link is not None and link.endswith("/" + bundle.PREFILTER):
+        target = tree.entry(os.path.normpath(os.path.join(os.path.dirname(argv_prefix[0]), link)))
+        if prefilter.offers_to(target) == prefilter_rule.START_SERVER_SOCKET:
+            return
     if program is None and prefilter.is_prefilter(tree.entry(argv_prefix[0])):
         # One built without the units' socket (an RPM from before the start server) offers the
         # server nothing: the units would run a server no start ever reaches.
@@ -920,6 +941,13 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
     before = json.dumps(manifest, sort_keys=True)
     written, directories = manifest["files"], manifest["directories"]
     asked = start_server  # None: the server wherever the pre-filter offers it starts
+    running = bundle.running()
+    if running is not None:
+        if "docker" in runtimes:
+            raise InstallError("--runtime docker: not from a bundle (Docker's program is compiled for each install); "
+                               "install the package, or run install from it")  # fmt: skip
+        if prefilter is None:
+            prefilter = True  # the bundle carries its pre-filter: nothing to compile
     if prefilter is None:
         from oci_gpu_hook.toolkit import prefilter as prefilter_module
 
@@ -1004,6 +1032,8 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
             lines.append(f"{'updated' if now is not None else 'wrote'} {path}")
         if root == "/" and any(e.path == START_LAUNCHER for e in entries):
             lines += _label_as_the_policy_says(tree.entry(START_LAUNCHER))
+        if running is not None:
+            lines += _keep_bundles(tree, manifest, running)
     finally:
         if json.dumps(manifest, sort_keys=True) != before:
             _makedirs(tree, os.path.dirname(MANIFEST), directories)
@@ -1126,6 +1156,8 @@ def _uninstall(tree: Tree) -> list:
         os.rename(saved_path, path)
         lines.append(f"restored {path}")
     lines += _remove_unchanged(tree, programs)
+    for bundle_id in manifest.get("bundles", []):
+        lines += _remove_bundle(tree, bundle_id)
     os.unlink(manifest_path)
     for relative in sorted(manifest["directories"], key=lambda p: p.count("/"), reverse=True):
         place = tree.entry(relative)  # a link there (install never made one) is not followed: ENOTDIR
@@ -1152,3 +1184,87 @@ def _remove_unchanged(tree: Tree, recorded) -> list:
         os.unlink(path)
         lines.append(f"removed {path}")
     return lines
+
+
+# ---- bundles (toolkit/bundle.py) -----------------------------------------------------------------
+
+
+def place_bundle(root: str, source: str) -> list:
+    """Copy the bundle at source (a directory named by its id) into root's BUNDLES_DIR, whole or
+    not at all: copied beside its place under a hidden name, flushed to disk, then renamed into
+    place. Recorded in the install manifest, with the directories made for it, so that uninstall
+    removes them. A bundle already there under that id is the same files, and is kept. What the
+    cluster's toolkit does before it runs that bundle's install on the host."""
+    import shutil
+
+    bundle_id = os.path.basename(os.path.normpath(source))
+    if not bundle.is_id(bundle_id) or bundle.identity(source) != bundle_id:
+        raise InstallError(f"{source}: not a whole bundle (its files do not have the digest its name says)")
+    root = os.path.abspath(root)
+    with _tree(root) as tree:
+        manifest = _read_manifest(tree)
+        before = json.dumps(manifest, sort_keys=True)
+        place = bundle.directory(bundle_id)
+        _check_destinations(tree, [Entry(place)], [bundle.BUNDLES_DIR])
+        lines = []
+        try:
+            _makedirs(tree, bundle.BUNDLES_DIR, manifest["directories"])
+            final = tree.entry(place)
+            if not os.path.isdir(final):
+                spare = tree.entry(f"{bundle.BUNDLES_DIR}/.{bundle_id}.{os.getpid()}")
+                if os.path.lexists(spare):
+                    shutil.rmtree(spare)
+                shutil.copytree(source, spare, symlinks=True)
+                os.sync()  # every file on disk before the name that says the bundle is whole
+                os.rename(spare, final)
+                lines.append(f"wrote {final}")
+            if bundle_id not in manifest.setdefault("bundles", []):
+                manifest["bundles"].append(bundle_id)
+        finally:
+            if json.dumps(manifest, sort_keys=True) != before:
+                _makedirs(tree, os.path.dirname(MANIFEST), manifest["directories"])
+                _write_text(tree.entry(MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return lines
+
+
+def _keep_bundles(tree: Tree, manifest: dict, running: str) -> list:
+    """Record the bundle install runs from as the newest, and remove the recorded ones older than
+    the BUNDLES_KEPT newest that no process maps."""
+    bundles = [b for b in manifest.setdefault("bundles", []) if b != running] + [running]
+    lines, kept = [], bundles[-BUNDLES_KEPT:]
+    for old in bundles[:-BUNDLES_KEPT]:
+        users = _mapping(tree.entry(bundle.directory(old)))
+        if users:
+            kept.insert(0, old)
+            lines.append(f"kept {tree.entry(bundle.directory(old))}: in use by pid {users[0]}")
+            continue
+        lines += _remove_bundle(tree, old)
+    manifest["bundles"] = [b for b in bundles if b in kept]
+    return lines
+
+
+def _mapping(place: str) -> list:
+    """The pids of the processes that map a file under place (their program or a library)."""
+    found = []
+    prefix = os.path.realpath(place) + "/"
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                if prefix in f.read():
+                    found.append(int(pid))
+        except OSError:
+            continue  # gone, or not ours to read
+    return found
+
+
+def _remove_bundle(tree: Tree, bundle_id: str) -> list:
+    """Remove a recorded bundle (rmtree never follows a link out of it)."""
+    import shutil
+
+    place = tree.entry(bundle.directory(bundle_id))
+    if not os.path.lexists(place):
+        return []
+    if os.path.islink(place) or not os.path.isdir(place):
+        return [f"kept {place}: not a directory, where install placed a bundle"]
+    shutil.rmtree(place)
+    return [f"removed {place}"]

@@ -14,18 +14,17 @@ cluster (tests/e2e/test_deploy.py runs it on one).
 - `make image` installs what the build needs, and nothing of the test suite's.
 """
 
-import io
 import json
 import os
 import re
 import subprocess
-import sys
 import tarfile
 import time
 import urllib.request
 
 import pytest
 from hookcheck import expected_labels
+from imagecheck import build, image_bundle, layer
 from servicecheck import free_port
 
 from oci_gpu_hook.start import prefilter_rule
@@ -34,7 +33,6 @@ from oci_gpu_hook.toolkit import bundle, install, launcher, prefilter
 pytestmark = pytest.mark.host(gpus=2, mig=[1], needs=("unshare", "chroot", "mount"))
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BUILDER = os.path.join(REPO, "deploy", "build-image.py")
 LOCK = os.path.join(REPO, "deploy", "image-requirements.txt")
 # Where the image's package is: the site of its one bundle (toolkit/bundle.py).
 SITE_PATTERN = re.escape(bundle.BUNDLES_DIR.lstrip("/")) + rf"/[0-9a-f]{{{bundle.ID_LENGTH}}}/{bundle.SITE}"
@@ -61,13 +59,6 @@ LEFT_OUT = {
 }
 
 
-def build(output, tmpdir, umask: int = 0o022, *args) -> subprocess.CompletedProcess:
-    os.makedirs(tmpdir, exist_ok=True)
-    return subprocess.run([sys.executable, BUILDER, "--output", str(output), *args], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "TMPDIR": str(tmpdir)},
-                          preexec_fn=lambda: os.umask(umask))  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     """Two builds of the image, a second apart, the second under umask 077 in another directory."""
@@ -78,14 +69,6 @@ def images(tmp_path_factory):
     two = build(tmp / "two.tar", tmp / "tmp-two", 0o077)
     assert two.returncode == 0, two.stderr
     return tmp / "one.tar", tmp / "two.tar"
-
-
-def layer(path) -> tarfile.TarFile:
-    """The image's one layer, from the docker-archive's manifest."""
-    with tarfile.open(path) as archive:
-        (manifest,) = json.load(archive.extractfile("manifest.json"))
-        (name,) = manifest["Layers"]
-        return tarfile.open(fileobj=io.BytesIO(archive.extractfile(name).read()))
 
 
 def described(path) -> dict:
@@ -241,13 +224,6 @@ def test_make_image_installs_only_what_the_build_needs():
     assert "setup-host.sh image" in out.stdout and "setup-host.sh test" not in out.stdout, out.stdout
     installs = [line for line in out.stdout.splitlines() if "pip install" in line and "--upgrade pip" not in line]
     assert installs and all("-r deploy/image-requirements.txt" in line and "[test]" not in line for line in installs)
-
-
-def image_bundle(image_root: str) -> str:
-    """The image's one bundle, as a path under image_root."""
-    parent = os.path.join(image_root, bundle.BUNDLES_DIR.lstrip("/"))
-    (bundle_id,) = os.listdir(parent)
-    return os.path.join(parent, bundle_id)
 
 
 def test_the_image_carries_one_bundle_whose_id_is_its_content(image_root):
