@@ -5,6 +5,11 @@ import os
 import click
 
 _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests)."
+# toolkit/restart.py's modes (not imported here: the CLI's start imports no toolkit module).
+RESTART_MODES = ("none", "auto", "systemd", "signal")
+_RESTART_HELP = ("Restart CRI-O or containerd when what they read at start changed: through systemd, by SIGTERM "
+                 "for a supervisor that starts it again, or auto (systemd's service, else an error); none "
+                 "leaves it to you.")  # fmt: skip
 
 
 @click.command()
@@ -32,8 +37,10 @@ _ROOT_HELP = "Install into this directory tree instead of / (image builds, tests
                    "wherever runtimes run the pre-filter, which is what offers it starts (--start-server "
                    "fails without one).")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
+@click.option("--restart", default="none", show_default=True, type=click.Choice(RESTART_MODES),
+              help=_RESTART_HELP)  # fmt: skip
 @click.pass_obj
-def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server):
+def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server, restart):
     """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
     nvidia-container-runtime-hook program), a default configuration, and the systemd units and
     udev rule that refresh the inventory cache when the driver changes.
@@ -47,7 +54,7 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
     lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services, device_plugin,
-                                   prefilter, warn=_warn, start_server=start_server)  # fmt: skip
+                                   prefilter, warn=_warn, start_server=start_server, restart=restart)  # fmt: skip
     for line in lines:
         click.echo(line)
     if not lines:
@@ -61,8 +68,8 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     if lines and os.path.abspath(root) == "/":
         click.echo("then: systemctl daemon-reload && systemctl start oci-gpu-hook-refresh.path "
                    "oci-gpu-hook-refresh.service && udevadm control --reload"
-                   + (" && systemctl restart crio" if "crio" in runtimes else "")
-                   + (" && systemctl restart containerd" if "containerd" in runtimes else "")
+                   + (" && systemctl restart crio" if "crio" in runtimes and restart == "none" else "")
+                   + (" && systemctl restart containerd" if "containerd" in runtimes and restart == "none" else "")
                    + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE} "
                       f"{install_module.WATCHDOG_SERVICE}" if node_services else "")
                    + (f" && systemctl start {install_module.DEVICE_PLUGIN_SERVICE}" if device_plugin
@@ -78,11 +85,13 @@ def _warn(line: str) -> None:
 
 @click.command()
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
-def uninstall(root):
+@click.option("--restart", default="none", show_default=True, type=click.Choice(RESTART_MODES),
+              help=_RESTART_HELP + " Done after what the runtimes read is removed, before the programs.")  # fmt: skip
+def uninstall(root, restart):
     """Remove exactly what `install` wrote (files changed since are kept, with a note)."""
     from oci_gpu_hook.toolkit import install as install_module
 
-    lines = install_module.uninstall(root)
+    lines = install_module.uninstall(root, restart)
     for line in lines:
         click.echo(line)
     if not lines:

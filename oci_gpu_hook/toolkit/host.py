@@ -28,21 +28,24 @@ class HostError(HookError):
     exit_code = Exit.INSTALL
 
 
-def install(host_root: str, runtimes, options=()) -> list:
-    """Place the running bundle on the host and install the hook there for runtimes; options go
-    before the command (the host's --config). Returns the lines both steps said."""
+def install(host_root: str, runtimes, options=(), restart: str = "auto") -> list:
+    """Place the running bundle on the host and install the hook there for runtimes, restarting
+    a runtime whose configuration changed (restart: toolkit/restart.py's mode); options go before
+    the command (the host's --config). Returns the lines both steps said."""
     running = _running()
     lines = install_module.place_bundle(host_root, bundle.directory(running))
-    argv = [*options, "install", *(a for r in runtimes for a in ("--runtime", r))]
+    argv = [*options, "install", *(a for r in runtimes for a in ("--runtime", r)), "--restart", restart]
     return lines + _on_host(host_root, running, argv)
 
 
-def uninstall(host_root: str) -> list:
+def uninstall(host_root: str, restart: str = "auto") -> list:
     """Uninstall from the host with the running bundle's copy there (placed first where it is not:
-    uninstall then removes it with the others the manifest records)."""
+    uninstall then removes it with the others the manifest records), restarting the runtimes
+    whose configuration it takes back before it removes the programs."""
     running = _running()
     lines = install_module.place_bundle(host_root, bundle.directory(running))
-    return [line for line in lines if not line.startswith("wrote ")] + _on_host(host_root, running, ["uninstall"])
+    argv = ["uninstall", "--restart", restart]
+    return [line for line in lines if not line.startswith("wrote ")] + _on_host(host_root, running, argv)
 
 
 def _running() -> str:

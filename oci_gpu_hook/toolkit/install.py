@@ -110,6 +110,9 @@ MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
 # pre-filter naming its launcher), in the order uninstall removes them: after everything else,
 # each after what runs it.
 PROGRAMS_REMOVED_LAST = (launcher.LAUNCHER, launcher.PYTHON_LAUNCHER, DOCKER_LAUNCHER, START_LAUNCHER)
+# What each runtime reads only when it starts, of what install writes: a change to one of these
+# is what asks for its restart (toolkit/restart.py).
+RUNTIME_FILES = {"crio": (CRIO_DROPIN,), "containerd": (containerd.CONFIG, containerd.DROPIN, containerd.BASE_SPEC)}
 # LAUNCHER's value where it is a link into a bundle: relative, so that it resolves alike in an
 # image tree, from the host, and inside a chroot of the host.
 BUNDLES_LINK = os.path.relpath(bundle.BUNDLES_DIR, os.path.dirname(launcher.LAUNCHER))
@@ -850,7 +853,7 @@ class _root_only:
 
 def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False, node_services: bool = False,
             device_plugin: bool = False, prefilter: bool | None = None, warn=None,
-            start_server: bool | None = None) -> list:  # fmt: skip
+            start_server: bool | None = None, restart: str = "none") -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing.
@@ -858,13 +861,22 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     (True: or fail; False: never; None: where a C compiler is found and builds it, else the
     launcher, and warn(line), when given, hears why). start_server: the start server's units too,
     which only a pre-filter offers starts to (True: or fail; False: never; None: wherever runtimes
-    run a pre-filter that offers to its socket)."""
+    run a pre-filter that offers to its socket). restart: restart.MODES; other than "none", each
+    runtime whose configuration files this install changed is restarted (toolkit/restart.py)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
+    _check_restart(root, restart)
     with _tree(root) as tree:
+        before = _read_manifest(tree)
         lines = _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
                          warn, start_server)  # fmt: skip
+        after = _read_manifest(tree)
+    if restart != "none":
+        from oci_gpu_hook.toolkit import restart as restart_module
+
+        for runtime in restart_module.changed(before, after, RUNTIME_FILES):
+            lines += restart_module.restart(runtime, restart)
     if "podman" in runtimes and root == "/" and warn is not None:
         _check_podman_reads(warn)
     return lines
@@ -1117,15 +1129,38 @@ def _unedit(path: str, line: str) -> str:
     return f"removed from {path}: {line.strip()}"
 
 
-def uninstall(root: str) -> list:
+def _check_restart(root: str, restart: str) -> None:
+    from oci_gpu_hook.toolkit import restart as restart_module
+
+    if restart not in restart_module.MODES:
+        raise InstallError(f"--restart {restart}: not one of {', '.join(restart_module.MODES)}")
+    if restart != "none" and root != "/":
+        raise InstallError(f"--restart: only when installing into / (a runtime runs from {root}?)")
+
+
+def uninstall(root: str, restart: str = "none") -> list:
+    """Remove what install wrote; restart: as install's, between removing what the runtimes read
+    and the programs it names, so that a runtime never runs a hook it still has after its
+    program is gone (containerd keeps its base spec until it restarts)."""
     root = os.path.abspath(root)
+    _check_restart(root, restart)
     if not os.path.isdir(root):
         return []
+    between = None
+    if restart != "none":
+        from oci_gpu_hook.toolkit import restart as restart_module
+
+        def between(manifest: dict) -> list:
+            lines = []
+            for runtime in restart_module.changed(manifest, {}, RUNTIME_FILES):
+                lines += restart_module.restart(runtime, restart)
+            return lines
+
     with _tree(root) as tree:
-        return _uninstall(tree)
+        return _uninstall(tree, between)
 
 
-def _uninstall(tree: Tree) -> list:
+def _uninstall(tree: Tree, between=None) -> list:
     manifest_path = tree.entry(MANIFEST)
     if not os.path.lexists(manifest_path):
         return []
@@ -1155,6 +1190,8 @@ def _uninstall(tree: Tree) -> list:
             continue
         os.rename(saved_path, path)
         lines.append(f"restored {path}")
+    if between is not None:
+        lines += between(manifest)  # uninstall run again after a failure here removes the rest
     lines += _remove_unchanged(tree, programs)
     for bundle_id in manifest.get("bundles", []):
         lines += _remove_bundle(tree, bundle_id)

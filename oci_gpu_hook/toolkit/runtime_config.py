@@ -33,6 +33,8 @@ CRIO_CONF = "/etc/crio/crio.conf"
 CRIO_DROPIN_DIR = "/etc/crio/crio.conf.d"
 # CRI-O's built-in hooks_dir (what `crio config --default` prints; a test compares the two).
 CRIO_DEFAULT_HOOKS_DIRS = ("/usr/share/containers/oci/hooks.d",)
+# CRI-O's built-in [crio.api] listen (`crio config --default`).
+CRIO_DEFAULT_LISTEN = "/var/run/crio/crio.sock"
 
 
 class ConfigFileError(Exception):
@@ -84,6 +86,24 @@ def toml_list(tree: Tree, file: str, keys: tuple, appendable: bool = False):
     the file does not exist or does not set it. ConfigFileError when it is not valid TOML or the
     value is not a list of strings: the runtime would refuse to start. appendable: the list may
     end with APPEND, which stays in it."""
+    value = _toml_value(tree, file, keys)
+    if value is None:
+        return None
+    strings = value[:-1] if appendable and isinstance(value, list) and value[-1:] == [APPEND] else value
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in strings):
+        raise ConfigFileError(f"{tree.shown(file)}: {'.'.join(keys)} is not an array of strings")
+    return value
+
+
+def toml_string(tree: Tree, file: str, keys: tuple):
+    """The string at `keys` in the tree's TOML file, or None (as toml_list)."""
+    value = _toml_value(tree, file, keys)
+    if value is not None and not isinstance(value, str):
+        raise ConfigFileError(f"{tree.shown(file)}: {'.'.join(keys)} is not a string")
+    return value
+
+
+def _toml_value(tree: Tree, file: str, keys: tuple):
     path = tree.shown(file)
     try:
         text = tree.read(file).decode("utf-8")  # a regular file only, bounded (tree.py)
@@ -101,9 +121,6 @@ def toml_list(tree: Tree, file: str, keys: tuple, appendable: bool = False):
         if not isinstance(value, dict) or key not in value:
             return None
         value = value[key]
-    strings = value[:-1] if appendable and isinstance(value, list) and value[-1:] == [APPEND] else value
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in strings):
-        raise ConfigFileError(f"{path}: {'.'.join(keys)} is not an array of strings")
     return value
 
 
@@ -218,6 +235,18 @@ def crio_files(tree: Tree) -> list:
 
     walk(CRIO_DROPIN_DIR)
     return found
+
+
+def crio_listen(root: str) -> str:
+    """The socket CRI-O serves its API on: the last of its files to set [crio.api] listen, else
+    CRI-O's default."""
+    listen = CRIO_DEFAULT_LISTEN
+    with _tree(root) as tree:
+        for path in crio_files(tree):
+            configured = toml_string(tree, path, ("crio", "api", "listen"))
+            if configured is not None:
+                listen = configured
+    return listen
 
 
 def crio_hooks_dirs(root: str, without: str | None = None) -> tuple:

@@ -15,53 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
-import hostcheck
+import cricheck
 import kubeletcheck
 from hookcheck import config_with, listed_uuids
 
-from oci_gpu_hook.toolkit import containerd
-
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CRI = containerd.CRI
-
-
-def user_config(work: str) -> str:
-    """The administrators' config.toml: containerd's state under work, no CNI (host-network pods),
-    the test image as the sandbox image; no base_runtime_spec (install adds it)."""
-
-    def q(*parts):
-        return json.dumps(os.path.join(work, *parts))
-
-    return "\n".join([
-        "version = 2",
-        f"root = {q('root')}",
-        f"state = {q('state')}",
-        'disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",'
-        ' "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper"]',
-        "[grpc]",
-        f"address = {q('containerd.sock')}",
-        "[ttrpc]",
-        f"address = {q('containerd.sock.ttrpc')}",
-        '[plugins."io.containerd.internal.v1.opt"]',
-        f"path = {q('opt')}",
-        f'[plugins."{CRI}"]',
-        f"sandbox_image = {json.dumps(kubeletcheck.IMAGE)}",
-        "restrict_oom_score_adj = true",
-        "disable_apparmor = true",
-        'stream_server_address = "127.0.0.1"',
-        'stream_server_port = "0"',
-        f'[plugins."{CRI}".cni]',
-        f"bin_dir = {q('cni', 'bin')}",
-        f"conf_dir = {q('cni', 'conf')}",
-        f'[plugins."{CRI}".containerd.runtimes.runc]',
-        'runtime_type = "io.containerd.runc.v2"',
-        f'[plugins."{CRI}".containerd.runtimes.runc.options]',
-        f"Root = {q('runc')}",
-        "",
-    ])  # fmt: skip
 
 
 # Inside the namespace, three times (before install, installed, uninstalled): doctor, then
@@ -70,54 +29,20 @@ INSIDE = r"""
 import json, os, subprocess, sys, time
 work, hook_config, crictl, parent, tests = sys.argv[1:6]
 sys.path.insert(0, tests)
-import hookcheck, kubeletcheck
+import cricheck, hookcheck
+from cricheck import run
 cli, out = [sys.executable, "-I", "-m", "oci_gpu_hook"], {}
-def run(*argv):
-    p = subprocess.run(list(argv), capture_output=True, text=True, timeout=120)
-    return {"rc": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
 sock = os.path.join(work, "containerd.sock")
-ctr = ["ctr", "--address", sock, "--namespace", "k8s.io"]
-def cri(*args):
-    return run(crictl, "-r", "unix://" + sock, "-i", "unix://" + sock, *args)
 def pod(phase):
     # containerd as the user starts it, one pod, containerd stopped: what the container printed.
     got = {"doctor": run(*cli, "--config", hook_config, "doctor")}
     log = open(os.path.join(work, "containerd.log"), "ab")
     daemon = subprocess.Popen(["containerd"], stdout=log, stderr=log, stdin=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 60
-        while run(*ctr, "version")["rc"] != 0:
-            assert daemon.poll() is None and time.monotonic() < deadline, "containerd did not serve"
-            time.sleep(0.2)
+        cricheck.wait_for_containerd(sock, daemon)
         if phase == "before":
-            archive = kubeletcheck.write_image_archive(os.path.join(work, "image.tar"), work)
-            got["import"] = run(*ctr, "images", "import", archive)
-        logs = os.path.join(work, "pods-" + phase)
-        sandbox = {"metadata": {"name": "gpu-pod", "namespace": "team", "uid": "uid-" + phase}, "log_directory": logs,
-                   "linux": {"cgroup_parent": "/" + parent,
-                             "security_context": {"namespace_options": {"network": 2}}}}
-        spec = {"metadata": {"name": "main"}, "image": {"image": kubeletcheck.IMAGE},
-                "command": ["sh", "-c", "nvidia-smi -L"],
-                "envs": [{"key": "NVIDIA_VISIBLE_DEVICES", "value": "1"}], "log_path": "main.log"}
-        files = []
-        for name, doc in (("pod", sandbox), ("ctr", spec)):
-            files.append(os.path.join(work, name + "-" + phase + ".json"))
-            with open(files[-1], "w") as f:
-                json.dump(doc, f)
-        got["runp"] = cri("runp", files[0])
-        pod_id = got["runp"]["stdout"].strip()
-        got["create"] = cri("create", pod_id, files[1], files[0])
-        cid = got["create"]["stdout"].strip()
-        got["start"] = cri("start", cid)
-        deadline = time.monotonic() + 60
-        while cri("inspect", "-o", "go-template", "--template", "{{.status.state}}", cid)["stdout"].strip() \
-                != "CONTAINER_EXITED" and time.monotonic() < deadline:
-            time.sleep(0.2)
-        path = os.path.join(logs, "main.log")
-        got["log"] = kubeletcheck.cri_log(path) if os.path.exists(path) else ""
-        got["spec"] = json.loads(run(*ctr, "containers", "info", cid)["stdout"] or "{}").get("Spec", {})
-        cri("stopp", pod_id)
-        got["rmp"] = cri("rmp", "-f", pod_id)
+            got["import"] = cricheck.import_test_image(work, sock)
+        got.update(cricheck.gpu_pod(work, crictl, sock, parent, phase))
     finally:
         daemon.terminate()
         daemon.wait(30)
@@ -146,27 +71,9 @@ def test_a_cri_container_gets_exactly_its_gpu_through_what_install_wrote(simulat
     hook_config = config_with(host, tmp_path, "")
     work = str(tmp_path / "ctd")
     os.makedirs(work)
-    upper = os.path.join(work, "overlays")
-    os.makedirs(upper)
-    parent = f"ocigpu-containerd-{os.getpid()}"
-    with open(os.path.join(work, "user-config.toml"), "w") as f:
-        f.write(user_config(work))
-    setup = f'mount -t tmpfs -o mode=0755 oci-gpu-hook-test "{upper}" && '
-    for d in ("/etc", "/usr/local", "/var/lib"):
-        setup += (f'mkdir -p "{upper}/u{d}" "{upper}/w{d}" && mount -t overlay oci-gpu-hook-test '
-                  f'-o "lowerdir={d},upperdir={upper}/u{d},workdir={upper}/w{d}" {d} && ')  # fmt: skip
-    setup += f'mkdir -p /etc/containerd && cp "{work}/user-config.toml" /etc/containerd/config.toml && '
-    footprint = hostcheck.Footprint("containerd-install", directories=[work])
-    footprint.own_cgroup_parent(parent)
-    try:
-        proc = footprint.popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                                setup + 'exec "$0" -I -c "$@"', sys.executable, INSIDE, work, hook_config, crictl,
-                                parent, TESTS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)  # fmt: skip
-        stdout, stderr = proc.communicate(timeout=400)
-    finally:
-        footprint.close()
-    assert proc.returncode == 0, stdout + stderr
+    parent = cricheck.cgroup_parent("containerd-install")
+    stdout = cricheck.run_as_a_containerd_host(work, "containerd-install", INSIDE,
+                                               [work, hook_config, crictl, parent, TESTS], timeout=400)  # fmt: skip
     out = json.loads(stdout)
     diagnostics = json.dumps({k: v for k, v in out.items() if not k.startswith("tree_")}, indent=1)
     with open(os.path.join(work, "containerd.log")) as f:

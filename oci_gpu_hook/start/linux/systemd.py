@@ -439,3 +439,21 @@ def _not_told(unit: str, e: Exception) -> str:
         why = f"internal error: {type(e).__name__}: {e}"
     # what a peer sent (an error's name and text) is one printable line in the log, as the rest
     return f"systemd not told of the GPU nodes of {unit} (a daemon-reload will take them away): {printable(why)}"
+
+
+def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
+    """Ask systemd to restart unit (Manager.RestartUnit, mode "replace"), as `systemctl restart`
+    does without waiting for the job: the caller sees the restart done in the unit's own effect.
+    Raises SystemdError, or OSError when nothing listens at address (default: PRIVATE_SOCKET;
+    bus: it is a message bus, as keep_devices's)."""
+
+    def write(w: _Writer) -> None:
+        w.string(unit)
+        w.string("replace")
+
+    conn = _Connection(address or PRIVATE_SOCKET, bus, timeout)
+    try:
+        conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                  "RestartUnit", "ss", write)  # fmt: skip
+    finally:
+        conn.close()

@@ -80,6 +80,14 @@ SERVICE = textwrap.dedent(
             with open(sys.argv[2], "a") as f:
                 f.write(json.dumps(record) + "\\n")
 
+        @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
+        def RestartUnit(self, unit, mode):
+            if unit == "missing.service":
+                raise NoSuchUnit("Unit missing.service not found.")
+            with open(sys.argv[2], "a") as f:
+                f.write(json.dumps({"restart": [str(unit), str(mode)]}) + "\\n")
+            return dbus.ObjectPath("/org/freedesktop/systemd1/job/7")
+
     dbus.mainloop.glib.DBusGMainLoop(set_as_default=True)
     bus = dbus.bus.BusConnection(sys.argv[1])
     name = dbus.service.BusName("org.freedesktop.systemd1", bus)
@@ -150,9 +158,24 @@ def fake_systemd(tmp_path, require):
 
 
 def _recorded(calls, kind="unit"):
-    """The recorded SetUnitProperties calls (kind "unit") or Properties.Get calls ("get")."""
+    """The recorded SetUnitProperties calls (kind "unit"), Properties.Get calls ("get") or
+    RestartUnit calls ("restart")."""
     lines = calls.read_text().splitlines() if calls.exists() else []
-    return [record if kind == "unit" else record["get"] for record in map(json.loads, lines) if kind in record]
+    return [record if kind == "unit" else record[kind] for record in map(json.loads, lines) if kind in record]
+
+
+def test_restart_unit_is_systemctl_restarts_call(fake_systemd):
+    """RestartUnit(unit, "replace"), as `systemctl restart` asks it (toolkit/restart.py), and the
+    same call made by busctl; an error reply is one line."""
+    socket_path, calls, _ = fake_systemd
+    systemd.restart_unit("containerd.service", socket_path, bus=True)
+    done = subprocess.run(["busctl", f"--address=unix:path={socket_path}", "call", "org.freedesktop.systemd1",
+                           "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager", "RestartUnit", "ss",
+                           "containerd.service", "replace"], capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert _recorded(calls, "restart") == [["containerd.service", "replace"]] * 2
+    with pytest.raises(systemd.SystemdError, match=r"^org\.freedesktop\.systemd1\.NoSuchUnit: Unit missing"):
+        systemd.restart_unit("missing.service", socket_path, bus=True)
 
 
 def test_the_call_is_what_libdbus_reads_and_what_sd_bus_sends(fake_systemd):
