@@ -53,12 +53,12 @@ def user_config(work: str) -> str:
     ])  # fmt: skip
 
 
-def run_as_a_containerd_host(work: str, name: str, script: str, args, timeout: float = 600) -> str:
+def run_as_a_host(work: str, name: str, script: str, args, timeout: float = 600, containerd: bool = True) -> str:
     """Run the Python script (with args after it) in a mount namespace of its own, as root on a
-    host with containerd: /etc, /usr/local and /var/lib are overlays whose upper layers are on a
-    tmpfs under work, and /etc/containerd/config.toml is user_config(work). Its processes run in a
-    cgroup of the test's own, parent (hostcheck.Footprint), killed and checked when it ends.
-    Returns what it printed; asserts it succeeded."""
+    host of the test's own: /etc, /usr/local and /var/lib are overlays whose upper layers are on a
+    tmpfs under work; containerd: /etc/containerd/config.toml is user_config(work). Its processes
+    run in a cgroup of the test's own, cgroup_parent(name) (hostcheck.Footprint), killed and
+    checked when it ends. Returns what it printed; asserts it succeeded."""
     import sys
 
     import hostcheck
@@ -71,7 +71,8 @@ def run_as_a_containerd_host(work: str, name: str, script: str, args, timeout: f
     for d in ("/etc", "/usr/local", "/var/lib"):
         setup += (f'mkdir -p "{upper}/u{d}" "{upper}/w{d}" && mount -t overlay oci-gpu-hook-test '
                   f'-o "lowerdir={d},upperdir={upper}/u{d},workdir={upper}/w{d}" {d} && ')  # fmt: skip
-    setup += f'mkdir -p /etc/containerd && cp "{work}/user-config.toml" /etc/containerd/config.toml && '
+    if containerd:
+        setup += f'mkdir -p /etc/containerd && cp "{work}/user-config.toml" /etc/containerd/config.toml && '
     footprint = hostcheck.Footprint(name, directories=[work])
     footprint.own_cgroup_parent(cgroup_parent(name))
     try:
@@ -86,7 +87,7 @@ def run_as_a_containerd_host(work: str, name: str, script: str, args, timeout: f
 
 
 def cgroup_parent(name: str) -> str:
-    """The cgroup parent run_as_a_containerd_host's processes (and the pods they start) run under."""
+    """The cgroup parent run_as_a_host's processes (and the pods they start) run under."""
     return f"ocigpu-{name}-{os.getpid()}"
 
 

@@ -90,11 +90,15 @@ class CrioDaemon:
     busy one is raised with what holds it) and the cgroups removed. It raises for anything left."""
 
     def __init__(self, base: str, hooks_dir: str | None = None, config_dir: str | None = None,
-                 etc_containers: str | None = None):  # fmt: skip
+                 etc_containers: str | None = None, configured: str | None = None):  # fmt: skip
         """hooks_dir: given as --hooks-dir (None: CRI-O reads what its configuration says);
         config_dir: its --config-dir (None: an empty one of its own); etc_containers: a directory
         CRI-O sees over the host's /etc/containers (an install --root's), in a mount namespace
-        of its own, so that the host's stays as it is."""
+        of its own, so that the host's stays as it is. configured: instead of flags, a file in
+        /etc/crio/crio.conf.d (of a namespace whose /etc is the test's) where the settings go as
+        `crio config` prints them; CRI-O then starts with no flag at all, as a node's does, under
+        a supervisor that starts it again whenever it exits (as systemd's Restart= would), each
+        start a line in `starts`, until stop()."""
         import tempfile
         import time
 
@@ -141,6 +145,15 @@ class CrioDaemon:
                 "--cdi-spec-dirs", d["cdi"], "--enable-metrics=false"]  # fmt: skip
         if hooks_dir is not None:
             argv += ["--hooks-dir", hooks_dir]
+        self.configured, self.starts = configured, os.path.join(base, "starts")
+        if configured is not None:
+            done = subprocess.run([*argv, "config"], capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+            os.makedirs(os.path.dirname(configured), exist_ok=True)
+            with open(configured, "w") as f:
+                f.write(done.stdout)
+            argv = ["sh", "-c", 'while [ ! -e "$0/stop" ]; do echo start >> "$0/starts"; "$1" >> "$0/crio.log" 2>&1; '
+                    "done", base, argv[0]]  # fmt: skip
         if etc_containers is not None:
             # A read-only overlay: the given tree's files over the host's, seen by CRI-O, its conmon,
             # runc and the hook only; it goes when the last of them exits.
@@ -249,6 +262,13 @@ class CrioDaemon:
         try:
             self.remove_pods()
         finally:
+            if self.configured is not None:  # the supervisor stops, then the CRI-O it runs now
+                from oci_gpu_hook.toolkit import restart
+
+                open(os.path.join(self.base, "stop"), "w").close()
+                serving = restart.serving(self.socket)
+                if serving is not None:
+                    os.kill(serving, 15)
             kubeletcheck._stop(self.proc, timeout=30)
             runc = ["runc", "--root", self.dirs["runcroot"]]
             for cid in subprocess.run([*runc, "list", "-q"], capture_output=True, text=True).stdout.split():

@@ -72,7 +72,7 @@ def test_a_cri_container_gets_exactly_its_gpu_through_what_install_wrote(simulat
     work = str(tmp_path / "ctd")
     os.makedirs(work)
     parent = cricheck.cgroup_parent("containerd-install")
-    stdout = cricheck.run_as_a_containerd_host(work, "containerd-install", INSIDE,
+    stdout = cricheck.run_as_a_host(work, "containerd-install", INSIDE,
                                                [work, hook_config, crictl, parent, TESTS], timeout=400)  # fmt: skip
     out = json.loads(stdout)
     diagnostics = json.dumps({k: v for k, v in out.items() if not k.startswith("tree_")}, indent=1)
