@@ -103,8 +103,12 @@ def watchdog(obj, interval, policy, grace, dry_run, once, heartbeat):
               show_default=True, help="Seconds between health checks and kubelet-restart checks.")  # fmt: skip
 @click.option("--check", is_flag=True, help="Check the configuration against this node, print what would be "
                                             "offered, and exit.")  # fmt: skip
+@click.option("--gate", metavar="FILE",
+              help="Follow the validation gates' verdicts in FILE (the cluster's toolkit writes them, beside the "
+                   "hook's records): offer nothing until the toolkit gate passes, and withdraw every device "
+                   "while a gate has failed (docs/kubernetes.md).")  # fmt: skip
 @click.pass_obj
-def device_plugin(obj, config_file, socket_dir, interval, check):
+def device_plugin(obj, config_file, socket_dir, interval, check, gate):
     """Offer the node's GPUs to the kubelet as nvidia.com/gpu (and nvidia.com/gpu.shared,
     nvidia.com/mig-<profile>), through the device plugin API. Runs until stopped."""
     from oci_gpu_hook.node.plugin import config as plugin_config
@@ -137,4 +141,4 @@ def device_plugin(obj, config_file, socket_dir, interval, check):
         return 0
     from oci_gpu_hook.node.plugin import supervisor
 
-    return supervisor.run(settings, config, socket_dir or node.kubelet_socket_dir, interval, where)
+    return supervisor.run(settings, config, socket_dir or node.kubelet_socket_dir, interval, where, gate)

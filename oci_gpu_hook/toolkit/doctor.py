@@ -106,7 +106,7 @@ class Doctor:
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
                      "inventory_cache", "hooks_d", "rootless", "crio", "containerd", "docker", "cgroups", "selinux",
                      "selinux_policy", "refresh_units", "start_server", "exporter", "labels", "watchdog",
-                     "device_plugin"):  # fmt: skip
+                     "device_plugin", "gates"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
                 status, summary, fix = getattr(self, f"check_{name}")()
@@ -587,6 +587,34 @@ class Doctor:
                 (f"systemctl start {WATCHDOG_SERVICE}; journalctl -u {WATCHDOG_SERVICE} says why it stopped"),
             )
         return PASS, f"the watchdog runs (pid {', '.join(map(str, running))})", None
+
+    def check_gates(self):
+        """The validation gates' verdicts (node/gates.py), where a rollout wrote them: the first
+        failed gate's line and fix, as the device plugin withdraws the node's GPUs for it."""
+        from oci_gpu_hook.node import gates
+
+        if self.config_error:
+            raise NotChecked("not checked: the configuration is invalid")
+        path = gates.gates_path(self.settings.records_path)
+        if not os.path.lexists(path):
+            return PASS, f"no validation gates on this node ({path}): nothing to check", None
+        try:
+            verdicts = gates.read(path)
+        except ValueError as e:
+            return (FAIL, f"the validation gates' verdicts cannot be trusted: {e}",
+                    f"remove {path}; the rollout writes it again")  # fmt: skip
+        for name in gates.ORDER:
+            v = verdicts[name]
+            if v["state"] == "failed":
+                return FAIL, f"gate {name} failed: {v['why'] or 'no reason given'}", v["fix"]
+            if v["state"] == "pending":
+                later = gates.ORDER[gates.ORDER.index(name) :]
+                return (
+                    WARN,
+                    f"gates pending: {', '.join(later)} (the device plugin offers GPUs once toolkit passed)",
+                    None,
+                )
+        return PASS, f"gates passed: {', '.join(gates.ORDER)}", None
 
     def check_device_plugin(self):
         """Runs, with a configuration that fits this node and the hook's settings, and serves a

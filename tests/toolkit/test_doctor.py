@@ -614,3 +614,30 @@ def test_systemds_state_of_the_start_servers_units(socket, service, said):
 )  # fmt: skip
 def test_fallbacks_are_the_servers_own(status, said):
     assert doctor.fallbacks(status) == said
+
+
+def test_gates_say_the_first_failed_gate_and_its_fix(setup):
+    """doctor repeats the validation gates' verdicts (node/gates.py): nothing to check without a
+    rollout's file; pending gates are a warning; the first failed gate's line and fix are the
+    FAIL; a file not to be trusted fails too."""
+    from oci_gpu_hook.node import gates
+
+    host, config, root, mountinfo = setup
+    path = gates.gates_path(config.records_path)
+
+    def check():
+        return _by_id(run(config, root, mountinfo))["gates"]
+
+    assert check().status == doctor.PASS and check().summary.startswith("no validation gates on this node")
+    gates.write(path, {"toolkit": gates.verdict("passed")})
+    assert (check().status, check().summary) == (doctor.WARN, "gates pending: plugin (the device plugin offers GPUs "
+                                                              "once toolkit passed)")  # fmt: skip
+    plugin = gates.verdict("failed", "the validation pod saw 0 GPUs, not 1", "see its events")
+    gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": plugin})
+    failed = check()
+    assert (failed.status, failed.summary, failed.fix) == (
+        doctor.FAIL, "gate plugin failed: the validation pod saw 0 GPUs, not 1", "see its events")  # fmt: skip
+    gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
+    assert (check().status, check().summary) == (doctor.PASS, "gates passed: toolkit, plugin")
+    os.chmod(path, 0o666)
+    assert check().status == doctor.FAIL and "cannot be trusted" in check().summary

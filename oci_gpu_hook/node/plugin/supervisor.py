@@ -26,8 +26,13 @@ def _count(devices) -> str:
 
 
 class DevicePlugin:
-    def __init__(self, settings, config, socket_dir: str, where: str = "device plugin configuration"):
+    def __init__(self, settings, config, socket_dir: str, where: str = "device plugin configuration",
+                 gate: str | None = None):  # fmt: skip
         self.settings, self.config, self.socket_dir, self.where = settings, config, socket_dir, where
+        # The validation gates' file this plugin follows (node/gates.py), or None: registered only
+        # once the toolkit gate first passed; every device withdrawn while a gate has failed.
+        self.gate, self.gate_passed = gate, False
+        self.withdrawn: str | None = None
         self.kubelet_socket = os.path.join(socket_dir, KUBELET_SOCKET)
         self.reader = None
         self.inventory = None
@@ -96,10 +101,32 @@ class DevicePlugin:
         with self._health_lock:
             self._check_health()
 
+    def read_gate(self) -> None:
+        """The gates' verdicts now: whether this plugin may register (the toolkit gate passed once),
+        and whether its devices are withdrawn (a gate failed; after the first pass, a file that is
+        gone or not to be trusted too)."""
+        from oci_gpu_hook.node import gates
+
+        if self.gate is None:
+            return
+        try:
+            verdicts = gates.read(self.gate)
+        except ValueError as e:
+            self.withdrawn = f"the gates' verdicts cannot be trusted: {e}"
+            return
+        if gates.toolkit_passed(verdicts) and not self.gate_passed:
+            say("gate toolkit passed: serving and registering")
+            self.gate_passed = True
+        self.withdrawn = gates.failed(verdicts)
+        if self.withdrawn is None and self.gate_passed and verdicts["toolkit"]["state"] != "passed":
+            self.withdrawn = f"gate toolkit is {verdicts['toolkit']['state']} again"
+
     def _check_health(self) -> None:
         gone: set = set()
         found = health.device_health(self.inventory, self.reader, gone)
         self.xid_marks.apply(self.inventory, found, gone)
+        if self.withdrawn is not None:
+            found = {uuid: self.withdrawn for uuid in found}  # every device, with the gate's line
         if found != self.health:
             # One line per cause (a failing NVML makes every device Unhealthy at once), and the
             # devices that became healthy again; devices healthy from the start are not listed.
@@ -150,6 +177,9 @@ class DevicePlugin:
     def ensure_registered(self) -> None:
         """Serve and register every resource that is not (a kubelet restart wiped its socket, or
         a new kubelet.sock appeared)."""
+        if self.gate is not None and not self.gate_passed:
+            self._problem(f"waiting for gate toolkit to pass ({self.gate}): nothing is offered until it does")
+            return
         kubelet = file_identity(self.kubelet_socket)
         if kubelet is None:
             self._problem(f"waiting for the kubelet: {self.kubelet_socket} is not there")
@@ -190,6 +220,7 @@ class DevicePlugin:
                 self._problem(f"the inventory cannot be read again: {e.message}")
         if self.mps.lost() or any(r.mps_root and r.name not in self.mps.running for r in self.resources):
             self.sync_servers()  # an MPS daemon that died, or did not start: again
+        self.read_gate()
         self.check_health()
         self.ensure_registered()
 
@@ -201,9 +232,9 @@ class DevicePlugin:
         self.mps.stop_all()
 
 
-def run(settings, config, socket_dir: str, interval: float, where: str) -> int:
+def run(settings, config, socket_dir: str, interval: float, where: str, gate: str | None = None) -> int:
     """Serve until SIGTERM or SIGINT. The configuration and the inventory are checked first.
-    where: what the configuration came from, for messages."""
+    where: what the configuration came from, for messages; gate: the gates' file to follow."""
     from oci_gpu_hook.node.nvml_reader import RESTART, DriverChanged
     from oci_gpu_hook.node.plugin.directory_watch import DirectoryWatch
 
@@ -211,7 +242,7 @@ def run(settings, config, socket_dir: str, interval: float, where: str) -> int:
     if not os.path.isdir(socket_dir):
         raise PrerequisiteError(f"{socket_dir}: no such directory: is the kubelet installed here? "
                                 "(--socket-dir sets it)")  # fmt: skip
-    plugin = DevicePlugin(settings, config, socket_dir, where)
+    plugin = DevicePlugin(settings, config, socket_dir, where, gate)
     plugin.load()
     plugin.sync_servers()
     stopping = threading.Event()

@@ -137,12 +137,13 @@ class FakeKubelet:
 
 
 class Plugin:
-    def __init__(self, host_config: str, socket_dir: str, config_file: str, log_dir, umask: int | None = None):
+    def __init__(self, host_config: str, socket_dir: str, config_file: str, log_dir, umask: int | None = None,
+                 options=()):  # fmt: skip
         self.socket_dir = socket_dir
         self.log = open(log_dir / f"device-plugin-{time.monotonic_ns()}.log", "w+")
         self.proc = subprocess.Popen(
             [*hook_command(host_config), "device-plugin", "--socket-dir",
-             socket_dir, "--config-file", config_file, "--interval", INTERVAL],
+             socket_dir, "--config-file", config_file, "--interval", INTERVAL, *options],
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
             # Popen's own umask (set in the child by C code): a preexec_fn would run Python in a
             # child forked while this process's gRPC threads (the fake kubelet) were busy.
@@ -153,6 +154,15 @@ class Plugin:
         self.log.flush()
         self.log.seek(0)
         return self.log.read()
+
+    def said(self, words: str) -> str:
+        """Its output, once it holds words (by deadline)."""
+        deadline = time.monotonic() + DEADLINE
+        while words not in self.output():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                pytest.fail(f"the plugin did not say {words!r}:\n{self.output()}")
+            time.sleep(0.1)
+        return self.output()
 
     def socket(self, resource: str) -> str:
         return os.path.join(self.socket_dir, socket_name(resource))
@@ -240,8 +250,8 @@ def start(host_config, socket_dir, plugin_file, tmp_path):
     """start(config text) -> Plugin, stopped (and its output shown on failure) at the end."""
     started = []
 
-    def make(text=MIXED_SHARED, umask=None):
-        plugin = Plugin(host_config, socket_dir, plugin_file(text), tmp_path, umask)
+    def make(text=MIXED_SHARED, umask=None, options=()):
+        plugin = Plugin(host_config, socket_dir, plugin_file(text), tmp_path, umask, options)
         started.append(plugin)
         return plugin
 
@@ -470,6 +480,38 @@ def test_a_mig_device_that_goes_away_is_no_longer_offered_and_comes_back(api, ho
 
 
 # ---- kubelet restarts ---------------------------------------------------------------------------------
+
+
+def test_the_gate_holds_registration_until_the_toolkit_passes_and_a_failed_gate_withdraws_every_device(
+        api, host, kubelet, start, watches, tmp_path):  # fmt: skip
+    """--gate FILE (issue 47): nothing is served or registered while the toolkit gate is pending
+    (no file yet); once it passes, every resource registers; a failed gate makes every device of
+    every resource Unhealthy with the gate's line, and a pass heals them, on the same registration;
+    a verdicts file anyone else could have written counts as a failure."""
+    from oci_gpu_hook.node import gates
+
+    path = str(tmp_path / "gates.json")
+    plugin = start(options=("--gate", path))
+    plugin.said(f"waiting for gate toolkit to pass ({path}): nothing is offered until it does")
+    assert kubelet.requests == [] and not [n for n in os.listdir(plugin.socket_dir) if n != "kubelet.sock"]
+    gates.write(path, {"toolkit": gates.verdict("passed")})
+    assert sorted(r.resource_name for r in kubelet.wait_for(4, plugin)) == RESOURCES
+    streams = [watches(api, plugin, resource) for resource in RESOURCES]
+    for stream in streams:
+        stream.until(all_health("Healthy"), "every device healthy")
+    why, fix = "the validation pod saw 0 GPUs, not 1", "oci-gpu-hook doctor on the node"
+    gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("failed", why, fix)})
+    for stream in streams:
+        stream.until(all_health("Unhealthy"), "every device withdrawn")
+    plugin.said(f"gate plugin failed: {why} (fix: {fix})")
+    gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
+    for stream in streams:
+        stream.until(all_health("Healthy"), "every device back")
+    os.chmod(path, 0o666)  # anyone's now: not a verdict to go by
+    for stream in streams:
+        stream.until(all_health("Unhealthy"), "withdrawn for an untrusted file")
+    plugin.said("the gates' verdicts cannot be trusted")
+    assert len(kubelet.requests) == 4  # registered once, all along
 
 
 def test_deleted_sockets_are_served_and_registered_again(api, host, kubelet, start, watches, socket_dir):
