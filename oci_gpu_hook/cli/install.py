@@ -39,8 +39,13 @@ _RESTART_HELP = ("Restart CRI-O or containerd when what they read at start chang
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.option("--restart", default="none", show_default=True, type=click.Choice(RESTART_MODES),
               help=_RESTART_HELP)  # fmt: skip
+@click.option("--start-units", is_flag=True,
+              help="Reload systemd and start the units install wrote (the refresh units, the node services asked "
+                   "for, the start server's socket), instead of saying to; nothing where systemd does not run "
+                   "the host.")  # fmt: skip
 @click.pass_obj
-def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server, restart):
+def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server, restart,
+            start_units):  # fmt: skip
     """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
     nvidia-container-runtime-hook program), a default configuration, and the systemd units and
     udev rule that refresh the inventory cache when the driver changes.
@@ -49,6 +54,8 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     `uninstall`."""
     from oci_gpu_hook.toolkit import install as install_module
 
+    if start_units and os.path.abspath(root) != "/":
+        raise click.UsageError("--start-units: only when installing into /")
     runtimes = tuple(runtimes) or ("podman",)
     prefix = install_module.hook_command()
     if obj.config:
@@ -65,11 +72,16 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     if "docker" in runtimes and lines:
         click.echo("then restart dockerd: it looks for nvidia-container-runtime-hook when it starts "
                    "(systemctl restart docker)")  # fmt: skip
-    if lines and os.path.abspath(root) == "/":
+    restarts = "".join(f" && systemctl restart {r}" for r in ("crio", "containerd")
+                       if r in runtimes and restart == "none")  # fmt: skip
+    if lines and os.path.abspath(root) == "/" and start_units:
+        for line in install_module.start_units(install_module.units_to_start(root, node_services, device_plugin)):
+            click.echo(line)
+        if restarts:
+            click.echo("then: " + restarts[len(" && ") :])
+    elif lines and os.path.abspath(root) == "/":
         click.echo("then: systemctl daemon-reload && systemctl start oci-gpu-hook-refresh.path "
-                   "oci-gpu-hook-refresh.service && udevadm control --reload"
-                   + (" && systemctl restart crio" if "crio" in runtimes and restart == "none" else "")
-                   + (" && systemctl restart containerd" if "containerd" in runtimes and restart == "none" else "")
+                   "oci-gpu-hook-refresh.service && udevadm control --reload" + restarts
                    + (f" && systemctl start {install_module.EXPORTER_SERVICE} {install_module.LABELS_SERVICE} "
                       f"{install_module.WATCHDOG_SERVICE}" if node_services else "")
                    + (f" && systemctl start {install_module.DEVICE_PLUGIN_SERVICE}" if device_plugin

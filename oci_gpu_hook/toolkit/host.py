@@ -34,7 +34,14 @@ def install(host_root: str, runtimes, options=(), restart: str = "auto") -> list
     the command (the host's --config). Returns the lines both steps said."""
     running = _running()
     lines = install_module.place_bundle(host_root, bundle.directory(running))
-    argv = [*options, "install", *(a for r in runtimes for a in ("--runtime", r)), "--restart", restart]
+    argv = [
+        *options,
+        "install",
+        *(a for r in runtimes for a in ("--runtime", r)),
+        "--restart",
+        restart,
+        "--start-units",
+    ]
     return lines + _on_host(host_root, running, argv)
 
 

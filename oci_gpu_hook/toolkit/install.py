@@ -1129,6 +1129,48 @@ def _unedit(path: str, line: str) -> str:
     return f"removed from {path}: {line.strip()}"
 
 
+def units_to_start(root: str, node_services: bool = False, device_plugin: bool = False) -> list:
+    """What to start once install wrote its units (what its closing `then:` line tells a user to
+    start): the refresh units, the node services asked for, and the start server's socket where
+    it is enabled."""
+    units = [PATH_UNIT, SERVICE]
+    if node_services:
+        units += [EXPORTER_SERVICE, LABELS_SERVICE, WATCHDOG_SERVICE]
+    if device_plugin:
+        units.append(DEVICE_PLUGIN_SERVICE)
+    with _tree(root) as tree:
+        if os.path.lexists(tree.entry(START_SOCKET_LINK)):
+            units.append(START_SOCKET)
+    return units
+
+
+def start_units(units, address: str | None = None, bus: bool = False) -> list:
+    """Reload systemd and start units, as `systemctl daemon-reload && systemctl start UNITS` (and
+    `udevadm control --reload`, for install's rule), through systemd's private socket; a line
+    saying so. Where systemd does not run the host, nothing to start: a line saying that.
+    address, bus: another socket than systemd's (systemd.manage's)."""
+    import shutil
+
+    from oci_gpu_hook.start.linux import systemd
+
+    if address is None and not os.path.isdir("/run/systemd/system"):  # sd_booted(3)'s test
+        return [f"systemd does not run this host: {' '.join(units)} not started"]
+    try:
+        systemd.manage([("Reload", None)] + [("StartUnit", unit) for unit in units], address, bus)
+    except (systemd.SystemdError, OSError) as e:
+        raise InstallError(f"systemd did not start {' '.join(units)}: {e}") from None
+    lines = [f"started {' '.join(units)} (systemd reloaded)"]
+    udevadm = shutil.which("udevadm")
+    if udevadm is not None and address is None:
+        import subprocess
+
+        done = subprocess.run([udevadm, "control", "--reload"], capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+        lines.append("udev rules reloaded" if done.returncode == 0 else
+                     f"udevadm control --reload failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")  # fmt: skip
+    return lines
+
+
 def _check_restart(root: str, restart: str) -> None:
     from oci_gpu_hook.toolkit import restart as restart_module
 

@@ -133,6 +133,9 @@ def test_the_toolkit_installs_restarts_and_uninstalls(runtime, simulated_host, t
     assert out["install"]["rc"] == 0 and lines[0] == f"wrote /host{here}", diagnostics
     assert [line for line in lines if line.startswith(f"restarted {runtime}: pid ")], diagnostics
     assert f"wrote {launcher.LAUNCHER}" in lines and out["starts_installed"] == 2, diagnostics
+    # No systemd runs this host: the units are not started, and nothing is left for a user to type.
+    assert f"systemd does not run this host: {install.PATH_UNIT} {install.SERVICE}" in "\n".join(lines), diagnostics
+    assert not [line for line in lines if line.startswith("then:")], diagnostics
     assert listed_uuids(out["installed"]) == [host["gpus"][1]["uuid"]], diagnostics
     # Again: nothing to do, no restart.
     assert out["again"]["rc"] == 0 and out["again"]["stdout"] == "nothing to do: already installed\n", diagnostics

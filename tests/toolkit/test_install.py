@@ -1233,3 +1233,11 @@ def test_a_link_install_replaces_is_never_missing(tmp_path):
         out, _ = reader.communicate(timeout=30)
     assert out.strip() == "0"
     assert os.readlink(path) == "b" and sorted(os.listdir(tmp_path)) == ["link", "link.stop"]
+
+
+def test_start_units_is_only_for_an_install_into_the_root(root, hook_cli):
+    """--start-units acts on the running systemd: refused for a tree, before anything is written."""
+    before = snapshot(root)
+    out = hook_cli("install", "--root", root, "--start-units")
+    assert out.returncode == 2 and "--start-units: only when installing into /" in out.stderr, out.stderr
+    assert snapshot(root) == before

@@ -446,14 +446,26 @@ def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeo
     does without waiting for the job: the caller sees the restart done in the unit's own effect.
     Raises SystemdError, or OSError when nothing listens at address (default: PRIVATE_SOCKET;
     bus: it is a message bus, as keep_devices's)."""
+    manage([("RestartUnit", unit)], address, bus, timeout)
 
-    def write(w: _Writer) -> None:
-        w.string(unit)
-        w.string("replace")
 
+def manage(calls, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
+    """Manager calls on one connection, in order: ("Reload", None) as `systemctl daemon-reload`
+    (which returns once systemd has reloaded), ("StartUnit" or "RestartUnit", unit) with mode
+    "replace", as systemctl does without waiting for the job. Raises as restart_unit."""
     conn = _Connection(address or PRIVATE_SOCKET, bus, timeout)
     try:
-        conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
-                  "RestartUnit", "ss", write)  # fmt: skip
+        for member, unit in calls:
+            if unit is None:
+                signature, write = "", lambda w: None
+            else:
+
+                def write(w: _Writer, unit=unit) -> None:
+                    w.string(unit)
+                    w.string("replace")
+
+                signature = "ss"
+            conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                      member, signature, write)  # fmt: skip
     finally:
         conn.close()

@@ -80,6 +80,17 @@ SERVICE = textwrap.dedent(
             with open(sys.argv[2], "a") as f:
                 f.write(json.dumps(record) + "\\n")
 
+        @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="", out_signature="")
+        def Reload(self):
+            with open(sys.argv[2], "a") as f:
+                f.write(json.dumps({"manager": ["Reload"]}) + "\\n")
+
+        @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
+        def StartUnit(self, unit, mode):
+            with open(sys.argv[2], "a") as f:
+                f.write(json.dumps({"manager": ["StartUnit", str(unit), str(mode)]}) + "\\n")
+            return dbus.ObjectPath("/org/freedesktop/systemd1/job/8")
+
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def RestartUnit(self, unit, mode):
             if unit == "missing.service":
@@ -162,6 +173,20 @@ def _recorded(calls, kind="unit"):
     RestartUnit calls ("restart")."""
     lines = calls.read_text().splitlines() if calls.exists() else []
     return [record if kind == "unit" else record[kind] for record in map(json.loads, lines) if kind in record]
+
+
+def test_install_starts_its_units_as_systemctl_daemon_reload_and_start(fake_systemd, tmp_path):
+    """install --start-units (toolkit/install.py's start_units): Reload, then StartUnit(unit,
+    "replace") for each unit, in order, on one connection; a line saying so."""
+    from oci_gpu_hook.toolkit import install
+
+    socket_path, calls, _ = fake_systemd
+    units = install.units_to_start(str(tmp_path), node_services=True)
+    assert units == [install.PATH_UNIT, install.SERVICE, install.EXPORTER_SERVICE, install.LABELS_SERVICE,
+                     install.WATCHDOG_SERVICE]  # fmt: skip
+    lines = install.start_units(units, socket_path, bus=True)
+    assert lines == [f"started {' '.join(units)} (systemd reloaded)"]
+    assert _recorded(calls, "manager") == [["Reload"]] + [["StartUnit", unit, "replace"] for unit in units]
 
 
 def test_restart_unit_is_systemctl_restarts_call(fake_systemd):
