@@ -1326,7 +1326,9 @@ def _mapping(place: str) -> list:
     """The pids of the processes that map a file under place (their program or a library)."""
     found = []
     prefix = os.path.realpath(place) + "/"
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+    from oci_gpu_hook.start import digits
+
+    for pid in (p for p in os.listdir("/proc") if digits.is_decimal(p)):
         try:
             with open(f"/proc/{pid}/maps") as f:
                 if prefix in f.read():
