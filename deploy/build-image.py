@@ -70,10 +70,15 @@ PACKAGE_FILES = (".py", ".json", ".c", ".h")
 # from where), not what the distribution is: left out, so that any venv holding the lock's
 # versions (`make image`'s, the test suite's) gives the same image.
 INSTALL_RECORDS = {"RECORD", "REQUESTED", "INSTALLER", "direct_url.json"}
-# Libraries that nothing NEEDs and the hook loads by name (ctypes): libselinux to label what it
-# creates; libgcc_s, which glibc loads itself when a thread exits (pthread_exit unwinds with it).
-# A bundle that lacked them would load the host's, built against another C library.
-LOADED_BY_NAME = ("libselinux.so.1", "libgcc_s.so.1")
+# Libraries that nothing of the bundle's NEEDs, and that it loads all the same: libselinux, by
+# name (ctypes), to label what the hook creates; libgcc_s, which glibc loads itself when a thread
+# exits (pthread_exit unwinds with it); and the C library's other parts that the driver's
+# libraries NEED (libnvidia-ml: libdl, libpthread, librt, libm), which NVML binds by path. A
+# bundle that lacked one would load the host's (the loader falls back to its default
+# directories), built against another C library, or, on a host that keeps them elsewhere
+# (/usr/lib64), fail.
+LOADED_BY_NAME = ("libselinux.so.1", "libgcc_s.so.1", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libm.so.6",
+                  "libutil.so.1", "libresolv.so.2", "libanl.so.1")  # fmt: skip
 
 
 class BuildError(Exception):

@@ -79,7 +79,9 @@ def serving(path: str) -> int | None:
 
 
 def _peer(path: str) -> tuple | None:
-    """(pid, uid) of the process listening at path, or None."""
+    """(pid, uid) of the process listening at path, or None. The pid is as this process's PID
+    namespace sees it: 0 when the listener is in one it cannot see (a toolkit pod without the
+    host's PID namespace), which restart refuses."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5)
     try:
@@ -88,6 +90,8 @@ def _peer(path: str) -> tuple | None:
         return pid, uid
     except (FileNotFoundError, ConnectionRefusedError, socket.timeout):
         return None
+    except OSError as e:
+        raise RestartError(f"{path}: cannot ask who serves it ({e.strerror})") from None
     finally:
         sock.close()
 
@@ -120,6 +124,10 @@ def restart(runtime: str, mode: str, path: str | None = None) -> list:
     if peer is None:
         return [f"{runtime} is not running (nothing serves {path}): it reads the change when it starts"]
     pid, uid = peer
+    if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
+        # Not a process this one can name: signalled as it is, kill(0) would reach our own group.
+        raise RestartError(f"{runtime}: {path} is served by a process outside this PID namespace: not restarted "
+                           "(the toolkit needs the host's PID namespace, hostPID)")  # fmt: skip
     if uid != 0:
         # Not the runtime (which runs as root): whoever could listen there is not to be signalled,
         # nor their service restarted, on a configuration file's word.

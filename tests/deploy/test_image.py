@@ -245,16 +245,19 @@ def test_the_image_carries_one_bundle_whose_id_is_its_content(image_root):
     assert all(os.path.isfile(image_root + os.readlink(p)) for p in links)
 
 
-def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path):
+def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path, require):
     """The bundle copied alone into a root with nothing else (no C library, no loader at /lib64,
     no python3) runs the hook's CLI: it is what a host without Python, or with another C library,
     runs. Run on this host, from wherever it was copied, with the environment every runtime
     gives the hook, its process maps no file but the bundle's, even with LD_PRELOAD and
-    LD_LIBRARY_PATH set by the caller (the loader would complain of a preload it cannot find).
+    LD_LIBRARY_PATH set by the caller (the loader would complain of a preload it cannot find),
+    and even once it loads a library built as the driver's are (NEEDing libdl, which the bundle
+    must carry: the loader would find the host's).
     (LC_ALL=C is why no locale file of the host's is read: in another locale, glibc reads the
     host's locale files, and ignores them where their format is not its own.)"""
     import shutil
 
+    require("gcc")
     top = image_bundle(image_root)
     here = bundle.directory(os.path.basename(top))
     empty = tmp_path / "empty"
@@ -283,11 +286,23 @@ def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path):
                              program, "--version"], capture_output=True, text=True, timeout=120,
                             env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # fmt: skip
     assert handed.returncode == 0 and handed.stdout == version.stdout, handed
-    probe = ("import sys; sys.path.append(sys.argv[1]); import oci_gpu_hook.hook, oci_gpu_hook.cli; "
+    # A library as the driver's are built: it NEEDs the C library's libdl (libnvidia-ml does).
+    driverlike = tmp_path / "libdriverlike.so"
+    source = tmp_path / "driverlike.c"
+    source.write_text("int driverlike(void) { return 7; }\n")
+    # -l:libdl.so.2: glibc 2.34's libdl.so for linking is empty, and -ldl would record nothing.
+    built = subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(driverlike), str(source), "-Wl,--no-as-needed",
+                            "-l:libdl.so.2"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert built.returncode == 0, built.stderr
+    assert "(NEEDED)             Shared library: [libdl.so.2]" in subprocess.run(
+        ["readelf", "-d", str(driverlike)], capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    probe = ("import ctypes, sys; sys.path.append(sys.argv[1]); import oci_gpu_hook.hook, oci_gpu_hook.cli; "
+             "assert ctypes.CDLL(sys.argv[2]).driverlike() == 7; "
              "print(sys.executable); print(*sorted({l.split()[-1] for l in open('/proc/self/maps') "
-             "if l.split()[-1].startswith('/')}), sep='\\n')")  # fmt: skip
+             "if l.split()[-1].startswith('/') and l.split()[-1] != sys.argv[2]}), sep='\\n')")  # fmt: skip
     elsewhere = str(empty) + here
-    out = subprocess.run([f"{elsewhere}/{bundle.PYTHON}", "-IS", "-c", probe, f"{elsewhere}/{bundle.SITE}"],
+    out = subprocess.run([f"{elsewhere}/{bundle.PYTHON}", "-IS", "-c", probe, f"{elsewhere}/{bundle.SITE}",
+                          str(driverlike)],
                          capture_output=True, text=True, timeout=120,
                          env={**dict(v.split("=", 1) for v in install.HOOK_ENV), "LD_PRELOAD": "/nowhere/preload.so",
                               "LD_LIBRARY_PATH": "/usr/lib/x86_64-linux-gnu"})  # fmt: skip
@@ -295,7 +310,7 @@ def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path):
     executable, *mapped = out.stdout.splitlines()
     assert executable == f"{elsewhere}/{bundle.PYTHON}"
     assert mapped and all(p.startswith(elsewhere + "/") for p in mapped), mapped
-    assert f"{elsewhere}/{bundle.LIBRARIES}/libc.so.6" in mapped
+    assert {f"{elsewhere}/{bundle.LIBRARIES}/{name}" for name in ("libc.so.6", "libdl.so.2")} <= set(mapped)
     os.unlink(str(empty) + f"{here}/{bundle.INTERPRETER}")  # from here on, no Python could answer
     plain = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh", str(empty),
                             program, "prestart"], input=state, capture_output=True, text=True, timeout=120,

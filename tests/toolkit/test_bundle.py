@@ -7,6 +7,11 @@ import pytest
 
 from oci_gpu_hook.toolkit import bundle
 
+# What the caller could use to have glibc load something of its choosing (its unsecure list).
+UNSECURE = {name: "/tmp/x" for name in ("LD_PRELOAD", "LD_AUDIT", "LD_LIBRARY_PATH", "GLIBC_TUNABLES", "GCONV_PATH",
+                                        "LOCPATH", "NLSPATH", "MALLOC_TRACE", "HOSTALIASES", "RES_OPTIONS",
+                                        "LOCALDOMAIN", "TZDIR", "TMPDIR", "GETCONF_DIR", "NIS_PATH")}  # fmt: skip
+
 
 def tree(top):
     os.makedirs(top / "bin")
@@ -60,8 +65,9 @@ def test_building_python_says_what_failed(tmp_path):
 
 def test_python_runs_the_interpreter_beside_it_through_the_loader_in_lib(tmp_path, require):
     """bin/python3 runs bin/python3.bin with lib/'s loader, --argv0 itself: here the loader is a
-    script that prints what it was given, so the command line is seen whole; LD_* and
-    GLIBC_TUNABLES are gone from its environment, everything else is kept."""
+    script that prints what it was given, so the command line is seen whole; LD_* and the rest of
+    glibc's unsecure variables (gconv modules, locales, tunables, ...) are gone from its
+    environment, everything else is kept."""
     require("gcc")
     top = tmp_path / "b"
     (top / "bin").mkdir(parents=True)
@@ -71,10 +77,11 @@ def test_python_runs_the_interpreter_beside_it_through_the_loader_in_lib(tmp_pat
     os.chmod(loader, 0o755)
     bundle.build_python(str(top / "bin" / "python3"), "ld-test.so", "gcc")
     out = subprocess.run([str(top / "bin" / "python3"), "-IS", "-c", "pass"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin", "KEEP": "1", "LD_PRELOAD": "x", "LD_AUDIT": "y",
-                              "GLIBC_TUNABLES": "z"}, timeout=30)  # fmt: skip
+                         env={"PATH": "/usr/bin:/bin", "KEEP": "1", "LANG": "C.UTF-8", **UNSECURE},
+                         timeout=30)  # fmt: skip
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[:9] == ["--inhibit-cache", "--library-path", f"{top}/lib", "--argv0", f"{top}/bin/python3",
                          f"{top}/bin/python3.bin", "-IS", "-c", "pass"]  # fmt: skip
-    assert "KEEP=1" in lines and not [x for x in lines if x.startswith(("LD_", "GLIBC_TUNABLES"))], lines
+    assert "KEEP=1" in lines and "LANG=C.UTF-8" in lines
+    assert not [x for x in lines if x.split("=")[0] in UNSECURE], lines

@@ -130,3 +130,19 @@ def test_a_socket_served_by_another_user_is_never_signalled(require):
         server.kill()
         server.wait()
         shutil.rmtree(top)
+
+
+def test_a_runtime_this_pid_namespace_cannot_see_is_never_signalled(supervised, require):
+    """Asked from a PID namespace of its own (a toolkit pod without hostPID), the server's pid is
+    0 to SO_PEERCRED, and kill(0) would signal the caller's own process group: refused in one
+    line, the server left running."""
+    require("root", "unshare")
+    path, log = supervised
+    probe = ("import sys\nfrom oci_gpu_hook.toolkit import restart\n"
+             "try:\n    restart.restart('crio', 'signal', sys.argv[1])\nexcept restart.RestartError as e:\n"
+             "    print(e)\n")  # fmt: skip
+    out = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", probe, path], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"crio: {path} is served by a process outside this PID namespace"), out.stdout
+    assert len(log.read_text().split()) == 1 and restart.serving(path) is not None

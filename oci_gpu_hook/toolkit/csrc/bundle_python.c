@@ -9,9 +9,11 @@
  * Static, so that it needs nothing of the host's itself, and small enough to read in one look.
  *
  * The bundle's directory comes from /proc/self/exe (links resolved), never from argv[0] or the
- * environment: whoever runs it cannot point it at another loader. Every LD_* variable and
- * GLIBC_TUNABLES are dropped, so that nothing from the caller's environment is preloaded, audited
- * or searched: the process maps the bundle's files and what the program itself opens.
+ * environment: whoever runs it cannot point it at another loader. The variables glibc ignores
+ * for a setuid program are dropped (its unsecure list: every LD_*, GLIBC_TUNABLES, GCONV_PATH,
+ * LOCPATH, NLSPATH, ...), so that nothing from the caller's environment is preloaded, audited,
+ * searched or loaded as a gconv module or locale: the process maps the bundle's files and what
+ * the program itself opens. (The loader still reads the host's /etc/ld.so.preload, root's.)
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -26,6 +28,25 @@
 #endif
 
 extern char **environ;
+
+/* glibc's UNSECURE_ENVVARS (sysdeps/generic/unsecvars.h), less the LD_ ones (all dropped), and
+ * its tunables. */
+static const char *const unsecure[] = {
+    "GCONV_PATH=", "GETCONF_DIR=", "GLIBC_TUNABLES=", "HOSTALIASES=", "LOCALDOMAIN=", "LOCPATH=",
+    "MALLOC_ARENA_MAX=", "MALLOC_ARENA_TEST=", "MALLOC_MMAP_MAX_=", "MALLOC_MMAP_THRESHOLD_=",
+    "MALLOC_PERTURB_=", "MALLOC_TOP_PAD_=", "MALLOC_TRACE=", "MALLOC_TRIM_THRESHOLD_=", "NIS_PATH=",
+    "NLSPATH=", "RESOLV_HOST_CONF=", "RES_OPTIONS=", "TMPDIR=", "TZDIR=",
+};
+
+static int dropped(const char *variable)
+{
+    if (strncmp(variable, "LD_", 3) == 0)
+        return 1;
+    for (size_t i = 0; i < sizeof unsecure / sizeof unsecure[0]; i++)
+        if (strncmp(variable, unsecure[i], strlen(unsecure[i])) == 0)
+            return 1;
+    return 0;
+}
 
 static void fail(const char *what, int error)
 {
@@ -75,7 +96,7 @@ int main(int argc, char **argv)
 
     size_t kept = 0;
     for (char **e = environ; e != NULL && *e != NULL; e++)
-        if (strncmp(*e, "LD_", 3) != 0 && strncmp(*e, "GLIBC_TUNABLES=", 15) != 0)
+        if (!dropped(*e))
             environ[kept++] = *e;
     if (environ != NULL)
         environ[kept] = NULL;
