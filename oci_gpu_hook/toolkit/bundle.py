@@ -114,13 +114,16 @@ def build_python(output: str, loader_name: str, cc: str) -> str:
 
 
 def identity(top: str) -> str:
-    """The id of the bundle in top: a digest of every entry's relative path, kind, executable bit
-    and content (a link's value), in name order; the launcher and the pre-filter left out, and the bytecode Python
-    writes beside what it imports (__pycache__: derived from the sources, and written as the
-    bundle runs)."""
+    """The id of the bundle in top: a digest of every entry's relative path, kind, mode (every
+    permission bit, set-id ones too) and content (a file's bytes, a link's value), directories
+    included, in name order; the launcher and the pre-filter left out (made from the id, and
+    checked against it where a bundle is placed), and the bytecode Python writes beside what it
+    imports (__pycache__: derived from the sources, and written as the bundle runs)."""
     digest = hashlib.sha256()
     for here, names, files in os.walk(top):
         names[:] = sorted(n for n in names if n != "__pycache__")
+        relative_here = os.path.relpath(here, top)
+        digest.update(b"D\0" + relative_here.encode() + b"\0" + oct(os.lstat(here).st_mode & 0o7777).encode() + b"\0")
         for name in sorted(files + [n for n in names if os.path.islink(os.path.join(here, n))]):
             path = os.path.join(here, name)
             relative = os.path.relpath(path, top)
@@ -130,8 +133,10 @@ def identity(top: str) -> str:
             if stat.S_ISLNK(st.st_mode):
                 digest.update(b"L\0" + relative.encode() + b"\0" + os.readlink(path).encode() + b"\0")
                 continue
-            kind = b"x" if st.st_mode & 0o111 else b"-"
-            digest.update(b"F\0" + relative.encode() + b"\0" + kind + str(st.st_size).encode() + b"\0")
+            if not stat.S_ISREG(st.st_mode):
+                raise BundleError(f"{path}: neither a file, a directory nor a link: not in a bundle")
+            mode = oct(st.st_mode & 0o7777).encode()
+            digest.update(b"F\0" + relative.encode() + b"\0" + mode + b"\0" + str(st.st_size).encode() + b"\0")
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):
                     digest.update(block)

@@ -603,11 +603,12 @@ class Doctor:
         except ValueError as e:
             return (FAIL, f"the validation gates' verdicts cannot be trusted: {e}",
                     f"remove {path}; the rollout writes it again")  # fmt: skip
+        failed = next((name for name in gates.ORDER if verdicts[name]["state"] == "failed"), None)
+        if failed is not None:  # whatever came before it: the device plugin withdraws the GPUs for it
+            v = verdicts[failed]
+            return FAIL, f"gate {failed} failed: {v['why'] or 'no reason given'}", v["fix"]
         for name in gates.ORDER:
-            v = verdicts[name]
-            if v["state"] == "failed":
-                return FAIL, f"gate {name} failed: {v['why'] or 'no reason given'}", v["fix"]
-            if v["state"] == "pending":
+            if verdicts[name]["state"] == "pending":
                 later = gates.ORDER[gates.ORDER.index(name) :]
                 return (
                     WARN,

@@ -107,9 +107,9 @@ START_LAUNCHER = "/usr/local/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
 PACKAGE_START_LAUNCHER = "/usr/libexec/oci-gpu-hook/oci-gpu-hook-start-server"
 MANIFEST = "/var/lib/oci-gpu-hook/install-manifest.json"
 # The programs that other files install writes name (hooks.d, containerd's base spec, units, a
-# pre-filter naming its launcher), in the order uninstall removes them: after everything else,
-# each after what runs it.
-PROGRAMS_REMOVED_LAST = (launcher.LAUNCHER, launcher.PYTHON_LAUNCHER, DOCKER_LAUNCHER, START_LAUNCHER)
+# pre-filter naming its launcher), and the configuration they read, in the order uninstall removes
+# them: after everything else, each after what runs it.
+PROGRAMS_REMOVED_LAST = (launcher.LAUNCHER, launcher.PYTHON_LAUNCHER, DOCKER_LAUNCHER, START_LAUNCHER, CONFIG_FILE)
 # What each runtime reads only when it starts, of what install writes: a change to one of these
 # is what asks for its restart (toolkit/restart.py).
 RUNTIME_FILES = {"crio": (CRIO_DROPIN,), "containerd": (containerd.CONFIG, containerd.DROPIN, containerd.BASE_SPEC)}
@@ -714,7 +714,8 @@ def _read_manifest(tree: Tree) -> dict:
     saved_ok = doc.get("saved", {}) in ({}, {DOCKER_HOOK: DOCKER_HOOK_SAVED})
     bundles = doc.get("bundles", [])
     bundles_ok = isinstance(bundles, list) and all(isinstance(b, str) and bundle.is_id(b) for b in bundles)
-    if not (files_ok and dirs_ok and saved_ok and bundles_ok and _edited_ok(doc.get("edited", {}))):
+    restart_ok = isinstance(doc.get("restart", []), list) and set(doc.get("restart", [])) <= set(RUNTIME_FILES)
+    if not (files_ok and dirs_ok and saved_ok and bundles_ok and restart_ok and _edited_ok(doc.get("edited", {}))):
         raise InstallError(f"{path}: names paths install never writes; not trusted (remove it, and what it "
                            "lists, by hand)")  # fmt: skip
     return doc
@@ -867,16 +868,14 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
     _check_restart(root, restart)
-    with _tree(root) as tree:
-        before = _read_manifest(tree)
-        lines = _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
-                         warn, start_server)  # fmt: skip
-        after = _read_manifest(tree)
-    if restart != "none":
-        from oci_gpu_hook.toolkit import restart as restart_module
-
-        for runtime in restart_module.changed(before, after, RUNTIME_FILES):
-            lines += restart_module.restart(runtime, restart)
+    with _locked(root):
+        with _tree(root) as tree:
+            before = _read_manifest(tree)
+            lines = _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin,
+                             prefilter, warn, start_server)  # fmt: skip
+            after = _read_manifest(tree)
+        if restart != "none":
+            lines += _restart_changed(root, before, after, restart)
     if "podman" in runtimes and root == "/" and warn is not None:
         _check_podman_reads(warn)
     return lines
@@ -926,6 +925,26 @@ def _check_podman_reads(warn) -> None:
     if HOOKS_D_DIR not in dirs:
         warn(f"podman reads hooks from {', '.join(dirs) or 'no directory'}, without {HOOKS_D_DIR}: add it to "
              "containers.conf's hooks_dir (oci-gpu-hook doctor checks it)")  # fmt: skip
+
+
+@contextlib.contextmanager
+def _locked(root: str):
+    """One install, uninstall or bundle placement at a time on a tree (two toolkit pods during a
+    DaemonSet's rolling update, an administrator's install meanwhile): an exclusive flock on the
+    tree's root directory, which exists whatever install has made, and which nothing else of
+    the host's locks. Only the outermost call takes it: a second descriptor of the same process
+    would wait on the first."""
+    import fcntl
+
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise InstallError(f"{root}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -1198,8 +1217,41 @@ def uninstall(root: str, restart: str = "none") -> list:
                 lines += restart_module.restart(runtime, restart)
             return lines
 
-    with _tree(root) as tree:
+    with _locked(root), _tree(root) as tree:
         return _uninstall(tree, between)
+
+
+def _restart_changed(root: str, before: dict, after: dict, mode: str) -> list:
+    """Restart each runtime whose start-time files this install changed, and each one an earlier
+    install changed and could not restart (the manifest's "restart": a runtime that did not
+    restart then would otherwise never read what it was given, since a second install changes
+    nothing). Each is recorded there before it is restarted, and cleared once it was."""
+    from oci_gpu_hook.toolkit import restart as restart_module
+
+    pending = [r for r in after.get("restart", []) if r in RUNTIME_FILES]
+    due = restart_module.changed(before, after, RUNTIME_FILES)
+    due += [r for r in pending if r not in due]
+    if not due:
+        return []
+    with _tree(root) as tree:
+        _record_pending_restarts(tree, due)
+    lines = []
+    for i, runtime in enumerate(due):
+        lines += restart_module.restart(runtime, mode)
+        with _tree(root) as tree:
+            _record_pending_restarts(tree, due[i + 1 :])
+    return lines
+
+
+def _record_pending_restarts(tree: Tree, runtimes) -> None:
+    manifest = _read_manifest(tree)
+    if sorted(manifest.get("restart", [])) == sorted(runtimes):
+        return
+    if runtimes:
+        manifest["restart"] = list(runtimes)
+    else:
+        manifest.pop("restart", None)
+    _write_text(tree.entry(MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
 def _uninstall(tree: Tree, between=None) -> list:
@@ -1235,8 +1287,7 @@ def _uninstall(tree: Tree, between=None) -> list:
     if between is not None:
         lines += between(manifest)  # uninstall run again after a failure here removes the rest
     lines += _remove_unchanged(tree, programs)
-    for bundle_id in manifest.get("bundles", []):
-        lines += _remove_bundle(tree, bundle_id)
+    lines += _remove_bundles(tree, manifest.get("bundles", []))
     os.unlink(manifest_path)
     for relative in sorted(manifest["directories"], key=lambda p: p.count("/"), reverse=True):
         place = tree.entry(relative)  # a link there (install never made one) is not followed: ENOTDIR
@@ -1270,17 +1321,21 @@ def _remove_unchanged(tree: Tree, recorded) -> list:
 
 def place_bundle(root: str, source: str) -> list:
     """Copy the bundle at source (a directory named by its id) into root's BUNDLES_DIR, whole or
-    not at all: copied beside its place under a hidden name, flushed to disk, then renamed into
-    place. Recorded in the install manifest, with the directories made for it, so that uninstall
-    removes them. A bundle already there under that id is the same files, and is kept. What the
-    cluster's toolkit does before it runs that bundle's install on the host."""
+    not at all: copied beside its place into a directory of its own (mkdtemp: two placements at
+    once never share one), checked to be that bundle (its digest, its launcher and pre-filter
+    naming it), flushed to disk, then renamed into place. Recorded in the install manifest, with
+    the directories made for it, so that uninstall removes them. A bundle already there under
+    that id is checked the same way and kept. Python's bytecode (__pycache__) is not copied.
+    What the cluster's toolkit does before it runs that bundle's install on the host."""
     import shutil
+    import tempfile
 
     bundle_id = os.path.basename(os.path.normpath(source))
-    if not bundle.is_id(bundle_id) or bundle.identity(source) != bundle_id:
-        raise InstallError(f"{source}: not a whole bundle (its files do not have the digest its name says)")
+    why = _not_the_bundle(source, bundle_id)
+    if why:
+        raise InstallError(f"{source}: not a whole bundle ({why})")
     root = os.path.abspath(root)
-    with _tree(root) as tree:
+    with _locked(root), _tree(root) as tree:
         manifest = _read_manifest(tree)
         before = json.dumps(manifest, sort_keys=True)
         place = bundle.directory(bundle_id)
@@ -1289,13 +1344,21 @@ def place_bundle(root: str, source: str) -> list:
         try:
             _makedirs(tree, bundle.BUNDLES_DIR, manifest["directories"])
             final = tree.entry(place)
-            if not os.path.isdir(final):
-                spare = tree.entry(f"{bundle.BUNDLES_DIR}/.{bundle_id}.{os.getpid()}")
-                if os.path.lexists(spare):
+            if os.path.islink(final) or (os.path.lexists(final) and _not_the_bundle(final, bundle_id)):
+                raise InstallError(f"{final}: there, and not bundle {bundle_id}: remove it, then install again")
+            if not os.path.lexists(final):
+                spare = tempfile.mkdtemp(prefix=f".{bundle_id}.", dir=tree.entry(bundle.BUNDLES_DIR))
+                try:
+                    copy = os.path.join(spare, bundle_id)
+                    shutil.copytree(source, copy, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+                    why = _not_the_bundle(copy, bundle_id)
+                    if why:
+                        raise InstallError(f"{source}: copied to {copy}, and not whole there ({why})")
+                    _flush(copy)  # every file on disk before the name that says the bundle is whole
+                    os.rename(copy, final)
+                    _flush_directory(os.path.dirname(final))
+                finally:
                     shutil.rmtree(spare)
-                shutil.copytree(source, spare, symlinks=True)
-                os.sync()  # every file on disk before the name that says the bundle is whole
-                os.rename(spare, final)
                 lines.append(f"wrote {final}")
             if bundle_id not in manifest.setdefault("bundles", []):
                 manifest["bundles"].append(bundle_id)
@@ -1306,35 +1369,135 @@ def place_bundle(root: str, source: str) -> list:
     return lines
 
 
+def _not_the_bundle(top: str, bundle_id: str) -> str | None:
+    """Why top is not the whole bundle bundle_id (None when it is): a name that is not an id, a
+    digest that is not its name, a launcher or a pre-filter that do not run that bundle's own."""
+    from oci_gpu_hook.toolkit import prefilter
+
+    if not bundle.is_id(bundle_id):
+        return f"{bundle_id!r} is not a bundle's id"
+    if bundle.identity(top) != bundle_id:
+        return "its files do not have the digest its name says"
+    here = bundle.directory(bundle_id)
+    if launcher.named(os.path.join(top, bundle.LAUNCHER)) != (f"{here}/{bundle.PYTHON}", f"{here}/{bundle.SITE}"):
+        return f"its {bundle.LAUNCHER} is not that bundle's launcher"
+    program = os.path.join(top, bundle.PREFILTER)
+    if not prefilter.is_prefilter(program) or prefilter.runs(program) != f"{here}/{bundle.LAUNCHER}":
+        return f"its {bundle.PREFILTER} is not a pre-filter running that bundle's launcher"
+    return None
+
+
+def _flush(top: str) -> None:
+    """fsync every file and directory under top (itself included)."""
+    for here, _, names in os.walk(top):
+        for name in names:
+            path = os.path.join(here, name)
+            if not os.path.islink(path):
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _flush_directory(here)
+
+
+def _flush_directory(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _keep_bundles(tree: Tree, manifest: dict, running: str) -> list:
     """Record the bundle install runs from as the newest, and remove the recorded ones older than
-    the BUNDLES_KEPT newest that no process maps."""
+    the BUNDLES_KEPT newest, except one that a process maps or that a file of install's still
+    names (what runtimes run, or the start server's launcher, kept because an administrator
+    changed it)."""
     bundles = [b for b in manifest.setdefault("bundles", []) if b != running] + [running]
+    named = _bundles_named(tree)
     lines, kept = [], bundles[-BUNDLES_KEPT:]
     for old in bundles[:-BUNDLES_KEPT]:
-        users = _mapping(tree.entry(bundle.directory(old)))
-        if users:
+        place = tree.entry(bundle.directory(old))
+        users = _mapping(place)
+        if users or old in named:
             kept.insert(0, old)
-            lines.append(f"kept {tree.entry(bundle.directory(old))}: in use by pid {users[0]}")
+            lines.append(f"kept {place}: " + (f"in use by pid {users[0]}" if users else "a file of install's names it"))
             continue
         lines += _remove_bundle(tree, old)
     manifest["bundles"] = [b for b in bundles if b in kept]
     return lines
 
 
+def _bundles_named(tree: Tree) -> set:
+    """The ids of the bundles that what runtimes run (LAUNCHER's link) or the start server's
+    launcher (its interpreter) lead into."""
+    found = set()
+    prefix = bundle.BUNDLES_DIR + "/"
+    try:
+        value = os.readlink(tree.entry(launcher.LAUNCHER))
+        found.add(os.path.normpath(os.path.join(os.path.dirname(launcher.LAUNCHER), value)))
+    except OSError:
+        pass
+    named = launcher.named(tree.entry(START_LAUNCHER))
+    if named is not None:
+        found.add(named[0])
+    return {p[len(prefix) :].split("/")[0] for p in found if p.startswith(prefix)}
+
+
+UNINSTALL_WAIT = 2 * HOOK_TIMEOUT  # seconds: a start that maps a bundle ends within the hook's timeout
+
+
+def _remove_bundles(tree: Tree, bundle_ids) -> list:
+    """Uninstall's last step: each recorded bundle, once no process but this one maps it (a start
+    that began with it ends within the hook's timeout; waited for up to UNINSTALL_WAIT)."""
+    import time
+
+    lines = []
+    deadline = time.monotonic() + UNINSTALL_WAIT
+    for bundle_id in bundle_ids:
+        place = tree.entry(bundle.directory(bundle_id))
+        while True:
+            users = [pid for pid in _mapping(place) if pid != os.getpid()]
+            if not users or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        if users:
+            lines.append(f"kept {place}: in use by pid {users[0]} (remove it once that process ends)")
+            continue
+        lines += _remove_bundle(tree, bundle_id)
+    return lines
+
+
 def _mapping(place: str) -> list:
-    """The pids of the processes that map a file under place (their program or a library)."""
-    found = []
-    prefix = os.path.realpath(place) + "/"
+    """The pids of the processes that run from the bundle at place: whose program is its
+    pre-filter, its python3 or its loader (which is the program of every process its python3
+    starts). Compared by device and inode, through /proc/PID/exe, which leads to the file whatever
+    mount namespace or root the process has: a path in /proc/PID/maps is written from the
+    reader's view, and a start on the host is seen from the toolkit's pod."""
     from oci_gpu_hook.start import digits
 
+    programs = set()
+    candidates = [os.path.join(place, bundle.PREFILTER), os.path.join(place, bundle.PYTHON)]
+    try:
+        candidates += [os.path.join(place, bundle.LIBRARIES, n) for n in os.listdir(os.path.join(place,
+                       bundle.LIBRARIES)) if n.startswith("ld-")]  # fmt: skip
+    except OSError:
+        pass
+    for path in candidates:
+        try:
+            st = os.stat(path)
+            programs.add((st.st_dev, st.st_ino))
+        except OSError:
+            continue
+    found = []
     for pid in (p for p in os.listdir("/proc") if digits.is_decimal(p)):
         try:
-            with open(f"/proc/{pid}/maps") as f:
-                if prefix in f.read():
-                    found.append(int(pid))
+            st = os.stat(f"/proc/{pid}/exe")
         except OSError:
-            continue  # gone, or not ours to read
+            continue  # gone, a kernel thread, or not ours to look at
+        if (st.st_dev, st.st_ino) in programs:
+            found.append(int(pid))
     return found
 
 

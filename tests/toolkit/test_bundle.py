@@ -24,12 +24,15 @@ def tree(top):
 
 
 def test_the_id_is_the_content(tmp_path):
-    """Two trees with the same files have one id; a byte, an executable bit, a link's value or a
-    new file changes it; the launcher (which names the id) and Python's bytecode do not."""
+    """Two trees with the same files have one id; a byte, any mode bit (of a file or a
+    directory), a link's value, a name, a new file or an empty directory changes it; the launcher
+    and the pre-filter (made from the id, and checked against it where a bundle is placed) and
+    Python's bytecode do not."""
     one, two = tree(tmp_path / "one"), tree(tmp_path / "two")
     bundle_id = bundle.identity(str(one))
     assert len(bundle_id) == bundle.ID_LENGTH and bundle.identity(str(two)) == bundle_id
     (two / bundle.LAUNCHER).write_text(bundle.launcher_text(bundle_id))
+    (two / bundle.PREFILTER).write_bytes(b"a pre-filter")
     (two / "site" / "__pycache__").mkdir()
     (two / "site" / "__pycache__" / "m.cpython-311.pyc").write_bytes(b"bytecode")
     assert bundle.identity(str(two)) == bundle_id
@@ -39,6 +42,10 @@ def test_the_id_is_the_content(tmp_path):
         "a link's value": lambda t: (os.unlink(t / "site" / "n.py"), os.symlink("o.py", t / "site" / "n.py")),
         "a file more": lambda t: (t / "site" / "o.py").write_text(""),
         "a name": lambda t: os.rename(t / "site" / "m.py", t / "site" / "p.py"),
+        "a set-id bit": lambda t: os.chmod(t / "bin" / "python3.bin", 0o4755),
+        "a mode others may write": lambda t: os.chmod(t / "site" / "m.py", 0o666),
+        "a directory's mode": lambda t: os.chmod(t / "site", 0o777),
+        "an empty directory": lambda t: (t / "site" / "empty").mkdir(),
     }
     for what, change in changes.items():
         changed = tree(tmp_path / what.replace(" ", "-"))

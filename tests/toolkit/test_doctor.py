@@ -637,6 +637,9 @@ def test_gates_say_the_first_failed_gate_and_its_fix(setup):
     failed = check()
     assert (failed.status, failed.summary, failed.fix) == (
         doctor.FAIL, "gate plugin failed: the validation pod saw 0 GPUs, not 1", "see its events")  # fmt: skip
+    gates.write(path, {"plugin": plugin})  # toolkit pending again: the failure still decides
+    assert (check().status, check().summary) == (doctor.FAIL, "gate plugin failed: the validation pod saw 0 GPUs, "
+                                                              "not 1")  # fmt: skip
     gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
     assert (check().status, check().summary) == (doctor.PASS, "gates passed: toolkit, plugin")
     os.chmod(path, 0o666)

@@ -1216,22 +1216,29 @@ def test_a_link_install_replaces_is_never_missing(tmp_path):
     resolving it all the while never finds nothing there, and no spare is left beside it."""
     path = str(tmp_path / "link")
     os.symlink("a", path)
+    # The reader says it is reading before the swaps start, and counts its reads: a reader that
+    # started late would show nothing.
     reader = subprocess.Popen([sys.executable, "-c", (
         "import os, sys\n"
-        "missing = 0\n"
+        "missing = reads = 0\n"
+        "os.readlink(sys.argv[1])\n"
+        "print('reading', flush=True)\n"
         "while not os.path.exists(sys.argv[1] + '.stop'):\n"
+        "    reads += 1\n"
         "    try:\n"
         "        os.readlink(sys.argv[1])\n"
         "    except FileNotFoundError:\n"
         "        missing += 1\n"
-        "print(missing)\n"), path], stdout=subprocess.PIPE, text=True)  # fmt: skip
+        "print(missing, reads)\n"), path], stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
+        assert reader.stdout.readline() == "reading\n"
         for i in range(3000):
             install._link_atomically("ab"[i % 2], path)
     finally:
         open(path + ".stop", "w").close()
         out, _ = reader.communicate(timeout=30)
-    assert out.strip() == "0"
+    missing, reads = map(int, out.split())
+    assert missing == 0 and reads >= 100, (missing, reads)
     assert os.readlink(path) == "b" and sorted(os.listdir(tmp_path)) == ["link", "link.stop"]
 
 

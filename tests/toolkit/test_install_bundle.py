@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import hookcheck
 import pytest
@@ -185,3 +186,49 @@ def test_an_upgrade_is_one_rename_and_every_start_meanwhile_is_whole(bundles, tr
     assert out.returncode == 0, out.stderr
     os.unlink(stop)
     assert hookcheck.tree(tree, contents=True) == before
+
+
+def test_only_a_whole_bundle_is_placed_and_nothing_else_is_taken_for_one(bundles, tree, tmp_path):
+    """place_bundle checks what it copies and what it finds: a bundle whose launcher runs another
+    bundle's interpreter, or a directory planted under a bundle's name, is refused in one line,
+    and nothing is placed."""
+    first, second = bundles[0], bundles[1]
+    forged = tmp_path / "forged" / os.path.basename(first)
+    shutil.copytree(first, forged, symlinks=True)
+    (forged / bundle.LAUNCHER).write_text(bundle.launcher_text(os.path.basename(second)))
+    with pytest.raises(install.InstallError, match=rf"^{forged}: not a whole bundle \(its {bundle.LAUNCHER} is "):
+        install.place_bundle(tree, str(forged))
+    assert not os.path.lexists(tree + bundle.BUNDLES_DIR)
+    planted = tree + bundle.directory(os.path.basename(first))
+    os.makedirs(planted)
+    with pytest.raises(install.InstallError, match=rf"^{planted}: there, and not bundle "):
+        install.place_bundle(tree, first)
+    assert os.listdir(planted) == [] and os.listdir(os.path.dirname(planted)) == [os.path.basename(first)]
+
+
+def test_a_bundle_a_process_still_maps_is_kept_until_it_is_not(bundles, tree):
+    """The oldest bundle is kept while a process runs from it (a start that began before an
+    upgrade): here its python, sleeping. Once that ends, the next install removes it."""
+    first, second, third = bundles
+    install_from(tree, first)
+    here = bundle.directory(os.path.basename(first))
+    # In a mount namespace of its own, as a start on the host is from the toolkit's pod.
+    nap = [f"{here}/{bundle.PYTHON}", "-IS", "-c", "import time; time.sleep(120)"]
+    sleeper = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c", IN_TREE, "sh", tree,
+                                *nap], env=ENV)  # fmt: skip
+    try:
+        install_from(tree, second)
+        deadline = time.monotonic() + 30
+        while not os.readlink(f"/proc/{sleeper.pid}/exe").endswith(f"{here}/{bundle.LIBRARIES}/ld-linux-x86-64.so.2"):
+            assert time.monotonic() < deadline  # unshare, sh and bin/python3 exec into the bundle's loader
+            time.sleep(0.1)
+        lines = install_from(tree, third)
+        assert f"kept {here}: in use by pid {sleeper.pid}" in lines, lines
+        assert os.path.isdir(tree + here)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    install_from(tree, third)  # nothing maps it now: the next install removes it
+    assert not os.path.lexists(tree + here)
+    out = in_image(tree, third, "toolkit", "uninstall")
+    assert out.returncode == 0, out.stderr

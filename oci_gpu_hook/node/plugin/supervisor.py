@@ -112,14 +112,16 @@ class DevicePlugin:
         try:
             verdicts = gates.read(self.gate)
         except ValueError as e:
-            self.withdrawn = f"the gates' verdicts cannot be trusted: {e}"
-            return
-        if gates.toolkit_passed(verdicts) and not self.gate_passed:
-            say("gate toolkit passed: serving and registering")
-            self.gate_passed = True
-        self.withdrawn = gates.failed(verdicts)
-        if self.withdrawn is None and self.gate_passed and verdicts["toolkit"]["state"] != "passed":
-            self.withdrawn = f"gate toolkit is {verdicts['toolkit']['state']} again"
+            withdrawn = f"the gates' verdicts cannot be trusted: {e}"
+        else:
+            if gates.toolkit_passed(verdicts) and not self.gate_passed:
+                say("gate toolkit passed: serving and registering")
+                self.gate_passed = True
+            withdrawn = gates.failed(verdicts)
+            if withdrawn is None and self.gate_passed and not gates.toolkit_passed(verdicts):
+                withdrawn = f"gate toolkit is {verdicts['toolkit']['state']} again"
+        with self._health_lock:  # one assignment, under the lock an XID's health check takes
+            self.withdrawn = withdrawn
 
     def _check_health(self) -> None:
         gone: set = set()

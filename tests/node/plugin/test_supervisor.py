@@ -487,7 +487,8 @@ def test_the_gate_holds_registration_until_the_toolkit_passes_and_a_failed_gate_
     """--gate FILE (issue 47): nothing is served or registered while the toolkit gate is pending
     (no file yet); once it passes, every resource registers; a failed gate makes every device of
     every resource Unhealthy with the gate's line, and a pass heals them, on the same registration;
-    a verdicts file anyone else could have written counts as a failure."""
+    a verdicts file anyone else could have written counts as a failure, and so does none at all
+    once the toolkit gate had passed."""
     from oci_gpu_hook.node import gates
 
     path = str(tmp_path / "gates.json")
@@ -511,6 +512,14 @@ def test_the_gate_holds_registration_until_the_toolkit_passes_and_a_failed_gate_
     for stream in streams:
         stream.until(all_health("Unhealthy"), "withdrawn for an untrusted file")
     plugin.said("the gates' verdicts cannot be trusted")
+    os.unlink(path)  # after a pass, no verdicts is no longer "not yet": the devices stay withdrawn
+    gates.write(path, {"toolkit": gates.verdict("passed")})
+    for stream in streams:
+        stream.until(all_health("Healthy"), "every device back")
+    os.unlink(path)
+    for stream in streams:
+        stream.until(all_health("Unhealthy"), "withdrawn once the verdicts are gone")
+    plugin.said("gate toolkit is pending again")
     assert len(kubelet.requests) == 4  # registered once, all along
 
 
