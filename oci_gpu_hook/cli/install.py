@@ -75,7 +75,10 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     restarts = "".join(f" && systemctl restart {r}" for r in ("crio", "containerd")
                        if r in runtimes and restart == "none")  # fmt: skip
     if lines and os.path.abspath(root) == "/" and start_units:
-        for line in install_module.start_units(install_module.units_to_start(root, node_services, device_plugin)):
+        # A start server running the launcher install just changed would serve the old code.
+        changed = [install_module.START_SERVICE] if f"updated {install_module.START_LAUNCHER}" in lines else []
+        units = install_module.units_to_start(root, node_services, device_plugin)
+        for line in install_module.start_units(units, restart=changed):
             click.echo(line)
         if restarts:
             click.echo("then: " + restarts[len(" && ") :])

@@ -1163,11 +1163,13 @@ def units_to_start(root: str, node_services: bool = False, device_plugin: bool =
     return units
 
 
-def start_units(units, address: str | None = None, bus: bool = False) -> list:
+def start_units(units, address: str | None = None, bus: bool = False, restart=()) -> list:
     """Reload systemd and start units, as `systemctl daemon-reload && systemctl start UNITS` (and
     `udevadm control --reload`, for install's rule), through systemd's private socket; a line
-    saying so. Where systemd does not run the host, nothing to start: a line saying that.
-    address, bus: another socket than systemd's (systemd.manage's)."""
+    saying so. restart: units to restart where they run (`systemctl try-restart`): the start
+    server, whose launcher this install changed, would otherwise serve the old code until it
+    stops. Where systemd does not run the host, nothing to start: a line saying that. address,
+    bus: another socket than systemd's (systemd.manage's)."""
     import shutil
 
     from oci_gpu_hook.start.linux import systemd
@@ -1175,10 +1177,12 @@ def start_units(units, address: str | None = None, bus: bool = False) -> list:
     if address is None and not os.path.isdir("/run/systemd/system"):  # sd_booted(3)'s test
         return [f"systemd does not run this host: {' '.join(units)} not started"]
     try:
-        systemd.manage([("Reload", None)] + [("StartUnit", unit) for unit in units], address, bus)
+        systemd.manage([("Reload", None)] + [("TryRestartUnit", unit) for unit in restart]
+                       + [("StartUnit", unit) for unit in units], address, bus)  # fmt: skip
     except (systemd.SystemdError, OSError) as e:
         raise InstallError(f"systemd did not start {' '.join(units)}: {e}") from None
-    lines = [f"started {' '.join(units)} (systemd reloaded)"]
+    lines = [f"restarted {' '.join(restart)} where it ran"] if restart else []
+    lines.append(f"started {' '.join(units)} (systemd reloaded)")
     udevadm = shutil.which("udevadm")
     if udevadm is not None and address is None:
         import subprocess

@@ -92,6 +92,12 @@ SERVICE = textwrap.dedent(
             return dbus.ObjectPath("/org/freedesktop/systemd1/job/8")
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
+        def TryRestartUnit(self, unit, mode):
+            with open(sys.argv[2], "a") as f:
+                f.write(json.dumps({"manager": ["TryRestartUnit", str(unit), str(mode)]}) + "\\n")
+            return dbus.ObjectPath("/org/freedesktop/systemd1/job/9")
+
+        @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def RestartUnit(self, unit, mode):
             if unit == "missing.service":
                 raise NoSuchUnit("Unit missing.service not found.")
@@ -187,6 +193,12 @@ def test_install_starts_its_units_as_systemctl_daemon_reload_and_start(fake_syst
     lines = install.start_units(units, socket_path, bus=True)
     assert lines == [f"started {' '.join(units)} (systemd reloaded)"]
     assert _recorded(calls, "manager") == [["Reload"]] + [["StartUnit", unit, "replace"] for unit in units]
+    # An upgrade that changed the start server's launcher restarts the server where it runs.
+    calls.unlink()
+    lines = install.start_units(units[:1], socket_path, bus=True, restart=[install.START_SERVICE])
+    assert lines == [f"restarted {install.START_SERVICE} where it ran", f"started {units[0]} (systemd reloaded)"]
+    assert _recorded(calls, "manager") == [["Reload"], ["TryRestartUnit", install.START_SERVICE, "replace"],
+                                           ["StartUnit", units[0], "replace"]]  # fmt: skip
 
 
 def test_restart_unit_is_systemctl_restarts_call(fake_systemd):
