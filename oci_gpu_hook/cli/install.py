@@ -102,11 +102,14 @@ def _warn(line: str) -> None:
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.option("--restart", default="none", show_default=True, type=click.Choice(RESTART_MODES),
               help=_RESTART_HELP + " Done after what the runtimes read is removed, before the programs.")  # fmt: skip
-def uninstall(root, restart):
+@click.option("--stop-units", is_flag=True,
+              help="Stop the units install wrote before removing them, and reload systemd after; nothing where "
+                   "systemd does not run the host.")  # fmt: skip
+def uninstall(root, restart, stop_units):
     """Remove exactly what `install` wrote (files changed since are kept, with a note)."""
     from oci_gpu_hook.toolkit import install as install_module
 
-    lines = install_module.uninstall(root, restart)
+    lines = install_module.uninstall(root, restart, stop_units)
     for line in lines:
         click.echo(line)
     if not lines:

@@ -51,7 +51,7 @@ def uninstall(host_root: str, restart: str = "auto") -> list:
     whose configuration it takes back before it removes the programs."""
     running = _running()
     lines = install_module.place_bundle(host_root, bundle.directory(running))
-    argv = ["uninstall", "--restart", restart]
+    argv = ["uninstall", "--restart", restart, "--stop-units"]
     return [line for line in lines if not line.startswith("wrote ")] + _on_host(host_root, running, argv)
 
 

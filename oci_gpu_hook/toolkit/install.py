@@ -1194,6 +1194,27 @@ def start_units(units, address: str | None = None, bus: bool = False, restart=()
     return lines
 
 
+def _units_written(manifest: dict) -> list:
+    """The units install wrote (the manifest's files in UNIT_DIR that are units, not links)."""
+    return sorted(os.path.basename(path) for path, checksum in manifest.get("files", {}).items()
+                  if os.path.dirname(path) == UNIT_DIR and not checksum.startswith("link:"))  # fmt: skip
+
+
+def _manage_units(calls, said: str, address: str | None, bus: bool) -> list:
+    """systemd.manage(calls), and the line said; where systemd does not run the host, nothing."""
+    from oci_gpu_hook.start.linux import systemd
+
+    if not calls:
+        return []
+    if address is None and not os.path.isdir("/run/systemd/system"):
+        return []
+    try:
+        systemd.manage(calls, address, bus)
+    except (systemd.SystemdError, OSError) as e:
+        raise InstallError(f"systemd: {e}") from None
+    return [said]
+
+
 def _check_restart(root: str, restart: str) -> None:
     from oci_gpu_hook.toolkit import restart as restart_module
 
@@ -1203,14 +1224,26 @@ def _check_restart(root: str, restart: str) -> None:
         raise InstallError(f"--restart: only when installing into / (a runtime runs from {root}?)")
 
 
-def uninstall(root: str, restart: str = "none") -> list:
+def uninstall(root: str, restart: str = "none", stop_units: bool = False, address: str | None = None,
+              bus: bool = False) -> list:  # fmt: skip
     """Remove what install wrote; restart: as install's, between removing what the runtimes read
     and the programs it names, so that a runtime never runs a hook it still has after its
-    program is gone (containerd keeps its base spec until it restarts)."""
+    program is gone (containerd keeps its base spec until it restarts). stop_units: first stop
+    the units install wrote (systemd would otherwise go on running them, a path unit starting
+    a program that is gone), and reload systemd once they are removed; address, bus: as
+    start_units's."""
     root = os.path.abspath(root)
     _check_restart(root, restart)
+    if stop_units and root != "/":
+        raise InstallError(f"--stop-units: only when uninstalling from / (not {root})")
     if not os.path.isdir(root):
         return []
+    if stop_units:
+        with _tree(root) as tree:
+            units = _units_written(_read_manifest(tree))
+        lines = _manage_units([("StopUnit", unit) for unit in units], f"stopped {' '.join(units)}", address, bus)
+        lines += uninstall(root, restart)
+        return lines + _manage_units([("Reload", None)], "systemd reloaded", address, bus)
     between = None
     if restart != "none":
         from oci_gpu_hook.toolkit import restart as restart_module

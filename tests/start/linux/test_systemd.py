@@ -92,6 +92,12 @@ SERVICE = textwrap.dedent(
             return dbus.ObjectPath("/org/freedesktop/systemd1/job/8")
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
+        def StopUnit(self, unit, mode):
+            with open(sys.argv[2], "a") as f:
+                f.write(json.dumps({"manager": ["StopUnit", str(unit), str(mode)]}) + "\\n")
+            return dbus.ObjectPath("/org/freedesktop/systemd1/job/10")
+
+        @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def TryRestartUnit(self, unit, mode):
             with open(sys.argv[2], "a") as f:
                 f.write(json.dumps({"manager": ["TryRestartUnit", str(unit), str(mode)]}) + "\\n")
@@ -199,6 +205,31 @@ def test_install_starts_its_units_as_systemctl_daemon_reload_and_start(fake_syst
     assert lines == [f"restarted {install.START_SERVICE} where it ran", f"started {units[0]} (systemd reloaded)"]
     assert _recorded(calls, "manager") == [["Reload"], ["TryRestartUnit", install.START_SERVICE, "replace"],
                                            ["StartUnit", units[0], "replace"]]  # fmt: skip
+
+
+def test_uninstall_stops_the_units_it_removes_and_reloads_after(fake_systemd, tmp_path, monkeypatch):
+    """uninstall --stop-units: StopUnit for each unit install wrote (not its wants links), then
+    the removal, then Reload, so systemd is left running nothing of ours. --stop-units acts only
+    on /, so here its three steps run one by one on a tree, against the stand-in manager. The
+    toolkit's e2e test runs the whole of it on a host without systemd."""
+    from oci_gpu_hook.toolkit import install
+
+    socket_path, calls, _ = fake_systemd
+    root = str(tmp_path / "root")
+    os.makedirs(root)
+    install.install(root, ("podman",), ["/usr/bin/oci-gpu-hook"], node_services=True)
+    with open(root + install.MANIFEST) as f:
+        units = install._units_written(json.load(f))
+    assert units == sorted([install.SERVICE, install.PATH_UNIT, install.EXPORTER_SERVICE, install.LABELS_SERVICE,
+                            install.WATCHDOG_SERVICE])  # fmt: skip
+    with pytest.raises(install.InstallError, match="--stop-units: only when uninstalling from /"):
+        install.uninstall(root, stop_units=True, address=socket_path, bus=True)
+    lines = install._manage_units([("StopUnit", u) for u in units], "stopped", socket_path, True)
+    lines += install.uninstall(root)
+    lines += install._manage_units([("Reload", None)], "systemd reloaded", socket_path, True)
+    assert lines[0] == "stopped" and lines[-1] == "systemd reloaded"
+    assert _recorded(calls, "manager") == [["StopUnit", u, "replace"] for u in units] + [["Reload"]]
+    assert not os.path.lexists(root + install.MANIFEST)
 
 
 def test_restart_unit_is_systemctl_restarts_call(fake_systemd):
