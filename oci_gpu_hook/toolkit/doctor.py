@@ -106,7 +106,7 @@ class Doctor:
         for name in ("config", "driver", "uvm", "device_nodes", "persistence", "ldcache", "libraries",
                      "inventory_cache", "hooks_d", "rootless", "crio", "containerd", "docker", "cgroups", "selinux",
                      "selinux_policy", "refresh_units", "start_server", "exporter", "labels", "watchdog",
-                     "device_plugin", "gates"):  # fmt: skip
+                     "device_plugin", "gates", "bundle"):  # fmt: skip
             check_id = name.replace("_", "-")
             try:
                 status, summary, fix = getattr(self, f"check_{name}")()
@@ -587,6 +587,36 @@ class Doctor:
                 (f"systemctl start {WATCHDOG_SERVICE}; journalctl -u {WATCHDOG_SERVICE} says why it stopped"),
             )
         return PASS, f"the watchdog runs (pid {', '.join(map(str, running))})", None
+
+    def check_bundle(self):
+        """Where install ran from a bundle (what runtimes run is a link into one): that bundle is
+        there and whole, and the install manifest records it."""
+        from oci_gpu_hook.toolkit import bundle, install, launcher
+
+        link = host_path(self.root, launcher.LAUNCHER)
+        try:
+            value = os.readlink(link)
+        except OSError:
+            return PASS, "not installed from a bundle: nothing to check", None
+        target = os.path.normpath(os.path.join(os.path.dirname(launcher.LAUNCHER), value))
+        fix = "oci-gpu-hook toolkit install again (the node image's pod does it when it starts)"
+        if not target.startswith(bundle.BUNDLES_DIR + "/"):
+            return FAIL, f"{link} leads to {target}, not into a bundle in {bundle.BUNDLES_DIR}", fix
+        bundle_id = target[len(bundle.BUNDLES_DIR) + 1 :].split("/")[0]
+        top = host_path(self.root, bundle.directory(bundle_id))
+        if not os.path.isdir(top):
+            return FAIL, f"{link} leads into bundle {bundle_id}, which is not there: no start can run the hook", fix
+        why = install._not_the_bundle(top, bundle_id)
+        if why:
+            return FAIL, f"{top}: not the whole bundle {bundle_id} ({why})", fix
+        try:
+            with open(host_path(self.root, install.MANIFEST)) as f:
+                recorded = json.load(f).get("bundles", [])
+        except (OSError, ValueError):
+            recorded = []
+        if bundle_id not in recorded:
+            return WARN, f"bundle {bundle_id} is not in {install.MANIFEST}: uninstall would leave it", fix
+        return PASS, f"runtimes run bundle {bundle_id}, whole ({len(recorded)} bundle(s) recorded)", None
 
     def check_gates(self):
         """The validation gates' verdicts (node/gates.py), where a rollout wrote them: the first

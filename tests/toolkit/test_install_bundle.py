@@ -117,6 +117,17 @@ def test_install_from_a_bundle_links_what_runtimes_run_to_its_prefilter(bundles,
         assert json.load(f)["bundles"] == [os.path.basename(first)]
     out = in_tree(tree, launcher.LAUNCHER, "--version")
     assert out.returncode == 0 and out.stdout.split()[-1] == version_of(first), out.stdout + out.stderr
+    # doctor on the host (the bundle's own) says which bundle runtimes run, and that it is whole.
+    doctor = in_tree(tree, f"{here}/{bundle.LAUNCHER}", "doctor", "--json")
+    (check,) = [c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "bundle"]
+    assert check["status"] == "PASS" and check["summary"].startswith(f"runtimes run bundle {os.path.basename(first)}")
+    changed = tree + here + "/" + bundle.SITE + "/oci_gpu_hook/node/gates.py"
+    with open(changed, "a") as f:
+        f.write("# changed on the host\n")  # a bundle no longer whole
+    doctor = in_tree(tree, f"{here}/{bundle.LAUNCHER}", "doctor", "--json")
+    (check,) = [c for c in json.loads(doctor.stdout)["checks"] if c["id"] == "bundle"]
+    assert check["status"] == "FAIL" and "its files do not have the digest its name says" in check["summary"], check
+    shutil.copy2(os.path.join(first, bundle.SITE, "oci_gpu_hook", "node", "gates.py"), changed)
     assert install_from(tree, first) == ["nothing to do: already installed"]
     out = in_image(tree, first, "toolkit", "uninstall")
     assert out.returncode == 0, out.stderr
