@@ -288,6 +288,22 @@ class Cluster(kubeletcheck.ContainerdKubelet):
 
 
 @contextlib.contextmanager
+def control_plane(workdir):
+    """The control plane alone (etcd, the API server, the controller-manager and the scheduler),
+    no node: for what talks to the API only. Yields the Cluster, whose kubectl is the admin's."""
+    cluster = Cluster(workdir, None)
+    cluster.bin = programs()
+    os.makedirs(cluster.pki, exist_ok=True)
+    try:
+        cluster._certificates()
+        cluster._start_control_plane(90)
+        yield cluster
+    finally:
+        cluster._stop_control_plane()
+        cluster.footprint.close()
+
+
+@contextlib.contextmanager
 def cluster_on(host: dict, tmp, hook_settings: str):
     """A started Cluster under tmp whose node's hook reads the simulated host's configuration with
     the YAML lines hook_settings added (hookcheck.config_with); closed after the block, the host

@@ -49,3 +49,29 @@ def uninstall(host_root, restart):
     for line in host.uninstall(host_root, restart):
         click.echo(line)
     return 0
+
+
+@toolkit.command("report")
+@click.option("--node", required=True, help="The Node to report on (in a pod: spec.nodeName, from the downward API).")
+@click.option("--api-server", metavar="URL",
+              help="The API server (default: the pod's, from KUBERNETES_SERVICE_HOST and _PORT).")  # fmt: skip
+@click.option("--token-file", metavar="FILE", help="A bearer token (default: the pod's service account token).")
+@click.option("--ca-file", metavar="FILE", help="The API server's CA (default: the pod's service account CA).")
+@click.option("--namespace", default="default", show_default=True, help="Where the events go.")
+@click.pass_obj
+def report(obj, node, api_server, token_file, ca_file, namespace):
+    """Say the validation gates' verdicts (gates.json beside the hook's records) on the Node: a
+    label per gate, the GPUHookReady condition, and an event for each verdict that changed."""
+    from oci_gpu_hook.errors import PrerequisiteError
+    from oci_gpu_hook.node import gate_report, gates
+    from oci_gpu_hook.node.kubeapi import Client
+
+    path = gates.gates_path(obj.settings.records_path)
+    try:
+        verdicts = gates.read(path)
+    except ValueError as e:
+        raise PrerequisiteError(str(e)) from None
+    client = Client.from_environment(api_server, token_file, ca_file)
+    for line in gate_report.report(client, node, verdicts, namespace):
+        click.echo(line)
+    return 0

@@ -79,12 +79,16 @@ def read(path: str) -> dict:
 
 
 def failed(verdicts: dict) -> str | None:
-    """The first failed gate's line (`gate NAME failed: WHY (fix: FIX)`), or None."""
-    for g in ORDER:
-        v = verdicts[g]
-        if v["state"] == "failed":
-            return f"gate {g} failed: {v['why'] or 'no reason given'}" + (f" (fix: {v['fix']})" if v["fix"] else "")
-    return None
+    """The first failed gate's line, or None."""
+    return next((line(g, verdicts[g]) for g in ORDER if verdicts[g]["state"] == "failed"), None)
+
+
+def line(gate: str, verdict: dict) -> str:
+    """One gate's verdict in one line: `gate NAME failed: WHY (fix: FIX)`, `gate NAME passed`."""
+    if verdict["state"] != "failed":
+        return f"gate {gate} {verdict['state']}"
+    return f"gate {gate} failed: {verdict['why'] or 'no reason given'}" + (
+        f" (fix: {verdict['fix']})" if verdict["fix"] else "")  # fmt: skip
 
 
 def toolkit_passed(verdicts: dict) -> bool:
