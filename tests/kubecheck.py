@@ -287,6 +287,34 @@ class Cluster(kubeletcheck.ContainerdKubelet):
             return False
 
 
+def toolkit_rbac(namespace: str, account: str, pods: bool = False) -> list:
+    """The namespace, a service account in it, and what the toolkit's commands need, no more:
+    `toolkit report` (get and patch Nodes, patch their status, create events) and, with pods,
+    `toolkit validate` (create, get and delete pods in the namespace)."""
+    subject = [{"kind": "ServiceAccount", "name": account, "namespace": namespace}]
+    docs = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account, "namespace": namespace}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": f"{account}-report"},
+         "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+                   {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
+                   {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": f"{account}-report"}, "subjects": subject,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": f"{account}-report"}},
+    ]  # fmt: skip
+    if pods:
+        docs += [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": f"{account}-pods", "namespace": namespace},
+             "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "get", "delete"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": f"{account}-pods", "namespace": namespace}, "subjects": subject,
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{account}-pods"}},
+        ]  # fmt: skip
+    return docs
+
+
 @contextlib.contextmanager
 def control_plane(workdir):
     """The control plane alone (etcd, the API server, the controller-manager and the scheduler),

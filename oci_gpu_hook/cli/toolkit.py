@@ -12,6 +12,17 @@ _RESTART_HELP = ("How to restart CRI-O or containerd when what they read at star
                  "a supervisor that starts it again; none leaves it to you.")  # fmt: skip
 
 
+def _api_options(command):
+    for option in reversed([
+        click.option("--api-server", metavar="URL",
+                     help="The API server (default: the pod's, from KUBERNETES_SERVICE_HOST and _PORT)."),
+        click.option("--token-file", metavar="FILE", help="A bearer token (default: the pod's service account token)."),
+        click.option("--ca-file", metavar="FILE", help="The API server's CA (default: the pod's service account CA)."),
+    ]):  # fmt: skip
+        command = option(command)
+    return command
+
+
 @click.group()
 def toolkit():
     """Put the hook on the host from the node image (docs/deploy.md): its bundle, then `install`
@@ -53,13 +64,10 @@ def uninstall(host_root, restart):
 
 @toolkit.command("report")
 @click.option("--node", required=True, help="The Node to report on (in a pod: spec.nodeName, from the downward API).")
-@click.option("--api-server", metavar="URL",
-              help="The API server (default: the pod's, from KUBERNETES_SERVICE_HOST and _PORT).")  # fmt: skip
-@click.option("--token-file", metavar="FILE", help="A bearer token (default: the pod's service account token).")
-@click.option("--ca-file", metavar="FILE", help="The API server's CA (default: the pod's service account CA).")
 @click.option("--namespace", default="default", show_default=True, help="Where the events go.")
+@_api_options
 @click.pass_obj
-def report(obj, node, api_server, token_file, ca_file, namespace):
+def report(obj, node, namespace, api_server, token_file, ca_file):
     """Say the validation gates' verdicts (gates.json beside the hook's records) on the Node: a
     label per gate, the GPUHookReady condition, and an event for each verdict that changed."""
     from oci_gpu_hook.errors import PrerequisiteError
@@ -74,4 +82,51 @@ def report(obj, node, api_server, token_file, ca_file, namespace):
     client = Client.from_environment(api_server, token_file, ca_file)
     for line in gate_report.report(client, node, verdicts, namespace):
         click.echo(line)
+    return 0
+
+
+@toolkit.command("validate")
+@click.option("--node", required=True, help="The Node to validate (in a pod: spec.nodeName).")
+@click.option("--image", required=True, help="The node image, which the validation pod runs (its own, in a pod).")
+@click.option("--gpu", metavar="UUID", help="The GPU to ask for (default: this node's last, from the inventory).")
+@click.option("--namespace", default="oci-gpu-hook", show_default=True, help="Where the validation pod runs.")
+@click.option("--timeout", type=click.FloatRange(min=5, max=3600), default=120.0, show_default=True,
+              help="Seconds the validation pod may take.")  # fmt: skip
+@click.option(
+    "--host-network",
+    is_flag=True,
+    help="Run the validation pod in the node's network: for a cluster with no pod network (no CNI).",
+)
+@_api_options
+@click.pass_obj
+def validate(obj, node, image, gpu, namespace, timeout, host_network, api_server, token_file, ca_file):
+    """Gate toolkit: a pod on the node, started by its own runtime, asks for one GPU as the device
+    plugin's volume-mounts answer does and must get exactly it. The verdict goes to the gates'
+    file (beside the hook's records); one line says it."""
+    from oci_gpu_hook.errors import PrerequisiteError
+    from oci_gpu_hook.node import gate_validation, gates
+    from oci_gpu_hook.node.kubeapi import Client
+
+    if gpu is None:
+        from oci_gpu_hook.start import inventory_cache
+
+        listed = inventory_cache.load(obj.settings).gpus
+        if not listed:
+            raise PrerequisiteError("this node has no GPU to validate with")
+        gpu = listed[-1].uuid
+    client = Client.from_environment(api_server, token_file, ca_file)
+    gates_file = gates.gates_path(obj.settings.records_path)
+    click.echo(gate_validation.validate(client, node, namespace, gpu, image, gates_file, timeout, host_network))
+    return 0
+
+
+@toolkit.command("workload", hidden=True)
+def workload():
+    """What the validation pod runs: the GPUs nvidia-smi lists and the GPU device nodes this
+    container sees, as JSON (also its termination message)."""
+    import json
+
+    from oci_gpu_hook.node import gate_validation
+
+    click.echo(json.dumps(gate_validation.workload()))
     return 0

@@ -48,6 +48,8 @@ def write(path: str, verdicts: dict) -> None:
     if unknown:
         raise ValueError(f"{', '.join(sorted(unknown))}: not a gate ({', '.join(ORDER)})")
     doc = {"format": 1, "gates": {g: verdicts.get(g) or verdict("pending") for g in ORDER}}
+    # The hook's run directory, root's: made as the hook makes it where no start has yet.
+    os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o755, exist_ok=True)
     write_trusted(path, json.dumps(doc, sort_keys=True).encode())
 
 

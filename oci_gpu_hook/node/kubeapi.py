@@ -24,6 +24,7 @@ LIMIT = 16 << 20  # bytes of a reply: a Node or a Pod is a few KiB
 
 class ApiError(HookError):
     exit_code = Exit.PREREQUISITE
+    status = None  # the HTTP status, where the API server answered
 
 
 class Client:
@@ -65,7 +66,9 @@ class Client:
                 message = json.loads(e.read(LIMIT)).get("message") or e.reason
             except ValueError:
                 message = e.reason
-            raise ApiError(f"{method} {path}: {e.code} {message}") from None
+            error = ApiError(f"{method} {path}: {e.code} {message}")
+            error.status = e.code
+            raise error from None
         except (OSError, ValueError) as e:
             raise ApiError(f"{method} {path}: {getattr(e, 'reason', e)}") from None
 

@@ -24,19 +24,10 @@ from oci_gpu_hook.toolkit.containers import hook_command
 
 NODE = "gpu-node-a"
 NAMESPACE = "oci-gpu-hook"
-# What the report needs, and no more.
-RBAC = [
-    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}},
-    {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reporter", "namespace": NAMESPACE}},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {"name": "gate-reporter"},
-     "rules": [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
-               {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
-               {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create"]}]},
-    {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": "gate-reporter"},
-     "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "gate-reporter"},
-     "subjects": [{"kind": "ServiceAccount", "name": "reporter", "namespace": NAMESPACE}]},
+# What the report needs, and no more (kubecheck.toolkit_rbac), and the Node.
+RBAC = kubecheck.toolkit_rbac(NAMESPACE, "reporter") + [
     {"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE}}},
-]  # fmt: skip
+]
 
 
 def test_the_gates_verdicts_are_said_on_the_node(simulated_host, tmp_path, require):
