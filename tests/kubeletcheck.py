@@ -782,7 +782,7 @@ class ContainerdKubelet:
 class DevicePlugin:
     """`oci-gpu-hook device-plugin` as a program, stopped by its pid."""
 
-    def __init__(self, hook_config, node, tmp_path, doc, name):
+    def __init__(self, hook_config, node, tmp_path, doc, name, options=()):
         import yaml
 
         self.config_file = tmp_path / f"{name}.yaml"
@@ -791,7 +791,7 @@ class DevicePlugin:
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             [*containers.hook_command(hook_config), "device-plugin", "--config-file", str(self.config_file),
-             "--socket-dir", node.device_plugin_dir, "--interval", "0.3"],
+             "--socket-dir", node.device_plugin_dir, "--interval", "0.3", *options],
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
         )  # fmt: skip
 

@@ -86,9 +86,13 @@ def report(obj, node, namespace, api_server, token_file, ca_file):
 
 
 @toolkit.command("validate")
+@click.option("--gate", type=click.Choice(["toolkit", "plugin"]), default="toolkit", show_default=True,
+              help="toolkit: the node's runtime gives a pod the GPU it asks for through the hook; plugin: a pod that "
+                   "asks the scheduler for one GPU gets one of the node's.")  # fmt: skip
 @click.option("--node", required=True, help="The Node to validate (in a pod: spec.nodeName).")
 @click.option("--image", required=True, help="The node image, which the validation pod runs (its own, in a pod).")
-@click.option("--gpu", metavar="UUID", help="The GPU to ask for (default: this node's last, from the inventory).")
+@click.option("--gpu", metavar="UUID", help="Gate toolkit: the GPU to ask for (default: this node's last).")
+@click.option("--resource", default="nvidia.com/gpu", show_default=True, help="Gate plugin: the resource to ask for.")
 @click.option("--namespace", default="oci-gpu-hook", show_default=True, help="Where the validation pod runs.")
 @click.option("--timeout", type=click.FloatRange(min=5, max=3600), default=120.0, show_default=True,
               help="Seconds the validation pod may take.")  # fmt: skip
@@ -99,24 +103,24 @@ def report(obj, node, namespace, api_server, token_file, ca_file):
 )
 @_api_options
 @click.pass_obj
-def validate(obj, node, image, gpu, namespace, timeout, host_network, api_server, token_file, ca_file):
-    """Gate toolkit: a pod on the node, started by its own runtime, asks for one GPU as the device
-    plugin's volume-mounts answer does and must get exactly it. The verdict goes to the gates'
-    file (beside the hook's records); one line says it."""
+def validate(obj, gate, node, image, gpu, resource, namespace, timeout, host_network, api_server, token_file,
+             ca_file):  # fmt: skip
+    """Run a validation gate with a pod on the node (toolkit: started by the node's runtime,
+    asking for one GPU as the device plugin's volume-mounts answer does, must get exactly it;
+    plugin: asking the scheduler for one GPU, must get one of the node's). The verdict goes to
+    the gates' file (beside the hook's records); one line says it."""
     from oci_gpu_hook.errors import PrerequisiteError
     from oci_gpu_hook.node import gate_validation, gates
     from oci_gpu_hook.node.kubeapi import Client
+    from oci_gpu_hook.start import inventory_cache
 
-    if gpu is None:
-        from oci_gpu_hook.start import inventory_cache
-
-        listed = inventory_cache.load(obj.settings).gpus
-        if not listed:
-            raise PrerequisiteError("this node has no GPU to validate with")
-        gpu = listed[-1].uuid
+    known = [g.uuid for g in inventory_cache.load(obj.settings).gpus]
+    if not known:
+        raise PrerequisiteError("this node has no GPU to validate with")
     client = Client.from_environment(api_server, token_file, ca_file)
     gates_file = gates.gates_path(obj.settings.records_path)
-    click.echo(gate_validation.validate(client, node, namespace, gpu, image, gates_file, timeout, host_network))
+    click.echo(gate_validation.validate(client, gate, node, namespace, image, gates_file, known, gpu or known[-1],
+                                        resource, timeout, host_network))  # fmt: skip
     return 0
 
 

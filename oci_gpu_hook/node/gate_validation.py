@@ -1,5 +1,6 @@
-"""Gate toolkit, run (issue 47): a real GPU container, started through the node's own runtime,
-must get exactly the GPU it asked for (node/gates.py).
+"""The validation gates, run (issue 47; node/gates.py). Gate toolkit: a real GPU container,
+started through the node's own runtime, must get exactly the GPU it asked for. Gate plugin: a pod
+that asks the scheduler for one GPU must get exactly one GPU of the node's, and run on it.
 
 `oci-gpu-hook toolkit validate` makes a pod on the node: unprivileged, pinned to it by name (the
 runtime is under test, not the scheduler), asking for one GPU the way the device plugin's
@@ -9,7 +10,9 @@ author cannot forge for another GPU; the hook reads it with accept_volume_mounts
 termination message (read from the pod's status: no log access to the node is needed): the GPUs
 nvidia-smi lists and the GPU device nodes it sees. The gate passes when that is exactly the GPU
 asked for, and fails with what it saw otherwise; the verdict goes to the gates' file, and the pod
-is deleted.
+is deleted. The plugin gate's pod asks for `nvidia.com/gpu: 1`, placed by the scheduler on the
+node (a nodeSelector on its hostname): it runs only once the device plugin advertises the GPUs,
+and passes when it got one of the node's GPUs and one device node.
 """
 
 from __future__ import annotations
@@ -49,56 +52,66 @@ def workload() -> dict:
     return found
 
 
-def pod_name(node: str) -> str:
-    return f"gate-toolkit-{node}"[:63].rstrip("-.")
+def pod_name(gate: str, node: str) -> str:
+    return f"gate-{gate}-{node}"[:63].rstrip("-.")
 
 
-def pod(node: str, namespace: str, uuid: str, image: str, host_network: bool = False) -> dict:
-    """The validation pod. host_network: the node's network (for a cluster with no pod network:
-    the pod needs none, but a pod without the node's network needs one to start)."""
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": pod_name(node), "namespace": namespace,
-                     "labels": {"app.kubernetes.io/name": "oci-gpu-hook-gate", "oci-gpu-hook.io/gate": "toolkit"}},
-        "spec": {
-            "nodeName": node, "restartPolicy": "Never", "automountServiceAccountToken": False,
-            "hostNetwork": host_network,
-            "tolerations": [{"operator": "Exists"}],
-            "containers": [{
-                "name": "workload", "image": image, "imagePullPolicy": "IfNotPresent",
-                "command": ["/usr/bin/oci-gpu-hook", "toolkit", "workload"],
-                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-                "volumeMounts": [{"name": "gpu", "mountPath": f"{DEVICE_DIRECTORY}/{uuid}", "readOnly": True}]}],
-            "volumes": [{"name": "gpu", "hostPath": {"path": "/dev/null", "type": "CharDevice"}}],
-        },
+def pod(gate: str, node: str, namespace: str, image: str, uuid: str | None = None, resource: str = "nvidia.com/gpu",
+        host_network: bool = False) -> dict:  # fmt: skip
+    """The validation pod of gate. toolkit: on node by name, asking the hook for GPU uuid through
+    the volume-mounts path; plugin: placed on node by the scheduler, asking for one resource.
+    host_network: the node's network (for a cluster with no pod network: the pod needs none, but
+    a pod without the node's network needs one to start)."""
+    container = {
+        "name": "workload", "image": image, "imagePullPolicy": "IfNotPresent",
+        "command": ["/usr/bin/oci-gpu-hook", "toolkit", "workload"],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }  # fmt: skip
+    spec = {"restartPolicy": "Never", "automountServiceAccountToken": False, "hostNetwork": host_network,
+            "tolerations": [{"operator": "Exists"}], "containers": [container]}  # fmt: skip
+    if gate == "toolkit":
+        spec["nodeName"] = node  # the runtime is under test, not the scheduler
+        container["volumeMounts"] = [{"name": "gpu", "mountPath": f"{DEVICE_DIRECTORY}/{uuid}", "readOnly": True}]
+        spec["volumes"] = [{"name": "gpu", "hostPath": {"path": "/dev/null", "type": "CharDevice"}}]
+    else:
+        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+        container["resources"] = {"limits": {resource: "1"}}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod_name(gate, node), "namespace": namespace,
+                         "labels": {"app.kubernetes.io/name": "oci-gpu-hook-gate", "oci-gpu-hook.io/gate": gate}},
+            "spec": spec}  # fmt: skip
 
 
-def validate(client: Client, node: str, namespace: str, uuid: str, image: str, gates_file: str,
-             timeout: float = TIMEOUT, host_network: bool = False) -> str:  # fmt: skip
-    """Run the gate; write its verdict (the plugin gate's kept) and return its line."""
-    name = pod_name(node)
+def validate(client: Client, gate: str, node: str, namespace: str, image: str, gates_file: str, known,
+             uuid: str | None = None, resource: str = "nvidia.com/gpu", timeout: float = TIMEOUT,
+             host_network: bool = False) -> str:  # fmt: skip
+    """Run gate (toolkit: asking for GPU uuid; plugin: for one resource, which must be one of the
+    GPUs known, the node's inventory's); write its verdict (the other gate's kept) and return its
+    line."""
+    name = pod_name(gate, node)
     path = f"/api/v1/namespaces/{namespace}/pods/{name}"
     _delete(client, path)
     try:
-        client.post(f"/api/v1/namespaces/{namespace}/pods", pod(node, namespace, uuid, image, host_network))
-        verdict = _verdict(client, path, uuid, name, namespace, timeout)
+        client.post(f"/api/v1/namespaces/{namespace}/pods", pod(gate, node, namespace, image, uuid, resource,
+                                                                host_network))  # fmt: skip
+        verdict = _verdict(client, path, [uuid] if gate == "toolkit" else sorted(known), name, namespace, timeout)
     finally:
         _delete(client, path, wait=False)
     try:
         verdicts = gates.read(gates_file)
     except ValueError:
         verdicts = {}
-    verdicts = {g: v for g, v in verdicts.items() if g != "toolkit"}
+    verdicts = {g: v for g, v in verdicts.items() if g != gate}
     try:
-        gates.write(gates_file, {**verdicts, "toolkit": verdict})
+        gates.write(gates_file, {**verdicts, gate: verdict})
     except OSError as e:
         raise PrerequisiteError(f"{gates_file}: cannot write the verdict ({e.strerror}): "
-                                f"{gates.line('toolkit', verdict)}") from None  # fmt: skip
-    return gates.line("toolkit", verdict)
+                                f"{gates.line(gate, verdict)}") from None  # fmt: skip
+    return gates.line(gate, verdict)
 
 
-def _verdict(client: Client, path: str, uuid: str, name: str, namespace: str, timeout: float) -> dict:
+def _verdict(client: Client, path: str, wanted: list, name: str, namespace: str, timeout: float) -> dict:
+    """Passed when the container saw one GPU, one of wanted, and one device node."""
     fix = f"kubectl describe pod -n {namespace} {name}; oci-gpu-hook doctor on the node"
     deadline = time.monotonic() + timeout
     while True:
@@ -107,7 +120,10 @@ def _verdict(client: Client, path: str, uuid: str, name: str, namespace: str, ti
             break
         if time.monotonic() > deadline:
             waiting = next((s.get("state", {}).get("waiting") for s in status.get("containerStatuses") or []), None)
-            said = f"{waiting.get('reason')}: {waiting.get('message', '')}" if waiting else status.get("phase")
+            unscheduled = next((c.get("message") for c in status.get("conditions") or []
+                                if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)  # fmt: skip
+            said = (f"{waiting.get('reason')}: {waiting.get('message', '')}" if waiting else
+                    f"not scheduled: {unscheduled}" if unscheduled else status.get("phase"))  # fmt: skip
             return gates.verdict("failed", f"the validation pod did not finish in {timeout:.0f} s ({said})", fix)
         time.sleep(1)
     terminated = next((s.get("state", {}).get("terminated") for s in status.get("containerStatuses") or []), None) or {}
@@ -117,10 +133,11 @@ def _verdict(client: Client, path: str, uuid: str, name: str, namespace: str, ti
     except (ValueError, KeyError, TypeError):
         why = terminated.get("message") or terminated.get("reason") or status.get("reason") or "no message"
         return gates.verdict("failed", f"the validation container said nothing readable ({why.strip()[:300]})", fix)
-    if uuids == [uuid] and len(devices) == 1:
+    if len(uuids) == 1 and uuids[0] in wanted and len(devices) == 1:
         return gates.verdict("passed")
     saw = f"GPUs {', '.join(uuids) or 'none'} and device nodes {', '.join(devices) or 'none'}"
-    return gates.verdict("failed", f"the validation container asked for {uuid} and saw {saw}", fix)
+    asked = wanted[0] if len(wanted) == 1 else f"one of {', '.join(wanted)}"
+    return gates.verdict("failed", f"the validation container asked for {asked} and saw {saw}", fix)
 
 
 def _delete(client: Client, path: str, wait: bool = True) -> None:

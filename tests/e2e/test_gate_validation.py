@@ -1,13 +1,17 @@
-"""Gate toolkit on a real cluster (node/gate_validation.py; issue 47): `oci-gpu-hook toolkit
-validate` makes a pod on the node that asks for one GPU the way the device plugin's volume-mounts
-answer does, runs the node image's `toolkit workload` through the node's own runtime (containerd
-with the hook, tests/kubecheck.py), and judges what it got from the pod's status.
-- With the hook as docs/deploy.md sets it (accept_volume_mounts): exactly the GPU asked for, the
-  gate passes, the verdict is in the gates' file, and the pod is gone.
-- With the hook told not to read the mounts (its configuration changed under it): the container
-  gets no GPU, the gate fails with what it saw, and `toolkit report` puts that line on the Node.
-The credentials are a service account's, with only the pods and Node rights the two commands use.
-The cluster has no pod network: the pod runs in the node's (--host-network).
+"""The validation gates in order on a real cluster (node/gate_validation.py; issue 47), the node's
+containerd running the hook (tests/kubecheck.py), the project's device plugin following the gates'
+file (`--gate`), as the rollout will run them:
+- (b) before anything passed, the plugin offers nothing: no nvidia.com/gpu on the Node;
+- (a) `toolkit validate`: a pod on the node asks for one GPU as the plugin's volume-mounts
+  answer does and gets exactly it, through the node's own runtime; the pod is gone after;
+- the plugin then registers and the Node advertises the GPUs;
+- (c) `toolkit validate --gate plugin`: a pod that asks the scheduler for nvidia.com/gpu: 1 gets
+  one of the node's GPUs; `toolkit report` says GPUHookReady True on the Node;
+- with the hook told not to read the mounts (its configuration changed under it), gate toolkit
+  fails with what the container saw, the plugin withdraws every GPU (allocatable 0), and the
+  Node's condition says the gate's line.
+The credentials are a service account's, with only the pods and Node rights the commands use.
+The cluster has no pod network: the pods run in the node's (--host-network).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import subprocess
 
 import kubecheck
+import kubeletcheck
 from imagecheck import build
 
 from oci_gpu_hook.node import gates
@@ -23,17 +28,17 @@ from oci_gpu_hook.toolkit.containers import hook_command
 
 NAMESPACE = "oci-gpu-hook"
 IMAGE = "localhost/oci-gpu-hook-node:0.1.0"
+PLUGIN = {"flags": {"migStrategy": "none", "plugin": {"deviceListStrategy": "volume-mounts"}}}
 RBAC = kubecheck.toolkit_rbac(NAMESPACE, "toolkit", pods=True)
 
 
-def test_the_toolkit_gate_passes_for_a_working_hook_and_fails_with_what_it_saw(simulated_host, tmp_path, require):
-    require("root", "openssl", "containerd", "runc")
+def test_the_gates_in_order_and_a_failure_that_withdraws_the_gpus(simulated_host, tmp_path, require):
+    require("root", "openssl", "containerd", "runc", "pynvml")
     host = simulated_host(gpus=2)
     records = tmp_path / "run" / "containers"
-    hook_settings = (
-        f"records_directory: {records}\naccept_volume_mounts: true\naccept_envvar_when_unprivileged: false\n"
-    )
-    uuid = host["gpus"][1]["uuid"]
+    hook_settings = (f"records_directory: {records}\naccept_volume_mounts: true\n"
+                     "accept_envvar_when_unprivileged: false\n")  # fmt: skip
+    uuids = [g["uuid"] for g in host["gpus"]]
     with kubecheck.cluster_on(host, tmp_path, hook_settings) as cluster:
         out = build(tmp_path / "node.tar", tmp_path / "build")
         assert out.returncode == 0, out.stderr
@@ -49,23 +54,48 @@ def test_the_toolkit_gate_passes_for_a_working_hook_and_fails_with_what_it_saw(s
             return subprocess.run([*hook_command(config), "toolkit", *args, *api], capture_output=True, text=True,
                                   timeout=300)  # fmt: skip
 
+        def validate(gate, *more):
+            return toolkit("validate", "--gate", gate, "--node", cluster.node_name, "--image", IMAGE, "--host-network",
+                           "--timeout", "60", *more)  # fmt: skip
+
+        def allocatable():
+            return (cluster.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")
+
         gates_file = gates.gates_path(settings.load(config).records_path)
-        out = toolkit("validate", "--node", cluster.node_name, "--image", IMAGE, "--gpu", uuid, "--host-network")
-        assert (out.returncode, out.stdout) == (0, "gate toolkit passed\n"), out.stdout + out.stderr
-        assert gates.read(gates_file)["toolkit"]["state"] == "passed"
-        assert cluster.get("pods", "-n", NAMESPACE)["items"] == []  # the validation pod is gone
-        # The hook no longer reads the device plugin's mounts: the same request gets nothing.
-        with open(config) as f:
-            text = f.read()
-        with open(config, "w") as f:
-            f.write(text.replace("accept_volume_mounts: true", "accept_volume_mounts: false"))
-        out = toolkit("validate", "--node", cluster.node_name, "--image", IMAGE, "--gpu", uuid, "--host-network")
-        assert out.returncode == 0, out.stderr
-        line = (f"gate toolkit failed: the validation container asked for {uuid} and saw GPUs none and device "
-                f"nodes none (fix: kubectl describe pod -n {NAMESPACE} gate-toolkit-{cluster.node_name}; "
-                "oci-gpu-hook doctor on the node)")  # fmt: skip
-        assert out.stdout == line + "\n", out.stdout
-        out = toolkit("report", "--node", cluster.node_name)
-        assert out.returncode == 0, out.stderr
-        (ready,) = [c for c in cluster.node()["status"]["conditions"] if c["type"] == "GPUHookReady"]
-        assert (ready["status"], ready["message"]) == ("False", line)
+        # (b) The device plugin, following the gates: nothing is offered before gate toolkit passes.
+        plugin = kubeletcheck.DevicePlugin(config, cluster, tmp_path, PLUGIN, "plugin", ("--gate", gates_file))
+        try:
+            cluster.wait_until(lambda: "waiting for gate toolkit to pass" in plugin.output(), 60, "the plugin waiting")
+            assert allocatable() in (None, "0") and plugin.registrations() == 0
+            # (a) Gate toolkit, through the node's runtime: exactly the GPU asked for.
+            out = validate("toolkit", "--gpu", uuids[1])
+            assert (out.returncode, out.stdout) == (0, "gate toolkit passed\n"), out.stdout + out.stderr
+            assert cluster.get("pods", "-n", NAMESPACE)["items"] == []  # the validation pod is gone
+            cluster.wait_until(lambda: allocatable() == "2", 60, "the GPUs advertised once gate toolkit passed")
+            # (c) Gate plugin, through the scheduler and the device plugin: one of the node's GPUs.
+            out = validate("plugin")
+            assert (out.returncode, out.stdout) == (0, "gate plugin passed\n"), out.stdout + out.stderr
+            out = toolkit("report", "--node", cluster.node_name)
+            assert out.returncode == 0, out.stderr
+            (ready,) = [c for c in cluster.node()["status"]["conditions"] if c["type"] == "GPUHookReady"]
+            assert (ready["status"], ready["message"]) == ("True", "gates passed: toolkit, plugin")
+            # The hook no longer reads the device plugin's mounts: gate toolkit fails with what the
+            # container saw, the plugin withdraws every GPU, and the Node says why.
+            with open(config) as f:
+                text = f.read()
+            with open(config, "w") as f:
+                f.write(text.replace("accept_volume_mounts: true", "accept_volume_mounts: false"))
+            out = validate("toolkit", "--gpu", uuids[1])
+            assert out.returncode == 0, out.stderr
+            line = (f"gate toolkit failed: the validation container asked for {uuids[1]} and saw GPUs none and "
+                    f"device nodes none (fix: kubectl describe pod -n {NAMESPACE} gate-toolkit-{cluster.node_name}; "
+                    "oci-gpu-hook doctor on the node)")  # fmt: skip
+            assert out.stdout == line + "\n", out.stdout
+            cluster.wait_until(lambda: allocatable() == "0", 60, "the GPUs withdrawn once gate toolkit failed")
+            out = toolkit("report", "--node", cluster.node_name)
+            assert out.returncode == 0, out.stderr
+            (ready,) = [c for c in cluster.node()["status"]["conditions"] if c["type"] == "GPUHookReady"]
+            assert (ready["status"], ready["message"]) == ("False", line)
+            assert plugin.registrations() == 1  # registered once, withdrawn by health
+        finally:
+            plugin.stop()
