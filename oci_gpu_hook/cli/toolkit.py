@@ -75,13 +75,15 @@ def report(obj, node, namespace, api_server, token_file, ca_file):
     from oci_gpu_hook.node.kubeapi import Client
 
     path = gates.gates_path(obj.settings.records_path)
-    try:
-        verdicts = gates.read(path)
-    except ValueError as e:
-        raise PrerequisiteError(str(e)) from None
     client = Client.from_environment(api_server, token_file, ca_file)
-    for line in gate_report.report(client, node, verdicts, namespace):
+    try:
+        verdicts, untrusted = gates.read(path), None
+    except ValueError as e:  # the device plugin withdraws the GPUs for it: the Node says so
+        verdicts, untrusted = None, f"the gates' verdicts cannot be trusted: {e}"
+    for line in gate_report.report(client, node, verdicts, namespace, untrusted):
         click.echo(line)
+    if untrusted:
+        raise PrerequisiteError(untrusted)
     return 0
 
 
@@ -114,13 +116,16 @@ def validate(obj, gate, node, image, gpu, resource, namespace, timeout, host_net
     from oci_gpu_hook.node.kubeapi import Client
     from oci_gpu_hook.start import inventory_cache
 
-    known = [g.uuid for g in inventory_cache.load(obj.settings).gpus]
-    if not known:
-        raise PrerequisiteError("this node has no GPU to validate with")
+    inventory = inventory_cache.load(obj.settings)
+    known = [g.uuid for g in inventory.gpus] + [m.uuid for g in inventory.gpus for m in g.mig if m.uuid]
+    whole = [g.uuid for g in inventory.gpus if not g.mig]  # a full GPU: one device, one node
+    if not known or (gate == "toolkit" and not (gpu or whole)):
+        raise PrerequisiteError("this node has no GPU to validate with (--gpu names one)")
     client = Client.from_environment(api_server, token_file, ca_file)
     gates_file = gates.gates_path(obj.settings.records_path)
-    click.echo(gate_validation.validate(client, gate, node, namespace, image, gates_file, known, gpu or known[-1],
-                                        resource, timeout, host_network))  # fmt: skip
+    click.echo(gate_validation.validate(client, gate, node, namespace, image, gates_file, known,
+                                        gpu or (whole[-1] if whole else None), resource, timeout,
+                                        host_network))  # fmt: skip
     return 0
 
 

@@ -33,18 +33,42 @@ def condition(verdicts: dict) -> dict:
     return {"status": "True", "reason": "GatesPassed", "message": f"gates passed: {', '.join(gates.ORDER)}"}
 
 
-def report(client: Client, node: str, verdicts: dict, namespace: str = "default") -> list:
-    """Label, condition and events on node for verdicts; lines saying what changed."""
+def report(client: Client, node: str, verdicts: dict | None, namespace: str = "default",
+           untrusted: str | None = None) -> list:  # fmt: skip
+    """Events, labels and condition on node for verdicts; lines saying what changed. The events
+    go first: a report that fails half way leaves the labels as they were, so the next one sees
+    the same change and makes its events again. untrusted (verdicts None): the gates' file could
+    not be trusted, which the device plugin counts as a failure: GPUHookReady False, saying why."""
     current = client.get(f"/api/v1/nodes/{node}")
     labels = current.get("metadata", {}).get("labels") or {}
-    wanted = {LABEL_PREFIX + g: verdicts[g]["state"] for g in gates.ORDER}
-    changed = [g for g in gates.ORDER if labels.get(LABEL_PREFIX + g) != wanted[LABEL_PREFIX + g]]
     lines = []
+    if verdicts is None:
+        made = {
+            "status": "False",
+            "reason": "GatesUntrusted",
+            "message": untrusted or "the gates' verdicts are unreadable",
+        }
+        changed, wanted = [], {}
+    else:
+        made = condition(verdicts)
+        wanted = {LABEL_PREFIX + g: verdicts[g]["state"] for g in gates.ORDER}
+        changed = [g for g in gates.ORDER if labels.get(LABEL_PREFIX + g) != wanted[LABEL_PREFIX + g]]
+    uid = current.get("metadata", {}).get("uid")
+    for g in changed:
+        v = verdicts[g]
+        note = gates.line(g, v)
+        reason = f"Gate{g.capitalize()}{v['state'].capitalize()}"
+        client.post(f"/apis/events.k8s.io/v1/namespaces/{namespace}/events", {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"generateName": "oci-gpu-hook.gate-"},
+            "eventTime": _now(micro=True), "reportingController": CONTROLLER, "reportingInstance": _instance(node),
+            "action": "Validate", "reason": reason,
+            "regarding": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid},
+            "note": _bounded(note, NOTE_LIMIT), "type": "Warning" if v["state"] == "failed" else "Normal"})  # fmt: skip
+        lines.append(f"event {reason}: {note}")
     if changed:
         client.patch(f"/api/v1/nodes/{node}", {"metadata": {"labels": wanted}})
         lines.append("labelled " + " ".join(f"{LABEL_PREFIX}{g}={verdicts[g]['state']}" for g in changed))
     now = _now()
-    made = condition(verdicts)
     before = next((c for c in current.get("status", {}).get("conditions") or [] if c.get("type") == CONDITION), {})
     entry = {"type": CONDITION, **made, "lastHeartbeatTime": now,
              "lastTransitionTime": before.get("lastTransitionTime", now) if before.get("status") == made["status"]
@@ -52,18 +76,25 @@ def report(client: Client, node: str, verdicts: dict, namespace: str = "default"
     client.patch(f"/api/v1/nodes/{node}/status", {"status": {"conditions": [entry]}}, strategic=True)
     if before.get("status") != made["status"] or before.get("message") != made["message"]:
         lines.append(f"condition {CONDITION}={made['status']}: {made['message']}")
-    uid = current.get("metadata", {}).get("uid")
-    for g in changed:
-        v = verdicts[g]
-        note = gates.line(g, v)
-        client.post(f"/apis/events.k8s.io/v1/namespaces/{namespace}/events", {
-            "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"generateName": f"{node}.gate-"},
-            "eventTime": _now(micro=True), "reportingController": CONTROLLER, "reportingInstance": node,
-            "action": "Validate", "reason": f"Gate{g.capitalize()}{v['state'].capitalize()}",
-            "regarding": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid},
-            "note": note[:1024], "type": "Warning" if v["state"] == "failed" else "Normal"})  # fmt: skip
-        lines.append(f"event Gate{g.capitalize()}{v['state'].capitalize()}: {note}")
     return lines
+
+
+NOTE_LIMIT = 1024  # bytes: the API refuses a longer note
+INSTANCE_LIMIT = 128  # characters of reportingInstance
+
+
+def _bounded(text: str, limit: int) -> str:
+    data = text.encode()
+    return text if len(data) <= limit else data[: limit - 3].decode(errors="ignore") + "..."
+
+
+def _instance(node: str) -> str:
+    """The node's name, or, past the API's limit, its start and a digest of the whole."""
+    import hashlib
+
+    if len(node) <= INSTANCE_LIMIT:
+        return node
+    return node[: INSTANCE_LIMIT - 17] + "-" + hashlib.sha256(node.encode()).hexdigest()[:16]
 
 
 def _now(micro: bool = False) -> str:

@@ -4,8 +4,9 @@ that asks the scheduler for one GPU must get exactly one GPU of the node's, and 
 
 `oci-gpu-hook toolkit validate` makes a pod on the node: unprivileged, pinned to it by name (the
 runtime is under test, not the scheduler), asking for one GPU the way the device plugin's
-volume-mounts answer does (a mount at /var/run/nvidia-container-devices/UUID, which a pod's
-author cannot forge for another GPU; the hook reads it with accept_volume_mounts), and running
+volume-mounts answer does (a mount of /dev/null at /var/run/nvidia-container-devices/UUID, which
+only a pod allowed host paths can make, as this one is; the hook reads it with
+accept_volume_mounts), and running
 `oci-gpu-hook toolkit workload` from the node image. The workload says what it got in its
 termination message (read from the pod's status: no log access to the node is needed): the GPUs
 nvidia-smi lists and the GPU device nodes it sees. The gate passes when that is exactly the GPU
@@ -52,8 +53,16 @@ def workload() -> dict:
     return found
 
 
+DNS_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
 def pod_name(gate: str, node: str) -> str:
-    return f"gate-{gate}-{node}"[:63].rstrip("-.")
+    """gate-GATE-NODE: a node's name is a DNS subdomain of at most 253 bytes, as a pod's is; one
+    too long for the prefix is refused rather than cut (two nodes would share a pod)."""
+    name = f"gate-{gate}-{node}"
+    if not DNS_NAME.fullmatch(node) or len(name) > 253:
+        raise PrerequisiteError(f"{node!r}: not a node name a validation pod can be named after")
+    return name
 
 
 def pod(gate: str, node: str, namespace: str, image: str, uuid: str | None = None, resource: str = "nvidia.com/gpu",
@@ -65,7 +74,8 @@ def pod(gate: str, node: str, namespace: str, image: str, uuid: str | None = Non
     container = {
         "name": "workload", "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["/usr/bin/oci-gpu-hook", "toolkit", "workload"],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                            "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"}},
     }  # fmt: skip
     spec = {"restartPolicy": "Never", "automountServiceAccountToken": False, "hostNetwork": host_network,
             "tolerations": [{"operator": "Exists"}], "containers": [container]}  # fmt: skip
@@ -74,7 +84,9 @@ def pod(gate: str, node: str, namespace: str, image: str, uuid: str | None = Non
         container["volumeMounts"] = [{"name": "gpu", "mountPath": f"{DEVICE_DIRECTORY}/{uuid}", "readOnly": True}]
         spec["volumes"] = [{"name": "gpu", "hostPath": {"path": "/dev/null", "type": "CharDevice"}}]
     else:
-        spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+        # By the Node's name, as the DaemonSet controller pins its pods (its hostname label may differ).
+        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}  # fmt: skip
         container["resources"] = {"limits": {resource: "1"}}
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod_name(gate, node), "namespace": namespace,
@@ -89,14 +101,18 @@ def validate(client: Client, gate: str, node: str, namespace: str, image: str, g
     GPUs known, the node's inventory's); write its verdict (the other gate's kept) and return its
     line."""
     name = pod_name(gate, node)
+    if not DNS_NAME.fullmatch(namespace):
+        raise PrerequisiteError(f"{namespace!r}: not a namespace's name")
     path = f"/api/v1/namespaces/{namespace}/pods/{name}"
     _delete(client, path)
+    made = client.post(f"/api/v1/namespaces/{namespace}/pods", pod(gate, node, namespace, image, uuid, resource,
+                                                                   host_network))  # fmt: skip
+    uid = made.get("metadata", {}).get("uid")
     try:
-        client.post(f"/api/v1/namespaces/{namespace}/pods", pod(gate, node, namespace, image, uuid, resource,
-                                                                host_network))  # fmt: skip
-        verdict = _verdict(client, path, [uuid] if gate == "toolkit" else sorted(known), name, namespace, timeout)
+        verdict = _verdict(client, path, uid, node, [uuid] if gate == "toolkit" else sorted(known), name, namespace,
+                           timeout)  # fmt: skip
     finally:
-        _delete(client, path, wait=False)
+        _delete(client, path, wait=False, uid=uid)
     try:
         verdicts = gates.read(gates_file)
     except ValueError:
@@ -110,12 +126,24 @@ def validate(client: Client, gate: str, node: str, namespace: str, image: str, g
     return gates.line(gate, verdict)
 
 
-def _verdict(client: Client, path: str, wanted: list, name: str, namespace: str, timeout: float) -> dict:
-    """Passed when the container saw one GPU, one of wanted, and one device node."""
+def _verdict(client: Client, path: str, uid: str | None, node: str, wanted: list, name: str, namespace: str,
+             timeout: float) -> dict:  # fmt: skip
+    """Passed when the pod this run made (its uid: one of the same name made by anyone else is not
+    it), on node, succeeded and its container saw one device, one of wanted, and one device node.
+    A MIG device is listed with its GPU: the MIG device is then the one that counts."""
     fix = f"kubectl describe pod -n {namespace} {name}; oci-gpu-hook doctor on the node"
     deadline = time.monotonic() + timeout
     while True:
-        status = client.get(path).get("status", {})
+        try:
+            current = client.get(path)
+        except ApiError as e:
+            if e.status != 404 and time.monotonic() < deadline:
+                time.sleep(1)
+                continue  # the API server, for a moment
+            return gates.verdict("failed", f"the validation pod went away before it finished ({e})", fix)
+        if uid is None or current.get("metadata", {}).get("uid") != uid:
+            return gates.verdict("failed", "the validation pod was replaced by another of its name", fix)
+        status = current.get("status", {})
         if status.get("phase") in ("Succeeded", "Failed"):
             break
         if time.monotonic() > deadline:
@@ -127,24 +155,36 @@ def _verdict(client: Client, path: str, wanted: list, name: str, namespace: str,
             return gates.verdict("failed", f"the validation pod did not finish in {timeout:.0f} s ({said})", fix)
         time.sleep(1)
     terminated = next((s.get("state", {}).get("terminated") for s in status.get("containerStatuses") or []), None) or {}
+    if current.get("spec", {}).get("nodeName") != node:
+        return gates.verdict("failed", f"the validation pod ran on {current.get('spec', {}).get('nodeName')}, "
+                                       f"not {node}", fix)  # fmt: skip
+    if status.get("phase") != "Succeeded" or terminated.get("exitCode") != 0:
+        why = terminated.get("message") or terminated.get("reason") or status.get("reason") or "no message"
+        return gates.verdict("failed", f"the validation container failed (exit {terminated.get('exitCode')}: "
+                                       f"{why.strip()[:300]})", fix)  # fmt: skip
     try:
         got = json.loads(terminated.get("message") or "")
         uuids, devices = list(got["uuids"]), list(got["devices"])
     except (ValueError, KeyError, TypeError):
         why = terminated.get("message") or terminated.get("reason") or status.get("reason") or "no message"
         return gates.verdict("failed", f"the validation container said nothing readable ({why.strip()[:300]})", fix)
-    if len(uuids) == 1 and uuids[0] in wanted and len(devices) == 1:
+    counted = [u for u in uuids if u.startswith("MIG-")] or uuids
+    if len(counted) == 1 and counted[0] in wanted and len(devices) == 1:
         return gates.verdict("passed")
     saw = f"GPUs {', '.join(uuids) or 'none'} and device nodes {', '.join(devices) or 'none'}"
     asked = wanted[0] if len(wanted) == 1 else f"one of {', '.join(wanted)}"
     return gates.verdict("failed", f"the validation container asked for {asked} and saw {saw}", fix)
 
 
-def _delete(client: Client, path: str, wait: bool = True) -> None:
+def _delete(client: Client, path: str, wait: bool = True, uid: str | None = None) -> None:
+    """Delete the pod at path (only if it is still uid's, where given) and, with wait, until it is gone."""
+    body = {"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0}
+    if uid is not None:
+        body["preconditions"] = {"uid": uid}
     try:
-        client.request("DELETE", path + "?gracePeriodSeconds=0")
+        client.request("DELETE", path, body)
     except ApiError as e:
-        if e.status == 404:
+        if e.status in (404, 409):  # gone, or another's now (its uid not ours): not ours to delete
             return
         raise
     deadline = time.monotonic() + 60

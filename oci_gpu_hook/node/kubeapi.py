@@ -27,15 +27,24 @@ class ApiError(HookError):
     status = None  # the HTTP status, where the API server answered
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # the 3xx is then an HTTPError, said as any other
+
+
 class Client:
     def __init__(self, server: str, token_file: str, ca_file: str, timeout: float = TIMEOUT):
         if not server.startswith("https://"):
             raise ApiError(f"{server}: the API server is reached over https:// only")
         self.server, self.token_file, self.timeout = server.rstrip("/"), token_file, timeout
         try:
-            self.context = ssl.create_default_context(cafile=ca_file)
+            context = ssl.create_default_context(cafile=ca_file)
         except (OSError, ssl.SSLError) as e:
             raise ApiError(f"{ca_file}: not the API server's CA ({e})") from None
+        # No proxy from the environment, and no redirect followed: urllib would carry the token
+        # to wherever a 3xx points, plain http included.
+        self.opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect(),
+                                                  urllib.request.HTTPSHandler(context=context))  # fmt: skip
 
     @classmethod
     def from_environment(cls, server: str | None = None, token_file: str | None = None,
@@ -59,7 +68,7 @@ class Client:
         headers = {"Authorization": f"Bearer {token}", "Accept": "application/json", "Content-Type": content_type}
         request = urllib.request.Request(self.server + path, data=data, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout, context=self.context) as reply:
+            with self.opener.open(request, timeout=self.timeout) as reply:
                 return json.loads(reply.read(LIMIT) or b"{}")
         except urllib.error.HTTPError as e:
             try:

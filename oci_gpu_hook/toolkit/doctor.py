@@ -606,12 +606,16 @@ class Doctor:
         top = host_path(self.root, bundle.directory(bundle_id))
         if not os.path.isdir(top):
             return FAIL, f"{link} leads into bundle {bundle_id}, which is not there: no start can run the hook", fix
-        why = install._not_the_bundle(top, bundle_id)
+        try:
+            why = install._not_the_bundle(top, bundle_id)
+        except (bundle.BundleError, OSError) as e:  # a FIFO, a device node, an unreadable file in it
+            why = str(e)
         if why:
             return FAIL, f"{top}: not the whole bundle {bundle_id} ({why})", fix
         try:
             with open(host_path(self.root, install.MANIFEST)) as f:
-                recorded = json.load(f).get("bundles", [])
+                manifest = json.load(f)
+            recorded = manifest.get("bundles", []) if isinstance(manifest, dict) else []
         except (OSError, ValueError):
             recorded = []
         if bundle_id not in recorded:

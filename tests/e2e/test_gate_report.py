@@ -13,6 +13,8 @@ their status, create events): its token is what the command uses, as a pod's wou
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 
 import kubecheck
@@ -62,7 +64,8 @@ def test_the_gates_verdicts_are_said_on_the_node(simulated_host, tmp_path, requi
         assert events() == [("GatePluginPending", "gate plugin pending", "Normal"),
                             ("GateToolkitFailed", line, "Warning")]  # fmt: skip
         described = cluster.kubectl("describe", "node", NODE).stdout
-        assert line in described and "GateToolkitFailed" in described, described
+        events_part = described[described.index("Events:") :]  # the events, not the condition's reason
+        assert line in described and re.search(r"Warning\s+GateToolkitFailed", events_part), described
         assert report().stdout == ""  # nothing changed: nothing said, no new event
         assert len(events()) == 2
         gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
@@ -72,6 +75,12 @@ def test_the_gates_verdicts_are_said_on_the_node(simulated_host, tmp_path, requi
         assert (ready["status"], ready["message"]) == ("True", "gates passed: toolkit, plugin")
         assert [e[0] for e in events()] == ["GatePluginPassed", "GatePluginPending", "GateToolkitFailed",
                                             "GateToolkitPassed"]  # fmt: skip
+        # A verdicts file that cannot be trusted: the plugin withdraws the GPUs, and the Node says so.
+        os.chmod(path, 0o666)
+        out = report()
+        assert out.returncode != 0 and "cannot be trusted" in out.stderr, out.stderr
+        (ready,) = [c for c in cluster.get("node", NODE)["status"]["conditions"] if c["type"] == "GPUHookReady"]
+        assert (ready["status"], ready["reason"]) == ("False", "GatesUntrusted"), ready
         # The token can do what the report does, and nothing more.
         denied = subprocess.run([cluster.bin["kubectl"], "--kubeconfig=/dev/null", "--server",
                                  f"https://127.0.0.1:{kubecheck.API_PORT}", "--certificate-authority",
