@@ -336,3 +336,29 @@ def test_the_helper_check_sees_what_it_must_refuse(tmp_path):
     )
     found = helpers_only_tests_use(str(package), [str(tests)], [str(tmp_path / "spec")])
     assert found == ["oci_gpu_hook/m.py:for_tests"]
+
+
+def duplicate_test_modules(tests: str) -> list:
+    """Test modules under tests that share a file name: pytest imports each by its name alone
+    (there is no package above them), so the second is not collected and the whole run stops."""
+    seen: dict = {}
+    for directory, dirs, files in os.walk(tests):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.startswith("test_") and name.endswith(".py"):
+                seen.setdefault(name, []).append(os.path.relpath(os.path.join(directory, name), tests))
+    return sorted(" and ".join(sorted(paths)) for paths in seen.values() if len(paths) > 1)
+
+
+def test_no_two_test_modules_share_a_name():
+    """CI found tests/node/test_gate_report.py and tests/e2e/test_gate_report.py: 'import file
+    mismatch', and no test ran."""
+    assert duplicate_test_modules(os.path.join(REPO, "tests")) == []
+
+
+def test_the_name_check_sees_a_shared_name(tmp_path):
+    for directory in ("node", "e2e"):
+        (tmp_path / directory).mkdir()
+        (tmp_path / directory / "test_same.py").write_text("")
+    (tmp_path / "e2e" / "test_other.py").write_text("")
+    assert duplicate_test_modules(str(tmp_path)) == ["e2e/test_same.py and node/test_same.py"]

@@ -1,5 +1,5 @@
 """node/gate_report.py's condition, and node/kubeapi.py's refusals (against a real API server:
-tests/e2e/test_gate_report.py)."""
+tests/e2e/test_gate_report_api.py)."""
 
 import pytest
 

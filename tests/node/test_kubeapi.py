@@ -1,7 +1,7 @@
 """node/kubeapi.py against a real HTTPS server of the test's own (openssl's certificate for
 127.0.0.1, Python's server): the CA is checked, the token goes only where it was sent, and a
 redirect is never followed (urllib would carry the token to wherever it points, plain http too).
-The API server itself: tests/e2e/test_gate_report.py."""
+The API server itself: tests/e2e/test_gate_report_api.py."""
 
 import http.server
 import json
