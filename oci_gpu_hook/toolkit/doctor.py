@@ -607,7 +607,7 @@ class Doctor:
         if not os.path.isdir(top):
             return FAIL, f"{link} leads into bundle {bundle_id}, which is not there: no start can run the hook", fix
         try:
-            why = install._not_the_bundle(top, bundle_id)
+            why = install.not_the_bundle(top, bundle_id)
         except (bundle.BundleError, OSError) as e:  # a FIFO, a device node, an unreadable file in it
             why = str(e)
         if why:

@@ -1169,10 +1169,10 @@ def start_units(units, address: str | None = None, bus: bool = False, restart=()
     saying so. restart: units to restart where they run (`systemctl try-restart`): the start
     server, whose launcher this install changed, would otherwise serve the old code until it
     stops. Where systemd does not run the host, nothing to start: a line saying that. address,
-    bus: another socket than systemd's (systemd.manage's)."""
+    bus: another socket than systemd's (systemd_manager.manage's)."""
     import shutil
 
-    from oci_gpu_hook.start.linux import systemd
+    from oci_gpu_hook.toolkit import systemd_manager as systemd
 
     if address is None and not os.path.isdir("/run/systemd/system"):  # sd_booted(3)'s test
         return [f"systemd does not run this host: {' '.join(units)} not started"]
@@ -1201,8 +1201,8 @@ def _units_written(manifest: dict) -> list:
 
 
 def _manage_units(calls, said: str, address: str | None, bus: bool) -> list:
-    """systemd.manage(calls), and the line said; where systemd does not run the host, nothing."""
-    from oci_gpu_hook.start.linux import systemd
+    """systemd_manager.manage(calls), and the line said; where systemd does not run the host, nothing."""
+    from oci_gpu_hook.toolkit import systemd_manager as systemd
 
     if not calls:
         return []
@@ -1368,7 +1368,7 @@ def place_bundle(root: str, source: str) -> list:
     import tempfile
 
     bundle_id = os.path.basename(os.path.normpath(source))
-    why = _not_the_bundle(source, bundle_id)
+    why = not_the_bundle(source, bundle_id)
     if why:
         raise InstallError(f"{source}: not a whole bundle ({why})")
     root = os.path.abspath(root)
@@ -1381,14 +1381,14 @@ def place_bundle(root: str, source: str) -> list:
         try:
             _makedirs(tree, bundle.BUNDLES_DIR, manifest["directories"])
             final = tree.entry(place)
-            if os.path.islink(final) or (os.path.lexists(final) and _not_the_bundle(final, bundle_id)):
+            if os.path.islink(final) or (os.path.lexists(final) and not_the_bundle(final, bundle_id)):
                 raise InstallError(f"{final}: there, and not bundle {bundle_id}: remove it, then install again")
             if not os.path.lexists(final):
                 spare = tempfile.mkdtemp(prefix=f".{bundle_id}.", dir=tree.entry(bundle.BUNDLES_DIR))
                 try:
                     copy = os.path.join(spare, bundle_id)
                     shutil.copytree(source, copy, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-                    why = _not_the_bundle(copy, bundle_id)
+                    why = not_the_bundle(copy, bundle_id)
                     if why:
                         raise InstallError(f"{source}: copied to {copy}, and not whole there ({why})")
                     _flush(copy)  # every file on disk before the name that says the bundle is whole
@@ -1406,7 +1406,7 @@ def place_bundle(root: str, source: str) -> list:
     return lines
 
 
-def _not_the_bundle(top: str, bundle_id: str) -> str | None:
+def not_the_bundle(top: str, bundle_id: str) -> str | None:
     """Why top is not the whole bundle bundle_id (None when it is): a name that is not an id, a
     digest that is not its name, a launcher or a pre-filter that do not run that bundle's own."""
     from oci_gpu_hook.toolkit import prefilter

@@ -141,7 +141,7 @@ def restart(runtime: str, mode: str, path: str | None = None) -> list:
                                "install changed (or --restart signal, where a supervisor starts it again)")  # fmt: skip
         mode = "systemd"
     if mode == "systemd":
-        from oci_gpu_hook.start.linux import systemd
+        from oci_gpu_hook.toolkit import systemd_manager as systemd
 
         if unit is None:
             raise RestartError(f"{runtime} (pid {pid}) runs in no systemd service: restart it yourself")

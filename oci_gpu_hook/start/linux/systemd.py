@@ -439,33 +439,3 @@ def _not_told(unit: str, e: Exception) -> str:
         why = f"internal error: {type(e).__name__}: {e}"
     # what a peer sent (an error's name and text) is one printable line in the log, as the rest
     return f"systemd not told of the GPU nodes of {unit} (a daemon-reload will take them away): {printable(why)}"
-
-
-def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
-    """Ask systemd to restart unit (Manager.RestartUnit, mode "replace"), as `systemctl restart`
-    does without waiting for the job: the caller sees the restart done in the unit's own effect.
-    Raises SystemdError, or OSError when nothing listens at address (default: PRIVATE_SOCKET;
-    bus: it is a message bus, as keep_devices's)."""
-    manage([("RestartUnit", unit)], address, bus, timeout)
-
-
-def manage(calls, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
-    """Manager calls on one connection, in order: ("Reload", None) as `systemctl daemon-reload`
-    (which returns once systemd has reloaded), ("StartUnit" or "RestartUnit", unit) with mode
-    "replace", as systemctl does without waiting for the job. Raises as restart_unit."""
-    conn = _Connection(address or PRIVATE_SOCKET, bus, timeout)
-    try:
-        for member, unit in calls:
-            if unit is None:
-                signature, write = "", lambda w: None
-            else:
-
-                def write(w: _Writer, unit=unit) -> None:
-                    w.string(unit)
-                    w.string("replace")
-
-                signature = "ss"
-            conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
-                      member, signature, write)  # fmt: skip
-    finally:
-        conn.close()

@@ -21,6 +21,7 @@ import dbuspeer
 import pytest
 
 from oci_gpu_hook.start.linux import systemd
+from oci_gpu_hook.toolkit import systemd_manager
 
 SYSTEM_PYTHON = "/usr/bin/python3"  # Debian's, which has dbus-python and GLib (python3-dbus, python3-gi)
 DEVICES = [(195, 255, "rw"), (195, 0, "rw"), (508, 1, "rw")]
@@ -69,6 +70,11 @@ SERVICE = textwrap.dedent(
                                   signature="(ss)", variant_level=1)
             raise dbus.DBusException("org.freedesktop.DBus.Error.UnknownProperty")
 
+    def record(member, *words):  # a job call as the manager's log has it; its (made-up) job
+        with open(sys.argv[2], "a") as f:
+            f.write(json.dumps({"manager": [member, *map(str, words)]}) + "\\n")
+        return dbus.ObjectPath("/org/freedesktop/systemd1/job/8")
+
     class Manager(dbus.service.Object):
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="sba(sv)", out_signature="")
         def SetUnitProperties(self, unit, runtime, properties):
@@ -82,26 +88,19 @@ SERVICE = textwrap.dedent(
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="", out_signature="")
         def Reload(self):
-            with open(sys.argv[2], "a") as f:
-                f.write(json.dumps({"manager": ["Reload"]}) + "\\n")
+            record("Reload")
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def StartUnit(self, unit, mode):
-            with open(sys.argv[2], "a") as f:
-                f.write(json.dumps({"manager": ["StartUnit", str(unit), str(mode)]}) + "\\n")
-            return dbus.ObjectPath("/org/freedesktop/systemd1/job/8")
+            return record("StartUnit", unit, mode)
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def StopUnit(self, unit, mode):
-            with open(sys.argv[2], "a") as f:
-                f.write(json.dumps({"manager": ["StopUnit", str(unit), str(mode)]}) + "\\n")
-            return dbus.ObjectPath("/org/freedesktop/systemd1/job/10")
+            return record("StopUnit", unit, mode)
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def TryRestartUnit(self, unit, mode):
-            with open(sys.argv[2], "a") as f:
-                f.write(json.dumps({"manager": ["TryRestartUnit", str(unit), str(mode)]}) + "\\n")
-            return dbus.ObjectPath("/org/freedesktop/systemd1/job/9")
+            return record("TryRestartUnit", unit, mode)
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def RestartUnit(self, unit, mode):
@@ -236,14 +235,14 @@ def test_restart_unit_is_systemctl_restarts_call(fake_systemd):
     """RestartUnit(unit, "replace"), as `systemctl restart` asks it (toolkit/restart.py), and the
     same call made by busctl; an error reply is one line."""
     socket_path, calls, _ = fake_systemd
-    systemd.restart_unit("containerd.service", socket_path, bus=True)
+    systemd_manager.restart_unit("containerd.service", socket_path, bus=True)
     done = subprocess.run(["busctl", f"--address=unix:path={socket_path}", "call", "org.freedesktop.systemd1",
                            "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager", "RestartUnit", "ss",
                            "containerd.service", "replace"], capture_output=True, text=True, timeout=30)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert _recorded(calls, "restart") == [["containerd.service", "replace"]] * 2
     with pytest.raises(systemd.SystemdError, match=r"^org\.freedesktop\.systemd1\.NoSuchUnit: Unit missing"):
-        systemd.restart_unit("missing.service", socket_path, bus=True)
+        systemd_manager.restart_unit("missing.service", socket_path, bus=True)
 
 
 def test_the_call_is_what_libdbus_reads_and_what_sd_bus_sends(fake_systemd):

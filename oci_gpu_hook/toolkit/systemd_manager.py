@@ -1,0 +1,39 @@
+"""systemd's manager, asked by the toolkit (install --start-units, --stop-units, --restart
+systemd): a few Manager calls over systemd's private socket, through the hook's own D-Bus client
+(start/linux/systemd.py). Kept out of that module: the hook's start path never manages units."""
+
+from __future__ import annotations
+
+from oci_gpu_hook.start.linux.systemd import PRIVATE_SOCKET, TIMEOUT, SystemdError, _Connection, _Writer
+
+__all__ = ["SystemdError", "manage", "restart_unit"]
+
+
+def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
+    """Ask systemd to restart unit (Manager.RestartUnit, mode "replace"), as `systemctl restart`
+    does without waiting for the job: the caller sees the restart done in the unit's own effect.
+    Raises SystemdError, or OSError when nothing listens at address (default: PRIVATE_SOCKET;
+    bus: it is a message bus, as keep_devices's)."""
+    manage([("RestartUnit", unit)], address, bus, timeout)
+
+
+def manage(calls, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
+    """Manager calls on one connection, in order: ("Reload", None) as `systemctl daemon-reload`
+    (which returns once systemd has reloaded), ("StartUnit" or "RestartUnit", unit) with mode
+    "replace", as systemctl does without waiting for the job. Raises as restart_unit."""
+    conn = _Connection(address or PRIVATE_SOCKET, bus, timeout)
+    try:
+        for member, unit in calls:
+            if unit is None:
+                signature, write = "", lambda w: None
+            else:
+
+                def write(w: _Writer, unit=unit) -> None:
+                    w.string(unit)
+                    w.string("replace")
+
+                signature = "ss"
+            conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                      member, signature, write)  # fmt: skip
+    finally:
+        conn.close()
