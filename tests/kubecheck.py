@@ -46,14 +46,91 @@ def _openssl(*args: str) -> None:
 
 class Cluster(kubeletcheck.ContainerdKubelet):
     """The control plane and a kubelet on containerd, started by start() (or `with`), stopped and
-    undone by close(). hook_config: the hook's --config in containerd's base spec."""
+    undone by close(). hook_config: the hook's --config in containerd's base spec.
 
-    def __init__(self, workdir, hook_config: str | None, **options):
+    node_files ({path: text}): the node is a host of its own instead, for what installs onto it
+    (the toolkit DaemonSet): containerd and the kubelet run in a mount namespace whose /etc,
+    /usr/local, /var/lib and /run are overlays (their upper layers on a tmpfs there; /run: the
+    hook's compiled settings, the runtime's state), with these files
+    written into it; containerd reads /etc/containerd/config.toml with no flag (node_files names
+    it: cricheck.user_config(cluster.containerd_dir) is the administrators' one, without the hook),
+    under a supervisor that starts it again when it exits, as systemd's Restart= would.
+    on_node(path) is a path of the node's as this machine reaches it."""
+
+    def __init__(self, workdir, hook_config: str | None, node_files: dict | None = None, **options):
         super().__init__(workdir, hook_config, **options)
         self.pki = os.path.join(self.workdir, "pki")
         self.bin: dict = {}
         self.control: list = []  # (Popen, name, log) in start order
         self.kubeconfigs: dict = {}
+        self.node_files = node_files
+        self.holder = None  # the process that keeps the node's mount namespace (node_files)
+
+    # --- a node of its own (node_files) ----------------------------------------------------
+
+    def on_node(self, path: str) -> str:
+        return path if self.holder is None else f"/proc/{self.holder.pid}/root{path}"
+
+    def runtime_starts(self) -> int:
+        """How many times the supervisor started containerd (node_files)."""
+        with open(os.path.join(self.containerd_dir, "starts")) as f:
+            return len(f.read().split())
+
+    def _enter_node(self, timeout: float) -> None:
+        upper = os.path.join(self.workdir, "node-overlays")
+        staged = os.path.join(self.workdir, "node-files")
+        os.makedirs(upper)
+        os.makedirs(staged)
+        setup = f'mount -t tmpfs -o mode=0755 oci-gpu-hook-node "{upper}" && '
+        for d in ("/etc", "/usr/local", "/var/lib", "/run"):
+            setup += (f'mkdir -p "{upper}/u{d}" "{upper}/w{d}" && mount -t overlay oci-gpu-hook-node '
+                      f'-o "lowerdir={d},upperdir={upper}/u{d},workdir={upper}/w{d}" {d} && ')  # fmt: skip
+        for n, (path, text) in enumerate(sorted(self.node_files.items())):
+            with open(os.path.join(staged, str(n)), "w") as f:
+                f.write(text)
+            setup += f'mkdir -p "{os.path.dirname(path)}" && cp "{staged}/{n}" "{path}" && '
+        ready = os.path.join(self.workdir, "node-ready")
+        self.holder = self.footprint.popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                                            setup + f'touch "{ready}" && exec sleep infinity'],
+                                           stdin=subprocess.DEVNULL)  # fmt: skip
+        self._wait(lambda: os.path.exists(ready), timeout, "the node's mount namespace")
+        self.device_plugin_dir = self.on_node(kubeletcheck.DEVICE_PLUGIN_DIR)
+        self.kubelet_socket = os.path.join(self.device_plugin_dir, "kubelet.sock")
+
+    def _start_runtime(self, timeout: float) -> None:
+        if self.node_files is None:
+            return super()._start_runtime(timeout)
+        self._cni_config()
+        self._enter_node(timeout)
+        loop = 'while [ ! -e "$1/stop" ]; do echo start >> "$1/starts"; containerd >> "$2" 2>&1; done'
+        self.containerd = self.footprint.popen(["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "sh", "-c",
+                                                loop, "sh", self.containerd_dir, self.containerd_log],
+                                               stdin=subprocess.DEVNULL)  # fmt: skip
+        self._wait(lambda: self.ctr("version", check=False).returncode == 0, timeout, "containerd to serve")
+        self.ctr("images", "import", kubeletcheck.write_image_archive(os.path.join(self.workdir, "image.tar"),
+                                                                     self.workdir))  # fmt: skip
+
+    def _start_kubelet(self, timeout: float) -> None:
+        if self.holder is not None and self._kubelet_argv[0] != "nsenter":
+            self._kubelet_argv = ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", *self._kubelet_argv]
+        super()._start_kubelet(timeout)
+
+    def _stop_runtime(self, attempt) -> None:
+        if self.holder is None:
+            return super()._stop_runtime(attempt)
+        from oci_gpu_hook.toolkit import restart
+
+        open(os.path.join(self.containerd_dir, "stop"), "w").close()  # the supervisor starts no other
+        if self.containerd is not None and self.containerd.poll() is None:
+            attempt(self._remove_tasks_and_containers)
+            pid = restart.serving(self.address)
+            if pid is not None:
+                attempt(os.kill, pid, 15)
+            attempt(self.containerd.wait, 30)
+        attempt(self._kill_leftover_containers)
+
+    def _daemons(self) -> list:
+        return ([(self.holder, "the node's mount namespace")] if self.holder is not None else []) + super()._daemons()
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -162,13 +239,16 @@ class Cluster(kubeletcheck.ContainerdKubelet):
                    "the default ServiceAccount")  # fmt: skip
 
     def _containerd_config(self) -> str:
+        self._cni_config()
+        return super()._containerd_config()
+
+    def _cni_config(self) -> None:
         # Without a CNI configuration containerd reports NetworkReady=false and the node is never
         # Ready; one that no pod uses (all pods use the host's network) is enough.
         conf = os.path.join(self.containerd_dir, "cni", "conf")
         os.makedirs(conf, exist_ok=True)
         with open(os.path.join(conf, "10-unused.conflist"), "w") as f:
             json.dump({"cniVersion": "0.4.0", "name": "unused", "plugins": [{"type": "loopback"}]}, f)
-        return super()._containerd_config()
 
     def _kubelet_flags(self) -> list:
         config = {
@@ -339,3 +419,90 @@ def cluster_on(host: dict, tmp, hook_settings: str):
     programs()
     with kubeletcheck.running(Cluster(tmp / "node", config_with(host, tmp, hook_settings))) as cluster:
         yield cluster
+
+
+@contextlib.contextmanager
+def cluster_of_its_own(tmp, node_files: dict):
+    """A started Cluster under tmp whose node is a host of its own (Cluster's node_files), with
+    containerd's config.toml the administrators' (cricheck.user_config) and node_files written
+    there too; closed after the block, this machine then checked (kubeletcheck.running)."""
+    import cricheck
+
+    programs()
+    workdir = tmp / "node"
+    files = {"/etc/containerd/config.toml": cricheck.user_config(os.path.join(str(workdir), "containerd")),
+             **node_files}  # fmt: skip
+    with kubeletcheck.running(Cluster(workdir, None, node_files=files)) as cluster:
+        yield cluster
+
+
+NODE_DAEMONSETS = ("oci-gpu-hook-node", "oci-gpu-hook-toolkit")  # what sees the host's driver and records
+TOOLKIT = "oci-gpu-hook-toolkit"
+
+
+def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep_node_selectors: bool = False) -> list:
+    """deploy/kubernetes/*.yaml, with what names the host changed for the simulated one: the pods'
+    configuration (the simulated driver root, sysfs and the hook's records directory), hostPath
+    volumes for those (the simulated root read-only for labels, whose sysfs it is), the host paths
+    of the inventory cache, features.d and the MPS root (the test's own), the exporter's port, no
+    HostToContainer propagation (this machine's / is not a shared mount: it has no systemd), the
+    host's network for the labels pod too (no CNI plugin here). No NFD nodeSelector unless
+    keep_node_selectors (NFD is not here: the test labels the node as it would). The toolkit's
+    container: env values toolkit {NAME: value} (RESTART, INSTALL), and, as this cluster has no
+    Service network and no pod network, the API server by its address and validation pods in the
+    node's network."""
+    import glob
+
+    import yaml
+
+    docs = []
+    for path in sorted(glob.glob(os.path.join(kubeletcheck.REPO, "deploy", "kubernetes", "*.yaml"))):
+        with open(path) as f:
+            docs += [d for d in yaml.safe_load_all(f) if d]
+    root = host["root"]
+    for doc in docs:
+        if doc["kind"] == "ConfigMap":
+            config = yaml.safe_load(doc["data"]["config.yaml"])
+            config.update(driver_root=root, dev_root=root, proc_root=root, records_directory=records)
+            # features_file stays the manifest's: the features volume below puts it under tmp.
+            # sys_root: the simulated host's sysfs (its PCI classes, its DMI name), as proc_root.
+            config["node"].update(exporter_listen=f":{port}", sys_root=root)
+            doc["data"]["config.yaml"] = yaml.safe_dump(config)
+        elif doc["kind"] == "DaemonSet":
+            spec = doc["spec"]["template"]["spec"]
+            if not keep_node_selectors:
+                spec.pop("nodeSelector")
+            moved = {"/run/oci-gpu-hook": str(tmp / "run"), "/etc/kubernetes/node-feature-discovery/features.d":
+                     str(tmp / "features"), "/run/nvidia/mps": str(tmp / "mps"),
+                     "/var/cache/oci-gpu-hook-node": str(tmp / "cache")}  # fmt: skip
+            for volume in spec["volumes"]:
+                if "hostPath" in volume and volume["hostPath"]["path"] in moved:
+                    volume["hostPath"]["path"] = moved[volume["hostPath"]["path"]]  # the type stays
+            spec["volumes"].append({"name": "simulated-host", "hostPath": {"path": root, "type": "Directory"}})
+            node_pod = doc["metadata"]["name"] in NODE_DAEMONSETS
+            if node_pod:
+                spec["volumes"].append({"name": "records", "hostPath": {"path": str(tmp / "run"), "type": "Directory"}})
+            else:
+                spec["hostNetwork"] = True  # no CNI plugin here to give the pod a network of its own
+            for container in spec["containers"]:
+                # HostToContainer needs / to be a shared mount, as systemd makes it; this machine
+                # has no systemd, and its / is private.
+                for mount in container["volumeMounts"]:
+                    mount.pop("mountPropagation", None)
+                if node_pod:
+                    container["volumeMounts"].append({"name": "simulated-host", "mountPath": root})
+                    container["volumeMounts"].append({"name": "records", "mountPath": str(tmp / "run")})
+                else:  # its sysfs (the node's own /sys in the pod), read-only as that is
+                    container["volumeMounts"].append({"name": "simulated-host", "mountPath": root, "readOnly": True})
+                for port_spec in container.get("ports", []):
+                    port_spec["containerPort"] = port
+            if doc["metadata"]["name"] == TOOLKIT:
+                (container,) = spec["containers"]
+                for env in container["env"]:
+                    env["value"] = toolkit.get(env["name"], env.get("value"))
+                    if env["value"] is None:
+                        env.pop("value")
+                container["command"] += ["--api-server", f"https://127.0.0.1:{API_PORT}", "--host-network"]
+    (tmp / "run").mkdir(exist_ok=True)
+    (tmp / "features").mkdir(mode=0o755, exist_ok=True)  # NFD's worker makes features.d
+    return docs

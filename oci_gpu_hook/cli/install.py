@@ -36,6 +36,12 @@ _RESTART_HELP = ("Restart CRI-O or containerd when what they read at start chang
                    "start from a warm process instead of a new interpreter (docs/performance.md). Default: "
                    "wherever runtimes run the pre-filter, which is what offers it starts (--start-server "
                    "fails without one).")  # fmt: skip
+@click.option("--accept-volume-mounts", is_flag=True,
+              help="The configuration install writes where there is none takes GPUs from the device plugin's "
+                   "volume-mounts answer, and not from NVIDIA_VISIBLE_DEVICES in unprivileged containers "
+                   "(accept_volume_mounts: true, accept_envvar_when_unprivileged: false), as the node pod's "
+                   "device plugin answers (docs/kubernetes.md). An existing configuration is left as it "
+                   "is.")  # fmt: skip
 @click.option("--root", default="/", show_default=True, type=click.Path(file_okay=False), help=_ROOT_HELP)
 @click.option("--restart", default="none", show_default=True, type=click.Choice(RESTART_MODES),
               help=_RESTART_HELP)  # fmt: skip
@@ -44,8 +50,8 @@ _RESTART_HELP = ("Restart CRI-O or containerd when what they read at start chang
                    "for, the start server's socket), instead of saying to; nothing where systemd does not run "
                    "the host.")  # fmt: skip
 @click.pass_obj
-def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server, restart,
-            start_units):  # fmt: skip
+def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plugin, prefilter, start_server,
+            accept_volume_mounts, restart, start_units):  # fmt: skip
     """Install the hook's hooks.d file (and a CRI-O drop-in; for Docker's --gpus, the
     nvidia-container-runtime-hook program), a default configuration, and the systemd units and
     udev rule that refresh the inventory cache when the driver changes.
@@ -61,7 +67,8 @@ def install(obj, runtimes, root, replace_nvidia_hook, node_services, device_plug
     if obj.config:
         prefix = prefix + ["--config", os.path.abspath(obj.config)]
     lines = install_module.install(root, runtimes, prefix, replace_nvidia_hook, node_services, device_plugin,
-                                   prefilter, warn=_warn, start_server=start_server, restart=restart)  # fmt: skip
+                                   prefilter, warn=_warn, start_server=start_server, restart=restart,
+                                   accept_volume_mounts=accept_volume_mounts)  # fmt: skip
     for line in lines:
         click.echo(line)
     if not lines:

@@ -117,8 +117,7 @@ def validate(obj, gate, node, image, gpu, resource, namespace, timeout, host_net
     from oci_gpu_hook.start import inventory_cache
 
     inventory = inventory_cache.load(obj.settings)
-    known = [g.uuid for g in inventory.gpus] + [m.uuid for g in inventory.gpus for m in g.mig if m.uuid]
-    whole = [g.uuid for g in inventory.gpus if not g.mig]  # a full GPU: one device, one node
+    known, whole = gate_validation.gpus(inventory)
     if not known or (gate == "toolkit" and not (gpu or whole)):
         raise PrerequisiteError("this node has no GPU to validate with (--gpu names one)")
     client = Client.from_environment(api_server, token_file, ca_file)
@@ -126,6 +125,66 @@ def validate(obj, gate, node, image, gpu, resource, namespace, timeout, host_net
     click.echo(gate_validation.validate(client, gate, node, namespace, image, gates_file, known,
                                         gpu or (whole[-1] if whole else None), resource, timeout,
                                         host_network))  # fmt: skip
+    return 0
+
+
+@toolkit.command("rollout")
+@click.option("--node", required=True, help="This pod's Node (spec.nodeName, from the downward API).")
+@click.option("--pod", metavar="NAME",
+              help="This pod's name (metadata.name, from the downward API): on SIGTERM, uninstall when its DaemonSet "
+                   "is gone or being deleted. Without it, the hook stays.")  # fmt: skip
+@click.option("--image", required=True, help="The node image, which the validation pods run (this pod's own).")
+@click.option("--install/--no-install", default=True, show_default=True,
+              help="Install the hook on the host each round (--no-install: it came another way, the RPM; the gates "
+                   "still run, and removal uninstalls nothing).")  # fmt: skip
+@click.option(
+    "--runtime",
+    type=click.Choice(["auto", "containerd", "crio"]),
+    default="auto",
+    show_default=True,
+    help="The node's runtime; auto: the one its kubelet reports (the Node's containerRuntimeVersion).",
+)
+@click.option("--host-root", default="/host", show_default=True, type=click.Path(file_okay=False),
+              help=_HOST_ROOT_HELP)  # fmt: skip
+@click.option("--restart", default="auto", show_default=True, type=click.Choice(RESTART_MODES), help=_RESTART_HELP)
+@click.option("--namespace", default="oci-gpu-hook", show_default=True,
+              help="Where the validation pods run and the events go: this pod's.")  # fmt: skip
+@click.option("--interval", type=click.FloatRange(min=10), default=300.0, show_default=True,
+              help="Seconds between rounds.")  # fmt: skip
+@click.option("--timeout", type=click.FloatRange(min=5, max=3600), default=120.0, show_default=True,
+              help="Seconds a validation pod may take.")  # fmt: skip
+@click.option(
+    "--host-network",
+    is_flag=True,
+    help="Run the validation pods in the node's network: for a cluster with no pod network (no CNI).",
+)
+@click.option("--once", is_flag=True, help="One round, then exit (no uninstall).")
+@_api_options
+@click.pass_obj
+def rollout(obj, node, pod, image, install, runtime, host_root, restart, namespace, interval, timeout, host_network,
+            once, api_server, token_file, ca_file):  # fmt: skip
+    """What the toolkit DaemonSet runs on each GPU node (deploy/kubernetes/25-toolkit.yaml): every
+    round, install the hook on the host for the node's runtime, then gate toolkit, gate plugin once
+    toolkit passed, and report on the Node. On SIGTERM, uninstall from the host when the DaemonSet
+    is gone or being deleted (not on a rolling update). --config is this pod's configuration (its
+    view of the host's driver and records); the host's hook keeps its own."""
+    from oci_gpu_hook.node import gates
+    from oci_gpu_hook.node.kubeapi import Client
+    from oci_gpu_hook.node.rollout import Rollout
+    from oci_gpu_hook.start import inventory_cache
+    from oci_gpu_hook.toolkit import host
+
+    def install_step(name):
+        return host.install(host_root, [name], (), restart)
+
+    def uninstall_step():
+        return host.uninstall(host_root, restart)
+
+    client = Client.from_environment(api_server, token_file, ca_file)
+    Rollout(client, node, namespace, None if once else pod, image, gates.gates_path(obj.settings.records_path),
+            lambda: inventory_cache.load(obj.settings), install_step if install else None,
+            uninstall_step if install else None, lambda line: click.echo(line, nl=True),
+            None if runtime == "auto" else runtime, timeout, host_network).run(interval, once)  # fmt: skip
     return 0
 
 

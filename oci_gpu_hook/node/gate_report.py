@@ -6,7 +6,8 @@
   line (and its fix) as its message, Unknown while gates are pending; `kubectl describe node`
   shows it;
 - an event (events.k8s.io/v1, regarding the Node) for each gate whose verdict changed since the
-  last report, Warning for a failure, with the same line.
+  last report, or that failed again for another reason, Warning for a failure, with the same
+  line, at the time of the verdict (so that the events' times say the gates' order).
 """
 
 from __future__ import annotations
@@ -53,14 +54,22 @@ def report(client: Client, node: str, verdicts: dict | None, namespace: str = "d
         made = condition(verdicts)
         wanted = {LABEL_PREFIX + g: verdicts[g]["state"] for g in gates.ORDER}
         changed = [g for g in gates.ORDER if labels.get(LABEL_PREFIX + g) != wanted[LABEL_PREFIX + g]]
+    before = next((c for c in current.get("status", {}).get("conditions") or [] if c.get("type") == CONDITION), {})
+    noted = list(changed)
+    if made["reason"].startswith("Gate") and made["reason"].endswith("Failed") and before.get("message") not in (
+            None, made["message"]):  # fmt: skip
+        # Failed still, but for another reason (another fix): said again, though no label moves.
+        failing = made["reason"][len("Gate") : -len("Failed")].lower()
+        noted += [] if failing in noted else [failing]
     uid = current.get("metadata", {}).get("uid")
-    for g in changed:
+    for g in noted:
         v = verdicts[g]
         note = gates.line(g, v)
         reason = f"Gate{g.capitalize()}{v['state'].capitalize()}"
         client.post(f"/apis/events.k8s.io/v1/namespaces/{namespace}/events", {
             "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"generateName": "oci-gpu-hook.gate-"},
-            "eventTime": _now(micro=True), "reportingController": CONTROLLER, "reportingInstance": _instance(node),
+            "eventTime": _now(True, v.get("at")), "reportingController": CONTROLLER,
+            "reportingInstance": _instance(node),
             "action": "Validate", "reason": reason,
             "regarding": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": uid},
             "note": _bounded(note, NOTE_LIMIT), "type": "Warning" if v["state"] == "failed" else "Normal"})  # fmt: skip
@@ -69,7 +78,6 @@ def report(client: Client, node: str, verdicts: dict | None, namespace: str = "d
         client.patch(f"/api/v1/nodes/{node}", {"metadata": {"labels": wanted}})
         lines.append("labelled " + " ".join(f"{LABEL_PREFIX}{g}={verdicts[g]['state']}" for g in changed))
     now = _now()
-    before = next((c for c in current.get("status", {}).get("conditions") or [] if c.get("type") == CONDITION), {})
     entry = {"type": CONDITION, **made, "lastHeartbeatTime": now,
              "lastTransitionTime": before.get("lastTransitionTime", now) if before.get("status") == made["status"]
              else now}  # fmt: skip
@@ -97,6 +105,10 @@ def _instance(node: str) -> str:
     return node[: INSTANCE_LIMIT - 17] + "-" + hashlib.sha256(node.encode()).hexdigest()[:16]
 
 
-def _now(micro: bool = False) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc)
+def _now(micro: bool = False, at: float | None = None) -> str:
+    """Now (at: that Unix time) as the API writes times."""
+    try:
+        now = datetime.datetime.fromtimestamp(at, datetime.timezone.utc)
+    except (TypeError, ValueError, OverflowError, OSError):  # None, or not a time
+        now = datetime.datetime.now(datetime.timezone.utc)
     return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")

@@ -113,17 +113,31 @@ def validate(client: Client, gate: str, node: str, namespace: str, image: str, g
                            timeout)  # fmt: skip
     finally:
         _delete(client, path, wait=False, uid=uid)
+    return record(gates_file, {gate: verdict})
+
+
+def record(gates_file: str, verdicts: dict) -> str:
+    """Write verdicts {gate: verdict} into the gates' file, the other gates' kept (one the file
+    cannot be trusted for is pending); the line of the last one given."""
     try:
-        verdicts = gates.read(gates_file)
+        kept = gates.read(gates_file)
     except ValueError:
-        verdicts = {}
-    verdicts = {g: v for g, v in verdicts.items() if g != gate}
+        kept = {}
+    gate, verdict = list(verdicts.items())[-1]
     try:
-        gates.write(gates_file, {**verdicts, gate: verdict})
+        gates.write(gates_file, {**{g: v for g, v in kept.items() if g not in verdicts}, **verdicts})
     except OSError as e:
         raise PrerequisiteError(f"{gates_file}: cannot write the verdict ({e.strerror}): "
                                 f"{gates.line(gate, verdict)}") from None  # fmt: skip
     return gates.line(gate, verdict)
+
+
+def gpus(inventory) -> tuple:
+    """(every device's UUID: the GPUs' and their MIG devices', the full GPUs' UUIDs) of the
+    node's inventory: what gate plugin accepts, and what gate toolkit may ask for (a full GPU
+    is one device on one node)."""
+    known = [g.uuid for g in inventory.gpus] + [m.uuid for g in inventory.gpus for m in g.mig if m.uuid]
+    return known, [g.uuid for g in inventory.gpus if not g.mig]
 
 
 def _verdict(client: Client, path: str, uid: str | None, node: str, wanted: list, name: str, namespace: str,

@@ -41,6 +41,8 @@ def install(host_root: str, runtimes, options=(), restart: str = "auto") -> list
         "--restart",
         restart,
         "--start-units",
+        # What the node pod's device plugin answers (deploy/kubernetes/20-configmap.yaml).
+        "--accept-volume-mounts",
     ]
     return lines + _on_host(host_root, running, argv)
 

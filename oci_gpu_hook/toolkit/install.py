@@ -305,20 +305,30 @@ def start_launcher_text() -> str:
     return launcher.for_this_install(note=note)
 
 
-def config_text() -> str:
+def config_text(accept_volume_mounts: bool = False) -> str:
+    """The configuration install writes where there is none. accept_volume_mounts: GPUs come from
+    the device plugin's volume-mounts answer, and an unprivileged container cannot choose its own
+    with NVIDIA_VISIBLE_DEVICES (what the node pod's device plugin answers: docs/kubernetes.md)."""
+    chosen = (
+        "# The device plugin's volume-mounts answer, and not the variable from unprivileged\n"
+        "# containers (install --accept-volume-mounts; docs/kubernetes.md):\n"
+        "accept_envvar_when_unprivileged: false\n"
+        "accept_volume_mounts: true\n"
+        if accept_volume_mounts
+        else ""
+    )
     return (
         "# oci-gpu-hook configuration (docs/configuration.md). Every key is optional; the\n"
         "# defaults apply to a host with the NVIDIA driver installed in /.\n"
         "#\n"
-        "# supported_capabilities: [all]\n"
-        "# accept_envvar_when_unprivileged: true\n"
-        "# accept_volume_mounts: false\n"
-        "# cgroups: auto\n"
+        + chosen
+        + "# supported_capabilities: [all]\n"
+        + ("" if accept_volume_mounts else "# accept_envvar_when_unprivileged: true\n# accept_volume_mounts: false\n")
+        + "# cgroups: auto\n"
         "# deadline_seconds: 8\n"
         "# logging:\n"
         "#   level: info\n"
-        "#   file: /var/log/oci-gpu-hook.log\n"
-        "{}\n"
+        "#   file: /var/log/oci-gpu-hook.log\n" + ("" if accept_volume_mounts else "{}\n")
     )
 
 
@@ -547,7 +557,8 @@ def docker_entries(argv_prefix, with_prefilter: bool) -> list:
 
 
 def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: bool = False, root: str = "/",
-            with_prefilter: bool = False, start_server: bool = False) -> list:  # fmt: skip
+            with_prefilter: bool = False, start_server: bool = False,
+            accept_volume_mounts: bool = False) -> list:  # fmt: skip
     entries = []
     if argv_prefix[0] == launcher.LAUNCHER:
         entries += launcher_entries(with_prefilter)
@@ -561,7 +572,7 @@ def planned(runtimes, argv_prefix, node_services: bool = False, device_plugin: b
         entries += containerd_entries(root, argv_prefix)
     if "docker" in runtimes:
         entries += docker_entries(argv_prefix, with_prefilter and start_server)
-    entries.append(Entry(CONFIG_FILE, config_text(), only_if_absent=True))
+    entries.append(Entry(CONFIG_FILE, config_text(accept_volume_mounts), only_if_absent=True))
     entries += [
         Entry(f"{UNIT_DIR}/{SERVICE}", service_text(argv_prefix)),
         Entry(f"{UNIT_DIR}/{PATH_UNIT}", path_unit_text()),
@@ -854,7 +865,8 @@ class _root_only:
 
 def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = False, node_services: bool = False,
             device_plugin: bool = False, prefilter: bool | None = None, warn=None,
-            start_server: bool | None = None, restart: str = "none") -> list:  # fmt: skip
+            start_server: bool | None = None, restart: str = "none",
+            accept_volume_mounts: bool = False) -> list:  # fmt: skip
     """Install for the runtimes; returns lines saying what happened (nothing changed: none).
     replace_nvidia_hook: move another program's file aside where an entry allows it (the one
     is NVIDIA's nvidia-container-runtime-hook; uninstall restores it) instead of refusing.
@@ -863,7 +875,8 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
     launcher, and warn(line), when given, hears why). start_server: the start server's units too,
     which only a pre-filter offers starts to (True: or fail; False: never; None: wherever runtimes
     run a pre-filter that offers to its socket). restart: restart.MODES; other than "none", each
-    runtime whose configuration files this install changed is restarted (toolkit/restart.py)."""
+    runtime whose configuration files this install changed is restarted (toolkit/restart.py).
+    accept_volume_mounts: the configuration written where there is none (config_text)."""
     root = os.path.abspath(root)
     if not os.path.isdir(root):
         raise InstallError(f"{root}: no such directory")
@@ -872,7 +885,7 @@ def install(root: str, runtimes, argv_prefix=None, replace_nvidia_hook: bool = F
         with _tree(root) as tree:
             before = _read_manifest(tree)
             lines = _install(tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin,
-                             prefilter, warn, start_server)  # fmt: skip
+                             prefilter, warn, start_server, accept_volume_mounts)  # fmt: skip
             after = _read_manifest(tree)
         if restart != "none":
             lines += _restart_changed(root, before, after, restart)
@@ -964,8 +977,12 @@ def _tree(root: str):
 
 
 def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_services, device_plugin, prefilter,
-             warn, start_server=None) -> list:  # fmt: skip
+             warn, start_server=None, accept_volume_mounts=False) -> list:  # fmt: skip
     root = tree.root
+
+    def plan(*args):
+        return planned(*args, accept_volume_mounts=accept_volume_mounts)
+
     argv_prefix = list(argv_prefix or hook_command())
     _check_text(argv_prefix)
     manifest = _read_manifest(tree)
@@ -987,7 +1004,7 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
         # is a warning and never a failed install.
         prefilter = prefilter_module.compiler() is not None
         try:
-            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, asked is not False)
+            entries = plan(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, asked is not False)
         except prefilter_module.PrefilterError as e:
             if asked:
                 raise InstallError(f"--start-server: the pre-filter offers starts to the server, and it cannot be "
@@ -996,9 +1013,9 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
                 warn(f"the pre-filter could not be built ({e}): runtimes run the launcher, and GPU starts run in "
                      "Python (no start server)")  # fmt: skip
             prefilter, asked = False, False
-            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, False)
+            entries = plan(runtimes, argv_prefix, node_services, device_plugin, root, False)
     else:
-        entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, asked is not False)
+        entries = plan(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, asked is not False)
     if asked is not False:
         try:
             _check_offers(tree, argv_prefix, entries, runtimes)
@@ -1007,7 +1024,7 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
                 raise
             # By default only where a pre-filter offers it starts: without one the units would
             # run a server no start reaches.
-            entries = planned(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, False)
+            entries = plan(runtimes, argv_prefix, node_services, device_plugin, root, prefilter, False)
     if any(e.path in (launcher.LAUNCHER, DOCKER_HOOK, DOCKER_LAUNCHER, START_LAUNCHER) for e in entries):
         launcher.check_trusted()  # what runs as root at every start must be root's alone
     _check_destinations(tree, entries)

@@ -18,12 +18,14 @@ from oci_gpu_hook.start import settings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Each privileged container, and why (30-daemonset.yaml): NVML opens the device nodes; the
-# exporter reads /proc/<pid>/cgroup in the host's cgroup namespace; the watchdog kills.
-PRIVILEGED = {"device-plugin", "exporter", "watchdog"}
+# exporter reads /proc/<pid>/cgroup in the host's cgroup namespace; the watchdog kills; the
+# toolkit writes the host's runtime configuration (25-toolkit.yaml).
+PRIVILEGED = {"device-plugin", "exporter", "watchdog", "toolkit"}
 SERVING = {"device-plugin", "exporter"}  # the only ones with a readiness probe
 
 
-NODE, LABELS = "oci-gpu-hook-node", "oci-gpu-hook-labels"  # the two DaemonSets (30-, 31-labels.yaml)
+# The three DaemonSets (30-daemonset.yaml, 31-labels.yaml, 25-toolkit.yaml).
+NODE, LABELS, TOOLKIT = "oci-gpu-hook-node", "oci-gpu-hook-labels", "oci-gpu-hook-toolkit"
 FEATURES_D = "/etc/kubernetes/node-feature-discovery/features.d"
 
 
@@ -82,8 +84,9 @@ def test_only_the_containers_that_need_it_are_privileged():
     # And only their pod has the host's namespaces: labels has a pod of its own for that.
     namespaces = ("hostPID", "hostNetwork", "hostIPC")
     shared = {name: [k for k in namespaces if spec.get(k)] for name, spec in pod_specs().items()}
-    assert shared == {NODE: ["hostPID", "hostNetwork"], LABELS: []}
-    assert {c["name"] for c in pod_spec(NODE)["containers"]} == PRIVILEGED
+    assert shared == {NODE: ["hostPID", "hostNetwork"], LABELS: [], TOOLKIT: ["hostPID", "hostNetwork"]}
+    assert {c["name"] for c in pod_spec(NODE)["containers"]} == PRIVILEGED - {"toolkit"}
+    assert {c["name"] for c in pod_spec(TOOLKIT)["containers"]} == {"toolkit"}
 
 
 def test_no_container_leaves_its_termination_log_in_a_host_directory():
@@ -243,16 +246,25 @@ def test_the_heartbeat_probes_read_the_file_the_service_beats(name, tmp_path):
 
 def test_the_device_plugin_probes_connect_to_its_sockets(tmp_path):
     """Ready and alive while every socket of ours in the kubelet's directory accepts a connection;
-    not with none, nor with a socket file that nothing listens on (a plugin that lost it)."""
+    not with none, nor with a socket file that nothing listens on (a plugin that lost it). Alive
+    with none too while gate toolkit has not passed (not restarted while it waits)."""
+    from oci_gpu_hook.node import gates
     from oci_gpu_hook.node.plugin.server import SOCKET_PREFIX
 
     plugin = containers()["device-plugin"]
     directory = "/var/lib/kubelet/device-plugins"
     assert any(m["mountPath"] == directory for m in plugin["volumeMounts"])
-    moved = {directory: str(tmp_path)}
+    gates_file = plugin["command"][plugin["command"].index("--gate") + 1]
+    moved = {directory: str(tmp_path), gates_file: str(tmp_path / "gates.json")}
     for probe in ("readinessProbe", "livenessProbe"):
         command = plugin[probe]["exec"]["command"]
         assert f"{directory}/{SOCKET_PREFIX}*.sock" in command[-1]
+        if probe == "livenessProbe":
+            # Alive with none while gate toolkit has not passed: the plugin serves nothing until then.
+            assert _run(command, moved) == 0
+            gates.write(str(tmp_path / "gates.json"), {"toolkit": gates.verdict("failed", "no GPU seen")})
+            assert _run(command, moved) == 0
+            gates.write(str(tmp_path / "gates.json"), {"toolkit": gates.verdict("passed")})
         assert _run(command, moved) != 0  # none
         with socket.socket(socket.AF_UNIX) as served:
             served.bind(str(tmp_path / f"{SOCKET_PREFIX}nvidia.com_gpu.sock"))
@@ -264,7 +276,8 @@ def test_the_device_plugin_probes_connect_to_its_sockets(tmp_path):
                     dead.bind(str(tmp_path / f"{SOCKET_PREFIX}nvidia.com_gpu.shared.sock"))  # never listens
                     assert _run(command, moved) != 0
         for path in tmp_path.iterdir():
-            path.unlink()
+            if path.name != "gates.json":
+                path.unlink()
 
 
 def test_the_exporter_listens_on_every_address():
@@ -327,3 +340,54 @@ def test_the_mps_directories_the_plugin_answers_with_are_the_hosts():
     others = {n for n, c in containers().items() if n != "device-plugin" for m in c["volumeMounts"]
               if m["name"] == mount["name"]}  # fmt: skip
     assert not others, others
+
+
+def test_the_device_plugin_follows_the_gates_the_toolkit_writes():
+    """The plugin's --gate is the file the rollout writes its verdicts into: gates.json beside the
+    records directory of the pods' configuration, a host path both pods mount at the same place."""
+    from oci_gpu_hook.node import gates
+
+    plugin, toolkit = containers()["device-plugin"], containers()["toolkit"]
+    config = yaml.safe_load(one("ConfigMap")["data"]["config.yaml"])
+    written = gates.gates_path(config["records_directory"])
+    assert plugin["command"][plugin["command"].index("--gate") + 1] == written
+    directory = os.path.dirname(written)
+    assert host_mounts(plugin, pod_spec(NODE))[directory][0] == host_mounts(toolkit, pod_spec(TOOLKIT))[directory][0]
+    assert toolkit["command"][toolkit["command"].index("toolkit") :][:2] == ["toolkit", "rollout"]
+
+
+def test_the_labels_follow_gate_plugin():
+    """Gate (d): the labels pod is scheduled only on nodes whose gate plugin passed."""
+    from oci_gpu_hook.node import gate_report
+
+    assert pod_spec(LABELS)["nodeSelector"][gate_report.LABEL_PREFIX + "plugin"] == "passed"
+
+
+def test_only_the_toolkit_holds_a_token():
+    """The toolkit's service account token is in its container only, projected; no pod mounts
+    one by default, and the node services' account has no rights (10-serviceaccount.yaml)."""
+    for name, spec in pod_specs().items():
+        assert spec["automountServiceAccountToken"] is False, name
+        projected = {v["name"] for v in spec["volumes"] if any("serviceAccountToken" in source for source in
+                                                               v.get("projected", {}).get("sources", []))}  # fmt: skip
+        holders = {c["name"] for c in spec["containers"] + spec.get("initContainers", [])
+                   if projected & {m["name"] for m in c["volumeMounts"]}}  # fmt: skip
+        assert holders == ({"toolkit"} if name == TOOLKIT else set()), name
+    assert pod_spec(TOOLKIT)["serviceAccountName"] == "oci-gpu-hook-toolkit"
+    bound = {d["subjects"][0]["name"] for d in documents() if d["kind"] in ("RoleBinding", "ClusterRoleBinding")}
+    assert bound == {"oci-gpu-hook-toolkit"}
+
+
+def test_the_toolkits_probe_reads_the_verdicts_it_writes(tmp_path):
+    """Alive while a round wrote the gates' file recently; not with none, nor with a stale one."""
+    toolkit = containers()["toolkit"]
+    command = toolkit["livenessProbe"]["exec"]["command"]
+    written = "/run/oci-gpu-hook/gates.json"
+    assert written in command[-1]
+    (age,) = [int(n) for n in re.findall(r"> (\d+)\)", command[-1])]
+    moved = str(tmp_path / "gates.json")
+    assert _run(command, {written: moved}) != 0
+    open(moved, "w").close()
+    assert _run(command, {written: moved}) == 0
+    os.utime(moved, (time.time() - age - 60, time.time() - age - 60))
+    assert _run(command, {written: moved}) != 0

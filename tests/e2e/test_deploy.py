@@ -22,8 +22,9 @@ Then, through the API:
   any host path it has but its own directory;
 - the watchdog says what it watches, and its heartbeat (what its liveness probe reads) beats;
 - the exporter answers on IPv6 and IPv4;
-- the device plugin registers from inside the pod: the node offers nvidia.com/gpu, and no plugin
-  runs on the host;
+- the toolkit DaemonSet runs the validation gates (route A: the hook is on the node already, so
+  it installs nothing); the device plugin registers from inside the pod once gate toolkit
+  passed: the node offers nvidia.com/gpu, and no plugin runs on the host;
 - a GPU pod is scheduled through it and sees exactly its GPU;
 - the exporter answers through its Service (the API server's service proxy), naming that pod;
 - the pod's own GPU memory limit is enforced by the DaemonSet's watchdog: over it, the pod is
@@ -31,11 +32,11 @@ Then, through the API:
 - ready means answering: a stopped exporter (its port still accepting connections) is taken out
   of ready by its readiness probe, and is ready again, the same process, once it answers;
 - no container was restarted by its liveness probe meanwhile;
-- deleting the DaemonSets takes the GPUs off the node's allocatable resources.
+- deleting the DaemonSets takes the GPUs off the node's allocatable resources (the toolkit's,
+  with --no-install, leaves the hook).
 (tests/deploy/test_manifests.py checks the manifests themselves without a cluster.)
 """
 
-import glob
 import json
 import os
 import re
@@ -58,9 +59,10 @@ pytestmark = pytest.mark.host(gpus=3, mig=[], needs=("runc", "busybox", "contain
 REPO = kubeletcheck.REPO
 PORT = 19400
 NS = "oci-gpu-hook"
-SERVICES = ("device-plugin", "exporter", "labels", "watchdog")  # each container is named after its command
-NODE, LABELS = "oci-gpu-hook-node", "oci-gpu-hook-labels"  # the DaemonSets, each its pod's app.kubernetes.io/name
-PODS = {NODE: ["device-plugin", "exporter", "watchdog"], LABELS: ["labels"]}
+SERVICES = ("device-plugin", "exporter", "labels", "toolkit", "watchdog")  # each container is named after its command
+# The DaemonSets, each its pod's app.kubernetes.io/name.
+NODE, LABELS, TOOLKIT = "oci-gpu-hook-node", "oci-gpu-hook-labels", "oci-gpu-hook-toolkit"
+PODS = {NODE: ["device-plugin", "exporter", "watchdog"], LABELS: ["labels"], TOOLKIT: ["toolkit"]}
 LIMIT = 256 << 20  # the GPU pod's own memory limit (OCI_GPU_HOOK_GPU_MEMORY_LIMIT)
 
 
@@ -87,50 +89,9 @@ def build_image(tmp) -> str:
 
 
 def manifests(host, tmp, records: str) -> list:
-    """deploy/kubernetes/*.yaml, with what names the host changed for the simulated one."""
-    docs = []
-    for path in sorted(glob.glob(os.path.join(REPO, "deploy", "kubernetes", "*.yaml"))):
-        with open(path) as f:
-            docs += [d for d in yaml.safe_load_all(f) if d]
-    root = host["root"]
-    for doc in docs:
-        if doc["kind"] == "ConfigMap":
-            config = yaml.safe_load(doc["data"]["config.yaml"])
-            config.update(driver_root=root, dev_root=root, proc_root=root, records_directory=records)
-            # features_file stays the manifest's: the features volume below puts it under tmp.
-            # sys_root: the simulated host's sysfs (its PCI classes, its DMI name), as proc_root.
-            config["node"].update(exporter_listen=f":{PORT}", sys_root=root)
-            doc["data"]["config.yaml"] = yaml.safe_dump(config)
-        elif doc["kind"] == "DaemonSet":
-            spec = doc["spec"]["template"]["spec"]
-            spec.pop("nodeSelector")
-            moved = {"/run/oci-gpu-hook": str(tmp / "run"), "/etc/kubernetes/node-feature-discovery/features.d":
-                     str(tmp / "features"), "/run/nvidia/mps": str(tmp / "mps"),
-                     "/var/cache/oci-gpu-hook-node": str(tmp / "cache")}  # fmt: skip
-            for volume in spec["volumes"]:
-                if "hostPath" in volume and volume["hostPath"]["path"] in moved:
-                    volume["hostPath"]["path"] = moved[volume["hostPath"]["path"]]  # the type stays
-            spec["volumes"].append({"name": "simulated-host", "hostPath": {"path": root, "type": "Directory"}})
-            node_pod = doc["metadata"]["name"] == NODE
-            if node_pod:
-                spec["volumes"].append({"name": "records", "hostPath": {"path": str(tmp / "run"), "type": "Directory"}})
-            else:
-                spec["hostNetwork"] = True  # no CNI plugin here to give the pod a network of its own
-            for container in spec["containers"]:
-                # HostToContainer needs / to be a shared mount, as systemd makes it; this machine
-                # has no systemd, and its / is private.
-                for mount in container["volumeMounts"]:
-                    mount.pop("mountPropagation", None)
-                if node_pod:
-                    container["volumeMounts"].append({"name": "simulated-host", "mountPath": root})
-                    container["volumeMounts"].append({"name": "records", "mountPath": str(tmp / "run")})
-                else:  # its sysfs (the node's own /sys in the pod), read-only as that is
-                    container["volumeMounts"].append({"name": "simulated-host", "mountPath": root, "readOnly": True})
-                for port in container.get("ports", []):
-                    port["containerPort"] = PORT
-    (tmp / "run").mkdir(exist_ok=True)
-    (tmp / "features").mkdir(mode=0o755, exist_ok=True)  # NFD's worker makes features.d
-    return docs
+    """The manifests for the simulated host (kubecheck.node_manifests). The hook is on the node
+    already (route A, as the RPM puts it): the toolkit only runs the gates (--no-install)."""
+    return kubecheck.node_manifests(host, tmp, records, PORT, {"INSTALL": "--no-install"})
 
 
 def allocatable(cluster) -> str | None:
@@ -247,12 +208,12 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
         assert pods[name]["spec"]["nodeName"] == cluster.node_name
         assert sorted(s["name"] for s in pods[name]["status"]["containerStatuses"]) == services
     assert sorted(sum(PODS.values(), [])) == list(SERVICES)
-    cluster.wait_until(lambda: allocatable(cluster) == "3", 60, "the pod's plugin to offer three GPUs")
+    cluster.wait_until(lambda: allocatable(cluster) == "3", 120, "three GPUs once gate toolkit passed")
     # Every exec probe passes where the kubelet runs it: the image's python3, the paths it reads
     # as the container sees them (the heartbeats come after each service's first round).
     exec_probes = [(p, c["name"], probe) for p in pods.values() for c in p["spec"]["containers"]
                    for probe in ("readinessProbe", "livenessProbe") if "exec" in c.get(probe, {})]  # fmt: skip
-    assert {name for _, name, _ in exec_probes} == {"device-plugin", "labels", "watchdog"}
+    assert {name for _, name, _ in exec_probes} == {"device-plugin", "labels", "toolkit", "watchdog"}
     for in_pod, name, probe in exec_probes:
         passes = lambda in_pod=in_pod, name=name, probe=probe: run_probe(cluster, in_pod, name, probe) == 0  # noqa: E731
         cluster.wait_until(passes, 60, f"{name}'s {probe} to pass")
@@ -560,6 +521,7 @@ def test_deleting_the_daemonsets_takes_the_gpus_off_the_node(deployed):
     pods = cluster.get("pods", "-n", NS)["items"]
     restarts = {s["name"]: s["restartCount"] for pod in pods for s in pod["status"]["containerStatuses"]}
     assert restarts == dict.fromkeys(SERVICES, 0), restarts
-    cluster.kubectl("delete", "-n", NS, f"daemonset/{NODE}", f"daemonset/{LABELS}", "--wait=true", "--timeout=60s")
+    cluster.kubectl("delete", "-n", NS, f"daemonset/{NODE}", f"daemonset/{LABELS}", f"daemonset/{TOOLKIT}",
+                    "--wait=true", "--timeout=60s")  # fmt: skip
     cluster.wait_until(lambda: allocatable(cluster) == "0", 60, "the node to offer no GPU")
     cluster.wait_until(lambda: cluster.get("pods", "-n", NS)["items"] == [], 60, "both pods to be gone")

@@ -5,7 +5,8 @@ service account whose ClusterRole allows exactly what the report does (get and p
 their status, create events): its token is what the command uses, as a pod's would be.
 - A failed gate: a label per gate, GPUHookReady False with the gate's line and its fix, a
   Warning event naming it; `kubectl describe node` shows the condition's message and the event.
-- Reported again unchanged: no new event, no new label.
+- Reported again unchanged: no new event, no new label. Failed again for another reason: a new
+  Warning event with the new line, no label moved.
 - Every gate passed: GPUHookReady True, and events for the gates that changed.
 - The token cannot do more than that ClusterRole allows (it cannot delete the Node).
 """
@@ -68,13 +69,19 @@ def test_the_gates_verdicts_are_said_on_the_node(simulated_host, tmp_path, requi
         assert line in described and re.search(r"Warning\s+GateToolkitFailed", events_part), described
         assert report().stdout == ""  # nothing changed: nothing said, no new event
         assert len(events()) == 2
+        # Failed still, for another reason: no label moves, and a new event says the new line.
+        other = "install on the host failed: no containerd"
+        gates.write(path, {"toolkit": gates.verdict("failed", other, fix)})
+        assert report().returncode == 0
+        assert ("GateToolkitFailed", f"gate toolkit failed: {other} (fix: {fix})", "Warning") in events()
+        assert len(events()) == 3
         gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
         out = report()
         assert out.returncode == 0, out.stderr
         (ready,) = [c for c in cluster.get("node", NODE)["status"]["conditions"] if c["type"] == "GPUHookReady"]
         assert (ready["status"], ready["message"]) == ("True", "gates passed: toolkit, plugin")
         assert [e[0] for e in events()] == ["GatePluginPassed", "GatePluginPending", "GateToolkitFailed",
-                                            "GateToolkitPassed"]  # fmt: skip
+                                            "GateToolkitFailed", "GateToolkitPassed"]  # fmt: skip
         # A verdicts file that cannot be trusted: the plugin withdraws the GPUs, and the Node says so.
         os.chmod(path, 0o666)
         out = report()

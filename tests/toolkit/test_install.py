@@ -81,6 +81,25 @@ def test_an_existing_configuration_is_kept_and_never_removed(root):
     assert snapshot(root) == before
 
 
+def test_the_configuration_for_the_device_plugins_answer(root):
+    """--accept-volume-mounts (the toolkit DaemonSet's install): where there is no configuration,
+    the one written takes GPUs from the volume-mounts answer the node pod's device plugin gives,
+    and not from the variable in unprivileged containers; one already there is kept."""
+    from oci_gpu_hook.start import settings
+
+    install.install(root, ("crio",), PREFIX, accept_volume_mounts=True)
+    path = os.path.join(root, "etc/oci-gpu-hook/config.yaml")
+    loaded = settings.parse(open(path).read(), "config.yaml")
+    assert (loaded.accept_volume_mounts, loaded.accept_envvar_when_unprivileged) == (True, False)
+    install.uninstall(root)
+    assert not os.path.exists(path)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write("cgroups: v2\n")
+    install.install(root, ("crio",), PREFIX, accept_volume_mounts=True)
+    assert open(path).read() == "cgroups: v2\n"
+
+
 def test_an_administrators_hooks_file_is_never_replaced(root):
     path = os.path.join(root, "etc/containers/oci/hooks.d/oci-gpu-hook.json")
     os.makedirs(os.path.dirname(path))
