@@ -38,23 +38,45 @@ def hooks_dirs(root: str) -> list:
     return runtime["hooks_dir"] if "hooks_dir" in runtime else config(root, "--default")["crio"]["runtime"]["hooks_dir"]
 
 
+# The capabilities by number (linux/capability.h), to name those a bounding set lacks.
+CAPABILITY_NAMES = (
+    "CHOWN DAC_OVERRIDE DAC_READ_SEARCH FOWNER FSETID KILL SETGID SETUID SETPCAP LINUX_IMMUTABLE "
+    "NET_BIND_SERVICE NET_BROADCAST NET_ADMIN NET_RAW IPC_LOCK IPC_OWNER SYS_MODULE SYS_RAWIO SYS_CHROOT "
+    "SYS_PTRACE SYS_PACCT SYS_ADMIN SYS_BOOT SYS_NICE SYS_RESOURCE SYS_TIME SYS_TTY_CONFIG MKNOD LEASE "
+    "AUDIT_WRITE AUDIT_CONTROL SETFCAP MAC_OVERRIDE MAC_ADMIN SYSLOG WAKE_ALARM BLOCK_SUSPEND AUDIT_READ "
+    "PERFMON BPF CHECKPOINT_RESTORE"
+).split()
+
+
+def capabilities_absent() -> list:
+    """CAP_ names of the capabilities this process's bounding set lacks (this machine: none on a
+    plain host; CAP_SYS_RESOURCE where it runs in a container that dropped it)."""
+    with open("/proc/self/status") as f:
+        (bounding,) = [int(line.split()[1], 16) for line in f if line.startswith("CapBnd:")]
+    return [f"CAP_{name}" for bit, name in enumerate(CAPABILITY_NAMES) if not bounding >> bit & 1]
+
+
 def runc_for_this_machine(base: str) -> str:
     """Debian's runc, behind a wrapper that drops from the bundle what this machine cannot do, and
     nothing else: the infra container's negative oomScoreAdj (no CAP_SYS_RESOURCE here; as
     ../shared/tools/crio/runc-no-oom), and, where the hugetlb controller is on the unified
     hierarchy of a hybrid cgroup layout (no v1 hierarchy to join), the zero hugepage limits the
     kubelet asks for: CRI-O passes them, and runc's v1 manager would fail to join a hugetlb cgroup.
-    On a node with all v1 controllers mounted, or with cgroup v2 alone, neither is dropped."""
+    On a node with all v1 controllers mounted, or with cgroup v2 alone, neither is dropped. And
+    the capabilities this machine's bounding set lacks (capabilities_absent), which CRI-O gives a
+    privileged container all the same (containerd gives it those it has)."""
     import json
 
     drop = {"process": ["oomScoreAdj"]}
     unified = os.path.exists("/sys/fs/cgroup/cgroup.controllers")
     if not unified and not os.path.isdir("/sys/fs/cgroup/hugetlb"):
         drop["linux.resources"] = ["hugepageLimits"]
+    absent = capabilities_absent()
     path = os.path.join(base, "runc")
     with open(path, "w") as f:
         f.write(f"""#!/bin/sh
 # runc for this machine (tests/criocheck.py, runc_for_this_machine): drops {json.dumps(drop)}
+# and the capabilities this machine's bounding set lacks: {json.dumps(absent)}
 for a in "$@"; do
   case "$prev" in --bundle|-b) b=$a ;; esac; prev=$a
 done
@@ -70,9 +92,12 @@ for where, keys in drop.items():
         place = place.get(part) or {{}}
     for key in keys:
         place.pop(key, None)
+absent = set(json.loads(sys.argv[3]))
+for kind, names in ((config.get("process") or {{}}).get("capabilities") or {{}}).items():
+    names[:] = [n for n in names if n not in absent]
 with open(path, "w") as f:
     json.dump(config, f)
-' "$b/config.json" '{json.dumps(drop)}' || exit 1
+' "$b/config.json" '{json.dumps(drop)}' '{json.dumps(absent)}' || exit 1
 fi
 exec /usr/bin/runc "$@"
 """)
@@ -90,7 +115,8 @@ class CrioDaemon:
     busy one is raised with what holds it) and the cgroups removed. It raises for anything left."""
 
     def __init__(self, base: str, hooks_dir: str | None = None, config_dir: str | None = None,
-                 etc_containers: str | None = None, configured: str | None = None):  # fmt: skip
+                 etc_containers: str | None = None, configured: str | None = None, enter=(),
+                 node_root: str = ""):  # fmt: skip
         """hooks_dir: given as --hooks-dir (None: CRI-O reads what its configuration says);
         config_dir: its --config-dir (None: an empty one of its own); etc_containers: a directory
         CRI-O sees over the host's /etc/containers (an install --root's), in a mount namespace
@@ -98,7 +124,9 @@ class CrioDaemon:
         /etc/crio/crio.conf.d (of a namespace whose /etc is the test's) where the settings go as
         `crio config` prints them; CRI-O then starts with no flag at all, as a node's does, under
         a supervisor that starts it again whenever it exits (as systemd's Restart= would), each
-        start a line in `starts`, until stop()."""
+        start a line in `starts`, until stop(). enter: a command prefix that runs it in the node's
+        mount namespace (nsenter), whose root this process reaches at node_root, where configured
+        is written."""
         import tempfile
         import time
 
@@ -149,8 +177,8 @@ class CrioDaemon:
         if configured is not None:
             done = subprocess.run([*argv, "config"], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr[-3000:]
-            os.makedirs(os.path.dirname(configured), exist_ok=True)
-            with open(configured, "w") as f:
+            os.makedirs(os.path.dirname(node_root + configured), exist_ok=True)
+            with open(node_root + configured, "w") as f:
                 f.write(done.stdout)
             argv = ["sh", "-c", 'while [ ! -e "$0/stop" ]; do echo start >> "$0/starts"; "$1" >> "$0/crio.log" 2>&1; '
                     "done", base, argv[0]]  # fmt: skip
@@ -159,7 +187,7 @@ class CrioDaemon:
             # runc and the hook only; it goes when the last of them exits.
             mount = 'mount -t overlay oci-gpu-hook-etc -o "lowerdir=$0:/etc/containers" /etc/containers && exec "$@"'
             argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, etc_containers, *argv]
-        self.proc = self.footprint.popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = self.footprint.popen([*enter, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         try:
             while not os.path.exists(self.socket):

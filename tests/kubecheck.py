@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 
+import criocheck
 import kubeletcheck
 from hookcheck import config_with
 
@@ -72,9 +73,20 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         return path if self.holder is None else f"/proc/{self.holder.pid}/root{path}"
 
     def runtime_starts(self) -> int:
-        """How many times the supervisor started containerd (node_files)."""
-        with open(os.path.join(self.containerd_dir, "starts")) as f:
+        """How many times the supervisor started the runtime (node_files)."""
+        with open(self._starts_file()) as f:
             return len(f.read().split())
+
+    def _starts_file(self) -> str:
+        return os.path.join(self.containerd_dir, "starts")
+
+    def import_image(self, archive: str) -> None:
+        """A docker-archive image, into the runtime's store."""
+        self.ctr("images", "import", archive)
+
+    def _entering(self) -> list:
+        """The command prefix that runs a program in the node's mount namespace (node_files)."""
+        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt"]
 
     def _enter_node(self, timeout: float) -> None:
         upper = os.path.join(self.workdir, "node-overlays")
@@ -89,6 +101,9 @@ class Cluster(kubeletcheck.ContainerdKubelet):
             with open(os.path.join(staged, str(n)), "w") as f:
                 f.write(text)
             setup += f'mkdir -p "{os.path.dirname(path)}" && cp "{staged}/{n}" "{path}" && '
+        # Shared, as systemd makes a host's /: within this namespace only (its peer groups are
+        # new). CRI-O refuses the hostPath / otherwise, and HostToContainer needs it.
+        setup += "mount --make-rshared / && "
         ready = os.path.join(self.workdir, "node-ready")
         self.holder = self.footprint.popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
                                             setup + f'touch "{ready}" && exec sleep infinity'],
@@ -103,16 +118,15 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         self._cni_config()
         self._enter_node(timeout)
         loop = 'while [ ! -e "$1/stop" ]; do echo start >> "$1/starts"; containerd >> "$2" 2>&1; done'
-        self.containerd = self.footprint.popen(["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "sh", "-c",
-                                                loop, "sh", self.containerd_dir, self.containerd_log],
-                                               stdin=subprocess.DEVNULL)  # fmt: skip
+        self.containerd = self.footprint.popen([*self._entering(), "sh", "-c", loop, "sh", self.containerd_dir,
+                                                self.containerd_log], stdin=subprocess.DEVNULL)  # fmt: skip
         self._wait(lambda: self.ctr("version", check=False).returncode == 0, timeout, "containerd to serve")
         self.ctr("images", "import", kubeletcheck.write_image_archive(os.path.join(self.workdir, "image.tar"),
                                                                      self.workdir))  # fmt: skip
 
     def _start_kubelet(self, timeout: float) -> None:
         if self.holder is not None and self._kubelet_argv[0] != "nsenter":
-            self._kubelet_argv = ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", *self._kubelet_argv]
+            self._kubelet_argv = [*self._entering(), *self._kubelet_argv]
         super()._start_kubelet(timeout)
 
     def _stop_runtime(self, attempt) -> None:
@@ -367,6 +381,48 @@ class Cluster(kubeletcheck.ContainerdKubelet):
             return False
 
 
+class CrioCluster(Cluster, criocheck.CrioKubelet):
+    """A Cluster whose node runs CRI-O, as an OpenShift node does, and is a host of its own
+    (node_files, required): CRI-O reads its settings from /etc/crio/crio.conf.d there (as `crio
+    config` prints them, criocheck.CrioDaemon's configured), with no flag, under a supervisor, in
+    the node's mount namespace; its storage, sockets and state under /var/tmp (podman's limit on
+    the run root's length). Its pods get a network of their own from no CNI plugin (they use the
+    host's), but CRI-O says the network is ready only with a configuration whose plugins it finds:
+    the loopback one, from containerd's containernetworking-plugins."""
+
+    CONFIGURED = "/etc/crio/crio.conf.d/10-node.conf"
+
+    def _start_runtime(self, timeout: float) -> None:
+        import tempfile
+
+        self._enter_node(timeout)
+        base = tempfile.mkdtemp(prefix="oci-gpu-hook-crio-", dir="/var/tmp")
+        self.runtime_log, self.cdi_dir = os.path.join(base, "crio.log"), os.path.join(base, "cdi")
+        cni = os.path.join(base, "cni")
+        os.makedirs(cni, exist_ok=True)
+        with open(os.path.join(cni, "10-unused.conflist"), "w") as f:
+            json.dump({"cniVersion": "0.4.0", "name": "unused", "plugins": [{"type": "loopback"}]}, f)
+        os.makedirs(self.on_node("/etc/crio/crio.conf.d"), exist_ok=True)
+        with open(self.on_node("/etc/crio/crio.conf.d/20-loopback.conf"), "w") as f:
+            f.write('[crio.network]\nplugin_dirs = ["/usr/lib/cni"]\n')
+        self.crio = criocheck.CrioDaemon(base, configured=self.CONFIGURED, enter=self._entering(),
+                                         node_root=self.on_node(""))  # fmt: skip
+        self.address = self.crio.socket
+        self.import_image(kubeletcheck.write_image_archive(os.path.join(self.workdir, "image.tar"), self.workdir))
+
+    def import_image(self, archive: str) -> None:
+        self.crio.import_archive(archive)
+
+    def _starts_file(self) -> str:
+        return self.crio.starts
+
+    def _stop_runtime(self, attempt) -> None:
+        criocheck.CrioKubelet._stop_runtime(self, attempt)
+
+    def _daemons(self) -> list:
+        return [(self.holder, "the node's mount namespace")] + criocheck.CrioKubelet._daemons(self)
+
+
 def toolkit_rbac(namespace: str, account: str, pods: bool = False) -> list:
     """The namespace, a service account in it, and what the toolkit's commands need, no more:
     `toolkit report` (get and patch Nodes, patch their status, create events) and, with pods,
@@ -422,17 +478,22 @@ def cluster_on(host: dict, tmp, hook_settings: str):
 
 
 @contextlib.contextmanager
-def cluster_of_its_own(tmp, node_files: dict):
-    """A started Cluster under tmp whose node is a host of its own (Cluster's node_files), with
-    containerd's config.toml the administrators' (cricheck.user_config) and node_files written
-    there too; closed after the block, this machine then checked (kubeletcheck.running)."""
+def cluster_of_its_own(tmp, node_files: dict, runtime: str = "containerd"):
+    """A started Cluster under tmp whose node is a host of its own (Cluster's node_files) running
+    runtime: containerd, its config.toml the administrators' (cricheck.user_config); crio:
+    CrioCluster. node_files are written there too; closed after the block, this machine then
+    checked (kubeletcheck.running)."""
     import cricheck
 
     programs()
     workdir = tmp / "node"
-    files = {"/etc/containerd/config.toml": cricheck.user_config(os.path.join(str(workdir), "containerd")),
-             **node_files}  # fmt: skip
-    with kubeletcheck.running(Cluster(workdir, None, node_files=files)) as cluster:
+    if runtime == "crio":
+        node = CrioCluster(workdir, None, node_files=dict(node_files))
+    else:
+        files = {"/etc/containerd/config.toml": cricheck.user_config(os.path.join(str(workdir), "containerd")),
+                 **node_files}  # fmt: skip
+        node = Cluster(workdir, None, node_files=files)
+    with kubeletcheck.running(node) as cluster:
         yield cluster
 
 
@@ -440,12 +501,14 @@ NODE_DAEMONSETS = ("oci-gpu-hook-node", "oci-gpu-hook-toolkit")  # what sees the
 TOOLKIT = "oci-gpu-hook-toolkit"
 
 
-def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep_node_selectors: bool = False) -> list:
+def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep_node_selectors: bool = False,
+                   keep_propagation: bool = False) -> list:  # fmt: skip
     """deploy/kubernetes/*.yaml, with what names the host changed for the simulated one: the pods'
     configuration (the simulated driver root, sysfs and the hook's records directory), hostPath
     volumes for those (the simulated root read-only for labels, whose sysfs it is), the host paths
     of the inventory cache, features.d and the MPS root (the test's own), the exporter's port, no
-    HostToContainer propagation (this machine's / is not a shared mount: it has no systemd), the
+    mount propagation unless keep_propagation (this machine's / is not a shared mount: it has no
+    systemd; a Cluster's node of its own has one), the
     host's network for the labels pod too (no CNI plugin here). No NFD nodeSelector unless
     keep_node_selectors (NFD is not here: the test labels the node as it would). The toolkit's
     container: env values toolkit {NAME: value} (RESTART, INSTALL), and, as this cluster has no
@@ -488,7 +551,8 @@ def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep
                 # HostToContainer needs / to be a shared mount, as systemd makes it; this machine
                 # has no systemd, and its / is private.
                 for mount in container["volumeMounts"]:
-                    mount.pop("mountPropagation", None)
+                    if not keep_propagation:
+                        mount.pop("mountPropagation", None)
                 if node_pod:
                     container["volumeMounts"].append({"name": "simulated-host", "mountPath": root})
                     container["volumeMounts"].append({"name": "records", "mountPath": str(tmp / "run")})

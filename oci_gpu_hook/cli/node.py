@@ -106,7 +106,7 @@ def watchdog(obj, interval, policy, grace, dry_run, once, heartbeat):
 @click.option("--gate", metavar="FILE",
               help="Follow the validation gates' verdicts in FILE (the cluster's toolkit writes them, beside the "
                    "hook's records): offer nothing until the toolkit gate passes, and withdraw every device "
-                   "while a gate has failed (docs/kubernetes.md).")  # fmt: skip
+                   "while gate toolkit has failed (docs/kubernetes.md).")  # fmt: skip
 @click.pass_obj
 def device_plugin(obj, config_file, socket_dir, interval, check, gate):
     """Offer the node's GPUs to the kubelet as nvidia.com/gpu (and nvidia.com/gpu.shared,

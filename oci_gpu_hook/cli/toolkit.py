@@ -177,8 +177,8 @@ def rollout(obj, node, pod, image, install, runtime, host_root, restart, namespa
     def install_step(name):
         return host.install(host_root, [name], (), restart)
 
-    def uninstall_step():
-        return host.uninstall(host_root, restart)
+    def uninstall_step(restarting):
+        return host.uninstall(host_root, restart if restarting else "none")
 
     client = Client.from_environment(api_server, token_file, ca_file)
     Rollout(client, node, namespace, None if once else pod, image, gates.gates_path(obj.settings.records_path),

@@ -87,6 +87,15 @@ def report(client: Client, node: str, verdicts: dict | None, namespace: str = "d
     return lines
 
 
+def take_back(client: Client, node: str) -> list:
+    """The Node as before any report: no gate label, no GPUHookReady condition (the rollout's
+    removal)."""
+    client.patch(f"/api/v1/nodes/{node}", {"metadata": {"labels": {LABEL_PREFIX + g: None for g in gates.ORDER}}})
+    client.patch(f"/api/v1/nodes/{node}/status", {"status": {"conditions": [{"type": CONDITION, "$patch": "delete"}]}},
+                 strategic=True)  # fmt: skip
+    return [f"took back the Node's labels {LABEL_PREFIX}* and its condition {CONDITION}"]
+
+
 NOTE_LIMIT = 1024  # bytes: the API refuses a longer note
 INSTANCE_LIMIT = 128  # characters of reportingInstance
 

@@ -132,6 +132,15 @@ def record(gates_file: str, verdicts: dict) -> str:
     return gates.line(gate, verdict)
 
 
+def remove_pods(client: Client, node: str, namespace: str) -> None:
+    """Delete this node's validation pods, whatever made them: what a cut run left."""
+    for gate in gates.ORDER:
+        try:
+            _delete(client, f"/api/v1/namespaces/{namespace}/pods/{pod_name(gate, node)}", wait=False)
+        except ApiError:
+            pass
+
+
 def gpus(inventory) -> tuple:
     """(every device's UUID: the GPUs' and their MIG devices', the full GPUs' UUIDs) of the
     node's inventory: what gate plugin accepts, and what gate toolkit may ask for (a full GPU
@@ -166,6 +175,9 @@ def _verdict(client: Client, path: str, uid: str | None, node: str, wanted: list
                                 if c.get("type") == "PodScheduled" and c.get("status") == "False"), None)  # fmt: skip
             said = (f"{waiting.get('reason')}: {waiting.get('message', '')}" if waiting else
                     f"not scheduled: {unscheduled}" if unscheduled else status.get("phase"))  # fmt: skip
+            if unscheduled and "Insufficient " in unscheduled:
+                # Every GPU is in use: nothing is wrong, and the next round asks again.
+                return gates.verdict("pending", f"no GPU free to validate with ({said})")
             return gates.verdict("failed", f"the validation pod did not finish in {timeout:.0f} s ({said})", fix)
         time.sleep(1)
     terminated = next((s.get("state", {}).get("terminated") for s in status.get("containerStatuses") or []), None) or {}

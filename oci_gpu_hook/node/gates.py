@@ -7,9 +7,10 @@ Each verdict is pending, passed or failed, with why and the fix when failed.
 
 Whoever runs the rollout writes them (write); the device plugin reads them each round, when told
 to follow them (`device-plugin --gate FILE`). It serves and registers nothing until the toolkit
-gate first passes, so the node advertises no GPU on a hook that does not work. And while any gate
-has failed, every device is Unhealthy with that gate's line: the kubelet lowers allocatable to 0,
-and nothing new is scheduled onto a node whose hook stopped working. Pods that run keep their GPUs.
+gate first passes, so the node advertises no GPU on a hook that does not work. And while gate
+toolkit has failed, every device is Unhealthy with that gate's line: the kubelet lowers
+allocatable to 0, and nothing new is scheduled onto a node whose hook stopped working. Pods that
+run keep their GPUs. (A failed gate plugin withdraws nothing: its next pod could not be placed.)
 
 The file is root's alone (settings.write_trusted): a verdict decides whether pods get GPUs here.
 One the plugin cannot trust or read counts as no verdict: pending before the first pass, and a

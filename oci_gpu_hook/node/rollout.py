@@ -13,8 +13,10 @@ gate toolkit at the next round, and the device plugin withdraws the node's GPUs.
 
 On SIGTERM it uninstalls, but only when its DaemonSet is gone or being deleted (removed): a
 rolling update also ends this pod, and the next one, of the same DaemonSet, finds the hook in
-place and replaces the bundle in one rename, so that no container starts without a hook. It then
-takes the gates' file and the Node's gate labels back, and exits.
+place and replaces the bundle in one rename, so that no container starts without a hook. Where
+the API does not say, the hook stays. Removing, it first fails gate toolkit (the device plugin
+withdraws the GPUs), then uninstalls, then takes the gates' file, the Node's gate labels and its
+condition back, and exits.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from oci_gpu_hook.node.kubeapi import ApiError, Client
 INTERVAL = 300.0
 # containerRuntimeVersion's scheme (the kubelet's "containerd://1.6.20", "cri-o://1.30.4"): install's runtime.
 RUNTIMES = {"containerd": "containerd", "cri-o": "crio"}
-GONE = (401, 403, 404)  # no pod, no DaemonSet, or no credentials left: the deployment is being removed
 
 
 class Stopped(BaseException):
@@ -55,23 +56,34 @@ def owner(pod: dict | None) -> dict | None:
 
 
 def removed(pod: dict | None, daemonset: dict | None) -> bool:
-    """Whether this pod ends because its DaemonSet is gone or being deleted, not by a rolling
-    update (the same DaemonSet, which makes the next pod). pod None: it could not be read."""
-    if pod is None:
-        return True
+    """Whether this pod ends because its DaemonSet is being taken away: the pod, as the API has it
+    still, was made by a DaemonSet that is gone (daemonset None) or being deleted. Nothing else
+    is: a rolling update (the same DaemonSet), a DaemonSet made again under the name (another uid:
+    its own pod takes over the node), a pod the API no longer has (pod None: force-deleted, or
+    its credentials gone), which says nothing of the DaemonSet, and a pod no DaemonSet made."""
     made_by = owner(pod)
     if made_by is None:
-        return False  # not a DaemonSet's: nothing says the rollout is being taken away
+        return False
     if daemonset is None:
         return True
     meta = daemonset.get("metadata", {})
-    return meta.get("uid") != made_by.get("uid") or bool(meta.get("deletionTimestamp"))
+    return meta.get("uid") == made_by.get("uid") and bool(meta.get("deletionTimestamp"))
+
+
+def restarts_on_removal(runtime: str | None) -> bool:
+    """Whether uninstall restarts the runtime when the DaemonSet is removed. Not CRI-O: it stops
+    this very pod's container (StopContainer, until the grace period ends), and its graceful stop
+    waits for that call, so a restart asked from this pod waits on itself. Nor does it need one:
+    CRI-O watches its hooks directories, and forgets the hook once uninstall removes its file
+    there (the drop-in it read at start names directories only). containerd's base spec names
+    the hook's program: it must read its configuration again before the program goes."""
+    return runtime != "crio"
 
 
 class Rollout:
-    """One node's rollout. install(runtime) and uninstall() are toolkit/host.py's steps with their
-    options bound (install None: --no-install); inventory() loads the node's GPUs; say(line)
-    prints."""
+    """One node's rollout. install(runtime) and uninstall(restart) are toolkit/host.py's steps with
+    their options bound (install None: --no-install; restart False: the runtime is not restarted);
+    inventory() loads the node's GPUs; say(line) prints."""
 
     def __init__(self, client: Client, node: str, namespace: str, pod: str | None, image: str, gates_file: str,
                  inventory, install, uninstall, say, runtime: str | None = None, timeout: float = 120.0,
@@ -85,31 +97,37 @@ class Rollout:
     # --- a round ---------------------------------------------------------------------------
 
     def round(self) -> None:
-        failed = None  # (why, fix) of a gate toolkit that failed before its pod
+        try:
+            line = self._toolkit()
+        except ApiError:
+            raise  # the API server away: the round ends, and the verdicts stand
+        except HookError as e:  # install, the node's runtime, its inventory: gate toolkit says it
+            line = gate_validation.record(self.gates_file, {  # the last verdict's line is said
+                "plugin": gates.verdict("pending"),
+                "toolkit": gates.verdict("failed", str(e), f"oci-gpu-hook doctor on the node; kubectl logs -n "
+                                         f"{self.namespace} {self.pod or 'the toolkit pod'}")})  # fmt: skip
+        self.say(line)
+        passed = line == gates.line("toolkit", gates.verdict("passed"))
+        if not passed:
+            gate_validation.record(self.gates_file, {"plugin": gates.verdict("pending")})
+        self._report()  # the Node says gate toolkit's verdict before gate plugin's pod runs
+        if passed:
+            self.say(self._interruptible_call(self._validate, "plugin", None))
+            self._report()
+
+    def _toolkit(self) -> str:
+        """Install, then gate toolkit; its line."""
         if self.install is not None:
             runtime = self.runtime or runtime_of(self.client.get(f"/api/v1/nodes/{self.node}"))
             try:
                 for line in self.install(runtime):
                     self.say(line)
             except HookError as e:
-                failed = (f"install on the host failed: {e}", "oci-gpu-hook doctor on the node; kubectl logs -n "
-                          f"{self.namespace} {self.pod or 'the toolkit pod'}")  # fmt: skip
-        if failed is None:
-            _, whole = gate_validation.gpus(self.inventory())
-            if whole:
-                line = self._interruptible_call(self._validate, "toolkit", whole[-1])
-            else:
-                failed = ("this node's inventory lists no full GPU to validate with", "oci-gpu-hook doctor on the node")
-        if failed is not None:
-            line = gate_validation.record(self.gates_file, {"toolkit": gates.verdict("failed", *failed),
-                                                            "plugin": gates.verdict("pending")})  # fmt: skip
-        self.say(line)
-        if line != gates.line("toolkit", gates.verdict("passed")):
-            gate_validation.record(self.gates_file, {"plugin": gates.verdict("pending")})
-        self._report()  # the Node says gate toolkit's verdict before gate plugin's pod runs
-        if line == gates.line("toolkit", gates.verdict("passed")):
-            self.say(self._interruptible_call(self._validate, "plugin", None))
-            self._report()
+                raise PrerequisiteError(f"install on the host failed: {e}") from None
+        _, whole = gate_validation.gpus(self.inventory())
+        if not whole:
+            raise PrerequisiteError("this node's inventory lists no full GPU to validate with")
+        return self._interruptible_call(self._validate, "toolkit", whole[-1])
 
     def _validate(self, gate: str, uuid: str | None) -> str:
         known, _ = gate_validation.gpus(self.inventory())
@@ -165,6 +183,10 @@ class Rollout:
             self._interruptible = False
 
     def _ended(self) -> None:
+        try:  # what a cut round left
+            gate_validation.remove_pods(self.client, self.node, self.namespace)
+        except HookError:
+            pass
         if self.pod is None or self.uninstall is None:
             self.say("stopping: the hook stays on the host")
             return
@@ -174,36 +196,54 @@ class Rollout:
             self.say(f"stopping, and the hook stays on the host: cannot tell whether the DaemonSet is removed ({e})")
             return
         if not removing:
-            self.say("stopping for a new pod of this DaemonSet: the hook stays on the host")
+            self.say("stopping, and the hook stays on the host: the DaemonSet is not being deleted")
             return
         self.say("the DaemonSet is being removed: uninstalling from the host")
-        for line in self.uninstall():
-            self.say(line)
+        # First the GPUs withdrawn (the device plugin reads the verdict), then the hook taken away.
+        fix = "delete the toolkit DaemonSet's pods again, or run oci-gpu-hook uninstall on the node"
+        self.say(gate_validation.record(self.gates_file, {
+            "plugin": gates.verdict("pending"),
+            "toolkit": gates.verdict("failed", "the toolkit DaemonSet is being removed", fix)}))  # fmt: skip
+        self._report()
+        try:
+            runtime = self.runtime or runtime_of(self.client.get(f"/api/v1/nodes/{self.node}"))
+        except HookError:
+            runtime = None  # not known: restarted as configured
+        try:
+            for line in self.uninstall(restarts_on_removal(runtime)):
+                self.say(line)
+        except HookError as e:  # the GPUs stay withdrawn, and the Node says why
+            self.say(gate_validation.record(self.gates_file, {"toolkit": gates.verdict(
+                "failed", f"uninstall on the host failed: {e}", "oci-gpu-hook uninstall on the node")}))  # fmt: skip
+            self._report()
+            raise
         try:
             os.unlink(self.gates_file)
         except FileNotFoundError:
             pass
-        try:  # merge-patch null takes a label away; credentials already gone leave them
-            self.client.patch(f"/api/v1/nodes/{self.node}", {"metadata": {"labels": {
-                gate_report.LABEL_PREFIX + g: None for g in gates.ORDER}}})  # fmt: skip
+        try:
+            for line in gate_report.take_back(self.client, self.node):
+                self.say(line)
         except ApiError as e:
-            self.say(f"the Node's gate labels stay: {e}")
+            self.say(f"the Node's gate labels and condition stay: {e}")
 
     def _removed(self) -> bool:
         """removed() for this pod and its DaemonSet as the API has them now; ApiError when the API
         does not say (no answer)."""
-        pod = self._read(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod}")
+        # A pod the API will not show (gone, or these credentials gone) says nothing: None.
+        pod = self._read(f"/api/v1/namespaces/{self.namespace}/pods/{self.pod}", (401, 403, 404))
         made_by = owner(pod)
         if made_by is None:
-            return removed(pod, None)
+            return False
         name = made_by.get("name")
-        return removed(pod, self._read(f"/apis/apps/v1/namespaces/{self.namespace}/daemonsets/{name}"))
+        # Only a 404 says the DaemonSet is gone; a refusal raises (cannot tell).
+        return removed(pod, self._read(f"/apis/apps/v1/namespaces/{self.namespace}/daemonsets/{name}", (404,)))
 
-    def _read(self, path: str) -> dict | None:
-        """The object at path; None when the API says it is gone or these credentials are."""
+    def _read(self, path: str, absent: tuple) -> dict | None:
+        """The object at path; None on an answer in absent; ApiError on any other failure."""
         try:
             return self.client.get(path)
         except ApiError as e:
-            if e.status in GONE:
+            if e.status in absent:
                 return None
             raise

@@ -1,10 +1,12 @@
 """The cluster rolls the hook out itself (issue 47): `kubectl apply` of deploy/kubernetes/ on a
 fresh node, with nothing of ours installed, and nothing typed on the node.
 
-The node is a host of its own (kubecheck.Cluster's node_files): containerd and the kubelet in a
-mount namespace whose /etc, /usr/local, /var/lib and /run are overlays; containerd reads the
-administrators' /etc/containerd/config.toml (no hook in it), under a supervisor that starts it
-again when it exits. What the test changes in the manifests names the simulated host
+The node is a host of its own (kubecheck.Cluster's node_files): the runtime and the kubelet in a
+mount namespace whose /etc, /usr/local, /var/lib and /run are overlays; the runtime reads its own
+configuration with no flag (containerd the administrators' /etc/containerd/config.toml, CRI-O
+/etc/crio/crio.conf.d as `crio config` prints it: no hook in either), under a supervisor that
+starts it again when it exits. The first test runs on each: containerd, and CRI-O as the
+OpenShift node has it. What the test changes in the manifests names the simulated host
 (kubecheck.node_manifests), and two values of the toolkit's documented ones: RESTART=signal (no
 systemd runs this node: the supervisor restarts containerd), and the API server by its address
 with the validation pods in the node's network (this cluster has neither a Service network nor a
@@ -19,11 +21,13 @@ CNI). The host's /etc/oci-gpu-hook/config.yaml is the simulated host's, with the
 - containerd was restarted once by the install, and a pod asking for nvidia.com/gpu: 1 gets
   exactly one of the node's GPUs.
 - The toolkit's token changes its own Node's labels under oci-gpu-hook.io/ only: the
-  ValidatingAdmissionPolicy refuses another Node, and another label on its own.
-- Deleting the toolkit DaemonSet uninstalls: the node's /etc is byte for byte as before (the
-  runtime's configuration, the units), /usr/local as before (no bundle), no /var/lib/oci-gpu-hook,
-  no gates' file and no gate labels; containerd was restarted to read its configuration back, and
-  the device plugin withdraws the GPUs.
+  ValidatingAdmissionPolicies refuse another Node, another label, an owner and another condition
+  on its own, a privileged validation pod, another node's, and an event about another Node.
+- Deleting the toolkit DaemonSet uninstalls: gate toolkit fails first ("being removed"), then
+  the node's /etc is byte for byte as before (the runtime's configuration, the units), /usr/local
+  as before (no bundle), no /var/lib/oci-gpu-hook, no gates' file, no gate labels and no
+  GPUHookReady condition; containerd was restarted to read its configuration back (CRI-O, which
+  watches hooks.d, was not), and the device plugin withdraws the GPUs.
 And the failures: a containerd whose configuration install cannot wire (a base spec of the
 site's own) fails gate toolkit with install's line and advertises nothing; an upgrade to a new
 image while GPU pods start one after another keeps every start whole.
@@ -37,10 +41,11 @@ import os
 import hookcheck
 import kubecheck
 import kubeletcheck
+import pytest
 from hookcheck import config_with, listed_uuids
 from imagecheck import build
 
-from oci_gpu_hook.node import gate_report, gates
+from oci_gpu_hook.node import gate_report, gate_validation, gates
 from oci_gpu_hook.node.kubeapi import ApiError, Client
 
 NS = "oci-gpu-hook"
@@ -79,8 +84,12 @@ def allocatable(cluster) -> str | None:
     return (cluster.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")
 
 
-def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(simulated_host, tmp_path, require):
-    require("root", "openssl", "containerd", "ctr", "runc", "busybox", "gcc", "unshare", "nsenter", "pynvml")
+RUNTIME_PROGRAMS = {"containerd": ("containerd", "ctr"), "crio": ("podman", "conmon", "containerd")}
+
+
+@pytest.mark.parametrize("runtime", ["containerd", "crio"])
+def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simulated_host, tmp_path, require):
+    require("root", "openssl", "runc", "busybox", "gcc", "unshare", "nsenter", "pynvml", *RUNTIME_PROGRAMS[runtime])
     host = simulated_host(gpus=2)
     records = tmp_path / "run" / "containers"
     host_config = config_with(host, tmp_path, f"records_directory: {records}\naccept_volume_mounts: true\n"
@@ -89,7 +98,7 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(simulated_host,
         node_files = {"/etc/oci-gpu-hook/config.yaml": f.read()}
     out = build(tmp_path / "node.tar", tmp_path / "build")
     assert out.returncode == 0, out.stderr
-    with kubecheck.cluster_of_its_own(tmp_path, node_files) as cluster:
+    with kubecheck.cluster_of_its_own(tmp_path, node_files, runtime) as cluster:
         node = cluster.node_name
 
         def trees():
@@ -97,12 +106,12 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(simulated_host,
                     "usr_local": hookcheck.tree(cluster.on_node("/usr/local"))}  # fmt: skip
 
         before = trees()
-        cluster.ctr("images", "import", str(tmp_path / "node.tar"))
+        cluster.import_image(str(tmp_path / "node.tar"))
         cluster.kubectl("label", "node", node, f"{NFD_LABEL}=true")  # as NFD's worker would
         no_gpu = f"no-gpu-{os.getpid()}"
         cluster.apply({"apiVersion": "v1", "kind": "Node", "metadata": {"name": no_gpu}})
         cluster.apply(*kubecheck.node_manifests(host, tmp_path, str(records), PORT, {"RESTART": "signal"},
-                                                keep_node_selectors=True))  # fmt: skip
+                                                keep_node_selectors=True, keep_propagation=True))  # fmt: skip
 
         cluster.wait_until(lambda: condition(cluster).get("status") == "True", 300, "GPUHookReady True")
         assert condition(cluster)["message"] == "gates passed: toolkit, plugin"
@@ -144,6 +153,12 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(simulated_host,
         assert uuid in {g["uuid"] for g in host["gpus"]}
         cluster.kubectl("delete", "pod", "cuda", "--wait=true")
 
+        # The policies type-check against the API's own schemas (a warning would mean a check
+        # that fails at every request, or never).
+        policies = [p for p in cluster.get("validatingadmissionpolicies")["items"]
+                    if p["metadata"]["name"].startswith("oci-gpu-hook-")]  # fmt: skip
+        assert len(policies) == 3 and all(p.get("status", {}).get("typeChecking", {}).get("expressionWarnings") in
+                                          (None, []) for p in policies), policies  # fmt: skip
         # The toolkit's own credentials: its Node, its labels, nothing else.
         (toolkit_pod,) = daemonset_pods(cluster, TOOLKIT)
         token = tmp_path / "toolkit-token"
@@ -162,6 +177,41 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(simulated_host,
         assert "the toolkit changes only the Node's labels under oci-gpu-hook.io/" in refused.get(node, ""), refused
         ours = {f"{gate_report.LABEL_PREFIX}toolkit": "passed"}
         client.patch(f"/api/v1/nodes/{node}", {"metadata": {"labels": ours}})  # allowed
+        # Nor a Node's owners (the collector would delete it), nor another condition.
+        for path, body in ((f"/api/v1/nodes/{node}", {"metadata": {"ownerReferences": [
+                               {"apiVersion": "v1", "kind": "Node", "name": no_gpu, "uid": "0"}]}}),
+                           (f"/api/v1/nodes/{node}/status", {"status": {"conditions": [
+                               {"type": "Ready", "status": "False", "reason": "Forged"}]}})):  # fmt: skip
+            try:
+                client.patch(path, body, strategic=True)
+                refused[path] = None
+            except ApiError as e:
+                refused[path] = str(e)
+        assert "no annotation, finalizer or owner" in (refused[f"/api/v1/nodes/{node}"] or ""), refused
+        assert "only the GPUHookReady condition" in (refused[f"/api/v1/nodes/{node}/status"] or ""), refused
+        # Its pods: its own node's validation pods, in their shape; its events: about its Node.
+        privileged = gate_validation.pod("toolkit", node, NS, kubeletcheck.IMAGE, host["gpus"][0]["uuid"])
+        privileged["spec"]["volumes"].append({"name": "root", "hostPath": {"path": "/", "type": "Directory"}})
+        privileged["spec"]["containers"][0]["volumeMounts"].append({"name": "root", "mountPath": "/host"})
+        elsewhere = gate_validation.pod("plugin", no_gpu, NS, kubeletcheck.IMAGE)
+        for body in (privileged, elsewhere):
+            try:
+                client.post(f"/api/v1/namespaces/{NS}/pods", body)
+                refused[body["metadata"]["name"]] = None
+            except ApiError as e:
+                refused[body["metadata"]["name"]] = str(e)
+        assert "have no privilege, no capability" in (refused[f"gate-toolkit-{node}"] or ""), refused
+        assert "only its own node's validation pods" in (refused[f"gate-plugin-{no_gpu}"] or ""), refused
+        try:
+            client.post("/apis/events.k8s.io/v1/namespaces/default/events", {
+                "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"generateName": "forged-"},
+                "eventTime": "2026-11-30T00:00:00.000000Z", "reportingController": gate_report.CONTROLLER,
+                "reportingInstance": node, "action": "Validate", "reason": "Forged", "type": "Normal",
+                "regarding": {"apiVersion": "v1", "kind": "Node", "name": no_gpu}, "note": "forged"})  # fmt: skip
+            refused["event"] = None
+        except ApiError as e:
+            refused["event"] = str(e)
+        assert "about the Node its own pod runs on" in (refused["event"] or ""), refused
 
         # Removal: deleting the toolkit DaemonSet takes everything back.
         cluster.kubectl("delete", "-n", NS, "daemonset/oci-gpu-hook-toolkit", "--wait=true", "--timeout=60s")
@@ -179,13 +229,18 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(simulated_host,
         after = trees()
         assert after["etc"] == before["etc"], json.dumps(
             {p: (before["etc"].get(p), after["etc"].get(p)) for p in set(before["etc"]) | set(after["etc"])
-             if before["etc"].get(p) != after["etc"].get(p)}, indent=1)  # fmt: skip
+             if before["etc"].get(p) != after["etc"].get(p)}, indent=1) + logged["text"][-3000:]  # fmt: skip
         assert after["usr_local"] == before["usr_local"], sorted(set(after["usr_local"]) ^ set(before["usr_local"]))
         assert not os.path.lexists(cluster.on_node("/var/lib/oci-gpu-hook"))
         assert not os.path.lexists(gates.gates_path(str(records)))
-        assert cluster.runtime_starts() == 3
+        # containerd read its configuration again; CRI-O, which forgot the hook by itself (it watches
+        # hooks.d), was not restarted from the pod it was stopping (node/rollout.py).
+        assert cluster.runtime_starts() == (3 if runtime == "containerd" else 2)
         labels = cluster.node()["metadata"]["labels"]
         assert not [k for k in labels if k.startswith(gate_report.LABEL_PREFIX)], labels
+        assert condition(cluster) == {}  # GPUHookReady taken back too
+        withdrawn = [e for e in events(cluster) if e[0] == "GateToolkitFailed"]
+        assert withdrawn and "the toolkit DaemonSet is being removed" in withdrawn[-1][2], events(cluster)
         cluster.wait_until(lambda: allocatable(cluster) == "0", 60, "the GPUs withdrawn with the hook gone")
 
 
@@ -220,7 +275,7 @@ def test_a_runtime_that_cannot_take_the_hook_fails_gate_toolkit_and_advertises_n
         cluster.ctr("images", "import", str(tmp_path / "node.tar"))
         cluster.kubectl("label", "node", cluster.node_name, f"{NFD_LABEL}=true")
         cluster.apply(*kubecheck.node_manifests(host, tmp_path, str(records), PORT, {"RESTART": "signal"},
-                                                keep_node_selectors=True))  # fmt: skip
+                                                keep_node_selectors=True, keep_propagation=True))  # fmt: skip
         cluster.wait_until(lambda: condition(cluster).get("status") == "False", 300, "GPUHookReady False")
         ready = condition(cluster)
         assert ready["reason"] == "GateToolkitFailed", ready
@@ -292,7 +347,7 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
             cluster.ctr("images", "import", archive)
         cluster.kubectl("label", "node", cluster.node_name, f"{NFD_LABEL}=true")
         docs = kubecheck.node_manifests(host, tmp_path, str(records), PORT, {"RESTART": "signal"},
-                                        keep_node_selectors=True)  # fmt: skip
+                                        keep_node_selectors=True, keep_propagation=True)  # fmt: skip
         cluster.apply(*docs)
         cluster.wait_until(lambda: condition(cluster).get("status") == "True", 300, "GPUHookReady True")
         cluster.wait_until(lambda: allocatable(cluster) == "2", 60, "two GPUs advertised")

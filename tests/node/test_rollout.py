@@ -26,12 +26,24 @@ def pod_of(uid="ds-1"):
 
 def test_only_a_removed_daemonset_uninstalls():
     """A rolling update ends the pod too, with its DaemonSet still there: the hook stays (the next
-    pod replaces the bundle); a DaemonSet gone, being deleted, or made again under the same name
-    (another uid) is a removal."""
+    pod replaces the bundle). Only positive evidence is a removal: the pod, still there, was made
+    by a DaemonSet that is gone or being deleted. A DaemonSet made again under the name (another
+    uid) takes the node over with its own pod; a pod the API no longer shows (force-deleted, or
+    the credentials gone) says nothing of the DaemonSet."""
     daemonset = {"metadata": {"uid": "ds-1"}}
+    deleting = {"metadata": {"uid": "ds-1", "deletionTimestamp": "2026-11-30T05:00:00Z"}}
     assert rollout.removed(pod_of(), daemonset) is False
     assert rollout.removed(pod_of(), None) is True
-    assert rollout.removed(pod_of(), {"metadata": {"uid": "ds-1", "deletionTimestamp": "2026-11-30T05:00:00Z"}})
-    assert rollout.removed(pod_of(), {"metadata": {"uid": "ds-2"}}) is True
-    assert rollout.removed(None, daemonset) is True  # the pod itself could not be read: it is gone
-    assert rollout.removed({"metadata": {}}, None) is False  # no DaemonSet made it: nothing says remove
+    assert rollout.removed(pod_of(), deleting) is True
+    assert rollout.removed(pod_of(), {"metadata": {"uid": "ds-2"}}) is False
+    assert rollout.removed(pod_of("ds-2"), deleting) is False  # another DaemonSet's deletion
+    assert rollout.removed(None, None) is False
+    assert rollout.removed({"metadata": {}}, None) is False  # no DaemonSet made it
+
+
+def test_removal_restarts_containerd_but_not_crio():
+    """containerd's base spec names the hook's program: it reads its configuration again before
+    the program goes. CRI-O would wait on this pod's own stop, and forgets the hook by itself."""
+    assert rollout.restarts_on_removal("containerd") is True
+    assert rollout.restarts_on_removal(None) is True
+    assert rollout.restarts_on_removal("crio") is False

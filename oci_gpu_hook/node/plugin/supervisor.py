@@ -30,7 +30,7 @@ class DevicePlugin:
                  gate: str | None = None):  # fmt: skip
         self.settings, self.config, self.socket_dir, self.where = settings, config, socket_dir, where
         # The validation gates' file this plugin follows (node/gates.py), or None: registered only
-        # once the toolkit gate first passed; every device withdrawn while a gate has failed.
+        # once the toolkit gate first passed; every device withdrawn while gate toolkit has failed.
         self.gate, self.gate_passed = gate, False
         self.withdrawn: str | None = None
         self.kubelet_socket = os.path.join(socket_dir, KUBELET_SOCKET)
@@ -103,8 +103,8 @@ class DevicePlugin:
 
     def read_gate(self) -> None:
         """The gates' verdicts now: whether this plugin may register (the toolkit gate passed once),
-        and whether its devices are withdrawn (a gate failed; after the first pass, a file that is
-        gone or not to be trusted too)."""
+        and whether its devices are withdrawn (gate toolkit failed; after the first pass, a file
+        that is gone or not to be trusted too)."""
         from oci_gpu_hook.node import gates
 
         if self.gate is None:
@@ -117,7 +117,10 @@ class DevicePlugin:
             if gates.toolkit_passed(verdicts) and not self.gate_passed:
                 say("gate toolkit passed: serving and registering")
                 self.gate_passed = True
-            withdrawn = gates.failed(verdicts)
+            # Gate toolkit alone: a hook that does not work. A failed gate plugin is said on the
+            # Node, but withdrawing for it would keep its next pod from ever being placed.
+            toolkit = verdicts["toolkit"]
+            withdrawn = gates.line("toolkit", toolkit) if toolkit["state"] == "failed" else None
             if withdrawn is None and self.gate_passed and not gates.toolkit_passed(verdicts):
                 withdrawn = f"gate toolkit is {verdicts['toolkit']['state']} again"
         with self._health_lock:  # one assignment, under the lock an XID's health check takes

@@ -485,8 +485,9 @@ def test_a_mig_device_that_goes_away_is_no_longer_offered_and_comes_back(api, ho
 def test_the_gate_holds_registration_until_the_toolkit_passes_and_a_failed_gate_withdraws_every_device(
         api, host, kubelet, start, watches, tmp_path):  # fmt: skip
     """--gate FILE (issue 47): nothing is served or registered while the toolkit gate is pending
-    (no file yet); once it passes, every resource registers; a failed gate makes every device of
-    every resource Unhealthy with the gate's line, and a pass heals them, on the same registration;
+    (no file yet); once it passes, every resource registers; a failed gate toolkit makes every
+    device of every resource Unhealthy with the gate's line (a failed gate plugin does not), and a
+    pass heals them, on the same registration;
     a verdicts file anyone else could have written counts as a failure, and so does none at all
     once the toolkit gate had passed."""
     from oci_gpu_hook.node import gates
@@ -501,10 +502,14 @@ def test_the_gate_holds_registration_until_the_toolkit_passes_and_a_failed_gate_
     for stream in streams:
         stream.until(all_health("Healthy"), "every device healthy")
     why, fix = "the validation pod saw 0 GPUs, not 1", "oci-gpu-hook doctor on the node"
-    gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("failed", why, fix)})
+    # A failed gate plugin withdraws nothing: its next pod could never be placed otherwise.
+    gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("failed", "not scheduled", fix)})
+    time.sleep(2)  # rounds of 0.3 s: had it withdrawn, the next write would come second
+    gates.write(path, {"toolkit": gates.verdict("failed", why, fix), "plugin": gates.verdict("pending")})
     for stream in streams:
         stream.until(all_health("Unhealthy"), "every device withdrawn")
-    plugin.said(f"gate plugin failed: {why} (fix: {fix})")
+    plugin.said(f"gate toolkit failed: {why} (fix: {fix})")
+    assert "gate plugin failed" not in plugin.output()
     gates.write(path, {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
     for stream in streams:
         stream.until(all_health("Healthy"), "every device back")
