@@ -194,13 +194,16 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simula
         privileged["spec"]["volumes"].append({"name": "root", "hostPath": {"path": "/", "type": "Directory"}})
         privileged["spec"]["containers"][0]["volumeMounts"].append({"name": "root", "mountPath": "/host"})
         elsewhere = gate_validation.pod("plugin", no_gpu, NS, kubeletcheck.IMAGE)
-        for body in (privileged, elsewhere):
+        unconfined = gate_validation.pod("plugin", node, NS, kubeletcheck.IMAGE)
+        unconfined["spec"]["securityContext"] = {"seLinuxOptions": {"type": "spc_t"}}
+        for body in (privileged, elsewhere, unconfined):
             try:
                 client.post(f"/api/v1/namespaces/{NS}/pods", body)
                 refused[body["metadata"]["name"]] = None
             except ApiError as e:
                 refused[body["metadata"]["name"]] = str(e)
         assert "have no privilege, no capability" in (refused[f"gate-toolkit-{node}"] or ""), refused
+        assert "no SELinux type or sysctl of" in (refused[f"gate-plugin-{node}"] or ""), refused
         assert "only its own node's validation pods" in (refused[f"gate-plugin-{no_gpu}"] or ""), refused
         try:
             client.post("/apis/events.k8s.io/v1/namespaces/default/events", {
