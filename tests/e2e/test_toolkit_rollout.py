@@ -47,6 +47,7 @@ from imagecheck import build
 
 from oci_gpu_hook.node import gate_report, gate_validation, gates
 from oci_gpu_hook.node.kubeapi import ApiError, Client
+from oci_gpu_hook.toolkit import launcher
 
 NS = "oci-gpu-hook"
 PORT = 19401
@@ -84,13 +85,10 @@ def allocatable(cluster) -> str | None:
     return (cluster.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")
 
 
-RUNTIME_PROGRAMS = {"containerd": ("containerd", "ctr"), "crio": ("podman", "conmon", "containerd")}
-
-
-@pytest.mark.parametrize("runtime", ["containerd", "crio"])
-def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simulated_host, tmp_path, require):
-    require("root", "openssl", "runc", "busybox", "gcc", "unshare", "nsenter", "pynvml", *RUNTIME_PROGRAMS[runtime])
-    host = simulated_host(gpus=2)
+def node_prepared(host: dict, tmp_path) -> tuple:
+    """The node image built into tmp_path/node.tar, and the node's files: the host's hook
+    configuration, the simulated host's with what `install --accept-volume-mounts` writes on a
+    node that has none. (records directory, {path: text})."""
     records = tmp_path / "run" / "containers"
     host_config = config_with(host, tmp_path, f"records_directory: {records}\naccept_volume_mounts: true\n"
                                               "accept_envvar_when_unprivileged: false\n")  # fmt: skip
@@ -98,6 +96,17 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simula
         node_files = {"/etc/oci-gpu-hook/config.yaml": f.read()}
     out = build(tmp_path / "node.tar", tmp_path / "build")
     assert out.returncode == 0, out.stderr
+    return records, node_files
+
+
+RUNTIME_PROGRAMS = {"containerd": ("containerd", "ctr"), "crio": ("podman", "conmon", "containerd")}
+
+
+@pytest.mark.parametrize("runtime", ["containerd", "crio"])
+def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simulated_host, tmp_path, require):
+    require("root", "openssl", "runc", "busybox", "gcc", "unshare", "nsenter", "pynvml", *RUNTIME_PROGRAMS[runtime])
+    host = simulated_host(gpus=2)
+    records, node_files = node_prepared(host, tmp_path)
     with kubecheck.cluster_of_its_own(tmp_path, node_files, runtime) as cluster:
         node = cluster.node_name
 
@@ -259,19 +268,13 @@ def test_a_runtime_that_cannot_take_the_hook_fails_gate_toolkit_and_advertises_n
 
     require("root", "openssl", "containerd", "ctr", "runc", "busybox", "gcc", "unshare", "nsenter", "pynvml")
     host = simulated_host(gpus=1)
-    records = tmp_path / "run" / "containers"
-    host_config = config_with(host, tmp_path, f"records_directory: {records}\naccept_volume_mounts: true\n"
-                                              "accept_envvar_when_unprivileged: false\n")  # fmt: skip
+    records, node_files = node_prepared(host, tmp_path)
     site_spec = subprocess.run(["ctr", "oci", "spec"], capture_output=True, text=True, check=True).stdout
     config = cricheck.user_config(str(tmp_path / "node" / "containerd")).replace(
         'runtime_type = "io.containerd.runc.v2"\n',
         'runtime_type = "io.containerd.runc.v2"\nbase_runtime_spec = "/etc/containerd/site-spec.json"\n')  # fmt: skip
     assert "base_runtime_spec" in config
-    with open(host_config) as f:
-        node_files = {"/etc/oci-gpu-hook/config.yaml": f.read(), "/etc/containerd/config.toml": config,
-                      "/etc/containerd/site-spec.json": site_spec}  # fmt: skip
-    out = build(tmp_path / "node.tar", tmp_path / "build")
-    assert out.returncode == 0, out.stderr
+    node_files.update({"/etc/containerd/config.toml": config, "/etc/containerd/site-spec.json": site_spec})
     with kubecheck.cluster_of_its_own(tmp_path, node_files) as cluster:
         before = {"etc": hookcheck.tree(cluster.on_node("/etc"), contents=True),
                   "usr_local": hookcheck.tree(cluster.on_node("/usr/local"))}  # fmt: skip
@@ -336,15 +339,9 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
 
     require("root", "openssl", "containerd", "ctr", "runc", "busybox", "gcc", "unshare", "nsenter", "pynvml")
     host = simulated_host(gpus=2)
-    records = tmp_path / "run" / "containers"
-    host_config = config_with(host, tmp_path, f"records_directory: {records}\naccept_volume_mounts: true\n"
-                                              "accept_envvar_when_unprivileged: false\n")  # fmt: skip
-    with open(host_config) as f:
-        node_files = {"/etc/oci-gpu-hook/config.yaml": f.read()}
-    out = build(tmp_path / "node.tar", tmp_path / "build")
-    assert out.returncode == 0, out.stderr
+    records, node_files = node_prepared(host, tmp_path)
     following = next_release(tmp_path)
-    link = "/usr/local/libexec/oci-gpu-hook/oci-gpu-hook"
+    link = launcher.LAUNCHER
     with kubecheck.cluster_of_its_own(tmp_path, node_files) as cluster:
         for archive in (str(tmp_path / "node.tar"), following):
             cluster.ctr("images", "import", archive)
