@@ -86,7 +86,9 @@ RPM_SOURCES := README.md pyproject.toml oci_gpu_hook selinux rpm hooks.d docs
 # `make image`: the node services' image (deploy/build-image.py), built offline from this machine's
 # python3 and libraries and the locked Python packages (deploy/image-requirements.txt), as a
 # docker-archive in build/, the same bytes every time (docs/deploy.md, "The node services"). It
-# installs what the build needs and nothing of the test suite's.
+# installs what the build needs and nothing of the test suite's. The SELinux module the toolkit
+# loads is compiled for this host's policy family and, with SELINUX_HEADERS=DIR, for that one
+# (RHEL's headers on a Debian build host: ../shared/tools/selinux-rhel).
 $(VENV)/.installed-image: scripts/setup-host.sh deploy/image-requirements.txt
 	./scripts/setup-host.sh image
 	$(PYTHON) -m venv $(VENV)
@@ -95,7 +97,8 @@ $(VENV)/.installed-image: scripts/setup-host.sh deploy/image-requirements.txt
 	touch $@
 
 image: $(VENV)/.installed-image
-	$(PY) deploy/build-image.py --output build/oci-gpu-hook-node.tar
+	$(PY) deploy/build-image.py --output build/oci-gpu-hook-node.tar \
+		$(if $(SELINUX_HEADERS),--selinux-headers $(SELINUX_HEADERS))
 
 rpm:
 	./scripts/setup-host.sh

@@ -16,6 +16,10 @@ under /usr/local/libexec/oci-gpu-hook/bundles/<id>/, which holds
 - bin/python3, compiled here (static), which runs the interpreter with that loader and lib/;
 - its launcher (`python3 -IS`, the package's directory appended), and the pre-filter in front
   of it (static), which is what runtimes run;
+- the SELinux policy module, compiled for each policy family whose headers are here
+  (toolkit/policy_module.py: install loads the one for the host's policy): this machine's own
+  development headers (selinux-policy-dev on Debian, selinux-policy-devel on RHEL), and those
+  `--selinux-headers DIR` names (RHEL's, for an image built on Debian); each family once;
 and, leading into it: /usr/bin/python3, /usr/bin/oci-gpu-hook (the same launcher), and links at
 the libraries' paths on this machine.
 No compiled bytecode: Python compiles what it imports.
@@ -46,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from oci_gpu_hook.toolkit import bundle, prefilter  # noqa: E402
+from oci_gpu_hook.toolkit import bundle, policy_module, prefilter  # noqa: E402
 
 LOCK = os.path.join(HERE, "image-requirements.txt")
 EXTRAS = ("kubernetes",)  # the device plugin's gRPC
@@ -79,6 +83,18 @@ INSTALL_RECORDS = {"RECORD", "REQUESTED", "INSTALLER", "direct_url.json"}
 # (/usr/lib64), fail.
 LOADED_BY_NAME = ("libselinux.so.1", "libgcc_s.so.1", "libdl.so.2", "libpthread.so.0", "librt.so.1", "libm.so.6",
                   "libutil.so.1", "libresolv.so.2", "libanl.so.1")  # fmt: skip
+
+
+SELINUX_SOURCES = os.path.join(REPO, "selinux")
+SYSTEM_SELINUX_MAKEFILE = "/usr/share/selinux/devel/Makefile"  # it sets HEADERDIR to the next
+SYSTEM_SELINUX_HEADERS = "/usr/share/selinux/devel/include"
+# A policy's headers say which family they are in their build.conf (DISTRO), and the module's .te
+# takes that family's branch (selinux/oci_gpu_hook.te).
+FLAVOUR_OF_DISTRO = {"debian": "debian", "redhat": "rhel"}
+# Module format 19, the newest RHEL 8's libsepol (2.9) links; later ones add nothing the module
+# uses (a checkmodule that writes 21 by default would make a module RHEL 8 refuses). -M: both
+# families' policies are MCS.
+CHECKMODULE = "checkmodule -M -c 19"
 
 
 class BuildError(Exception):
@@ -333,7 +349,7 @@ def loaded_by_name(libc: str) -> set:
     return found
 
 
-def make_bundle(root: str, interpreter: str, stdlib: str, dynload: str, installed: dict) -> str:
+def make_bundle(root: str, interpreter: str, stdlib: str, dynload: str, installed: dict, selinux_headers=()) -> str:
     """The bundle (toolkit/bundle.py) under root's BUNDLES_DIR: the interpreter, its standard
     library, this package and its locked dependencies, and every library these need, in the
     bundle's own lib/. Returns its id. The root's own paths of those libraries become links to
@@ -356,6 +372,7 @@ def make_bundle(root: str, interpreter: str, stdlib: str, dynload: str, installe
                 copy(source, site, os.path.relpath(source, REPO))
     for distribution in sorted(installed):
         copy_distribution(distribution, site)
+    selinux_modules(top, selinux_headers)
     programs = [interpreter] + [os.path.join(d, f) for top_ in (site, library_tree)
                                 for d, _, files in os.walk(top_) for f in files if ".so" in f]  # fmt: skip
     libraries = set()
@@ -399,7 +416,59 @@ def make_bundle(root: str, interpreter: str, stdlib: str, dynload: str, installe
     return bundle_id
 
 
-def build(output: str, name: str, python: str, epoch: int, lock: str = LOCK) -> str:
+def selinux_flavour(headers: str) -> str:
+    """The policy family of a header tree, from its build.conf's DISTRO."""
+    distro = None
+    try:
+        with open(os.path.join(headers, "build.conf")) as f:
+            for line in f:
+                key, sep, value = line.partition("=")
+                if sep and key.strip().rstrip("?:").strip() == "DISTRO":
+                    distro = value.strip()
+    except OSError as e:
+        raise BuildError(f"{headers}: no SELinux policy headers there ({e.strerror}: build.conf)") from None
+    if distro not in FLAVOUR_OF_DISTRO:
+        raise BuildError(f"{headers}/build.conf: DISTRO {distro!r}, not one of {', '.join(FLAVOUR_OF_DISTRO)}: "
+                         "the module has no branch for that policy family")  # fmt: skip
+    return FLAVOUR_OF_DISTRO[distro]
+
+
+def selinux_modules(top: str, extra_headers=()) -> list:
+    """Compile selinux/oci_gpu_hook.te into top/selinux/<flavour>/oci_gpu_hook.pp, with this
+    machine's development headers and each of extra_headers; returns the flavours built."""
+    builds = []
+    if os.path.isfile(SYSTEM_SELINUX_MAKEFILE):
+        builds.append((selinux_flavour(SYSTEM_SELINUX_HEADERS), ["-f", SYSTEM_SELINUX_MAKEFILE]))
+    for headers in extra_headers:
+        headers = os.path.abspath(headers)
+        builds.append((selinux_flavour(headers), ["-f", f"{headers}/Makefile", f"HEADERDIR={headers}",
+                                                  "NAME=targeted"]))  # fmt: skip
+    if not builds:
+        raise BuildError(f"no SELinux policy headers ({SYSTEM_SELINUX_MAKEFILE}: selinux-policy-dev, or "
+                         "--selinux-headers DIR) to compile the module the toolkit loads: `make image` "
+                         "installs them")  # fmt: skip
+    flavours = [flavour for flavour, _ in builds]
+    if len(set(flavours)) != len(flavours):
+        raise BuildError(f"SELinux headers of one family given twice ({', '.join(flavours)}): one each")
+    for flavour, args in builds:
+        with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-selinux-") as work:
+            for ext in ("te", "if", "fc"):
+                shutil.copy(os.path.join(SELINUX_SOURCES, f"{policy_module.MODULE}.{ext}"), work)
+            argv = ["make", *args, "TYPE=mcs", f"CHECKMODULE={CHECKMODULE}", f"{policy_module.MODULE}.pp"]
+            try:
+                done = subprocess.run(argv, cwd=work, capture_output=True, text=True,
+                                      env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"})  # fmt: skip
+            except OSError as e:
+                raise BuildError(f"make: {e.strerror} (the SELinux module needs make, m4 and checkpolicy)") from None
+            if done.returncode != 0:
+                said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+                raise BuildError(f"the SELinux module for {flavour}: {said}")
+            copy(os.path.join(work, f"{policy_module.MODULE}.pp"), top,
+                 f"{policy_module.DIRECTORY}/{flavour}/{policy_module.MODULE}.pp")  # fmt: skip
+    return flavours
+
+
+def build(output: str, name: str, python: str, epoch: int, lock: str = LOCK, selinux_headers=()) -> str:
     interpreter, short, stdlib, dynload = python_paths(python)
     running = "{}.{}".format(*sys.version_info[:2])
     if short != running:
@@ -411,7 +480,7 @@ def build(output: str, name: str, python: str, epoch: int, lock: str = LOCK) -> 
         root = os.path.join(work, "rootfs")
         for directory in ("etc", "tmp", "usr/bin", "proc", "sys", "dev", "run", "var/cache"):
             os.makedirs(os.path.join(root, directory), exist_ok=True)
-        bundle_id = make_bundle(root, interpreter, stdlib, dynload, installed)
+        bundle_id = make_bundle(root, interpreter, stdlib, dynload, installed, selinux_headers)
         here = bundle.directory(bundle_id)
         os.symlink(f"{here}/{bundle.PYTHON}", os.path.join(root, "usr/bin/python3"))
         note = "# The node image's bundle (deploy/build-image.py, toolkit/bundle.py).\n"
@@ -447,6 +516,8 @@ def main() -> int:
         default=LOCK,
         help="the lock to build with (default: deploy/image-requirements.txt)",
     )
+    parser.add_argument("--selinux-headers", metavar="DIR", action="append", default=[],
+                        help="another SELinux policy family's headers to compile the module for (RHEL's)")  # fmt: skip
     parser.add_argument("--lock", action="store_true",
                         help="write the lock from this environment's versions; build nothing")  # fmt: skip
     args = parser.parse_args()
@@ -455,7 +526,8 @@ def main() -> int:
             write_lock(installed_closure(), args.requirements)
             print(args.requirements)
             return 0
-        print(build(args.output, args.name, args.python, source_date_epoch(), args.requirements))
+        print(build(args.output, args.name, args.python, source_date_epoch(), args.requirements,
+                    args.selinux_headers))  # fmt: skip
     except BuildError as e:
         sys.stderr.write(f"build-image: {e}\n")
         return 1

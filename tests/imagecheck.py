@@ -15,8 +15,14 @@ BUILDER = os.path.join(REPO, "deploy", "build-image.py")
 
 
 def build(output, tmpdir, umask: int = 0o022, *args) -> subprocess.CompletedProcess:
+    """The image as `make image SELINUX_HEADERS=` builds it for RHEL nodes on this Debian machine:
+    the SELinux module for both families (RHEL's headers: ../shared/tools/selinux-rhel)."""
+    from kubeletcheck import shared_tool
+
     os.makedirs(tmpdir, exist_ok=True)
-    return subprocess.run([sys.executable, BUILDER, "--output", str(output), *args], capture_output=True, text=True,
+    rhel = ["--selinux-headers", shared_tool("selinux-rhel")]
+    return subprocess.run([sys.executable, BUILDER, "--output", str(output), *rhel, *args], capture_output=True,
+                          text=True,
                           timeout=600, env={**os.environ, "TMPDIR": str(tmpdir)},
                           preexec_fn=lambda: os.umask(umask))  # fmt: skip
 

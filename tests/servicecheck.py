@@ -22,12 +22,13 @@ def free_port() -> int:
 
 class Exporter:
     def __init__(self, config: str, tmp_path, open_files: int | None = None, listen: str = "127.0.0.1",
-                 hostname: str | None = None, port: int | None = None):  # fmt: skip
+                 hostname: str | None = None, port: int | None = None, args=()):  # fmt: skip
         """open_files: the exporter's RLIMIT_NOFILE (soft and hard), to run it short of descriptors;
         listen: the host part of --listen ("" for every address); the tests connect to 127.0.0.1;
         hostname: the host name it sees (its Hostname label), in a UTS namespace of its own, as if
         it ran on that node of a cluster (needs root); port: the one to listen on (a stopped
-        exporter's, to start it again where Prometheus scrapes it), else a free one."""
+        exporter's, to start it again where Prometheus scrapes it), else a free one; args: more of
+        its options."""
         self.port = port or free_port()
         self.last_reply = None  # when the last page came: text() asks again only REUSE_SECONDS later
         self.log = open(tmp_path / f"exporter-{self.port}.log", "w+")
@@ -40,7 +41,7 @@ class Exporter:
                 socket.sethostname(hostname)
 
         self.proc = subprocess.Popen(
-            [*hook_command(config), "exporter", "--listen", f"{listen}:{self.port}"],
+            [*hook_command(config), "exporter", "--listen", f"{listen}:{self.port}", *args],
             stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
             preexec_fn=limit,
         )  # fmt: skip

@@ -30,7 +30,8 @@ boot: leave the node as you found it (remove containers, restore policies and fi
 Test it alone: VMCHECK_SCENARIOS=NAME[,NAME] pytest tests/e2e/test_node_vm.py (the boot still
 runs the set-up); while writing one, VMCHECK_SCENARIOS=/path/to/NAME.sh runs it from there. A
 scenario that needs the shared CRI-O or kubelet in the VM says so (`# needs: crio kubelet`): their
-programs then come in the payload's bin/ (and CRI-O's pause image as pause.tar).
+programs then come in the payload's bin/ (and CRI-O's pause image as pause.tar). One that needs
+the node image (`# needs: image`) finds its root, unpacked, at $P/node-image.
 
 The pieces
 ----------
@@ -74,12 +75,14 @@ import argparse
 import fcntl
 import glob
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 import traceback
 
@@ -192,7 +195,8 @@ def proves(name: str) -> str:
 
 
 def needs(name: str) -> list:
-    """The shared tools the scenario needs in the VM (its `# needs:` line: crio, kubelet)."""
+    """What the scenario needs in the VM (its `# needs:` line): shared tools (crio, kubelet), and
+    `image`, the node image's root at $P/node-image (deploy/build-image.py)."""
     return _header(path(name), "needs")
 
 
@@ -283,6 +287,23 @@ def _selinux_rpm(directory: str, into: str) -> None:
     shutil.rmtree(topdir)
 
 
+def _node_image(directory: str, into: str) -> None:
+    """The node image's root, as `make image SELINUX_HEADERS=` builds it on this machine (its
+    bundle carries the SELinux module for both policy families), unpacked (owners kept): a
+    scenario chroots into it to run the toolkit as the node pod would."""
+    archive = os.path.join(directory, "node-image.tar")
+    headers = _made("selinux-rhel")
+    _sh(sys.executable, os.path.join(REPO, "deploy", "build-image.py"), "--output", archive, "--selinux-headers",
+        headers, cwd=REPO)  # fmt: skip
+    with tarfile.open(archive) as outer:
+        (manifest,) = json.load(outer.extractfile("manifest.json"))
+        (name,) = manifest["Layers"]
+        with tarfile.open(fileobj=io.BytesIO(outer.extractfile(name).read())) as layer:
+            layer.extractall(into)
+    os.makedirs(os.path.join(into, "host"), exist_ok=True)  # where the node pod mounts the host's root
+    os.unlink(archive)
+
+
 def payload(directory: str, names, flavour: str = "debian") -> str:
     """The payload tar for a boot of the flavour's image that runs the scenarios names (in that
     order), built in directory; returns its path."""
@@ -303,7 +324,10 @@ def payload(directory: str, names, flavour: str = "debian") -> str:
     _sh("tar", "-C", os.path.join(directory, "gpubox"), "-cf", os.path.join(stage, "gpubox.tar"), ".")
     tools = sorted({tool for name in names for tool in needs(name)})
     for tool in tools:
-        _tool_programs(tool, os.path.join(stage, "bin"))
+        if tool == "image":
+            _node_image(directory, os.path.join(stage, "node-image"))
+        else:
+            _tool_programs(tool, os.path.join(stage, "bin"))
     if "crio" in tools:
         # CRI-O's pause image: the busybox image with a /pause that sleeps (no registry in the VM)
         with open(os.path.join(directory, "gpubox", "pause"), "w") as f:

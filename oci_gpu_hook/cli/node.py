@@ -8,8 +8,11 @@ import click
 @click.command()
 @click.option("--listen", metavar="HOST:PORT",
               help="Address to serve /metrics on (default: node.exporter_listen, :9400).")  # fmt: skip
+@click.option("--gate", metavar="FILE",
+              help="The validation gates' file (the toolkit's gates.json): /ready answers 503 until every gate "
+                   "in it passed.")  # fmt: skip
 @click.pass_obj
-def exporter(obj, listen):
+def exporter(obj, listen, gate):
     """Serve GPU metrics for Prometheus (DCGM exporter names), labelled with the container, pod
     and namespace holding each device, and the hook's own counters. Runs until stopped."""
     from oci_gpu_hook.node import exporter as exporter_module
@@ -17,7 +20,7 @@ def exporter(obj, listen):
     settings = obj.settings
     listen = listen or settings.node.exporter_listen
     exporter_module.parse_listen(listen)  # a bad address says so before NVML starts
-    return exporter_module.run(settings, listen)
+    return exporter_module.run(settings, listen, gate)
 
 
 @click.command()

@@ -181,11 +181,14 @@ def sharing(settings, inventory) -> dict:
             for r in offered for unit in r.units}  # fmt: skip
 
 
-def responder(exporter: Exporter):
-    """respond(path, head) for the scrape server: the page, or the index, or 404. HEAD answers with
-    the last page rendered and renders none: anyone who can reach the port can ask, and only a
-    GET may make the exporter read NVML (the server reuses a page for every GET of its path within
-    scrape_server.REUSE_SECONDS). The page depends on the path alone: no query string is read."""
+def responder(exporter: Exporter, gate: str | None = None):
+    """respond(path, head) for the scrape server: the page, or the index, or /ready, or 404. HEAD
+    answers with the last page rendered and renders none: anyone who can reach the port can ask,
+    and only a GET may make the exporter read NVML (the server reuses a page for every GET of its
+    path within scrape_server.REUSE_SECONDS). The page depends on the path alone: no query string
+    is read. /ready (the readiness probe's) is 200 once every gate in the gates' file passed
+    (gate (d): the exporter is a Service endpoint only on a validated node), else 503 with the
+    line of the gate it waits on; without a gate, 200."""
     last = [b""]
 
     def respond(path: str, head: bool = False):
@@ -201,15 +204,33 @@ def responder(exporter: Exporter):
             return 200, "text/plain; version=0.0.4; charset=utf-8", last[0]
         if path == "/":
             return 200, "text/html", b'<html><body><a href="/metrics">metrics</a></body></html>\n'
+        if path == "/ready":
+            waiting = _waiting_on(gate)
+            if waiting is None:
+                return 200, "text/plain", b"ready\n"
+            return 503, "text/plain", f"waiting: {waiting}\n".encode("utf-8", "replace")
         return 404, "text/plain", b"not found\n"
 
     return respond
 
 
-def serve(exporter: Exporter, listen: str, ready=None) -> None:
+def _waiting_on(gate: str | None) -> str | None:
+    """Why the exporter is not ready (None: it is): a gate that has not passed, or a gates' file
+    not to be trusted."""
+    if gate is None:
+        return None
+    from oci_gpu_hook.node import gates
+
+    try:
+        return gates.holding(gates.read(gate))
+    except ValueError as e:
+        return f"the gates' verdicts cannot be trusted: {e}"
+
+
+def serve(exporter: Exporter, listen: str, ready=None, gate: str | None = None) -> None:
     host, port = parse_listen(listen)
     try:
-        server = ScrapeServer(host, port, responder(exporter), log)  # "": every address, IPv6 and IPv4
+        server = ScrapeServer(host, port, responder(exporter, gate), log)  # "": every address, IPv6 and IPv4
     except OSError as e:
         raise HookError(f"cannot listen on {listen}: {e.strerror or e}") from None
     log(f"serving /metrics on {listen} (records: {exporter.records_directory})")
@@ -222,7 +243,7 @@ def serve(exporter: Exporter, listen: str, ready=None) -> None:
         exporter.stop()
 
 
-def run(settings, listen: str) -> int:
+def run(settings, listen: str, gate: str | None = None) -> int:
     from oci_gpu_hook.node.nvml_reader import HostReader
 
     exporter = Exporter(HostReader(settings, detail=True, tell=log), settings.records_path)
@@ -232,5 +253,5 @@ def run(settings, listen: str) -> int:
         exporter.scrape()  # NVML started, and a failure logged, before Prometheus's first scrape
         log(f"ready in {time.monotonic() - started:.2f} s")
 
-    serve(exporter, listen, ready)
+    serve(exporter, listen, ready, gate)
     return 0

@@ -94,5 +94,11 @@ def line(gate: str, verdict: dict) -> str:
         f" (fix: {verdict['fix']})" if verdict["fix"] else "")  # fmt: skip
 
 
+def holding(verdicts: dict) -> str | None:
+    """The line of the first gate that has not passed (what keeps gate (d), the labels and the
+    exporter, waiting), or None once every gate passed."""
+    return next((line(g, verdicts[g]) for g in ORDER if verdicts[g]["state"] != "passed"), None)
+
+
 def toolkit_passed(verdicts: dict) -> bool:
     return verdicts["toolkit"]["state"] == "passed"

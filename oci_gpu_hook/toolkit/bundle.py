@@ -15,6 +15,7 @@ the hook loads. Laid out as:
 | site/ | this package and its dependencies |
 | oci-gpu-hook-python | the launcher (toolkit/launcher.py) of bin/python3 with site/ |
 | oci-gpu-hook | the pre-filter (toolkit/prefilter.py), static, handing on to that launcher |
+| selinux/<family>/oci_gpu_hook.pp | the SELinux module, compiled per policy family (toolkit/policy_module.py) |
 
 What a runtime runs is the pre-filter: a compiled program, which the kernel maps once and which
 runs its own bundle's launcher by that bundle's path, so that a start that began with one bundle

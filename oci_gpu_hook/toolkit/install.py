@@ -726,10 +726,25 @@ def _read_manifest(tree: Tree) -> dict:
     bundles = doc.get("bundles", [])
     bundles_ok = isinstance(bundles, list) and all(isinstance(b, str) and bundle.is_id(b) for b in bundles)
     restart_ok = isinstance(doc.get("restart", []), list) and set(doc.get("restart", [])) <= set(RUNTIME_FILES)
-    if not (files_ok and dirs_ok and saved_ok and bundles_ok and restart_ok and _edited_ok(doc.get("edited", {}))):
+    module_ok = _module_record_ok(doc.get("selinux_module"))
+    if not (files_ok and dirs_ok and saved_ok and bundles_ok and restart_ok and module_ok
+            and _edited_ok(doc.get("edited", {}))):  # fmt: skip
         raise InstallError(f"{path}: names paths install never writes; not trusted (remove it, and what it "
                            "lists, by hand)")  # fmt: skip
     return doc
+
+
+def _module_record_ok(record) -> bool:
+    """The manifest's record of the SELinux module install loaded (_load_selinux_module): uninstall
+    runs `semodule -r` on what it names, so only the one module, at install's own priority."""
+    from oci_gpu_hook.toolkit import policy_module
+
+    if record is None:
+        return True
+    return (isinstance(record, dict) and set(record) == {"policy", "priority", "sha256"}
+            and record["priority"] == policy_module.PRIORITY
+            and record["policy"] in policy_module.FLAVOUR_OF_POLICY
+            and isinstance(record["sha256"], str) and len(record["sha256"]) == 64)  # fmt: skip
 
 
 def _ancestors(path: str) -> list:
@@ -1049,6 +1064,10 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
                            "move it away (or merge it by hand) and run install again")  # fmt: skip
     lines = []
     try:
+        if running is not None and root == "/":
+            # Before any file: its one file context names the start server's launcher, labelled
+            # below; and a module that cannot be loaded leaves nothing written.
+            lines += _load_selinux_module(tree, manifest, running)
         for entry in entries:
             path = tree.entry(entry.path)
             now = _current(path)
@@ -1080,6 +1099,8 @@ def _install(tree: Tree, runtimes, argv_prefix, replace_nvidia_hook, node_servic
             lines.append(f"{'updated' if now is not None else 'wrote'} {path}")
         if root == "/" and any(e.path == START_LAUNCHER for e in entries):
             lines += _label_as_the_policy_says(tree.entry(START_LAUNCHER))
+        if root == "/" and running is not None:
+            lines += _label_as_the_policy_says(tree.entry(bundle.directory(running)), recursive=True)
         if running is not None:
             lines += _keep_bundles(tree, manifest, running)
     finally:
@@ -1104,30 +1125,119 @@ def _link_atomically(value: str, path: str) -> None:
         raise
 
 
-def _label_as_the_policy_says(path: str) -> list:
-    """Give path the label the loaded policy's file contexts name, as `restorecon PATH` does (its
-    type; selinux_restorecon(3) with no flags). A file install writes gets its directory's label
-    (usr_t under /usr/local), and only the module's file context makes START_LAUNCHER the entry
-    point of the start server's domain. Every install does it, so that install run again after
-    the module was loaded or removed puts the label right. Returns the line saying so when the
-    label changed; nothing on a host without SELinux (libselinux is not even loaded there)."""
+# selinux_restorecon(3)'s flags (selinux/restorecon.h): into directories, and no digest of the
+# policy's file contexts written onto them (an xattr of ours that uninstall would leave behind).
+RESTORECON_RECURSE = 0x00008
+RESTORECON_SKIP_DIGEST = 0x08000
+
+
+def _label_as_the_policy_says(path: str, recursive: bool = False) -> list:
+    """Give path (recursive: and all under it) the label the loaded policy's file contexts name,
+    as `restorecon [-R] PATH` does (its type; selinux_restorecon(3)). A file install writes gets
+    its directory's label (usr_t under /usr/local), and only the module's file context makes
+    START_LAUNCHER the entry point of the start server's domain. A bundle the toolkit placed
+    was copied from the image, whose directories' labels copytree copied too (a container's
+    file type, on the host). Every install does it, so that install run again after the module
+    was loaded or removed puts the label right. Returns the line saying so when a label
+    changed; nothing on a host without SELinux (libselinux is not even loaded there)."""
     from oci_gpu_hook.start.linux import labels
 
     if not labels.selinux_enabled():
         return []
     import ctypes
 
-    before = _label_of(path)
+    def labelled() -> dict:
+        if not recursive:
+            return {path: _label_of(path)}
+        found = {}
+        for here, dirs, names in os.walk(path):
+            for name in [*dirs, *names]:
+                found[os.path.join(here, name)] = _label_of(os.path.join(here, name))
+        return {path: _label_of(path), **found}
+
+    before = labelled()
+    flags = RESTORECON_RECURSE | RESTORECON_SKIP_DIGEST if recursive else 0
     try:
-        failed = ctypes.CDLL("libselinux.so.1", use_errno=True).selinux_restorecon(os.fsencode(path), 0) != 0
+        failed = ctypes.CDLL("libselinux.so.1", use_errno=True).selinux_restorecon(os.fsencode(path), flags) != 0
         why = os.strerror(ctypes.get_errno())
     except (OSError, AttributeError) as e:  # no libselinux, or one before selinux_restorecon (2.5)
         failed, why = True, str(e)
     if failed:
         raise InstallError(f"{path}: cannot give it the label the SELinux policy names ({why}); "
-                           f"`restorecon {path}` does it")  # fmt: skip
-    after = _label_of(path)
-    return [] if after == before else [f"labelled {path} {after}"]
+                           f"`restorecon {'-R ' if recursive else ''}{path}` does it")  # fmt: skip
+    after = labelled()
+    changed = [p for p in after if after[p] != before.get(p)]
+    if not changed:
+        return []
+    if not recursive:
+        return [f"labelled {path} {after[path]}"]
+    return [f"labelled {len(changed)} files under {path} as the SELinux policy names"]
+
+
+def _load_selinux_module(tree: Tree, manifest: dict, running: str) -> list:
+    """Where SELinux is enabled, load the policy module the running bundle carries for the host's
+    policy (toolkit/policy_module.py), at its own priority, unless the store already holds that
+    build there; recorded in the manifest, so that uninstall removes it. A host whose policy the
+    bundle has no module for is refused, unless a module is loaded already (the RPM's, an
+    administrator's): what it lacks is then theirs to give."""
+    from oci_gpu_hook.start.linux import labels
+    from oci_gpu_hook.toolkit import policy_module
+
+    if not labels.selinux_enabled():
+        return []
+    try:
+        with open(tree.entry(policy_module.SELINUX_CONFIG)) as f:
+            config = f.read()
+    except FileNotFoundError:
+        config = None
+    except OSError as e:
+        raise InstallError(f"{policy_module.SELINUX_CONFIG}: {e.strerror}") from None
+    policy = policy_module.policy_type(config)
+    try:
+        path = policy_module.chosen(policy, policy_module.carried(tree.entry(bundle.directory(running))))
+    except policy_module.ModuleError as e:
+        there = policy_module.loaded_at(policy, tree.root) if policy else []
+        if there:
+            return [f"kept SELinux module {policy_module.MODULE} at priority {there[-1]}, loaded by another: {e}"]
+        raise InstallError(str(e)) from None
+    record = {"policy": policy, "priority": policy_module.PRIORITY, "sha256": policy_module.digest(path)}
+    if manifest.get("selinux_module") == record and policy_module.PRIORITY in policy_module.loaded_at(
+        policy, tree.root
+    ):
+        return []
+    try:
+        policy_module.load(path)
+    except policy_module.ModuleError as e:
+        raise InstallError(f"the SELinux module for policy {policy!r}: {e}") from None
+    manifest["selinux_module"] = record
+    return [f"loaded SELinux module {policy_module.MODULE} into policy {policy} at priority "
+            f"{policy_module.PRIORITY} ({os.path.relpath(path, bundle.directory(running))})"]  # fmt: skip
+
+
+def _remove_selinux_module(tree: Tree, manifest: dict) -> list:
+    """Remove the module install loaded (the manifest's record), unless a process still runs in
+    one of its domains: the kernel would leave it unlabeled_t, its GPU and files denied. Either
+    way the record goes, written at once, so that uninstall run again after a later failure
+    does not remove it twice or keep a record of a module it no longer answers for."""
+    from oci_gpu_hook.toolkit import policy_module
+
+    record = manifest.pop("selinux_module")
+    lines = []
+    if policy_module.PRIORITY in policy_module.loaded_at(record["policy"], tree.root):
+        in_use = policy_module.domains_in_use()
+        if in_use:
+            shown = " ".join(map(str, in_use[:5])) + (" ..." if len(in_use) > 5 else "")
+            lines.append(f"kept SELinux module {policy_module.MODULE}: processes {shown} run in its domains; "
+                         f"`semodule -X {policy_module.PRIORITY} -r {policy_module.MODULE}` once they "
+                         "ended")  # fmt: skip
+        else:
+            try:
+                policy_module.remove()
+            except policy_module.ModuleError as e:
+                raise InstallError(f"the SELinux module install loaded: {e}") from None
+            lines.append(f"removed SELinux module {policy_module.MODULE} (priority {policy_module.PRIORITY})")
+    _write_text(tree.entry(MANIFEST), json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return lines
 
 
 def _label_of(path: str) -> str | None:
@@ -1318,6 +1428,10 @@ def _uninstall(tree: Tree, between=None) -> list:
     _check_destinations(tree, [Entry(p) for p in list(manifest["files"]) + list(manifest.get("saved", {}))
                                + list(manifest.get("edited", {}))], manifest["directories"])  # fmt: skip
     lines = []
+    if manifest.get("selinux_module") is not None and tree.root == "/":
+        # First: a module that cannot be removed leaves everything else as it was. A container
+        # asking for gpu_container_t from here on is refused, as on a host without the module.
+        lines += _remove_selinux_module(tree, manifest)
     # What names a program goes before the program (install wrote them the other way round), so
     # that no runtime, unit or pre-filter is ever left pointing at a program already gone: a
     # container started while uninstall runs gets the hook or no hook, never a missing program.

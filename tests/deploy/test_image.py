@@ -12,11 +12,14 @@ cluster (tests/e2e/test_deploy.py runs it on one).
   device plugin's check lists the GPUs, the exporter serves them, and every module of the
   package imports (the kubelet API's gRPC stubs included).
 - `make image` installs what the build needs, and nothing of the test suite's.
+- Its bundle carries the SELinux module compiled for each policy family (toolkit/policy_module.py):
+  each in its family's branch of oci_gpu_hook.te, in module format 19 (RHEL 8's libsepol links it).
 """
 
 import json
 import os
 import re
+import struct
 import subprocess
 import tarfile
 import time
@@ -28,7 +31,7 @@ from imagecheck import build, image_bundle, layer
 from servicecheck import free_port
 
 from oci_gpu_hook.start import prefilter_rule
-from oci_gpu_hook.toolkit import bundle, install, launcher, prefilter
+from oci_gpu_hook.toolkit import bundle, install, launcher, policy_module, prefilter
 
 pytestmark = pytest.mark.host(gpus=2, mig=[1], needs=("unshare", "chroot", "mount"))
 
@@ -316,3 +319,40 @@ def test_the_bundle_runs_alone_in_an_empty_root(image_root, tmp_path, require):
                             program, "prestart"], input=state, capture_output=True, text=True, timeout=120,
                            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})  # fmt: skip
     assert plain.returncode == 0 and plain.stdout == plain.stderr == "", plain
+
+
+PP_TO_CIL = "/usr/libexec/selinux/hll/pp"  # policycoreutils: a module package as CIL (semodule's own)
+# What each family's branch of oci_gpu_hook.te makes gpu_container_t, and the other's does not:
+# container-selinux's sandbox domain on RHEL, refpolicy's system container domain on Debian.
+BRANCH_ATTRIBUTE = {"rhel": "svirt_sandbox_domain", "debian": "container_system_domain"}
+
+
+def module_header(path: str) -> tuple:
+    """(policy type, module format version, config) of a module package (.pp): its first section
+    is the module, after the package's magic, version and section offsets, and the module's own
+    magic and name (libsepol's policydb_write)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    magic, _, sections = struct.unpack_from("<III", data, 0)
+    assert magic == 0xF97CFF8F and sections >= 1, path
+    (offset,) = struct.unpack_from("<I", data, 12)
+    module_magic, length = struct.unpack_from("<II", data, offset)
+    assert module_magic == 0xF97CFF8D and data[offset + 8 : offset + 8 + length] == b"SE Linux Module", path
+    return struct.unpack_from("<III", data, offset + 8 + length)
+
+
+def test_the_bundle_carries_the_selinux_module_for_each_policy_family(image_root, tmp_path, require):
+    require(PP_TO_CIL)
+    modules = policy_module.carried(image_bundle(image_root))
+    assert sorted(modules) == ["debian", "rhel"]
+    for flavour, path in modules.items():
+        _, version, config = module_header(path)
+        assert version == 19 and config & 1, (flavour, version, config)  # config bit 0: MLS (both are MCS)
+        cil = tmp_path / f"{flavour}.cil"
+        out = subprocess.run([PP_TO_CIL, path, str(cil)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        text = cil.read_text()
+        assert "(type gpu_container_t)" in text and "(type oci_gpu_hook_start_t)" in text
+        other = BRANCH_ATTRIBUTE["debian" if flavour == "rhel" else "rhel"]
+        assert f"(typeattributeset {BRANCH_ATTRIBUTE[flavour]} (gpu_container_t" in text, flavour
+        assert f"(typeattributeset {other} (gpu_container_t" not in text, flavour

@@ -211,11 +211,16 @@ def test_every_container_has_requests_a_memory_limit_and_a_liveness_probe():
             assert ("readinessProbe" in c) == (name in SERVING), name
 
 
-def test_the_exporters_probes_use_its_port_and_its_index():
-    exporter = containers()["exporter"]
+def test_the_exporters_probes_use_its_port_its_index_and_the_gates():
+    """Liveness asks its index; readiness asks /ready, which waits on the gates' file the device
+    plugin reads (gate (d)). Neither reads NVML."""
+    exporter, plugin = containers()["exporter"], containers()["device-plugin"]
     (port,) = exporter["ports"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert exporter[probe]["httpGet"] == {"path": "/", "port": port["name"]}  # / reads no NVML
+    assert exporter["livenessProbe"]["httpGet"] == {"path": "/", "port": port["name"]}
+    assert exporter["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port["name"]}
+    gate = exporter["command"][exporter["command"].index("--gate") + 1]
+    assert gate == plugin["command"][plugin["command"].index("--gate") + 1]
+    assert any(gate.startswith(m["mountPath"] + "/") for m in exporter["volumeMounts"])
 
 
 def _run(command: list, replace: dict) -> int:

@@ -17,7 +17,8 @@ CNI). The host's /etc/oci-gpu-hook/config.yaml is the simulated host's, with the
   is scheduled there (each DaemonSet wants one pod, and none is bound to that Node).
 - The gates pass in order, as the API shows them: the events GateToolkitPassed, then
   GatePluginPassed; the device plugin registered only after gate toolkit passed; the labels pod
-  (gate d) was made only once gate plugin passed; GPUHookReady is True.
+  (gate d) was made, and the node pod (its exporter) became Ready, only once gate plugin passed;
+  GPUHookReady is True.
 - containerd was restarted once by the install, and a pod asking for nvidia.com/gpu: 1 gets
   exactly one of the node's GPUs.
 - The toolkit's token changes its own Node's labels under oci-gpu-hook.io/ only: the
@@ -139,6 +140,16 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simula
                            "the labels pod, once gate plugin passed")  # fmt: skip
         (labels_pod,) = daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-labels")
         assert labels_pod["metadata"]["creationTimestamp"] >= plugin_passed[:19] + "Z"
+
+        def node_pod_ready_since():
+            (pod,) = daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-node")
+            ready = {c["type"]: c for c in pod["status"].get("conditions", [])}.get("Ready", {})
+            return ready.get("lastTransitionTime") if ready.get("status") == "True" else None
+
+        # The exporter is ready (a Service endpoint) only once gate plugin passed: the node pod's
+        # device plugin was ready before that, since gate plugin needs its GPUs.
+        cluster.wait_until(node_pod_ready_since, 90, "the node pod Ready (its exporter, once every gate passed)")
+        assert node_pod_ready_since() >= plugin_passed[:19] + "Z", (node_pod_ready_since(), plugin_passed)
         labels = cluster.node()["metadata"]["labels"]
         assert {k: v for k, v in labels.items() if k.startswith(gate_report.LABEL_PREFIX)} == {
             f"{gate_report.LABEL_PREFIX}toolkit": "passed", f"{gate_report.LABEL_PREFIX}plugin": "passed"}  # fmt: skip

@@ -7,11 +7,14 @@ import os
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 
 import hookcheck
 import pytest
 from servicecheck import ANNOTATIONS, Exporter, start_gpu_container, values
 
+from oci_gpu_hook.node import gates
 from oci_gpu_hook.start import container_record, pids, settings
 from oci_gpu_hook.toolkit.containers import hook_command
 from oci_gpu_hook.toolkit.simulate import control
@@ -26,8 +29,8 @@ MIB = 1 << 20
 def exporter(host, tmp_path):
     started = []
 
-    def start(config=None, open_files=None, listen="127.0.0.1"):
-        e = Exporter(config or f"{host['root']}/config.yaml", tmp_path, open_files, listen)
+    def start(config=None, open_files=None, listen="127.0.0.1", args=()):
+        e = Exporter(config or f"{host['root']}/config.yaml", tmp_path, open_files, listen, args=args)
         started.append(e)
         return e
 
@@ -446,3 +449,37 @@ def test_a_gpu_without_gpm_has_no_profiling_series_and_says_so_once(host, export
     said = [line for line in e.output().splitlines() if "has no GPM" in line]
     assert sorted(line.split(" (")[0].split()[-1] for line in said) == ["0", "1"], said
     assert all("no DCGM_FI_PROF_* series" in line for line in said)
+
+
+def test_ready_waits_on_every_gate_and_the_index_does_not(host, exporter, tmp_path):
+    """--gate: /ready (the readiness probe's) is 503 with the line of the gate it waits on until
+    gate toolkit and gate plugin passed, and again when one fails; a gates' file that is not
+    root's alone is no verdict. / (liveness) answers 200 all along: a pending gate is no reason
+    to restart it. Gate (d) of issue 47: the exporter is a Service endpoint only on a validated node."""
+    gate = tmp_path / "run" / "gates.json"
+    e = exporter(args=["--gate", str(gate)])
+
+    def get(path: str) -> tuple:
+        from oci_gpu_hook.node.scrape_server import REUSE_SECONDS
+
+        time.sleep(REUSE_SECONDS + 0.1)  # an answer is reused for that long, as pages are
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{e.port}{path}", timeout=30) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    assert get("/ready") == (503, "waiting: gate toolkit pending\n")
+    gates.write(str(gate), {"toolkit": gates.verdict("passed")})
+    assert get("/ready") == (503, "waiting: gate plugin pending\n")
+    gates.write(str(gate), {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
+    assert get("/ready") == (200, "ready\n")
+    assert e.text()  # the page is the page, gated or not
+    broken = gates.verdict("failed", "no GPU in the container", "install again")
+    gates.write(str(gate), {"toolkit": broken, "plugin": gates.verdict("passed")})
+    assert get("/ready") == (503, "waiting: gate toolkit failed: no GPU in the container (fix: install again)\n")
+    gates.write(str(gate), {"toolkit": gates.verdict("passed"), "plugin": gates.verdict("passed")})
+    os.chmod(gate, 0o666)
+    status, body = get("/ready")
+    assert status == 503 and body.startswith("waiting: the gates' verdicts cannot be trusted: "), body
+    assert get("/")[0] == 200

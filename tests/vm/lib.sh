@@ -15,6 +15,10 @@
 #   prop UNIT PROPERTY   the value of a systemd unit's property (systemctl show)
 #   new_main_pid UNIT PID  succeeds once UNIT runs a main process other than PID (a restart)
 #   doctor_says ID       doctor's check ID as "STATUS summary" (from `doctor --json`)
+#   expect_gpu_zero FILE  fail unless gpu_run's output in FILE is a gpu_container_t container
+#                        that opened GPU 0's nodes through the device cgroup and SELinux (ENXIO or
+#                        ENODEV: no driver behind the simulated node), has no other GPU's node, and
+#                        sees the driver's libraries
 #   gpu_run NAME [PODMAN RUN OPTIONS...]
 #                        `podman run -t` of the busybox image with GPU 0 requested, whose shell
 #                        prints "domain=...", "dev <node> <OUTCOME>" for /dev/nvidiactl and
@@ -96,4 +100,15 @@ gpu_run() {
     local rc=${PIPESTATUS[0]}
     printf '[podman rc=%s]\n' "$rc"
     return "$rc"
+}
+
+expect_gpu_zero() {
+    local file=$1 d
+    expect "domain=system_u:system_r:gpu_container_t:s0:c" "$file"
+    for d in /dev/nvidiactl /dev/nvidia0; do
+        grep -E -q "^dev $d (ENXIO|ENODEV)-allowed" "$file" || fail "gpu_container_t may not open $d"
+    done
+    expect "nodes=1" "$file"  # GPU 0 asked for: /dev/nvidia1 is not there
+    grep -q '^libs=0$' "$file" && fail "no driver library in the gpu_container_t container"
+    return 0
 }

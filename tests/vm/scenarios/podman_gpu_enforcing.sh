@@ -12,12 +12,7 @@ manager=$(podman info --format '{{.Host.CgroupManager}}')
 # driver behind the simulated node), and the driver's libraries are there
 gpu_run vmcheck-gpu --security-opt label=type:gpu_container_t | tee /tmp/gpu.out
 [ "${PIPESTATUS[0]}" = 0 ] || fail "the gpu_container_t container did not run"
-expect "domain=system_u:system_r:gpu_container_t:s0:c" /tmp/gpu.out
-for d in /dev/nvidiactl /dev/nvidia0; do
-    grep -E -q "^dev $d (ENXIO|ENODEV)-allowed" /tmp/gpu.out || fail "gpu_container_t may not open $d"
-done
-expect "nodes=1" /tmp/gpu.out  # GPU 0 asked for: /dev/nvidia1 is not there
-grep -q '^libs=0$' /tmp/gpu.out && fail "no driver library in the gpu_container_t container"
+expect_gpu_zero /tmp/gpu.out
 
 # container_t (podman's default): the hook gives it the same nodes, SELinux refuses them
 gpu_run vmcheck-plain | tee /tmp/plain.out
