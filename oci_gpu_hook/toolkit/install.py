@@ -1219,14 +1219,23 @@ def _remove_selinux_module(tree: Tree, manifest: dict) -> list:
     one of its domains: the kernel would leave it unlabeled_t, its GPU and files denied. Either
     way the record goes, written at once, so that uninstall run again after a later failure
     does not remove it twice or keep a record of a module it no longer answers for."""
+    import time
+
     from oci_gpu_hook.toolkit import policy_module
 
     record = manifest.pop("selinux_module")
     lines = []
     if policy_module.PRIORITY in policy_module.loaded_at(record["policy"], tree.root):
+        # The start server is being stopped (--stop-units asks systemd, which does not wait for
+        # the job): its processes end within the hook's timeout. A GPU container's do not.
+        deadline = time.monotonic() + UNINSTALL_WAIT
         in_use = policy_module.domains_in_use()
+        while policy_module.START_DOMAIN in in_use.values() and time.monotonic() < deadline:
+            time.sleep(0.2)
+            in_use = policy_module.domains_in_use()
         if in_use:
-            shown = " ".join(map(str, in_use[:5])) + (" ..." if len(in_use) > 5 else "")
+            pids = list(in_use)
+            shown = " ".join(map(str, pids[:5])) + (" ..." if len(pids) > 5 else "")
             lines.append(f"kept SELinux module {policy_module.MODULE}: processes {shown} run in its domains; "
                          f"`semodule -X {policy_module.PRIORITY} -r {policy_module.MODULE}` once they "
                          "ended")  # fmt: skip

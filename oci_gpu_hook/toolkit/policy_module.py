@@ -104,35 +104,54 @@ def loaded_at(policy: str, root: str = "/") -> list:
 
 
 def load(path: str) -> None:
-    _semodule(["-X", str(PRIORITY), "-i", path], f"load {path}")
+    _semodule(["-X", str(PRIORITY), "-i", path])
 
 
 def remove() -> None:
-    _semodule(["-X", str(PRIORITY), "-r", MODULE], f"remove {MODULE}")
+    _semodule(["-X", str(PRIORITY), "-r", MODULE])
 
 
-def _semodule(args: list, what: str) -> None:
+def _semodule(args: list) -> None:
+    """semodule with args; ModuleError with its own words on failure. It runs with no descriptor
+    of ours but /dev/null: it execs load_policy, whose domain (load_policy_t) may not use a pipe of
+    its caller's (unconfined_t, spc_t), and the kernel logs a denial for each one it inherits.
+    Only when it failed is it run again with its output read, for the line that says why (a
+    module that does not link fails the same way before anything is loaded)."""
+    quiet = _run_semodule(args, subprocess.DEVNULL)
+    if quiet.returncode == 0:
+        return
+    done = _run_semodule(args, subprocess.PIPE)
+    if done.returncode == 0:
+        return  # it failed once and not again: what was asked is done
+    # Its first line says why (a statement the policy cannot resolve); its last, "Failed!".
+    said = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+    why = "; ".join(dict.fromkeys([said[0], said[-1]])) if said else f"exit status {done.returncode}"
+    raise ModuleError(f"semodule {' '.join(args)}: {why}")
+
+
+def _run_semodule(args: list, output) -> subprocess.CompletedProcess:
+    what = "loaded" if "-i" in args else "removed"
     try:
-        done = subprocess.run(["semodule", *args], env=ENVIRONMENT, stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=TIMEOUT)  # fmt: skip
+        return subprocess.run(["semodule", *args], env=ENVIRONMENT, stdin=subprocess.DEVNULL, stdout=output,
+                              stderr=output, text=True, timeout=TIMEOUT)  # fmt: skip
     except FileNotFoundError:
-        raise ModuleError(f"semodule: not found, so the SELinux module cannot {what.split()[0]} (policycoreutils "
+        raise ModuleError(f"semodule: not found, so the SELinux module cannot be {what} (policycoreutils "
                           "has it)") from None  # fmt: skip
     except subprocess.TimeoutExpired:
         raise ModuleError(f"semodule {' '.join(args)}: took over {TIMEOUT} s") from None
     except OSError as e:
         raise ModuleError(f"semodule: {e.strerror}") from None
-    if done.returncode != 0:
-        # Its first line says why (a statement the policy cannot resolve); its last, "Failed!".
-        said = [line.strip() for line in done.stderr.splitlines() if line.strip()]
-        why = "; ".join(dict.fromkeys([said[0], said[-1]])) if said else f"exit status {done.returncode}"
-        raise ModuleError(f"semodule {' '.join(args)}: {why}")
 
 
-def domains_in_use(proc: str = "/proc", types=("gpu_container_t", "oci_gpu_hook_start_t")) -> list:
-    """The pids of processes that run in a domain of the module: removing it would leave them in
-    unlabeled_t, so uninstall keeps it while any runs (a GPU pod that outlives the DaemonSet)."""
-    pids = []
+CONTAINER_DOMAIN = "gpu_container_t"
+START_DOMAIN = "oci_gpu_hook_start_t"  # the start server's, which uninstall stops first
+
+
+def domains_in_use(proc: str = "/proc", types=(CONTAINER_DOMAIN, START_DOMAIN)) -> dict:
+    """{pid: domain} of the processes that run in a domain of the module: removing it would leave
+    them in unlabeled_t, so uninstall keeps it while any runs (a GPU pod that outlives the
+    DaemonSet)."""
+    pids = {}
     for name in os.listdir(proc):
         if not name.isdigit():
             continue
@@ -143,5 +162,5 @@ def domains_in_use(proc: str = "/proc", types=("gpu_container_t", "oci_gpu_hook_
             continue  # gone, or a kernel thread's
         parts = context.split(":")
         if len(parts) >= 3 and parts[2] in types:
-            pids.append(int(name))
-    return sorted(pids)
+            pids[int(name)] = parts[2]
+    return dict(sorted(pids.items()))

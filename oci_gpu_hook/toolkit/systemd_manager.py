@@ -4,9 +4,15 @@ systemd): a few Manager calls over systemd's private socket, through the hook's 
 
 from __future__ import annotations
 
-from oci_gpu_hook.start.linux.systemd import PRIVATE_SOCKET, TIMEOUT, SystemdError, _Connection, _Writer
+from oci_gpu_hook.start.linux.systemd import PRIVATE_SOCKET, SystemdError, _Connection, _Writer
 
 __all__ = ["SystemdError", "manage", "restart_unit"]
+
+# Seconds for one exchange with the manager. Not the hook's 2 s (start/linux/systemd.py), which is
+# a container start's budget: a daemon-reload answers once systemd has reloaded every unit, and
+# right after a policy load (install loads the SELinux module first) systemd re-reads its labels;
+# in the node VM under qemu's TCG that took over 2 s. Under the toolkit's own bound on a host step.
+TIMEOUT = 60.0
 
 
 def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:

@@ -118,7 +118,7 @@ def test_processes_in_the_modules_domains_are_found(tmp_path):
         (tmp_path / pid / "attr" / "current").write_bytes(context.encode() + b"\0")
     (tmp_path / "self").mkdir()
     (tmp_path / "55").mkdir()  # gone meanwhile: no attr/current
-    assert policy_module.domains_in_use(str(tmp_path)) == [20, 31]
+    assert policy_module.domains_in_use(str(tmp_path)) == {20: "gpu_container_t", 31: "oci_gpu_hook_start_t"}
 
 
 def test_a_policy_the_bundle_has_no_module_for_is_refused_before_anything_is_written(tmp_path, mocker):
@@ -168,6 +168,10 @@ def listing():
     return sorted(os.listdir("/var/lib/selinux/default/active/modules/100")), policy_module.loaded_at("default")
 
 said, manifest = {"before": listing()}, {"format": 1, "files": {}, "directories": []}
+try:
+    policy_module.load("/etc/hostname")  # not a module: semodule's own words, in one line
+except policy_module.ModuleError as e:
+    said["not_a_module"] = str(e)
 with mock.patch("oci_gpu_hook.start.linux.labels.selinux_enabled", return_value=True):
     tree = Tree("/")
     said["load"] = install._load_selinux_module(tree, manifest, bundle_id)
@@ -176,10 +180,14 @@ with mock.patch("oci_gpu_hook.start.linux.labels.selinux_enabled", return_value=
     said["again"] = install._load_selinux_module(tree, manifest, bundle_id)
     with open(install.MANIFEST, "w") as f:
         json.dump(manifest, f)
-    with mock.patch.object(policy_module, "domains_in_use", return_value=[4242]):
+    with mock.patch.object(policy_module, "domains_in_use", return_value={4242: "gpu_container_t"}):
         said["in_use"] = install._remove_selinux_module(tree, dict(manifest))
     said["still"] = listing()
-    said["remove"] = install._remove_selinux_module(tree, manifest)
+    # The start server, stopping: waited for, then the module goes.
+    stopping = [{7: "oci_gpu_hook_start_t"}, {7: "oci_gpu_hook_start_t"}, {}]
+    with mock.patch.object(policy_module, "domains_in_use", side_effect=stopping) as asked:
+        said["remove"] = install._remove_selinux_module(tree, manifest)
+    said["asked"] = asked.call_count
     said["after"] = listing()
     with open(install.MANIFEST) as f:
         said["manifest"] = json.load(f)
@@ -192,8 +200,8 @@ def test_install_loads_the_bundles_module_into_the_hosts_policy_once_and_uninsta
 ):
     """In Debian's whole default policy: install's load links the bundle's module at priority 300
     (the modules of priority 100 untouched); install again with the same build runs no semodule;
-    a process in gpu_container_t keeps the module, said in one line; then uninstall removes it,
-    and the store holds what it held before."""
+    a process in gpu_container_t keeps the module, said in one line; a start server still
+    stopping is waited for; then uninstall removes it, and the store holds what it held before."""
     require("root", "unshare", "semodule", os.path.join(DEBIAN_STORE, "active", "modules", "100", "base"))
     work = tmp_path / "work"
     work.mkdir()
@@ -215,6 +223,8 @@ def test_install_loads_the_bundles_module_into_the_hosts_policy_once_and_uninsta
     assert said["again"] == []
     assert said["in_use"] and said["in_use"][0].startswith("kept SELinux module oci_gpu_hook: processes 4242 "), said
     assert said["still"] == said["loaded"]
-    assert said["remove"] == ["removed SELinux module oci_gpu_hook (priority 300)"]
+    assert said["remove"] == ["removed SELinux module oci_gpu_hook (priority 300)"] and said["asked"] == 3
     assert said["after"] == said["before"]
+    refused = said["not_a_module"]
+    assert refused.startswith("semodule -X 300 -i /etc/hostname: ") and "\n" not in refused, refused
     assert "selinux_module" not in said["manifest"]
