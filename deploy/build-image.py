@@ -450,10 +450,14 @@ def selinux_modules(top: str, extra_headers=()) -> list:
     flavours = [flavour for flavour, _ in builds]
     if len(set(flavours)) != len(flavours):
         raise BuildError(f"SELinux headers of one family given twice ({', '.join(flavours)}): one each")
+    sources = [os.path.join(SELINUX_SOURCES, f"{policy_module.MODULE}.{ext}") for ext in ("te", "if", "fc")]
+    missing = [path for path in sources if not os.path.isfile(path)]
+    if missing:
+        raise BuildError(f"{missing[0]}: missing (the SELinux module's source, selinux/ in this tree)")
     for flavour, args in builds:
         with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-selinux-") as work:
-            for ext in ("te", "if", "fc"):
-                shutil.copy(os.path.join(SELINUX_SOURCES, f"{policy_module.MODULE}.{ext}"), work)
+            for source in sources:
+                shutil.copy(source, work)
             argv = ["make", *args, "TYPE=mcs", f"CHECKMODULE={CHECKMODULE}", f"{policy_module.MODULE}.pp"]
             try:
                 done = subprocess.run(argv, cwd=work, capture_output=True, text=True,

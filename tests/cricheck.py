@@ -55,10 +55,12 @@ def user_config(work: str) -> str:
 
 def run_as_a_host(work: str, name: str, script: str, args, timeout: float = 600, containerd: bool = True) -> str:
     """Run the Python script (with args after it) in a mount namespace of its own, as root on a
-    host of the test's own: /etc, /usr/local and /var/lib are overlays whose upper layers are on a
-    tmpfs under work; containerd: /etc/containerd/config.toml is user_config(work). Its processes
-    run in a cgroup of the test's own, cgroup_parent(name) (hostcheck.Footprint), killed and
-    checked when it ends. Returns what it printed; asserts it succeeded."""
+    host of the test's own: /etc, /usr/local, /usr/share and /var/lib are overlays whose upper
+    layers are on a tmpfs under work (/usr/share: CRI-O makes its default hooks directory,
+    /usr/share/containers/oci/hooks.d, where there is none); containerd: /etc/containerd/config.toml
+    is user_config(work). Its processes run in a cgroup of the test's own, cgroup_parent(name)
+    (hostcheck.Footprint), killed and checked when it ends. Returns what it printed; asserts it
+    succeeded."""
     import sys
 
     import hostcheck
@@ -68,7 +70,7 @@ def run_as_a_host(work: str, name: str, script: str, args, timeout: float = 600,
     with open(os.path.join(work, "user-config.toml"), "w") as f:
         f.write(user_config(work))
     setup = f'mount -t tmpfs -o mode=0755 oci-gpu-hook-test "{upper}" && '
-    for d in ("/etc", "/usr/local", "/var/lib"):
+    for d in ("/etc", "/usr/local", "/usr/share", "/var/lib"):
         setup += (f'mkdir -p "{upper}/u{d}" "{upper}/w{d}" && mount -t overlay oci-gpu-hook-test '
                   f'-o "lowerdir={d},upperdir={upper}/u{d},workdir={upper}/w{d}" {d} && ')  # fmt: skip
     if containerd:

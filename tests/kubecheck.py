@@ -51,7 +51,7 @@ class Cluster(kubeletcheck.ContainerdKubelet):
 
     node_files ({path: text}): the node is a host of its own instead, for what installs onto it
     (the toolkit DaemonSet): containerd and the kubelet run in a mount namespace whose /etc,
-    /usr/local, /var/lib and /run are overlays (their upper layers on a tmpfs there; /run: the
+    /usr/local, /usr/share, /var/lib and /run are overlays (their upper layers on a tmpfs there; /run: the
     hook's compiled settings, the runtime's state), with these files
     written into it; containerd reads /etc/containerd/config.toml with no flag (node_files names
     it: cricheck.user_config(cluster.containerd_dir) is the administrators' one, without the hook),
@@ -94,7 +94,8 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         os.makedirs(upper)
         os.makedirs(staged)
         setup = f'mount -t tmpfs -o mode=0755 oci-gpu-hook-node "{upper}" && '
-        for d in ("/etc", "/usr/local", "/var/lib", "/run"):
+        # /usr/share: CRI-O makes its default hooks directory (/usr/share/containers/oci/hooks.d).
+        for d in ("/etc", "/usr/local", "/usr/share", "/var/lib", "/run"):
             setup += (f'mkdir -p "{upper}/u{d}" "{upper}/w{d}" && mount -t overlay oci-gpu-hook-node '
                       f'-o "lowerdir={d},upperdir={upper}/u{d},workdir={upper}/w{d}" {d} && ')  # fmt: skip
         for n, (path, text) in enumerate(sorted(self.node_files.items())):

@@ -170,7 +170,7 @@ def rollout(obj, node, pod, image, install, runtime, host_root, restart, namespa
     view of the host's driver and records); the host's hook keeps its own."""
     from oci_gpu_hook.node import gates
     from oci_gpu_hook.node.kubeapi import Client
-    from oci_gpu_hook.node.rollout import Rollout
+    from oci_gpu_hook.node.rollout import Rollout, validation_selinux_type
     from oci_gpu_hook.start import inventory_cache
     from oci_gpu_hook.toolkit import host
 
@@ -184,7 +184,8 @@ def rollout(obj, node, pod, image, install, runtime, host_root, restart, namespa
     Rollout(client, node, namespace, None if once else pod, image, gates.gates_path(obj.settings.records_path),
             lambda: inventory_cache.load(obj.settings), install_step if install else None,
             uninstall_step if install else None, lambda line: click.echo(line, nl=True),
-            None if runtime == "auto" else runtime, timeout, host_network).run(interval, once)  # fmt: skip
+            None if runtime == "auto" else runtime, timeout, host_network,
+            validation_selinux_type(host_root)).run(interval, once)  # fmt: skip
     return 0
 
 

@@ -66,17 +66,21 @@ def pod_name(gate: str, node: str) -> str:
 
 
 def pod(gate: str, node: str, namespace: str, image: str, uuid: str | None = None, resource: str = "nvidia.com/gpu",
-        host_network: bool = False) -> dict:  # fmt: skip
+        host_network: bool = False, selinux_type: str | None = None) -> dict:  # fmt: skip
     """The validation pod of gate. toolkit: on node by name, asking the hook for GPU uuid through
     the volume-mounts path; plugin: placed on node by the scheduler, asking for one resource.
     host_network: the node's network (for a cluster with no pod network: the pod needs none, but
-    a pod without the node's network needs one to start)."""
+    a pod without the node's network needs one to start). selinux_type: its container's SELinux
+    type (gpu_container_t on a node with SELinux: container_t may not open the GPU's nodes, and
+    a GPU pod there runs as the validation pod must); the level stays the runtime's to choose."""
     container = {
         "name": "workload", "image": image, "imagePullPolicy": "IfNotPresent",
         "command": ["/usr/bin/oci-gpu-hook", "toolkit", "workload"],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                             "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"}},
     }  # fmt: skip
+    if selinux_type is not None:
+        container["securityContext"]["seLinuxOptions"] = {"type": selinux_type}
     spec = {"restartPolicy": "Never", "automountServiceAccountToken": False, "hostNetwork": host_network,
             "tolerations": [{"operator": "Exists"}], "containers": [container]}  # fmt: skip
     if gate == "toolkit":
@@ -96,7 +100,7 @@ def pod(gate: str, node: str, namespace: str, image: str, uuid: str | None = Non
 
 def validate(client: Client, gate: str, node: str, namespace: str, image: str, gates_file: str, known,
              uuid: str | None = None, resource: str = "nvidia.com/gpu", timeout: float = TIMEOUT,
-             host_network: bool = False) -> str:  # fmt: skip
+             host_network: bool = False, selinux_type: str | None = None) -> str:  # fmt: skip
     """Run gate (toolkit: asking for GPU uuid; plugin: for one resource, which must be one of the
     GPUs known, the node's inventory's); write its verdict (the other gate's kept) and return its
     line."""
@@ -106,7 +110,7 @@ def validate(client: Client, gate: str, node: str, namespace: str, image: str, g
     path = f"/api/v1/namespaces/{namespace}/pods/{name}"
     _delete(client, path)
     made = client.post(f"/api/v1/namespaces/{namespace}/pods", pod(gate, node, namespace, image, uuid, resource,
-                                                                   host_network))  # fmt: skip
+                                                                   host_network, selinux_type))  # fmt: skip
     uid = made.get("metadata", {}).get("uid")
     try:
         verdict = _verdict(client, path, uid, node, [uuid] if gate == "toolkit" else sorted(known), name, namespace,

@@ -80,6 +80,17 @@ def restarts_on_removal(runtime: str | None) -> bool:
     return runtime != "crio"
 
 
+def validation_selinux_type(host_root: str) -> str | None:
+    """The SELinux type of the validation pods on the node whose root is at host_root: the module's
+    GPU container domain where the node's kernel has SELinux (its selinuxfs, seen through the
+    host's root: the pod's own /sys has none), since container_t may not open the GPU's nodes
+    and a GPU pod there runs so; None elsewhere (no seLinuxOptions at all)."""
+    from oci_gpu_hook.toolkit import policy_module
+
+    enabled = os.path.exists(os.path.join(host_root, "sys/fs/selinux/enforce"))
+    return policy_module.CONTAINER_DOMAIN if enabled else None
+
+
 class Rollout:
     """One node's rollout. install(runtime) and uninstall(restart) are toolkit/host.py's steps with
     their options bound (install None: --no-install; restart False: the runtime is not restarted);
@@ -87,10 +98,11 @@ class Rollout:
 
     def __init__(self, client: Client, node: str, namespace: str, pod: str | None, image: str, gates_file: str,
                  inventory, install, uninstall, say, runtime: str | None = None, timeout: float = 120.0,
-                 host_network: bool = False):  # fmt: skip
+                 host_network: bool = False, selinux_type: str | None = None):  # fmt: skip
         self.client, self.node, self.namespace, self.pod, self.image = client, node, namespace, pod, image
         self.gates_file, self.inventory, self.install, self.uninstall = gates_file, inventory, install, uninstall
         self.say, self.runtime, self.timeout, self.host_network = say, runtime, timeout, host_network
+        self.selinux_type = selinux_type  # the validation pods' (gate_validation.pod)
         self._interruptible = False
         self._stopping = False
 
@@ -132,7 +144,8 @@ class Rollout:
     def _validate(self, gate: str, uuid: str | None) -> str:
         known, _ = gate_validation.gpus(self.inventory())
         return gate_validation.validate(self.client, gate, self.node, self.namespace, self.image, self.gates_file,
-                                        known, uuid, timeout=self.timeout, host_network=self.host_network)  # fmt: skip
+                                        known, uuid, timeout=self.timeout, host_network=self.host_network,
+                                        selinux_type=self.selinux_type)  # fmt: skip
 
     def _report(self) -> None:
         try:

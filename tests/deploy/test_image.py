@@ -356,3 +356,17 @@ def test_the_bundle_carries_the_selinux_module_for_each_policy_family(image_root
         other = BRANCH_ATTRIBUTE["debian" if flavour == "rhel" else "rhel"]
         assert f"(typeattributeset {BRANCH_ATTRIBUTE[flavour]} (gpu_container_t" in text, flavour
         assert f"(typeattributeset {other} (gpu_container_t" not in text, flavour
+
+
+def test_selinux_headers_of_an_unknown_family_refuse_the_build_in_one_line(tmp_path):
+    """--selinux-headers names a policy's header tree: one without build.conf, or whose DISTRO the
+    module has no branch for, refuses the build in one line, and writes no archive."""
+    (tmp_path / "none").mkdir()
+    (tmp_path / "gentoo").mkdir()
+    (tmp_path / "gentoo" / "build.conf").write_text("TYPE = mcs\nDISTRO = gentoo\n")
+    for name, words in (("none", "no SELinux policy headers there"), ("gentoo", "DISTRO 'gentoo'")):
+        out = build(tmp_path / "image.tar", tmp_path / "tmp", 0o022, "--selinux-headers", str(tmp_path / name))
+        assert out.returncode == 1, out.stderr
+        (line,) = out.stderr.splitlines()
+        assert line.startswith("build-image: ") and words in line, (name, line)
+        assert not (tmp_path / "image.tar").exists()

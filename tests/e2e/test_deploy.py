@@ -201,7 +201,9 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
         return len(pods) == len(PODS) and all(s.get("ready") for pod in pods
                                               for s in pod["status"].get("containerStatuses") or [{}])  # fmt: skip
 
-    cluster.wait_until(running, 120, "the DaemonSets' pods with their four services ready")
+    cluster.wait_until(
+        running, 180, "the DaemonSets' pods with their four services ready (the exporter once the gates passed)"
+    )
     pods = {name: daemonset_pod(cluster, name) for name in PODS}
     pod, labels_pod = pods[NODE], pods[LABELS]
     for name, services in PODS.items():

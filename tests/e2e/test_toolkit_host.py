@@ -3,8 +3,8 @@
 of an image root, the host's root at its /host. No `install` is typed on the host and no Python
 of the host's is used: the bundle is copied onto the host and runs there.
 
-The host is this machine in a mount namespace of the test's own, whose /etc, /usr/local and
-/var/lib are overlays. The runtime runs with no flag at all, reading its configuration from /etc
+The host is this machine in a mount namespace of the test's own, whose /etc, /usr/local,
+/usr/share and /var/lib are overlays. The runtime runs with no flag at all, reading its configuration from /etc
 (containerd's config.toml from tests/cricheck.py, CRI-O's settings as `crio config` prints them in
 crio.conf.d), under a supervisor that starts it again when it exits, as systemd's Restart= would
 (the toolkit's --restart signal is for such hosts).

@@ -2,8 +2,8 @@
 fresh node, with nothing of ours installed, and nothing typed on the node.
 
 The node is a host of its own (kubecheck.Cluster's node_files): the runtime and the kubelet in a
-mount namespace whose /etc, /usr/local, /var/lib and /run are overlays; the runtime reads its own
-configuration with no flag (containerd the administrators' /etc/containerd/config.toml, CRI-O
+mount namespace whose /etc, /usr/local, /usr/share, /var/lib and /run are overlays; the runtime
+reads its own configuration with no flag (containerd the administrators' /etc/containerd/config.toml, CRI-O
 /etc/crio/crio.conf.d as `crio config` prints it: no hook in either), under a supervisor that
 starts it again when it exits. The first test runs on each: containerd, and CRI-O as the
 OpenShift node has it. What the test changes in the manifests names the simulated host
@@ -17,8 +17,8 @@ CNI). The host's /etc/oci-gpu-hook/config.yaml is the simulated host's, with the
   is scheduled there (each DaemonSet wants one pod, and none is bound to that Node).
 - The gates pass in order, as the API shows them: the events GateToolkitPassed, then
   GatePluginPassed; the device plugin registered only after gate toolkit passed; the labels pod
-  (gate d) was made, and the node pod (its exporter) became Ready, only once gate plugin passed;
-  GPUHookReady is True.
+  (gate d) was made only once gate plugin passed, and the exporter is ready; GPUHookReady is
+  True.
 - containerd was restarted once by the install, and a pod asking for nvidia.com/gpu: 1 gets
   exactly one of the node's GPUs.
 - The toolkit's token changes its own Node's labels under oci-gpu-hook.io/ only: the
@@ -58,6 +58,21 @@ TOOLKIT = "app.kubernetes.io/name=oci-gpu-hook-toolkit"
 
 def daemonset_pods(cluster, selector: str) -> list:
     return cluster.get("pods", "-n", NS, "-l", selector)["items"]
+
+
+def exporter_ready(cluster) -> bool:
+    """The node pod's exporter container's readiness, as the kubelet's httpGet probe of /ready set
+    it. (The pod's own Ready condition is not: the device plugin's exec probes cannot run here, where
+    the bounding set lacks a capability a privileged container's exec asks for.)"""
+    pods = daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-node")
+    statuses = (pods[0]["status"].get("containerStatuses") or []) if pods else []
+    return any(c["name"] == "exporter" and c.get("ready") for c in statuses)
+
+
+def readiness_refused(cluster, pod: dict) -> list:
+    """The kubelet's events that the pod's readiness probe got 503 (the exporter's /ready waiting)."""
+    items = cluster.get("events", "-n", NS, "--field-selector", f"involvedObject.name={pod['metadata']['name']}")
+    return [e for e in items["items"] if e.get("reason") == "Unhealthy" and "statuscode: 503" in e.get("message", "")]
 
 
 def events(cluster) -> list:
@@ -140,16 +155,9 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simula
                            "the labels pod, once gate plugin passed")  # fmt: skip
         (labels_pod,) = daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-labels")
         assert labels_pod["metadata"]["creationTimestamp"] >= plugin_passed[:19] + "Z"
-
-        def node_pod_ready_since():
-            (pod,) = daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-node")
-            ready = {c["type"]: c for c in pod["status"].get("conditions", [])}.get("Ready", {})
-            return ready.get("lastTransitionTime") if ready.get("status") == "True" else None
-
-        # The exporter is ready (a Service endpoint) only once gate plugin passed: the node pod's
-        # device plugin was ready before that, since gate plugin needs its GPUs.
-        cluster.wait_until(node_pod_ready_since, 90, "the node pod Ready (its exporter, once every gate passed)")
-        assert node_pod_ready_since() >= plugin_passed[:19] + "Z", (node_pod_ready_since(), plugin_passed)
+        # Gate (d): the exporter ready (a Service endpoint) once every gate passed; the failing
+        # test below sees it kept out while gate toolkit has failed.
+        cluster.wait_until(lambda: exporter_ready(cluster), 90, "the exporter ready, once every gate passed")
         labels = cluster.node()["metadata"]["labels"]
         assert {k: v for k, v in labels.items() if k.startswith(gate_report.LABEL_PREFIX)} == {
             f"{gate_report.LABEL_PREFIX}toolkit": "passed", f"{gate_report.LABEL_PREFIX}plugin": "passed"}  # fmt: skip
@@ -223,8 +231,15 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simula
             except ApiError as e:
                 refused[body["metadata"]["name"]] = str(e)
         assert "have no privilege, no capability" in (refused[f"gate-toolkit-{node}"] or ""), refused
-        assert "no SELinux type or sysctl of" in (refused[f"gate-plugin-{node}"] or ""), refused
+        assert "no SELinux type but gpu_container_t" in (refused[f"gate-plugin-{node}"] or ""), refused
         assert "only its own node's validation pods" in (refused[f"gate-plugin-{no_gpu}"] or ""), refused
+        # The one type it may give them, what the rollout gives them on a node with SELinux: as a
+        # GPU pod there; with a level of its own (another pod's categories), refused.
+        confined = gate_validation.pod("plugin", node, NS, kubeletcheck.IMAGE, selinux_type="gpu_container_t")
+        client.post(f"/api/v1/namespaces/{NS}/pods?dryRun=All", confined)  # allowed
+        confined["spec"]["containers"][0]["securityContext"]["seLinuxOptions"]["level"] = "s0"
+        with pytest.raises(ApiError, match="no SELinux type but gpu_container_t"):
+            client.post(f"/api/v1/namespaces/{NS}/pods?dryRun=All", confined)
         try:
             client.post("/apis/events.k8s.io/v1/namespaces/default/events", {
                 "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {"generateName": "forged-"},
@@ -271,8 +286,9 @@ def test_a_runtime_that_cannot_take_the_hook_fails_gate_toolkit_and_advertises_n
                                                                                       require):  # fmt: skip
     """The node's containerd already gives runc a base spec of the site's own, which install does
     not edit: gate toolkit fails with install's line, naming it, on the Node's condition and in a
-    Warning event; no nvidia.com/gpu is advertised, containerd is not restarted, and the labels
-    pod is never scheduled. Deleting the DaemonSet still takes back what was placed (the bundle)."""
+    Warning event; no nvidia.com/gpu is advertised, containerd is not restarted, the labels pod
+    is never scheduled, and the exporter's /ready answers 503 (not ready: no Service endpoint).
+    Deleting the DaemonSet still takes back what was placed (the bundle)."""
     import subprocess
 
     import cricheck
@@ -309,6 +325,9 @@ def test_a_runtime_that_cannot_take_the_hook_fails_gate_toolkit_and_advertises_n
         assert allocatable(cluster) in (None, "0")
         assert cluster.runtime_starts() == 1
         assert daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-labels") == []
+        # Gate (d): the exporter runs, and its /ready keeps it out of the Service's endpoints.
+        cluster.wait_until(lambda: readiness_refused(cluster, node_pod), 60, "the exporter's /ready answering 503")
+        assert not exporter_ready(cluster)
         labels = cluster.node()["metadata"]["labels"]
         assert labels[f"{gate_report.LABEL_PREFIX}toolkit"] == "failed"
         assert labels[f"{gate_report.LABEL_PREFIX}plugin"] == "pending"
@@ -327,7 +346,7 @@ def next_release(tmp_path) -> str:
     import sys
 
     tree = tmp_path / "next"
-    for name in ("oci_gpu_hook", "deploy"):
+    for name in ("oci_gpu_hook", "deploy", "selinux"):
         shutil.copytree(os.path.join(kubeletcheck.REPO, name), tree / name,
                         ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     shutil.copy(os.path.join(kubeletcheck.REPO, "pyproject.toml"), tree / "pyproject.toml")

@@ -1,10 +1,11 @@
-"""node/rollout.py's decisions: which runtime to install for, and whether a stopping pod uninstalls
-(the whole rollout on a real cluster: tests/e2e/test_toolkit_rollout.py)."""
+"""node/rollout.py's decisions: which runtime to install for, whether a stopping pod uninstalls, and
+the validation pods' SELinux type (the whole rollout on a real cluster:
+tests/e2e/test_toolkit_rollout.py)."""
 
 import pytest
 
 from oci_gpu_hook.errors import PrerequisiteError
-from oci_gpu_hook.node import rollout
+from oci_gpu_hook.node import gate_validation, rollout
 
 
 def node_running(version):
@@ -47,3 +48,19 @@ def test_removal_restarts_containerd_but_not_crio():
     assert rollout.restarts_on_removal("containerd") is True
     assert rollout.restarts_on_removal(None) is True
     assert rollout.restarts_on_removal("crio") is False
+
+
+def test_on_a_node_with_selinux_the_validation_pods_run_in_the_gpu_domain(tmp_path):
+    """Where the host's root shows a selinuxfs, gate_validation's pods get exactly the type a GPU
+    pod there runs in (the admission policy allows that one, with no user, role or level);
+    elsewhere no seLinuxOptions at all."""
+    assert rollout.validation_selinux_type(str(tmp_path)) is None
+    plain = gate_validation.pod("plugin", "node-a", "oci-gpu-hook", "image")
+    assert "seLinuxOptions" not in plain["spec"]["containers"][0]["securityContext"]
+    (tmp_path / "sys/fs/selinux").mkdir(parents=True)
+    (tmp_path / "sys/fs/selinux/enforce").write_text("1")
+    kind = rollout.validation_selinux_type(str(tmp_path))
+    assert kind == "gpu_container_t"
+    confined = gate_validation.pod("toolkit", "node-a", "oci-gpu-hook", "image", "GPU-1", selinux_type=kind)
+    assert confined["spec"]["containers"][0]["securityContext"]["seLinuxOptions"] == {"type": "gpu_container_t"}
+    assert "securityContext" not in confined["spec"]  # nothing pod-wide
