@@ -119,8 +119,9 @@ class CrioDaemon:
                  node_root: str = ""):  # fmt: skip
         """hooks_dir: given as --hooks-dir (None: CRI-O reads what its configuration says);
         config_dir: its --config-dir (None: an empty one of its own); etc_containers: a directory
-        CRI-O sees over the host's /etc/containers (an install --root's), in a mount namespace
-        of its own, so that the host's stays as it is. configured: instead of flags, a file in
+        CRI-O sees over the host's /etc/containers (an install --root's), so that the host's
+        stays as it is. On this host (no enter) it runs in a mount namespace of its own whose
+        /usr/share is an overlay: what CRI-O makes there goes with it. configured: instead of flags, a file in
         /etc/crio/crio.conf.d (of a namespace whose /etc is the test's) where the settings go as
         `crio config` prints them; CRI-O then starts with no flag at all, as a node's does, under
         a supervisor that starts it again whenever it exits (as systemd's Restart= would), each
@@ -182,11 +183,22 @@ class CrioDaemon:
                 f.write(done.stdout)
             argv = ["sh", "-c", 'while [ ! -e "$0/stop" ]; do echo start >> "$0/starts"; "$1" >> "$0/crio.log" 2>&1; '
                     "done", base, argv[0]]  # fmt: skip
-        if etc_containers is not None:
-            # A read-only overlay: the given tree's files over the host's, seen by CRI-O, its conmon,
-            # runc and the hook only; it goes when the last of them exits.
-            mount = 'mount -t overlay oci-gpu-hook-etc -o "lowerdir=$0:/etc/containers" /etc/containers && exec "$@"'
-            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, etc_containers, *argv]
+        if not enter:
+            # On this host: in a mount namespace of its own, whose /usr/share is an overlay (its
+            # upper layer on a tmpfs in base), since CRI-O makes the hooks directories it reads
+            # where there are none (its default, /usr/share/containers/oci/hooks.d). And
+            # etc_containers: a read-only overlay, the given tree's files over the host's
+            # /etc/containers. Seen by CRI-O, its conmon, runc and the hook only; they go when the
+            # last of them exits.
+            share = os.path.join(base, "usr-share")
+            os.makedirs(share)
+            mounts = (f'mount -t tmpfs -o mode=0700 oci-gpu-hook-share "{share}" && mkdir "{share}/u" "{share}/w" && '
+                      f'mount -t overlay oci-gpu-hook-share -o "lowerdir=/usr/share,upperdir={share}/u,'
+                      f'workdir={share}/w" /usr/share && ')  # fmt: skip
+            if etc_containers is not None:
+                mounts += 'mount -t overlay oci-gpu-hook-etc -o "lowerdir=$0:/etc/containers" /etc/containers && '
+            argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mounts + 'exec "$@"',
+                    etc_containers or "-", *argv]  # fmt: skip
         self.proc = self.footprint.popen([*enter, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 60
         try:

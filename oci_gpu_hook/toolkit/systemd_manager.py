@@ -13,6 +13,7 @@ __all__ = ["SystemdError", "manage", "restart_unit"]
 # right after a policy load (install loads the SELinux module first) systemd re-reads its labels;
 # in the node VM under qemu's TCG that took over 2 s. Under the toolkit's own bound on a host step.
 TIMEOUT = 60.0
+NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"  # the error systemd answers for a unit it does not know
 
 
 def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
@@ -25,8 +26,9 @@ def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeo
 
 def manage(calls, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
     """Manager calls on one connection, in order: ("Reload", None) as `systemctl daemon-reload`
-    (which returns once systemd has reloaded), ("StartUnit" or "RestartUnit", unit) with mode
-    "replace", as systemctl does without waiting for the job. Raises as restart_unit."""
+    (which returns once systemd has reloaded), ("StartUnit", "StopUnit" or "RestartUnit", unit)
+    with mode "replace", as systemctl does without waiting for the job. A unit systemd does not
+    know (NoSuchUnit) is already stopped: StopUnit on it is done. Raises as restart_unit."""
     conn = _Connection(address or PRIVATE_SOCKET, bus, timeout)
     try:
         for member, unit in calls:
@@ -39,7 +41,11 @@ def manage(calls, address: str | None = None, bus: bool = False, timeout: float 
                     w.string("replace")
 
                 signature = "ss"
-            conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
-                      member, signature, write)  # fmt: skip
+            try:
+                conn.call("org.freedesktop.systemd1", "/org/freedesktop/systemd1", "org.freedesktop.systemd1.Manager",
+                          member, signature, write)  # fmt: skip
+            except SystemdError as e:
+                if member != "StopUnit" or not str(e).startswith(NO_SUCH_UNIT):
+                    raise
     finally:
         conn.close()

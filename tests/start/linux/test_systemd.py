@@ -96,6 +96,8 @@ SERVICE = textwrap.dedent(
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
         def StopUnit(self, unit, mode):
+            if unit == "missing.service":
+                raise NoSuchUnit("Unit missing.service not loaded.")
             return record("StopUnit", unit, mode)
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
@@ -229,6 +231,18 @@ def test_uninstall_stops_the_units_it_removes_and_reloads_after(fake_systemd, tm
     assert lines[0] == "stopped" and lines[-1] == "systemd reloaded"
     assert _recorded(calls, "manager") == [["StopUnit", u, "replace"] for u in units] + [["Reload"]]
     assert not os.path.lexists(root + install.MANIFEST)
+
+
+def test_stopping_a_unit_systemd_does_not_know_is_stopping_nothing(fake_systemd):
+    """uninstall --stop-units on a host where a unit install wrote is not loaded (its file gone,
+    or systemd never read it): systemd's NoSuchUnit to StopUnit means there is nothing to stop,
+    and the calls after it are made; to any other call it is still an error."""
+    socket_path, calls, _ = fake_systemd
+    systemd_manager.manage([("StopUnit", "missing.service"), ("StopUnit", "there.service"), ("Reload", None)],
+                           socket_path, bus=True)  # fmt: skip
+    assert _recorded(calls, "manager") == [["StopUnit", "there.service", "replace"], ["Reload"]]
+    with pytest.raises(systemd.SystemdError, match=r"NoSuchUnit"):
+        systemd_manager.manage([("RestartUnit", "missing.service")], socket_path, bus=True)
 
 
 def test_restart_unit_is_systemctl_restarts_call(fake_systemd):
