@@ -21,10 +21,11 @@ from oci_gpu_hook.toolkit import bundle
 from oci_gpu_hook.toolkit import install as install_module
 
 ENVIRONMENT = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
-# install relabels and asks runtimes; uninstall removes a bundle of some thousand files. Under the
+# install relabels and asks runtimes; uninstall removes a bundle of some thousand files and the
+# SELinux module, then waits for systemd's reload (up to systemd_manager.RELOAD_TIMEOUT). Under the
 # toolkit pod's grace period (300 s, deploy/kubernetes/25-toolkit.yaml), so that an uninstall on
 # removal ends before the kubelet kills the pod's processes.
-TIMEOUT = 240
+TIMEOUT = 280
 
 
 class HostError(HookError):

@@ -13,6 +13,11 @@ __all__ = ["SystemdError", "manage", "restart_unit"]
 # right after a policy load (install loads the SELinux module first) systemd re-reads its labels;
 # in the node VM under qemu's TCG that took over 2 s. Under the toolkit's own bound on a host step.
 TIMEOUT = 60.0
+# A connection that asks for a reload: systemctl's own bound for daemon-reload (twice systemd's
+# default 90 s, since a reload reruns the generators, each bounded by that default). Right after
+# uninstall removed the SELinux module, systemd began the reload only 62 s later in the node VM
+# (busy with the policy it had just been handed), and the reload itself took 3 s.
+RELOAD_TIMEOUT = 180.0
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"  # the error systemd answers for a unit it does not know
 
 
@@ -24,11 +29,14 @@ def restart_unit(unit: str, address: str | None = None, bus: bool = False, timeo
     manage([("RestartUnit", unit)], address, bus, timeout)
 
 
-def manage(calls, address: str | None = None, bus: bool = False, timeout: float = TIMEOUT) -> None:
+def manage(calls, address: str | None = None, bus: bool = False, timeout: float | None = None) -> None:
     """Manager calls on one connection, in order: ("Reload", None) as `systemctl daemon-reload`
     (which returns once systemd has reloaded), ("StartUnit", "StopUnit" or "RestartUnit", unit)
     with mode "replace", as systemctl does without waiting for the job. A unit systemd does not
-    know (NoSuchUnit) is already stopped: StopUnit on it is done. Raises as restart_unit."""
+    know (NoSuchUnit) is already stopped: StopUnit on it is done. timeout: for all the calls
+    (default: RELOAD_TIMEOUT where one is a reload, else TIMEOUT). Raises as restart_unit."""
+    if timeout is None:
+        timeout = RELOAD_TIMEOUT if any(member == "Reload" for member, _ in calls) else TIMEOUT
     conn = _Connection(address or PRIVATE_SOCKET, bus, timeout)
     try:
         for member, unit in calls:

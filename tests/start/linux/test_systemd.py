@@ -28,7 +28,7 @@ DEVICES = [(195, 255, "rw"), (195, 0, "rw"), (508, 1, "rw")]
 
 SERVICE = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, time
     import dbus, dbus.service, dbus.mainloop.glib
     from gi.repository import GLib
 
@@ -88,6 +88,8 @@ SERVICE = textwrap.dedent(
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="", out_signature="")
         def Reload(self):
+            with open(sys.argv[3]) as f:  # a systemd busy before it reloads: its answer comes that late
+                time.sleep(json.load(f).get("reload seconds", 0))
             record("Reload")
 
         @dbus.service.method("org.freedesktop.systemd1.Manager", in_signature="ss", out_signature="o")
@@ -243,6 +245,21 @@ def test_stopping_a_unit_systemd_does_not_know_is_stopping_nothing(fake_systemd)
     assert _recorded(calls, "manager") == [["StopUnit", "there.service", "replace"], ["Reload"]]
     with pytest.raises(systemd.SystemdError, match=r"NoSuchUnit"):
         systemd_manager.manage([("RestartUnit", "missing.service")], socket_path, bus=True)
+
+
+def test_a_reload_is_given_systemctls_time_and_the_other_calls_less(fake_systemd, monkeypatch):
+    """A connection with a Reload on it waits RELOAD_TIMEOUT for systemd's answers, as
+    `systemctl daemon-reload` does; one without, TIMEOUT. Both bounds shrunk to seconds here; the
+    stand-in answers the reload 1.5 s late, as systemd did (62 s) after a policy load."""
+    socket_path, calls, units = fake_systemd
+    units.write_text(json.dumps({"reload seconds": 1.5}))
+    monkeypatch.setattr(systemd_manager, "TIMEOUT", 0.5)
+    monkeypatch.setattr(systemd_manager, "RELOAD_TIMEOUT", 10.0)
+    systemd_manager.manage([("StopUnit", "there.service"), ("Reload", None)], socket_path, bus=True)
+    assert _recorded(calls, "manager") == [["StopUnit", "there.service", "replace"], ["Reload"]]
+    monkeypatch.setattr(systemd_manager, "RELOAD_TIMEOUT", 0.5)
+    with pytest.raises(systemd.SystemdError, match=r"^systemd did not answer within 0\.5 s$"):
+        systemd_manager.manage([("Reload", None)], socket_path, bus=True)
 
 
 def test_restart_unit_is_systemctl_restarts_call(fake_systemd):
