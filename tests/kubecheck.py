@@ -45,6 +45,117 @@ def _openssl(*args: str) -> None:
     subprocess.run(["openssl", *args], check=True, capture_output=True, stdin=subprocess.DEVNULL)
 
 
+def certificates(pki: str, node_name: str, seen_at: str | None = None) -> dict:
+    """A CA, the API server's serving certificate (127.0.0.1 and the Service names), client
+    certificates for the admin (system:masters), the API server's kubelet client, the
+    controller-manager, the scheduler and the kubelet of node_name, and a service-account key
+    pair, made with openssl in pki; returns {client: its kubeconfig} (admin, controller-manager,
+    scheduler, kubelet), each naming the files where its reader finds them (seen_at: pki as the
+    node VM mounts it; default pki)."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{pki}/ca.key", "-out",
+             f"{pki}/ca.crt", "-subj", "/CN=oci-gpu-hook-test-ca", "-days", "2")  # fmt: skip
+    _openssl("genrsa", "-out", f"{pki}/sa.key", "2048")
+    _openssl("rsa", "-in", f"{pki}/sa.key", "-pubout", "-out", f"{pki}/sa.pub")
+    clients = {
+        "apiserver": ("/CN=kube-apiserver", "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,"
+                      "DNS:kubernetes,DNS:kubernetes.default.svc"),
+        "admin": ("/O=system:masters/CN=admin", None),
+        "apiserver-kubelet-client": ("/O=system:masters/CN=kube-apiserver-kubelet-client", None),
+        "controller-manager": ("/CN=system:kube-controller-manager", None),
+        "scheduler": ("/CN=system:kube-scheduler", None),
+        "kubelet": (f"/O=system:nodes/CN=system:node:{node_name}", None),
+    }  # fmt: skip
+    for name, (subject, san) in clients.items():
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{pki}/{name}.key", "-out",
+                 f"{pki}/{name}.csr", "-subj", subject)  # fmt: skip
+        extra = []
+        if san:
+            with open(f"{pki}/{name}.ext", "w") as f:
+                f.write(san + "\n")
+            extra = ["-extfile", f"{pki}/{name}.ext"]
+        _openssl("x509", "-req", "-in", f"{pki}/{name}.csr", "-CA", f"{pki}/ca.crt", "-CAkey", f"{pki}/ca.key",
+                 "-CAcreateserial", "-out", f"{pki}/{name}.crt", "-days", "2", *extra)  # fmt: skip
+    return {name: _kubeconfig(pki, name, seen_at or pki) for name in ("admin", "controller-manager", "scheduler",
+                                                                      "kubelet")}  # fmt: skip
+
+
+def _kubeconfig(pki: str, name: str, seen_at: str) -> str:
+    path = os.path.join(pki, f"{name}.kubeconfig")
+    doc = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "test", "cluster": {"server": f"https://127.0.0.1:{API_PORT}",
+                                                  "certificate-authority": f"{seen_at}/ca.crt"}}],
+        "users": [{"name": name, "user": {"client-certificate": f"{seen_at}/{name}.crt",
+                                          "client-key": f"{seen_at}/{name}.key"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": name}}],
+        "current-context": "test",
+    }  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(doc, f)  # JSON is YAML
+    return os.path.join(seen_at, f"{name}.kubeconfig")
+
+
+def control_plane_commands(programs_: dict, pki: str, kubeconfigs: dict, workdir: str) -> dict:
+    """{component: its command line}, in start order (etcd, kube-apiserver, kube-controller-manager,
+    kube-scheduler): programs_ {name: path}, pki and kubeconfigs (certificates()) as they read
+    them, etcd's data under workdir. Each listens on loopback at its own port."""
+    b = programs_
+    cm, sc = kubeconfigs["controller-manager"], kubeconfigs["scheduler"]
+    return {
+        "etcd": [b["kcp-etcd"], "-data-dir", os.path.join(workdir, "etcd"), "-client-url",
+                 f"http://127.0.0.1:{ETCD_PORT}", "-unsafe-no-fsync"],
+        "kube-apiserver": [
+            b["kube-apiserver"], f"--etcd-servers=http://127.0.0.1:{ETCD_PORT}", "--bind-address=127.0.0.1",
+            "--advertise-address=127.0.0.1", f"--secure-port={API_PORT}", f"--tls-cert-file={pki}/apiserver.crt",
+            f"--tls-private-key-file={pki}/apiserver.key", f"--client-ca-file={pki}/ca.crt",
+            "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={pki}/sa.pub",
+            f"--service-account-signing-key-file={pki}/sa.key", "--service-cluster-ip-range=10.96.0.0/24",
+            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction", "--allow-privileged=true",
+            f"--kubelet-client-certificate={pki}/apiserver-kubelet-client.crt",
+            f"--kubelet-client-key={pki}/apiserver-kubelet-client.key", "--endpoint-reconciler-type=none"],
+        "kube-controller-manager": [
+            b["kube-controller-manager"], f"--kubeconfig={cm}", f"--authentication-kubeconfig={cm}",
+            f"--authorization-kubeconfig={cm}", "--bind-address=127.0.0.1", f"--secure-port={CONTROLLER_MANAGER_PORT}",
+            "--leader-elect=false", f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt",
+            "--use-service-account-credentials=true", f"--cluster-signing-cert-file={pki}/ca.crt",
+            f"--cluster-signing-key-file={pki}/ca.key"],
+        "kube-scheduler": [
+            b["kube-scheduler"], f"--kubeconfig={sc}", f"--authentication-kubeconfig={sc}",
+            f"--authorization-kubeconfig={sc}", "--bind-address=127.0.0.1", f"--secure-port={SCHEDULER_PORT}",
+            "--leader-elect=false"],
+    }  # fmt: skip
+
+
+def kubelet_configuration(endpoint: str, pki: str, cgroup_driver: str) -> dict:
+    """The kubelet's KubeletConfiguration: the runtime at endpoint, on loopback at private ports,
+    x509 clients of pki's CA only, low eviction thresholds and no image GC (a test machine's
+    disk), no iptables chains of its own."""
+    return {
+        "apiVersion": "kubelet.config.k8s.io/v1beta1",
+        "kind": "KubeletConfiguration",
+        "containerRuntimeEndpoint": endpoint,
+        "cgroupDriver": cgroup_driver,
+        "failCgroupV1": False,  # this machine's hybrid cgroups count as v1
+        "failSwapOn": False,
+        "address": "127.0.0.1",
+        "port": KUBELET_PORT,
+        "healthzBindAddress": "127.0.0.1",
+        "healthzPort": KUBELET_HEALTHZ_PORT,
+        "readOnlyPort": 0,
+        "authentication": {"x509": {"clientCAFile": f"{pki}/ca.crt"}, "webhook": {"enabled": False},
+                           "anonymous": {"enabled": False}},
+        "authorization": {"mode": "AlwaysAllow"},
+        "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
+                         "nodefs.inodesFree": "1%"},
+        "imageGCHighThresholdPercent": 100,
+        "imageGCLowThresholdPercent": 99,
+        # Otherwise it adds KUBE-FIREWALL (dropping non-loopback traffic to 127/8), hint and
+        # canary chains to the host's iptables, in both families, and keeps them there.
+        "makeIPTablesUtilChains": False,
+    }  # fmt: skip
+
+
 class Cluster(kubeletcheck.ContainerdKubelet):
     """The control plane and a kubelet on containerd, started by start() (or `with`), stopped and
     undone by close(). hook_config: the hook's --config in containerd's base spec.
@@ -161,48 +272,7 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         return super().start(timeout)  # containerd, the image, the kubelet (close() on failure)
 
     def _certificates(self) -> None:
-        pki = self.pki
-        _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{pki}/ca.key", "-out",
-                 f"{pki}/ca.crt", "-subj", "/CN=oci-gpu-hook-test-ca", "-days", "2")  # fmt: skip
-        _openssl("genrsa", "-out", f"{pki}/sa.key", "2048")
-        _openssl("rsa", "-in", f"{pki}/sa.key", "-pubout", "-out", f"{pki}/sa.pub")
-        clients = {
-            "apiserver": ("/CN=kube-apiserver", "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,"
-                          "DNS:kubernetes,DNS:kubernetes.default.svc"),
-            "admin": ("/O=system:masters/CN=admin", None),
-            "apiserver-kubelet-client": ("/O=system:masters/CN=kube-apiserver-kubelet-client", None),
-            "controller-manager": ("/CN=system:kube-controller-manager", None),
-            "scheduler": ("/CN=system:kube-scheduler", None),
-            "kubelet": (f"/O=system:nodes/CN=system:node:{self.node_name}", None),
-        }  # fmt: skip
-        for name, (subject, san) in clients.items():
-            _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{pki}/{name}.key", "-out",
-                     f"{pki}/{name}.csr", "-subj", subject)  # fmt: skip
-            extra = []
-            if san:
-                with open(f"{pki}/{name}.ext", "w") as f:
-                    f.write(san + "\n")
-                extra = ["-extfile", f"{pki}/{name}.ext"]
-            _openssl("x509", "-req", "-in", f"{pki}/{name}.csr", "-CA", f"{pki}/ca.crt", "-CAkey", f"{pki}/ca.key",
-                     "-CAcreateserial", "-out", f"{pki}/{name}.crt", "-days", "2", *extra)  # fmt: skip
-        for name in ("admin", "controller-manager", "scheduler", "kubelet"):
-            self.kubeconfigs[name] = self._kubeconfig(name)
-
-    def _kubeconfig(self, name: str) -> str:
-        path = os.path.join(self.pki, f"{name}.kubeconfig")
-        doc = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [{"name": "test", "cluster": {"server": f"https://127.0.0.1:{API_PORT}",
-                                                      "certificate-authority": f"{self.pki}/ca.crt"}}],
-            "users": [{"name": name, "user": {"client-certificate": f"{self.pki}/{name}.crt",
-                                              "client-key": f"{self.pki}/{name}.key"}}],
-            "contexts": [{"name": "test", "context": {"cluster": "test", "user": name}}],
-            "current-context": "test",
-        }  # fmt: skip
-        with open(path, "w") as f:
-            json.dump(doc, f)  # JSON is YAML
-        return path
+        self.kubeconfigs.update(certificates(self.pki, self.node_name))
 
     def _spawn(self, name: str, argv: list) -> None:
         log_path = os.path.join(self.workdir, f"{name}.log")
@@ -219,36 +289,14 @@ class Cluster(kubeletcheck.ContainerdKubelet):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     raise AssertionError(f"port {port} is in use: a cluster left running?")
-        pki, b = self.pki, self.bin
-        self._spawn("etcd", [b["kcp-etcd"], "-data-dir", os.path.join(self.workdir, "etcd"), "-client-url",
-                             f"http://127.0.0.1:{ETCD_PORT}", "-unsafe-no-fsync"])  # fmt: skip
+        commands = control_plane_commands(self.bin, self.pki, self.kubeconfigs, self.workdir)
+        self._spawn("etcd", commands["etcd"])
         self._wait(lambda: self._http_ok(f"http://127.0.0.1:{ETCD_PORT}/health"), timeout, "etcd to be healthy")
-        self._spawn("kube-apiserver", [
-            b["kube-apiserver"], f"--etcd-servers=http://127.0.0.1:{ETCD_PORT}", "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1", f"--secure-port={API_PORT}", f"--tls-cert-file={pki}/apiserver.crt",
-            f"--tls-private-key-file={pki}/apiserver.key", f"--client-ca-file={pki}/ca.crt",
-            "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={pki}/sa.pub",
-            f"--service-account-signing-key-file={pki}/sa.key", "--service-cluster-ip-range=10.96.0.0/24",
-            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction", "--allow-privileged=true",
-            f"--kubelet-client-certificate={pki}/apiserver-kubelet-client.crt",
-            f"--kubelet-client-key={pki}/apiserver-kubelet-client.key", "--endpoint-reconciler-type=none",
-        ])  # fmt: skip
+        self._spawn("kube-apiserver", commands["kube-apiserver"])
         self._wait(lambda: self.kubectl("get", "--raw", "/readyz", check=False).returncode == 0, timeout,
                    "the API server to be ready")  # fmt: skip
-        cm = self.kubeconfigs["controller-manager"]
-        self._spawn("kube-controller-manager", [
-            b["kube-controller-manager"], f"--kubeconfig={cm}", f"--authentication-kubeconfig={cm}",
-            f"--authorization-kubeconfig={cm}", "--bind-address=127.0.0.1", f"--secure-port={CONTROLLER_MANAGER_PORT}",
-            "--leader-elect=false", f"--service-account-private-key-file={pki}/sa.key", f"--root-ca-file={pki}/ca.crt",
-            "--use-service-account-credentials=true", f"--cluster-signing-cert-file={pki}/ca.crt",
-            f"--cluster-signing-key-file={pki}/ca.key",
-        ])  # fmt: skip
-        sc = self.kubeconfigs["scheduler"]
-        self._spawn("kube-scheduler", [
-            b["kube-scheduler"], f"--kubeconfig={sc}", f"--authentication-kubeconfig={sc}",
-            f"--authorization-kubeconfig={sc}", "--bind-address=127.0.0.1", f"--secure-port={SCHEDULER_PORT}",
-            "--leader-elect=false",
-        ])  # fmt: skip
+        self._spawn("kube-controller-manager", commands["kube-controller-manager"])
+        self._spawn("kube-scheduler", commands["kube-scheduler"])
         # Pods need the namespace's default ServiceAccount, which the controller-manager makes.
         self._wait(lambda: self.kubectl("get", "serviceaccount", "default", check=False).returncode == 0, timeout,
                    "the default ServiceAccount")  # fmt: skip
@@ -266,30 +314,8 @@ class Cluster(kubeletcheck.ContainerdKubelet):
             json.dump({"cniVersion": "0.4.0", "name": "unused", "plugins": [{"type": "loopback"}]}, f)
 
     def _kubelet_flags(self) -> list:
-        config = {
-            "apiVersion": "kubelet.config.k8s.io/v1beta1",
-            "kind": "KubeletConfiguration",
-            "containerRuntimeEndpoint": f"unix://{self.address}",
-            "cgroupDriver": "cgroupfs",
-            "failCgroupV1": False,  # this machine's hybrid cgroups count as v1
-            "failSwapOn": False,
-            "address": "127.0.0.1",
-            "port": KUBELET_PORT,
-            "healthzBindAddress": "127.0.0.1",
-            "healthzPort": KUBELET_HEALTHZ_PORT,
-            "readOnlyPort": 0,
-            "authentication": {"x509": {"clientCAFile": f"{self.pki}/ca.crt"}, "webhook": {"enabled": False},
-                               "anonymous": {"enabled": False}},
-            "authorization": {"mode": "AlwaysAllow"},
-            "volumePluginDir": os.path.join(self.kubelet_dir, "volume-plugins"),
-            "evictionHard": {"memory.available": "100Mi", "nodefs.available": "1%", "imagefs.available": "1%",
-                             "nodefs.inodesFree": "1%"},
-            "imageGCHighThresholdPercent": 100,
-            "imageGCLowThresholdPercent": 99,
-            # Otherwise it adds KUBE-FIREWALL (dropping non-loopback traffic to 127/8), hint and
-            # canary chains to the host's iptables, in both families, and keeps them there.
-            "makeIPTablesUtilChains": False,
-        }  # fmt: skip
+        config = kubelet_configuration(f"unix://{self.address}", self.pki, "cgroupfs")
+        config["volumePluginDir"] = os.path.join(self.kubelet_dir, "volume-plugins")
         path = os.path.join(self.workdir, "kubelet-config.json")
         with open(path, "w") as f:
             json.dump(config, f)
@@ -502,8 +528,9 @@ NODE_DAEMONSETS = ("oci-gpu-hook-node", "oci-gpu-hook-toolkit")  # what sees the
 TOOLKIT = "oci-gpu-hook-toolkit"
 
 
-def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep_node_selectors: bool = False,
-                   keep_propagation: bool = False) -> list:  # fmt: skip
+def node_manifests(host: dict, tmp, records: str | None, port: int | None, toolkit: dict,
+                   keep_node_selectors: bool = False, keep_propagation: bool = False,
+                   moved: bool = True) -> list:  # fmt: skip
     """deploy/kubernetes/*.yaml, with what names the host changed for the simulated one: the pods'
     configuration (the simulated driver root, sysfs and the hook's records directory), hostPath
     volumes for those (the simulated root read-only for labels, whose sysfs it is), the host paths
@@ -514,7 +541,8 @@ def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep
     keep_node_selectors (NFD is not here: the test labels the node as it would). The toolkit's
     container: env values toolkit {NAME: value} (RESTART, INSTALL), and, as this cluster has no
     Service network and no pod network, the API server by its address and validation pods in the
-    node's network."""
+    node's network. moved False (a node of its own, as the node VM): the node's own paths for the
+    cache, features.d, the MPS root and the records; tmp unused. records, port None: the manifest's."""
     import glob
 
     import yaml
@@ -527,24 +555,27 @@ def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep
     for doc in docs:
         if doc["kind"] == "ConfigMap":
             config = yaml.safe_load(doc["data"]["config.yaml"])
-            config.update(driver_root=root, dev_root=root, proc_root=root, records_directory=records)
+            config.update(driver_root=root, dev_root=root, proc_root=root)
+            if records is not None:
+                config["records_directory"] = records
             # features_file stays the manifest's: the features volume below puts it under tmp.
             # sys_root: the simulated host's sysfs (its PCI classes, its DMI name), as proc_root.
-            config["node"].update(exporter_listen=f":{port}", sys_root=root)
+            config["node"]["sys_root"] = root
+            if port is not None:
+                config["node"]["exporter_listen"] = f":{port}"
             doc["data"]["config.yaml"] = yaml.safe_dump(config)
         elif doc["kind"] == "DaemonSet":
             spec = doc["spec"]["template"]["spec"]
             if not keep_node_selectors:
                 spec.pop("nodeSelector")
-            moved = {"/run/oci-gpu-hook": str(tmp / "run"), "/etc/kubernetes/node-feature-discovery/features.d":
-                     str(tmp / "features"), "/run/nvidia/mps": str(tmp / "mps"),
-                     "/var/cache/oci-gpu-hook-node": str(tmp / "cache")}  # fmt: skip
+            places = {"/run/oci-gpu-hook": "run", "/etc/kubernetes/node-feature-discovery/features.d": "features",
+                      "/run/nvidia/mps": "mps", "/var/cache/oci-gpu-hook-node": "cache"}  # fmt: skip
             for volume in spec["volumes"]:
-                if "hostPath" in volume and volume["hostPath"]["path"] in moved:
-                    volume["hostPath"]["path"] = moved[volume["hostPath"]["path"]]  # the type stays
+                if moved and "hostPath" in volume and volume["hostPath"]["path"] in places:
+                    volume["hostPath"]["path"] = str(tmp / places[volume["hostPath"]["path"]])  # the type stays
             spec["volumes"].append({"name": "simulated-host", "hostPath": {"path": root, "type": "Directory"}})
             node_pod = doc["metadata"]["name"] in NODE_DAEMONSETS
-            if node_pod:
+            if node_pod and moved:
                 spec["volumes"].append({"name": "records", "hostPath": {"path": str(tmp / "run"), "type": "Directory"}})
             else:
                 spec["hostNetwork"] = True  # no CNI plugin here to give the pod a network of its own
@@ -556,10 +587,11 @@ def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep
                         mount.pop("mountPropagation", None)
                 if node_pod:
                     container["volumeMounts"].append({"name": "simulated-host", "mountPath": root})
-                    container["volumeMounts"].append({"name": "records", "mountPath": str(tmp / "run")})
+                    if moved:
+                        container["volumeMounts"].append({"name": "records", "mountPath": str(tmp / "run")})
                 else:  # its sysfs (the node's own /sys in the pod), read-only as that is
                     container["volumeMounts"].append({"name": "simulated-host", "mountPath": root, "readOnly": True})
-                for port_spec in container.get("ports", []):
+                for port_spec in container.get("ports", []) if port is not None else []:
                     port_spec["containerPort"] = port
             if doc["metadata"]["name"] == TOOLKIT:
                 (container,) = spec["containers"]
@@ -568,6 +600,7 @@ def node_manifests(host: dict, tmp, records: str, port: int, toolkit: dict, keep
                     if env["value"] is None:
                         env.pop("value")
                 container["command"] += ["--api-server", f"https://127.0.0.1:{API_PORT}", "--host-network"]
-    (tmp / "run").mkdir(exist_ok=True)
-    (tmp / "features").mkdir(mode=0o755, exist_ok=True)  # NFD's worker makes features.d
+    if moved:
+        (tmp / "run").mkdir(exist_ok=True)
+        (tmp / "features").mkdir(mode=0o755, exist_ok=True)  # NFD's worker makes features.d
     return docs

@@ -31,7 +31,9 @@ Test it alone: VMCHECK_SCENARIOS=NAME[,NAME] pytest tests/e2e/test_node_vm.py (t
 runs the set-up); while writing one, VMCHECK_SCENARIOS=/path/to/NAME.sh runs it from there. A
 scenario that needs the shared CRI-O or kubelet in the VM says so (`# needs: crio kubelet`): their
 programs then come in the payload's bin/ (and CRI-O's pause image as pause.tar). One that needs
-the node image (`# needs: image`) finds its root, unpacked, at $P/node-image.
+the node image (`# needs: image`) finds its root, unpacked, at $P/node-image, and its archive at
+$P/node-image.tar. One that needs a cluster (`# needs: kube`) finds the shared Kubernetes build's
+programs in $P/bin/kube and what starts them as tests/kubecheck.py does in $P/cluster (_cluster()).
 
 The pieces
 ----------
@@ -75,14 +77,12 @@ import argparse
 import fcntl
 import glob
 import hashlib
-import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import time
 import traceback
 
@@ -202,7 +202,12 @@ def needs(name: str) -> list:
 
 # tool: the programs of it a scenario gets in the payload's bin/ (what toolbuild.build prints: a
 # directory holding them, or the program itself)
-TOOL_PROGRAMS = {"crio": ("crio", "pinns", "crictl"), "kubelet": ("kubelet",)}
+TOOL_PROGRAMS = {"crio": ("crio", "pinns", "crictl"), "kubelet": ("kubelet",),
+                 "kube": ("kcp-etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl",
+                          "kubelet")}  # fmt: skip
+# where a tool's programs go in the payload: bin/, or a directory of their own (kube's kubelet is
+# not the kubelet tool's)
+TOOL_DIRECTORY = {"kube": "bin/kube"}
 
 
 def _made(tool: str) -> str:
@@ -216,10 +221,44 @@ def _made(tool: str) -> str:
 
 def _tool_programs(tool: str, into: str) -> None:
     made = _made(tool)
+    if os.path.isfile(made) and len(TOOL_PROGRAMS[tool]) > 1:  # it printed each program's path
+        made = os.path.dirname(made)
     os.makedirs(into, exist_ok=True)
     for program in TOOL_PROGRAMS[tool]:
         source = os.path.join(made, program) if os.path.isdir(made) else made
         shutil.copy(source, os.path.join(into, program))
+
+
+CLUSTER_NODE = "vmcheck"  # the VM's host name: its kubelet's Node
+CLUSTER_PKI = "/opt/vmcheck/cluster/pki"  # where the guest finds the payload's cluster/pki (lib.sh's $P)
+
+
+def _cluster(into: str) -> None:
+    """A one-node cluster's makings for the guest, as tests/kubecheck.py runs one here (`# needs:
+    kube`): pki/ (certificates() and the kubeconfigs, naming the files where the guest mounts
+    them), control-plane (a line per component in start order: its name, a tab, its command line
+    quoted for the shell, the programs in /usr/local/bin), kubelet.json (its KubeletConfiguration:
+    CRI-O, the systemd cgroup driver) and manifests.yaml (deploy/kubernetes/ with what names the
+    simulated host at /srv/gpuhost changed, kubecheck.node_manifests, the node's own paths)."""
+    import shlex
+
+    import kubecheck
+    import yaml
+
+    pki = os.path.join(into, "pki")
+    os.makedirs(pki)
+    kubeconfigs = kubecheck.certificates(pki, CLUSTER_NODE, seen_at=CLUSTER_PKI)
+    programs = {name: f"/usr/local/bin/{name}" for name in TOOL_PROGRAMS["kube"]}
+    commands = kubecheck.control_plane_commands(programs, CLUSTER_PKI, kubeconfigs, "/var/lib/vmcheck-kube")
+    with open(os.path.join(into, "control-plane"), "w") as f:
+        f.write("".join(f"{name}\t{shlex.join(argv)}\n" for name, argv in commands.items()))
+    config = kubecheck.kubelet_configuration("unix:///var/run/crio/crio.sock", CLUSTER_PKI, "systemd")
+    with open(os.path.join(into, "kubelet.json"), "w") as f:
+        json.dump(config, f)
+    docs = kubecheck.node_manifests({"root": "/srv/gpuhost"}, None, None, None, {},
+                                    keep_node_selectors=True, keep_propagation=True, moved=False)  # fmt: skip
+    with open(os.path.join(into, "manifests.yaml"), "w") as f:
+        yaml.safe_dump_all(docs, f)
 
 
 def _sh(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -290,18 +329,18 @@ def _selinux_rpm(directory: str, into: str) -> None:
 def _node_image(directory: str, into: str) -> None:
     """The node image's root, as `make image SELINUX_HEADERS=` builds it on this machine (its
     bundle carries the SELinux module for both policy families), unpacked (owners kept): a
-    scenario chroots into it to run the toolkit as the node pod would."""
+    scenario chroots into it to run the toolkit as the node pod would; and its archive beside it
+    (INTO.tar)."""
     archive = os.path.join(directory, "node-image.tar")
     headers = _made("selinux-rhel")
     _sh(sys.executable, os.path.join(REPO, "deploy", "build-image.py"), "--output", archive, "--selinux-headers",
         headers, cwd=REPO)  # fmt: skip
-    with tarfile.open(archive) as outer:
-        (manifest,) = json.load(outer.extractfile("manifest.json"))
-        (name,) = manifest["Layers"]
-        with tarfile.open(fileobj=io.BytesIO(outer.extractfile(name).read())) as layer:
-            layer.extractall(into)
+    import imagecheck
+
+    with imagecheck.layer(archive) as layer:
+        layer.extractall(into)
     os.makedirs(os.path.join(into, "host"), exist_ok=True)  # where the node pod mounts the host's root
-    os.unlink(archive)
+    os.rename(archive, into + ".tar")  # for `podman load`: the image CRI-O runs the DaemonSets from
 
 
 def payload(directory: str, names, flavour: str = "debian") -> str:
@@ -327,7 +366,9 @@ def payload(directory: str, names, flavour: str = "debian") -> str:
         if tool == "image":
             _node_image(directory, os.path.join(stage, "node-image"))
         else:
-            _tool_programs(tool, os.path.join(stage, "bin"))
+            _tool_programs(tool, os.path.join(stage, TOOL_DIRECTORY.get(tool, "bin")))
+        if tool == "kube":
+            _cluster(os.path.join(stage, "cluster"))
     if "crio" in tools:
         # CRI-O's pause image: the busybox image with a /pause that sleeps (no registry in the VM)
         with open(os.path.join(directory, "gpubox", "pause"), "w") as f:

@@ -1147,13 +1147,11 @@ def _label_as_the_policy_says(path: str, recursive: bool = False) -> list:
     import ctypes
 
     def labelled() -> dict:
-        if not recursive:
-            return {path: _label_of(path)}
-        found = {}
-        for here, dirs, names in os.walk(path):
+        found = {path: _label_of(path)}
+        for here, dirs, names in os.walk(path) if recursive else ():
             for name in [*dirs, *names]:
                 found[os.path.join(here, name)] = _label_of(os.path.join(here, name))
-        return {path: _label_of(path), **found}
+        return found
 
     before = labelled()
     flags = RESTORECON_RECURSE | RESTORECON_SKIP_DIGEST if recursive else 0

@@ -147,7 +147,7 @@ CONTAINER_DOMAIN = "gpu_container_t"
 START_DOMAIN = "oci_gpu_hook_start_t"  # the start server's, which uninstall stops first
 
 
-def domains_in_use(proc: str = "/proc", types=(CONTAINER_DOMAIN, START_DOMAIN)) -> dict:
+def domains_in_use(proc: str = "/proc") -> dict:
     """{pid: domain} of the processes that run in a domain of the module: removing it would leave
     them in unlabeled_t, so uninstall keeps it while any runs (a GPU pod that outlives the
     DaemonSet)."""
@@ -161,6 +161,6 @@ def domains_in_use(proc: str = "/proc", types=(CONTAINER_DOMAIN, START_DOMAIN)) 
         except OSError:
             continue  # gone, or a kernel thread's
         parts = context.split(":")
-        if len(parts) >= 3 and parts[2] in types:
+        if len(parts) >= 3 and parts[2] in (CONTAINER_DOMAIN, START_DOMAIN):
             pids[int(name)] = parts[2]
     return dict(sorted(pids.items()))

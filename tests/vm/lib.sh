@@ -29,6 +29,16 @@
 #                        /dev/nvidia0 (OUTCOME: absent, ENXIO-allowed-no-driver, ENODEV-...,
 #                        EACCES-SELinux-or-DAC, EPERM-device-cgroup-refused, opened, other), and
 #                        "nodes=N" (/dev/nvidiaN nodes), "libs=N" (driver libraries it sees); exits with podman's status
+#   quietly CMD...       CMD with its input and output on /dev/null: semodule execs load_policy,
+#                        whose domain may not use the scenario's pipes (a denial for each it inherits)
+#   our_files            the paths under the directories install writes to, sorted (before and after)
+#   setup_hook_away      uninstall the set-up's hook (its units stopped) and remove its module
+#   setup_hook_back      the set-up's module and hook back, its refresh units started, as setup.sh left them
+#   crio_configure       CRI-O's settings as an OpenShift node has them (the systemd cgroup manager,
+#                        SELinux on, runc; the loopback CNI network, so that it says the network is
+#                        ready), its policy.json and crictl's endpoint
+#   node_units KUBELET_FLAGS...  crio.service and kubelet.service (the kubelet with those flags),
+#                        each in the domain the flavour's policy gives it (see the function)
 # shellcheck shell=bash
 P=/opt/vmcheck
 SIM=/srv/gpuhost
@@ -121,4 +131,96 @@ expect_gpu_zero() {
     expect "nodes=1" "$file"  # GPU 0 asked for: /dev/nvidia1 is not there
     grep -q '^libs=0$' "$file" && fail "no driver library in the gpu_container_t container"
     return 0
+}
+
+quietly() { "$@" </dev/null >/dev/null 2>&1; }
+our_files() {
+    find /usr/local /etc/containers /etc/crio /etc/systemd/system /etc/oci-gpu-hook /var/lib/oci-gpu-hook -xdev \
+        2>/dev/null | sort
+}
+
+setup_hook_away() {
+    run "$HOOK" uninstall --stop-units || fail "uninstall of the set-up's hook"
+    if [ "$FLAVOUR" = rhel ]; then run quietly semodule -X 200 -r oci_gpu_hook || fail "removing the RPM's module"
+    else run quietly semodule -X 400 -r oci_gpu_hook || fail "removing the set-up's module"; fi
+    semodule --list-modules=full | grep -a -E ' oci_gpu_hook ' && fail "a module of ours is still loaded"
+    return 0
+}
+setup_hook_back() {
+    if [ "$FLAVOUR" = rhel ]; then
+        run quietly semodule -X 200 -i /usr/share/selinux/packages/targeted/oci_gpu_hook.pp.bz2 || fail "restoring the RPM's module"
+    else
+        run quietly semodule -i /root/selinux/oci_gpu_hook.pp || fail "restoring the set-up's module"
+    fi
+    run "$HOOK" install --runtime podman || fail "restoring the set-up's install"
+    run systemctl daemon-reload
+    run systemctl enable --now oci-gpu-hook-refresh.path oci-gpu-hook-refresh.service
+}
+
+crio_configure() {
+    mkdir -p /etc/crio/crio.conf.d /etc/cni/net.d
+    cat > /etc/crio/crio.conf.d/10-vmcheck.conf <<'CONF'
+# the node's own settings (as an OpenShift node's): the systemd cgroup manager, SELinux, runc
+[crio.runtime]
+cgroup_manager = "systemd"
+conmon_cgroup = "pod"
+conmon = "/usr/bin/conmon"
+default_runtime = "runc"
+selinux = true
+pinns_path = "/usr/local/bin/pinns"
+# CRI-O runs host-network pods unconfined (spc_t) by default; the pods here are host-network only
+# because the VM has no pod network, and their labels are what is under test
+hostnetwork_disable_selinux = false
+[crio.runtime.runtimes.runc]
+runtime_path = "/usr/sbin/runc"
+runtime_root = "/run/runc"
+[crio.image]
+pause_image = "localhost/pause:1"
+pause_command = "/pause"
+signature_policy = "/etc/crio/policy.json"
+[crio.metrics]
+enable_metrics = false
+# a network no pod uses (all are host-network): without one CRI-O says the network is not ready,
+# and the Node never is
+[crio.network]
+network_dir = "/etc/cni/net.d"
+plugin_dirs = ["/usr/lib/cni"]
+CONF
+    echo '{"cniVersion": "0.4.0", "name": "vmcheck-unused", "plugins": [{"type": "loopback"}]}' \
+        > /etc/cni/net.d/10-vmcheck-unused.conflist
+    echo '{"default": [{"type": "insecureAcceptAnything"}]}' > /etc/crio/policy.json
+    printf 'runtime-endpoint: unix:///var/run/crio/crio.sock\nimage-endpoint: unix:///var/run/crio/crio.sock\n' > /etc/crictl.yaml
+}
+
+node_units() {
+    # Debian's policy: a service's runc is container_engine_t and may not start containers
+    # (shared/tools/node-vm/README.md); the daemons run where an administrator's shell does. An
+    # /etc/init.d path is initrc_exec_t: systemd starts it in initrc_t, which may change to that.
+    # RHEL's policy: systemd starts each program in its own domain, as on an OpenShift node
+    # (container-selinux labels them): CRI-O in container_runtime_t, the kubelet in kubelet_t.
+    local launch_crio="" launch_kubelet="" d
+    if [ "$FLAVOUR" = debian ]; then
+        for d in crio kubelet; do
+            printf '#!/bin/sh\nexec runcon unconfined_u:unconfined_r:unconfined_t:s0-s0:c0.c1023 "$@"\n' > /etc/init.d/vmcheck-$d
+            chmod 0755 /etc/init.d/vmcheck-$d
+        done
+        restorecon -F /etc/init.d/vmcheck-crio /etc/init.d/vmcheck-kubelet
+        launch_crio="/etc/init.d/vmcheck-crio " launch_kubelet="/etc/init.d/vmcheck-kubelet "
+    fi
+    cat > /etc/systemd/system/crio.service <<UNIT
+[Unit]
+Description=CRI-O (vmcheck)
+[Service]
+ExecStart=${launch_crio}/usr/local/bin/crio
+Delegate=yes
+KillMode=process
+UNIT
+    cat > /etc/systemd/system/kubelet.service <<UNIT
+[Unit]
+Description=kubelet (vmcheck)
+After=crio.service
+[Service]
+ExecStart=${launch_kubelet}/usr/local/bin/kubelet $*
+UNIT
+    run systemctl daemon-reload
 }

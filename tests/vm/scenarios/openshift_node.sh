@@ -7,63 +7,11 @@ run podman import -q "$P/pause.tar" localhost/pause:1
 restorecon -RF /run/containers /var/lib/containers
 
 run "$HOOK" install --runtime podman --runtime crio || fail "install --runtime crio"
-mkdir -p /etc/crio/crio.conf.d /etc/kubernetes/manifests /var/log/pods
-cat > /etc/crio/crio.conf.d/10-vmcheck.conf <<'CONF'
-# the node's own settings (as an OpenShift node's): the systemd cgroup manager, SELinux, runc
-[crio.runtime]
-cgroup_manager = "systemd"
-conmon_cgroup = "pod"
-conmon = "/usr/bin/conmon"
-default_runtime = "runc"
-selinux = true
-pinns_path = "/usr/local/bin/pinns"
-# CRI-O runs host-network pods unconfined (spc_t) by default; the pod here is host-network only
-# because the VM has no CNI plugin, and its label is what is under test
-hostnetwork_disable_selinux = false
-[crio.runtime.runtimes.runc]
-runtime_path = "/usr/sbin/runc"
-runtime_root = "/run/runc"
-[crio.image]
-pause_image = "localhost/pause:1"
-pause_command = "/pause"
-signature_policy = "/etc/crio/policy.json"
-[crio.metrics]
-enable_metrics = false
-CONF
-echo '{"default": [{"type": "insecureAcceptAnything"}]}' > /etc/crio/policy.json
-# Debian's policy: a service's runc is container_engine_t and may not start containers
-# (shared/tools/node-vm/README.md); the daemons run where an administrator's shell does. An
-# /etc/init.d path is initrc_exec_t: systemd starts it in initrc_t, which may change to that.
-# RHEL's policy: systemd starts each program in its own domain, as on an OpenShift node
-# (container-selinux labels them): CRI-O in container_runtime_t, the kubelet in kubelet_t.
-launch_crio="" launch_kubelet=""
-if [ "$FLAVOUR" = debian ]; then
-    for d in crio kubelet; do
-        printf '#!/bin/sh\nexec runcon unconfined_u:unconfined_r:unconfined_t:s0-s0:c0.c1023 "$@"\n' > /etc/init.d/vmcheck-$d
-        chmod 0755 /etc/init.d/vmcheck-$d
-    done
-    restorecon -F /etc/init.d/vmcheck-crio /etc/init.d/vmcheck-kubelet
-    launch_crio="/etc/init.d/vmcheck-crio " launch_kubelet="/etc/init.d/vmcheck-kubelet "
-fi
-cat > /etc/systemd/system/crio.service <<UNIT
-[Unit]
-Description=CRI-O (vmcheck)
-[Service]
-ExecStart=${launch_crio}/usr/local/bin/crio
-Delegate=yes
-KillMode=process
-UNIT
-cat > /etc/systemd/system/kubelet.service <<UNIT
-[Unit]
-Description=kubelet (vmcheck)
-After=crio.service
-[Service]
-ExecStart=${launch_kubelet}/usr/local/bin/kubelet --container-runtime-endpoint=unix:///var/run/crio/crio.sock --cgroup-driver=systemd --fail-swap-on=false --pod-manifest-path=/etc/kubernetes/manifests --file-check-frequency=5s --anonymous-auth=true --authentication-token-webhook=false --authorization-mode=AlwaysAllow --address=127.0.0.1 --healthz-bind-address=127.0.0.1 --make-iptables-util-chains=false --eviction-hard=memory.available<100Mi,nodefs.available<1%,imagefs.available<1% --image-gc-high-threshold=100 --image-gc-low-threshold=99 --v=2
-UNIT
-run systemctl daemon-reload
+mkdir -p /etc/kubernetes/manifests /var/log/pods
+crio_configure
+node_units --container-runtime-endpoint=unix:///var/run/crio/crio.sock --cgroup-driver=systemd --fail-swap-on=false --pod-manifest-path=/etc/kubernetes/manifests --file-check-frequency=5s --anonymous-auth=true --authentication-token-webhook=false --authorization-mode=AlwaysAllow --address=127.0.0.1 --healthz-bind-address=127.0.0.1 --make-iptables-util-chains=false '--eviction-hard=memory.available<100Mi,nodefs.available<1%,imagefs.available<1%' --image-gc-high-threshold=100 --image-gc-low-threshold=99 --v=2
 run systemctl start crio.service
 wait_for 180 test -S /var/run/crio/crio.sock || { journalctl -u crio --no-pager | tail -n 40; fail "CRI-O did not start"; }
-printf 'runtime-endpoint: unix:///var/run/crio/crio.sock\nimage-endpoint: unix:///var/run/crio/crio.sock\n' > /etc/crictl.yaml
 crictl() { /usr/local/bin/crictl "$@"; }
 
 # leave the node as it was (also when a check below fails): pods gone, daemons stopped

@@ -4,7 +4,6 @@
 IMG=$P/node-image
 [ -x "$IMG/usr/bin/oci-gpu-hook" ] || fail "no node image in the payload"
 [ "$(getenforce)" = Enforcing ] || fail "SELinux is $(getenforce), not Enforcing"
-if [ "$FLAVOUR" = rhel ]; then setup_priority=200; else setup_priority=400; fi
 
 # The node pod's view: the image's root, the host's at /host (recursively, as a hostPath is),
 # /proc and /dev; the toolkit's own command line, as deploy/kubernetes/25-toolkit.yaml runs it.
@@ -14,20 +13,15 @@ toolkit() {
         sh "$IMG" toolkit "$@"
 }
 
-# semodule's output on /dev/null: it execs load_policy, whose domain may not use this shell's pipes
-# (a denial for each it inherits). Its listing through a pipe: semanage_t may not write /tmp's files.
-quietly() { "$@" </dev/null >/dev/null 2>&1; }
+# Its listing through a pipe: semanage_t may not write /tmp's files.
 modules() { semodule -l | cat; }
 
 # This node gets the hook and the module from the toolkit alone.
-run "$HOOK" uninstall --stop-units || fail "uninstall of the set-up's hook"
-run quietly semodule -X "$setup_priority" -r oci_gpu_hook || fail "removing the set-up's module"
-semodule --list-modules=full | grep -a -E ' oci_gpu_hook ' && fail "a module of ours is still loaded"
+setup_hook_away
 modules > /tmp/modules-before
 grep -q . /tmp/modules-before || fail "semodule -l listed nothing"
 # What install writes and uninstall takes back: the files there now, to compare after.
-ours() { find /usr/local /etc/containers /etc/systemd/system /etc/oci-gpu-hook /var/lib/oci-gpu-hook -xdev 2>/dev/null | sort; }
-ours > /tmp/files-before
+our_files > /tmp/files-before
 
 run toolkit install --runtime podman --host-root /host --restart none | tee /tmp/install.out
 [ "${PIPESTATUS[0]}" = 0 ] || fail "toolkit install"
@@ -55,17 +49,10 @@ run toolkit uninstall --host-root /host --restart none | tee /tmp/uninstall.out
 expect "removed SELinux module oci_gpu_hook (priority 300)" /tmp/uninstall.out
 modules > /tmp/modules-after
 diff /tmp/modules-before /tmp/modules-after || fail "the policy's modules are not what they were"
-ours > /tmp/files-after
+our_files > /tmp/files-after
 diff /tmp/files-before /tmp/files-after || fail "toolkit uninstall left the files above changed"
 no_denials_but_no_driver "toolkit uninstall"
 
 # The node as the set-up left it, for any scenario after this one.
-if [ "$FLAVOUR" = rhel ]; then
-    run quietly semodule -X 200 -i /usr/share/selinux/packages/targeted/oci_gpu_hook.pp.bz2 || fail "restoring the RPM's module"
-else
-    run quietly semodule -i /root/selinux/oci_gpu_hook.pp || fail "restoring the set-up's module"
-fi
-run "$HOOK" install --runtime podman || fail "restoring the set-up's install"
-run systemctl daemon-reload
-run systemctl enable --now oci-gpu-hook-refresh.path oci-gpu-hook-refresh.service
+setup_hook_back
 rm -f /tmp/modules-before /tmp/modules-after /tmp/files-before /tmp/files-after /tmp/install.out /tmp/again.out /tmp/uninstall.out /tmp/gpu.out
