@@ -410,7 +410,8 @@ def prepare(output: str, group: int) -> str:
     nothing else of NFD's: root (uid 0, no capability needed: features.d is root's) does this
     before it runs, as the DaemonSet's init container. output must lie in a hidden directory of
     its own directly inside NFD's features.d (features.d/.oci-gpu-hook/oci-gpu-hook: NFD skips
-    names that start with a dot). That directory is made root's and the group's, mode 0775, and in
+    names that start with a dot). That directory is made root's and the group's, mode 0775 (and,
+    where SELinux labels files, what containers may write: _share_with_containers), and in
     features.d the file's name becomes a relative link to it, which NFD reads through (a file
     left there by an earlier version is replaced). Every step is on descriptors, links not
     followed. Returns the link's path."""
@@ -431,6 +432,44 @@ def prepare(output: str, group: int) -> str:
     finally:
         os.close(parent)
     return os.path.join(features_d, name)
+
+
+SELINUX_XATTR = "security.selinux"
+# What a container's processes may write, as the policies with a container module name it
+# (container-selinux's, refpolicy's), at s0 with no category: a labels pod writes there whatever
+# categories CRI-O gave it, and a later pod (other categories) may replace what an earlier one left.
+SHARED_CONTAINER_FILE = b"system_u:object_r:container_file_t:s0"
+
+
+def _share_with_containers(fd: int, path: str) -> None:
+    """Where the own directory (fd) has an SELinux label, make it and the files in it
+    SHARED_CONTAINER_FILE. NFD's features.d is kubernetes_file_t under RHEL's policy, and what is
+    made in it inherits that: container_t, the labels pod's domain, may not write it. Nothing
+    where the file system holds no label (SELinux off). The directory by its descriptor; a file in
+    it through the descriptor's /proc link, itself not followed (a link there is left alone)."""
+    import stat
+
+    try:
+        label = os.getxattr(fd, SELINUX_XATTR)
+    except OSError:
+        return  # no label here, or no SELinux: nothing to give
+    try:
+        if label.rstrip(b"\0") != SHARED_CONTAINER_FILE:
+            os.setxattr(fd, SELINUX_XATTR, SHARED_CONTAINER_FILE)
+        for name in os.listdir(fd):
+            entry = f"/proc/self/fd/{fd}/{name}"
+            try:
+                regular = stat.S_ISREG(os.stat(entry, follow_symlinks=False).st_mode)
+                if regular and os.getxattr(entry, SELINUX_XATTR, follow_symlinks=False).rstrip(b"\0") != (
+                    SHARED_CONTAINER_FILE
+                ):
+                    os.setxattr(entry, SELINUX_XATTR, SHARED_CONTAINER_FILE, follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # a file the labels' rename took away meanwhile
+    except OSError as e:
+        raise LabelError(f"{path}: cannot label it {SHARED_CONTAINER_FILE.decode()} for the labels container "
+                         f"({e.strerror or e}): run this as SELinux type spc_t (deploy/kubernetes/31-labels.yaml)"
+                         ) from None  # fmt: skip
 
 
 def _own_directory(parent: int, features_d: str, own: str, group: int) -> None:
@@ -457,6 +496,7 @@ def _own_directory(parent: int, features_d: str, own: str, group: int) -> None:
         except OSError as e:
             raise LabelError(f"{path}: cannot give it to group {group} ({e.strerror or e}): run this as its owner, "
                              f"in group {group}") from None  # fmt: skip
+        _share_with_containers(fd, path)
     finally:
         os.close(fd)
 

@@ -156,6 +156,9 @@ def test_labels_is_no_one_on_the_host():
     assert init_context["runAsUser"] == 0 and init_context["runAsGroup"] == context["runAsGroup"]
     assert init_context["capabilities"] == {"drop": ["ALL"]} and init_context["allowPrivilegeEscalation"] is False
     assert init_context["privileged"] is False and init_context["readOnlyRootFilesystem"] is True
+    # SELinux: unconfined (spc_t) to make and label its directory in NFD's kubernetes_file_t
+    # features.d; the labels container stays in the runtime's default domain (container_t).
+    assert init_context["seLinuxOptions"] == {"type": "spc_t"} and "seLinuxOptions" not in context
     assert init["command"][-2:] == ["--prepare-for", str(context["runAsGroup"])]
     assert {path: host for path, (host, _) in host_mounts(init, spec).items()} == {FEATURES_D: FEATURES_D}
 

@@ -504,6 +504,40 @@ def test_preparing_twice_changes_nothing_and_a_wrong_place_is_refused(tmp_path):
         features.prepare(f"{tmp_path}/missing/.oci-gpu-hook/oci-gpu-hook", 4242)
 
 
+KUBERNETES_FILE = b"unconfined_u:object_r:kubernetes_file_t:s0"  # what RHEL's policy gives NFD's features.d
+
+
+def test_where_files_carry_selinux_labels_the_own_directory_is_what_containers_may_write(tmp_path, require):
+    """Under RHEL's policy what is made in NFD's features.d is kubernetes_file_t, which the labels
+    container (container_t) may not write: the init container labels its own directory, and each
+    regular file in it (one an earlier pod left, with other categories), container_file_t at s0.
+    A link there keeps its label; where the file system holds no label (SELinux off), none is
+    added. This machine's kernel has no SELinux: root sets the attribute as the policy would have
+    (the node VM's toolkit_daemonset runs it under enforcing)."""
+    require("root")
+    features_d = _features_d(tmp_path)
+    own = features_d / ".oci-gpu-hook"
+    own.mkdir(mode=0o700)
+    (own / "oci-gpu-hook").write_text("nvidia.com/gpu.count=2\n")
+    os.symlink("oci-gpu-hook", own / "a-link")
+    earlier_pod = b"system_u:object_r:container_file_t:s0:c1,c2"
+    labelled = ((features_d, KUBERNETES_FILE), (own, KUBERNETES_FILE), (own / "oci-gpu-hook", earlier_pod),
+                (own / "a-link", KUBERNETES_FILE))  # fmt: skip
+    for path, label in labelled:
+        os.setxattr(path, features.SELINUX_XATTR, label, follow_symlinks=False)
+    features.prepare(f"{own}/oci-gpu-hook", 4242)
+    label = lambda path: os.getxattr(path, features.SELINUX_XATTR, follow_symlinks=False).rstrip(b"\0")  # noqa: E731
+    assert label(own) == label(own / "oci-gpu-hook") == features.SHARED_CONTAINER_FILE
+    assert label(own / "a-link") == KUBERNETES_FILE
+    assert label(features_d) == KUBERNETES_FILE  # NFD's own directory is not ours to label
+    # Without labels: none added.
+    (tmp_path / "bare").mkdir()
+    bare = _features_d(tmp_path / "bare")
+    features.prepare(f"{bare}/.oci-gpu-hook/oci-gpu-hook", 4242)
+    with pytest.raises(OSError):
+        os.getxattr(bare / ".oci-gpu-hook", features.SELINUX_XATTR)
+
+
 @pytest.mark.parametrize("case", ["a-link", "a-file", "another-owner"])
 def test_a_directory_others_made_is_not_taken(tmp_path, case):
     """Whatever is at features.d/.oci-gpu-hook, the init container only takes a directory of its
