@@ -100,7 +100,9 @@ SIM_VERSIONS = {"gpuhost.tar": "550.54.15", "gpuhost-next.tar": "560.35.03"}
 # VMCHECK_FLAVOURS (a comma list) narrows them
 FLAVOURS = ("debian", "rhel")
 BASE_TOOLS = {"debian": ("node-vm", "base"), "rhel": ("node-vm-rhel", "base-rhel")}
-BOOT_TIMEOUT = 3000  # seconds, the whole boot: a hang guard, never a speed check
+# seconds, the whole boot: a hang guard, never a speed check (the rhel boot, with a cluster in its
+# toolkit_daemonset, took about 35 minutes)
+BOOT_TIMEOUT = 4200
 KEEP_RUNS = 4  # two sessions' boots, of both flavours
 BOOTED = "VMCHECK_BOOTED"  # the result file of a boot started in the background (make test)
 # seconds a session waits for the background boot's result: the tools it may wait on first (the

@@ -22,10 +22,12 @@ from oci_gpu_hook.toolkit import install as install_module
 
 ENVIRONMENT = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
 # install relabels and asks runtimes; uninstall removes a bundle of some thousand files and the
-# SELinux module, then waits for systemd's reload (up to systemd_manager.RELOAD_TIMEOUT). Under the
-# toolkit pod's grace period (300 s, deploy/kubernetes/25-toolkit.yaml), so that an uninstall on
-# removal ends before the kubelet kills the pod's processes.
-TIMEOUT = 280
+# SELinux module, then waits for systemd's reload (up to systemd_manager.RELOAD_TIMEOUT). Both are
+# hang guards: in the node VM under qemu's TCG, with a control plane beside it, one install (the
+# module loaded, systemd asked) took over 280 s. Under the toolkit pod's grace period (600 s,
+# deploy/kubernetes/25-toolkit.yaml), so that an uninstall on removal ends before the kubelet kills
+# the pod's processes.
+TIMEOUT = 540
 
 
 class HostError(HookError):

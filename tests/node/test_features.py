@@ -513,7 +513,7 @@ def test_where_files_carry_selinux_labels_the_own_directory_is_what_containers_m
     regular file in it (one an earlier pod left, with other categories), container_file_t at s0.
     A link there keeps its label; where the file system holds no label (SELinux off), none is
     added. This machine's kernel has no SELinux: root sets the attribute as the policy would have
-    (the node VM's toolkit_daemonset runs it under enforcing)."""
+    (in the node VM under RHEL's enforcing policy the init container then ran)."""
     require("root")
     features_d = _features_d(tmp_path)
     own = features_d / ".oci-gpu-hook"
