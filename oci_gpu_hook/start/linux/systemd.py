@@ -279,8 +279,12 @@ class _Connection:
             raise self._late() from None
 
     def _authenticate(self) -> None:
-        """SASL EXTERNAL with our uid (the peer checks it against the socket's credentials)."""
-        self._send(b"\0AUTH EXTERNAL " + str(os.geteuid()).encode().hex().encode() + b"\r\n")
+        """SASL EXTERNAL with our uid (the peer checks it against the socket's credentials), BEGIN
+        sent with it, as systemd's own clients send it, and the first message only once the OK is
+        read. Sent after the OK, BEGIN could reach systemd in one read with the message behind it,
+        which systemd 252 then left unread until more came or the connection closed: in the node
+        VM three calls were answered only at the client's timeout (60 s, 180 s), when it closed."""
+        self._send(b"\0AUTH EXTERNAL " + str(os.geteuid()).encode().hex().encode() + b"\r\nBEGIN\r\n")
         answer = b""
         while not answer.endswith(b"\r\n"):
             chunk = self._recv(512)
@@ -290,7 +294,6 @@ class _Connection:
         if not answer.startswith(b"OK "):
             refused = answer.strip()[:200].decode("ascii", "replace")
             raise SystemdError(f"systemd refused the authentication: {refused}")
-        self._send(b"BEGIN\r\n")
 
     def call(self, destination: str, path: str, interface: str, member: str, signature: str, write_body):
         """(body signature, body) of the reply; SystemdError on an error reply. Messages that are
