@@ -250,7 +250,7 @@ def test_stopping_a_unit_systemd_does_not_know_is_stopping_nothing(fake_systemd)
 def test_a_reload_is_given_systemctls_time_and_the_other_calls_less(fake_systemd, monkeypatch):
     """A connection with a Reload on it waits RELOAD_TIMEOUT for systemd's answers, as
     `systemctl daemon-reload` does; one without, TIMEOUT. Both bounds shrunk to seconds here; the
-    stand-in answers the reload 1.5 s late, as systemd did (62 s) after a policy load."""
+    stand-in answers the reload 1.5 s late, as a busy systemd does."""
     socket_path, calls, units = fake_systemd
     units.write_text(json.dumps({"reload seconds": 1.5}))
     monkeypatch.setattr(systemd_manager, "TIMEOUT", 0.5)
