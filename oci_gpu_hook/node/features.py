@@ -459,10 +459,9 @@ def _share_with_containers(fd: int, path: str) -> None:
         for name in os.listdir(fd):
             entry = f"/proc/self/fd/{fd}/{name}"
             try:
-                regular = stat.S_ISREG(os.stat(entry, follow_symlinks=False).st_mode)
-                if regular and os.getxattr(entry, SELINUX_XATTR, follow_symlinks=False).rstrip(b"\0") != (
-                    SHARED_CONTAINER_FILE
-                ):
+                if not stat.S_ISREG(os.stat(entry, follow_symlinks=False).st_mode):
+                    continue
+                if os.getxattr(entry, SELINUX_XATTR, follow_symlinks=False).rstrip(b"\0") != SHARED_CONTAINER_FILE:
                     os.setxattr(entry, SELINUX_XATTR, SHARED_CONTAINER_FILE, follow_symlinks=False)
             except FileNotFoundError:
                 continue  # a file the labels' rename took away meanwhile
