@@ -1,5 +1,7 @@
 """`oci-gpu-hook inventory`: manage the inventory cache the hook reads on every start."""
 
+import os
+
 import click
 
 
@@ -28,3 +30,17 @@ def refresh(obj):
         click.echo(f"oci-gpu-hook: warning: {printable(result.nvml_error)}: GPUs and files are from procfs and "
                    f"the driver's files; the CUDA version, brands, memory and MIG UUIDs are unknown until NVML answers "
                    f"({advice(result.nvml_error)}; then run inventory refresh again)", err=True)  # fmt: skip
+
+
+@inventory.command()
+@click.pass_obj
+def share(obj):
+    """Let containers read the cache where SELinux labels files: its directory and the files in it
+    become container_ro_file_t:s0 (the node pod's init container, for the labels pod)."""
+    from oci_gpu_hook.node import features
+
+    directory = os.path.dirname(os.path.abspath(obj.settings.inventory_cache))
+    if features.share_cache(obj.settings):
+        click.echo(f"{directory}: {features.READ_ONLY_CONTAINER_FILE.decode()}")
+    else:
+        click.echo(f"{directory}: no SELinux labels here: nothing to do")

@@ -411,7 +411,7 @@ def prepare(output: str, group: int) -> str:
     before it runs, as the DaemonSet's init container. output must lie in a hidden directory of
     its own directly inside NFD's features.d (features.d/.oci-gpu-hook/oci-gpu-hook: NFD skips
     names that start with a dot). That directory is made root's and the group's, mode 0775 (and,
-    where SELinux labels files, what containers may write: _share_with_containers), and in
+    where SELinux labels files, what containers may write: share_with_containers), and in
     features.d the file's name becomes a relative link to it, which NFD reads through (a file
     left there by an earlier version is replaced). Every step is on descriptors, links not
     followed. Returns the link's path."""
@@ -439,36 +439,64 @@ SELINUX_XATTR = "security.selinux"
 # (container-selinux's, refpolicy's), at s0 with no category: a labels pod writes there whatever
 # categories CRI-O gave it, and a later pod (other categories) may replace what an earlier one left.
 SHARED_CONTAINER_FILE = b"system_u:object_r:container_file_t:s0"
+# What they may read and not write (the same policies' type for content given to containers
+# read-only), at s0, which every pod's categories dominate.
+READ_ONLY_CONTAINER_FILE = b"system_u:object_r:container_ro_file_t:s0"
 
 
-def _share_with_containers(fd: int, path: str) -> None:
-    """Where the own directory (fd) has an SELinux label, make it and the files in it
-    SHARED_CONTAINER_FILE. NFD's features.d is kubernetes_file_t under RHEL's policy, and what is
-    made in it inherits that: container_t, the labels pod's domain, may not write it. Nothing
-    where the file system holds no label (SELinux off). The directory by its descriptor; a file in
-    it through the descriptor's /proc link, itself not followed (a link there is left alone)."""
+def share_with_containers(fd: int, path: str, context: bytes, run_as: str) -> bool:
+    """Where the directory of fd has an SELinux label, make it and the regular files in it context:
+    what is made in it later inherits the directory's type. Nothing where the file system holds no
+    label (SELinux off): False. The directory by its descriptor; a file in it through the
+    descriptor's /proc link, itself not followed (a link there is left alone). run_as: where the
+    error says this must run (the domain that may relabel)."""
     import stat
 
     try:
         label = os.getxattr(fd, SELINUX_XATTR)
     except OSError:
-        return  # no label here, or no SELinux: nothing to give
+        return False  # no label here, or no SELinux: nothing to give
     try:
-        if label.rstrip(b"\0") != SHARED_CONTAINER_FILE:
-            os.setxattr(fd, SELINUX_XATTR, SHARED_CONTAINER_FILE)
+        if label.rstrip(b"\0") != context:
+            os.setxattr(fd, SELINUX_XATTR, context)
         for name in os.listdir(fd):
             entry = f"/proc/self/fd/{fd}/{name}"
             try:
                 if not stat.S_ISREG(os.stat(entry, follow_symlinks=False).st_mode):
                     continue
-                if os.getxattr(entry, SELINUX_XATTR, follow_symlinks=False).rstrip(b"\0") != SHARED_CONTAINER_FILE:
-                    os.setxattr(entry, SELINUX_XATTR, SHARED_CONTAINER_FILE, follow_symlinks=False)
+                if os.getxattr(entry, SELINUX_XATTR, follow_symlinks=False).rstrip(b"\0") != context:
+                    os.setxattr(entry, SELINUX_XATTR, context, follow_symlinks=False)
             except FileNotFoundError:
-                continue  # a file the labels' rename took away meanwhile
+                continue  # a file a rename took away meanwhile
     except OSError as e:
-        raise LabelError(f"{path}: cannot label it {SHARED_CONTAINER_FILE.decode()} for the labels container "
-                         f"({e.strerror or e}): run this as SELinux type spc_t (deploy/kubernetes/31-labels.yaml)"
-                         ) from None  # fmt: skip
+        raise LabelError(f"{path}: cannot label it {context.decode()} ({e.strerror or e}): {run_as}") from None
+    return True
+
+
+def share_cache(settings) -> bool:
+    """Where SELinux labels files, label the inventory cache's directory (settings.inventory_cache's),
+    and the files in it, READ_ONLY_CONTAINER_FILE, so that the labels container (container_t, which
+    reads it with --cached-inventory) may read it and no container may write it: the node pod's init
+    container, in spc_t, before its services write the cache. Under RHEL's policy the directory the
+    kubelet makes in /var/cache is var_t, which container_t may not read. Refused for the hook's
+    own directories (RUN_DIR, the records'), whose files are no container's business. False where
+    nothing holds a label."""
+    from oci_gpu_hook.start.settings import RUN_DIR
+
+    path = os.path.dirname(os.path.abspath(settings.inventory_cache))
+    records = os.path.abspath(settings.records_path)
+    if path in (RUN_DIR, records, os.path.dirname(records)):
+        raise LabelError(f"{path}: the hook's own directory, not shared with containers: give inventory_cache a "
+                         "directory of its own (the node pod's /var/cache/oci-gpu-hook)")  # fmt: skip
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise LabelError(f"{path}: {e.strerror or e}") from None
+    try:
+        return share_with_containers(fd, path, READ_ONLY_CONTAINER_FILE, "run this as SELinux type spc_t, with "
+                                     "CAP_FOWNER (deploy/kubernetes/30-daemonset.yaml's init container)")  # fmt: skip
+    finally:
+        os.close(fd)
 
 
 def _own_directory(parent: int, features_d: str, own: str, group: int) -> None:
@@ -495,7 +523,9 @@ def _own_directory(parent: int, features_d: str, own: str, group: int) -> None:
         except OSError as e:
             raise LabelError(f"{path}: cannot give it to group {group} ({e.strerror or e}): run this as its owner, "
                              f"in group {group}") from None  # fmt: skip
-        _share_with_containers(fd, path)
+        share_with_containers(
+            fd, path, SHARED_CONTAINER_FILE, "run this as SELinux type spc_t (deploy/kubernetes/31-labels.yaml)"
+        )
     finally:
         os.close(fd)
 

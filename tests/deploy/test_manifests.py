@@ -163,6 +163,30 @@ def test_labels_is_no_one_on_the_host():
     assert {path: host for path, (host, _) in host_mounts(init, spec).items()} == {FEATURES_D: FEATURES_D}
 
 
+def test_the_node_pods_init_container_only_labels_the_cache_for_the_labels_pod():
+    """Under RHEL's policy the cache directory the kubelet makes is var_t, which the labels
+    container may not read: the node pod's init container labels it (`inventory share`), before
+    its services write there, with what it takes and nothing more: spc_t to relabel, uid 0 with
+    CAP_FOWNER alone (the cache file is not root's), and of the host's paths only that directory,
+    the same one the labels pod reads."""
+    spec = pod_spec(NODE)
+    (init,) = spec["initContainers"]
+    assert init["command"][-2:] == ["inventory", "share"]
+    context = init["securityContext"]
+    assert context["privileged"] is False and context["allowPrivilegeEscalation"] is False
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["FOWNER"]}
+    assert context["runAsUser"] == 0 and context["readOnlyRootFilesystem"] is True
+    assert context["seLinuxOptions"] == {"type": "spc_t"} and context["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert {path: host for path, (host, _) in host_mounts(init, spec).items()} == {
+        "/var/cache/oci-gpu-hook": "/var/cache/oci-gpu-hook-node"
+    }  # fmt: skip
+    labels_reads = {h for p, (h, _) in host_mounts(containers()["labels"], pod_spec(LABELS)).items()
+                    if p == "/var/cache/oci-gpu-hook"}  # fmt: skip
+    assert labels_reads == {"/var/cache/oci-gpu-hook-node"}
+    config = yaml.safe_load(one("ConfigMap")["data"]["config.yaml"])
+    assert os.path.dirname(config["inventory_cache"]) == "/var/cache/oci-gpu-hook"  # the directory it labels
+
+
 def test_what_an_unprivileged_container_may_write_is_its_own():
     """Round 4, class 9, again: labels was made unprivileged so that whoever took it over could
     change nothing of the privileged containers'. But its heartbeat volume, which it writes, was

@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 
+import leftovers
 import pytest
 from hookcheck import checkout_command, config_with, expected_common, expected_gpu, expected_mig
 
@@ -560,6 +561,61 @@ def test_a_directory_others_made_is_not_taken(tmp_path, case):
     assert (features_d / "oci-gpu-hook").read_text() == "nvidia.com/gpu.count=1\n"  # not replaced
     st = os.stat(elsewhere)
     assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0o700)
+
+
+VAR_FILE = b"system_u:object_r:var_t:s0"  # what RHEL's policy gives what the kubelet makes in /var/cache
+
+
+def test_the_node_pod_labels_its_cache_for_the_labels_pod_to_read(host, hook_cli, tmp_path, require):
+    """Under RHEL's policy the node pod's cache directory (which the kubelet makes in /var/cache)
+    and the cache in it are var_t, which the labels container (container_t) may not read: the node
+    pod's init container, `inventory share`, labels the directory and each regular file in it
+    container_ro_file_t at s0 (what files made there later inherit), and leaves a link alone.
+    Where nothing holds a label (SELinux off) none is added. This machine's kernel has no SELinux:
+    root sets the attribute as the policy would have (in the node VM the labels pod then read it
+    under RHEL's enforcing policy)."""
+    require("root")
+    cache = tmp_path / "cache"
+    config = config_with(host, tmp_path, f"inventory_cache: {cache}/inventory.json")
+    inventory_cache.load(settings_module.load(config))  # as the node pod's services write it
+    os.symlink("inventory.json", cache / "a-link")
+    for path in (cache, cache / "inventory.json", cache / "a-link"):
+        os.setxattr(path, features.SELINUX_XATTR, VAR_FILE, follow_symlinks=False)
+    label = lambda path: os.getxattr(path, features.SELINUX_XATTR, follow_symlinks=False).rstrip(b"\0")  # noqa: E731
+    for _ in range(2):  # and again, as at the pod's next start: nothing changes
+        p = hook_cli("--config", config, "inventory", "share")
+        assert (p.returncode, p.stdout, p.stderr) == (0, f"{cache}: system_u:object_r:container_ro_file_t:s0\n", "")
+        assert label(cache) == label(cache / "inventory.json") == features.READ_ONLY_CONTAINER_FILE
+        assert label(cache / "a-link") == VAR_FILE
+    # Without labels: none added.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    p = hook_cli("--config", config_with(host, bare, f"inventory_cache: {bare}/inventory.json"), "inventory", "share")
+    assert (p.returncode, p.stdout, p.stderr) == (0, f"{bare}: no SELinux labels here: nothing to do\n", "")
+    with pytest.raises(OSError):
+        os.getxattr(bare, features.SELINUX_XATTR)
+
+
+@pytest.mark.parametrize("place", ["run-directory", "records", "records-parent", "a-link", "absent"])
+def test_the_hooks_own_directories_are_not_shared(host, hook_cli, tmp_path, place):
+    """The hook's run directory holds its compiled settings and journals, the records directory
+    every container's record: a cache configured there is refused in one line, and nothing is
+    labelled. Nor is a link followed to a directory elsewhere, and a missing one is named. (The
+    CLI runs in a process of its own: the host's run directory, not the one this process's tests
+    are given.)"""
+    records = tmp_path / "records"
+    cache = {"run-directory": leftovers.RUN_DIR, "records": records, "records-parent": tmp_path,
+             "a-link": tmp_path / "link", "absent": tmp_path / "absent"}[place]  # fmt: skip
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
+    config = config_with(host, tmp_path / "elsewhere", f"inventory_cache: {cache}/inventory.json\n"
+                         f"records_directory: {records}")  # fmt: skip
+    p = hook_cli("--config", config, "inventory", "share")
+    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert p.stderr.startswith(f"oci-gpu-hook: {cache}: "), p.stderr
+    if place in ("run-directory", "records", "records-parent"):
+        assert "the hook's own directory, not shared with containers" in p.stderr
+    assert p.stdout == ""
 
 
 def test_cli_prepare_takes_only_output(host, hook_cli, tmp_path):

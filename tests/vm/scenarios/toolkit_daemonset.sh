@@ -1,4 +1,4 @@
-# proves: the cluster rolls the hook out by itself onto a node as OpenShift's (RHEL's policy, enforcing; CRI-O and the kubelet under systemd; a control plane of the shared Kubernetes build on the node), with no RPM and no `install` typed: `kubectl apply` of deploy/kubernetes/ (tests/kubecheck.py's node_manifests: the simulated GPU host's paths, the API server by its address) and NFD's label alone install the hook from the node image, load its module at priority 300, pass gate toolkit and then gate plugin (the Node's events, in that order; GPUHookReady True), advertise the 2 GPUs, and then (gate d) make the labels pod and have the exporter ready; a pod asking for nvidia.com/gpu: 1 runs in gpu_container_t and opens exactly one GPU, with no denial; deleting the DaemonSets uninstalls: the module is gone and the node's files are as before
+# proves: the cluster rolls the hook out by itself onto a node as OpenShift's (RHEL's policy, enforcing; CRI-O and the kubelet under systemd; a control plane of the shared Kubernetes build on the node), with no RPM and no `install` typed: `kubectl apply` of deploy/kubernetes/ (tests/kubecheck.py's node_manifests: the simulated GPU host's paths, the API server by its address) and NFD's label alone install the hook from the node image, load its module at priority 300, pass gate toolkit and then gate plugin (the Node's events, in that order; GPUHookReady True), advertise the 2 GPUs, and then (gate d) the labels pod writes NFD's feature file (its init container in spc_t labels its own directory in NFD's kubernetes_file_t features.d for the labels container's container_t, and the node pod's init container labels the inventory cache, var_t where the kubelet makes it, container_ro_file_t) and the exporter is ready; a pod asking for nvidia.com/gpu: 1 runs in gpu_container_t and opens exactly one GPU, with no denial; deleting the DaemonSets uninstalls: the module is gone and the node's files are as before
 # timeout: 2700
 # flavours: rhel
 # needs: kube crio image
@@ -25,11 +25,12 @@ setup_hook_away
 cp /etc/oci-gpu-hook/config.yaml /root/config.yaml.setup
 printf 'accept_volume_mounts: true\naccept_envvar_when_unprivileged: false\n' >> /etc/oci-gpu-hook/config.yaml
 crio_configure
-# NFD is not here, and neither is its features.d: the labels pod is made (gate d) and waits for it
-# (a FailedMount event). With features.d made as the policy labels it, its init container ran
-# (spc_t), but the labels container may not read the node pod's inventory cache under RHEL's
-# policy: docs/selinux.md, "The labels pod and NFD's directory".
-[ -e /etc/kubernetes/node-feature-discovery/features.d ] && fail "NFD's features.d is there"
+# NFD's features.d, as its worker makes it on a node: labelled as the policy says, under RHEL's
+# kubernetes_file_t (all of /etc/kubernetes), which the labels pod's container_t may not write.
+features=/etc/kubernetes/node-feature-discovery/features.d
+[ -e "$features" ] && fail "$features is there already"
+mkdir -p "$features" && restorecon -R /etc/kubernetes
+ls -dZ "$features"
 # The runtimes' configuration, to compare after: what install edits must come back byte for byte.
 runtime_config() { find /etc/crio /etc/containers -type f -exec sha256sum {} + | sort -k 2; }
 our_files > /tmp/files-before
@@ -52,6 +53,7 @@ leave() {
     rm -rf /var/lib/vmcheck-kube /etc/systemd/system/kubelet.service /etc/systemd/system/crio.service
     systemctl daemon-reload
     cp /root/config.yaml.setup /etc/oci-gpu-hook/config.yaml
+    rm -rf /etc/kubernetes/node-feature-discovery /var/cache/oci-gpu-hook-node
     rm -f /tmp/files-before /tmp/files-after /tmp/config-before /tmp/config-after /tmp/gpu.out /tmp/gpu-pod.yaml /tmp/events.json
 }
 die() {
@@ -92,12 +94,19 @@ wait_for 1800 is True node_field '{.status.conditions[?(@.type=="GPUHookReady")]
 echo "GPUHookReady True $(( $(date +%s) - t )) s after kubectl apply: $(node_field '{.status.conditions[?(@.type=="GPUHookReady")].message}')"
 wait_for 120 is 2 node_field '{.status.allocatable.nvidia\.com/gpu}' \
     || die "the node does not advertise 2 GPUs: '$(node_field '{.status.allocatable.nvidia\.com/gpu}')'"
-# Gate (d): the labels pod is made, and the exporter is ready (its readiness probe asks /ready).
-wait_for 300 has oci-gpu-hook-labels pods_field oci-gpu-hook-labels '{.items[*].metadata.name}' \
-    || die "no labels pod was made once gate plugin passed"
+# Gate (d): the labels pod runs and writes NFD's feature file (its init container, spc_t, labelled
+# its own directory container_file_t:s0; the node pod's, the inventory cache it reads
+# container_ro_file_t:s0), and the exporter is ready (its probe asks /ready).
+wait_for 300 has Running pods_field oci-gpu-hook-labels '{.items[*].status.phase}' \
+    || die "the labels pod is not running"
+wait_for 300 grep -q '^nvidia.com/gpu.count=2$' "$features/oci-gpu-hook" || die "no GPU count in NFD's features.d"
+ls -laZ "$features" "$features/.oci-gpu-hook" /var/cache/oci-gpu-hook-node
+for f in /var/cache/oci-gpu-hook-node /var/cache/oci-gpu-hook-node/inventory.json; do
+    [ "$(stat -c %C "$f")" = system_u:object_r:container_ro_file_t:s0 ] || die "$f is $(stat -c %C "$f")"
+done
 wait_for 300 has true pods_field oci-gpu-hook-node '{.items[*].status.containerStatuses[?(@.name=="exporter")].ready}' \
     || die "the exporter is not ready"
-echo "the labels pod made and the exporter ready $(( $(date +%s) - t )) s after kubectl apply"
+echo "the labels pod runs and the exporter is ready $(( $(date +%s) - t )) s after kubectl apply"
 semodule --list-modules=full | grep -a -E '^300 +oci_gpu_hook ' || die "the toolkit did not load the module at priority 300"
 [ "$(semodule --list-modules=full | grep -a -c -E ' oci_gpu_hook ')" = 1 ] || die "another module of ours is loaded"
 # The gates in order, from the API's events and their times.
