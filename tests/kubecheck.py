@@ -23,8 +23,10 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 
 import criocheck
+import hostcheck
 import kubeletcheck
 from hookcheck import config_with
 
@@ -66,17 +68,30 @@ def certificates(pki: str, node_name: str, seen_at: str | None = None) -> dict:
         "kubelet": (f"/O=system:nodes/CN=system:node:{node_name}", None),
     }  # fmt: skip
     for name, (subject, san) in clients.items():
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{pki}/{name}.key", "-out",
-                 f"{pki}/{name}.csr", "-subj", subject)  # fmt: skip
-        extra = []
-        if san:
-            with open(f"{pki}/{name}.ext", "w") as f:
-                f.write(san + "\n")
-            extra = ["-extfile", f"{pki}/{name}.ext"]
-        _openssl("x509", "-req", "-in", f"{pki}/{name}.csr", "-CA", f"{pki}/ca.crt", "-CAkey", f"{pki}/ca.key",
-                 "-CAcreateserial", "-out", f"{pki}/{name}.crt", "-days", "2", *extra)  # fmt: skip
+        _client_certificate(pki, name, subject, san)
     return {name: _kubeconfig(pki, name, seen_at or pki) for name in ("admin", "controller-manager", "scheduler",
                                                                       "kubelet")}  # fmt: skip
+
+
+def _client_certificate(pki: str, name: str, subject: str, san: str | None = None) -> None:
+    """pki/NAME.key and NAME.crt for subject (and subjectAltName san), signed by pki's CA."""
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{pki}/{name}.key", "-out", f"{pki}/{name}.csr",
+             "-subj", subject)  # fmt: skip
+    extra = []
+    if san:
+        with open(f"{pki}/{name}.ext", "w") as f:
+            f.write(san + "\n")
+        extra = ["-extfile", f"{pki}/{name}.ext"]
+    _openssl("x509", "-req", "-in", f"{pki}/{name}.csr", "-CA", f"{pki}/ca.crt", "-CAkey", f"{pki}/ca.key",
+             "-CAcreateserial", "-out", f"{pki}/{name}.crt", "-days", "2", *extra)  # fmt: skip
+
+
+def node_certificate(pki: str, node_name: str) -> str:
+    """The kubelet's client certificate for one more node, node_name, signed by the CA that
+    certificates() made in pki; returns its kubeconfig."""
+    name = f"kubelet-{node_name}"
+    _client_certificate(pki, name, f"/O=system:nodes/CN=system:node:{node_name}")
+    return _kubeconfig(pki, name, pki)
 
 
 def _kubeconfig(pki: str, name: str, seen_at: str) -> str:
@@ -96,13 +111,15 @@ def _kubeconfig(pki: str, name: str, seen_at: str) -> str:
     return os.path.join(seen_at, f"{name}.kubeconfig")
 
 
-def control_plane_commands(programs_: dict, pki: str, kubeconfigs: dict, workdir: str) -> dict:
+def control_plane_commands(programs_: dict, pki: str, kubeconfigs: dict, workdir: str,
+                           flags: dict | None = None) -> dict:  # fmt: skip
     """{component: its command line}, in start order (etcd, kube-apiserver, kube-controller-manager,
     kube-scheduler): programs_ {name: path}, pki and kubeconfigs (certificates()) as they read
-    them, etcd's data under workdir. Each listens on loopback at its own port."""
+    them, etcd's data under workdir, flags {component: [more flags]} after its own. Each listens on
+    loopback at its own port."""
     b = programs_
     cm, sc = kubeconfigs["controller-manager"], kubeconfigs["scheduler"]
-    return {
+    commands = {
         "etcd": [b["kcp-etcd"], "-data-dir", os.path.join(workdir, "etcd"), "-client-url",
                  f"http://127.0.0.1:{ETCD_PORT}", "-unsafe-no-fsync"],
         "kube-apiserver": [
@@ -125,6 +142,9 @@ def control_plane_commands(programs_: dict, pki: str, kubeconfigs: dict, workdir
             f"--authorization-kubeconfig={sc}", "--bind-address=127.0.0.1", f"--secure-port={SCHEDULER_PORT}",
             "--leader-elect=false"],
     }  # fmt: skip
+    for component, more in (flags or {}).items():
+        commands[component] = commands[component] + list(more)
+    return commands
 
 
 def kubelet_configuration(endpoint: str, pki: str, cgroup_driver: str) -> dict:
@@ -162,21 +182,40 @@ class Cluster(kubeletcheck.ContainerdKubelet):
 
     node_files ({path: text}): the node is a host of its own instead, for what installs onto it
     (the toolkit DaemonSet): containerd and the kubelet run in a mount namespace whose /etc,
-    /usr/local, /usr/share, /var/lib and /run are overlays (their upper layers on a tmpfs there; /run: the
+    /usr/local, /usr/share, /var/lib, /var/cache and /run are overlays (their upper layers on a tmpfs there; /run: the
     hook's compiled settings, the runtime's state), with these files
     written into it; containerd reads /etc/containerd/config.toml with no flag (node_files names
     it: cricheck.user_config(cluster.containerd_dir) is the administrators' one, without the hook),
     under a supervisor that starts it again when it exits, as systemd's Restart= would.
-    on_node(path) is a path of the node's as this machine reaches it."""
+    on_node(path) is a path of the node's as this machine reaches it.
 
-    def __init__(self, workdir, hook_config: str | None, node_files: dict | None = None, **options):
+    For a cluster of several nodes (nodes_of_their_own), each a host of its own:
+    - joins: the started Cluster whose control plane this node joins, with a kubelet certificate
+      of its own (node_certificate); it has no control plane of its own.
+    - address: the node has a network namespace of its own too, as kind's nodes have: its
+      loopback and an interface with this address (the Node's InternalIP), its kubelet's,
+      its runtime's and its host-network pods' ports its own; the API server reaches it only
+      through a forwarder from the node's loopback to this machine's (tests/apiforward.py).
+      Nothing reaches it from outside: its_page() reads a page served in it.
+    - cgroup_root: the kubelet's cgroupRoot, made in every hierarchy and removed after, so that
+      each kubelet keeps to its own pods' cgroups (one would remove another's as orphans).
+    - node_mounts {path: source}: bind mounts in the node's mount namespace (its own simulated
+      GPU host, built at the one path every node's configuration names).
+    - control_flags {component: [flags]}: more flags for the control plane it starts."""
+
+    def __init__(self, workdir, hook_config: str | None, node_files: dict | None = None,
+                 joins: Cluster | None = None, address: str | None = None, cgroup_root: str | None = None,
+                 node_mounts: dict | None = None, control_flags: dict | None = None, **options):  # fmt: skip
         super().__init__(workdir, hook_config, **options)
-        self.pki = os.path.join(self.workdir, "pki")
+        self.pki = os.path.join(self.workdir, "pki") if joins is None else joins.pki
         self.bin: dict = {}
         self.control: list = []  # (Popen, name, log) in start order
         self.kubeconfigs: dict = {}
         self.node_files = node_files
         self.holder = None  # the process that keeps the node's mount namespace (node_files)
+        self.joins, self.address_ip, self.cgroup_root = joins, address, cgroup_root
+        self.node_mounts, self.control_flags = dict(node_mounts or {}), control_flags
+        self.forwarder = None  # the API server's port on the node's loopback (address)
 
     # --- a node of its own (node_files) ----------------------------------------------------
 
@@ -196,8 +235,18 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         self.ctr("images", "import", archive)
 
     def _entering(self) -> list:
-        """The command prefix that runs a program in the node's mount namespace (node_files)."""
-        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt"]
+        """The command prefix that runs a program in the node's mount namespace (node_files), and
+        its network namespace (address)."""
+        network = [f"--net=/proc/{self.holder.pid}/ns/net"] if self.address_ip else []
+        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", *network]
+
+    def its_page(self, url: str, timeout: float = 30) -> str | None:
+        """The page at url (http), fetched in the node's network (address); None if none answers."""
+        fetch = ("import sys, urllib.request; "
+                 "sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=20).read().decode())")  # fmt: skip
+        proc = subprocess.run([*self._entering(), sys.executable, "-I", "-c", fetch, url], capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
+        return proc.stdout if proc.returncode == 0 else None
 
     def _enter_node(self, timeout: float) -> None:
         upper = os.path.join(self.workdir, "node-overlays")
@@ -205,8 +254,16 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         os.makedirs(upper)
         os.makedirs(staged)
         setup = f'mount -t tmpfs -o mode=0755 oci-gpu-hook-node "{upper}" && '
+        if self.address_ip:  # the node's network: its loopback, and its address on an interface of its own
+            # A veth pair with both ends in the node's namespace: this machine's kernel has no dummy.
+            setup += ("ip link set lo up && ip link add oci-gpu-hook0 type veth peer name oci-gpu-hook1 && "
+                      f"ip addr add {self.address_ip}/24 dev oci-gpu-hook0 && ip link set oci-gpu-hook0 up && "
+                      "ip link set oci-gpu-hook1 up && ip route add default dev oci-gpu-hook0 && ")  # fmt: skip
+        for path, source in sorted(self.node_mounts.items()):
+            setup += f'mkdir -p "{path}" && mount --bind "{source}" "{path}" && '
         # /usr/share: CRI-O makes its default hooks directory (/usr/share/containers/oci/hooks.d).
-        for d in ("/etc", "/usr/local", "/usr/share", "/var/lib", "/run"):
+        # /var/cache: the node pod's inventory cache (a hostPath), each node's own.
+        for d in ("/etc", "/usr/local", "/usr/share", "/var/lib", "/var/cache", "/run"):
             setup += (f'mkdir -p "{upper}/u{d}" "{upper}/w{d}" && mount -t overlay oci-gpu-hook-node '
                       f'-o "lowerdir={d},upperdir={upper}/u{d},workdir={upper}/w{d}" {d} && ')  # fmt: skip
         for n, (path, text) in enumerate(sorted(self.node_files.items())):
@@ -217,10 +274,18 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         # new). CRI-O refuses the hostPath / otherwise, and HostToContainer needs it.
         setup += "mount --make-rshared / && "
         ready = os.path.join(self.workdir, "node-ready")
-        self.holder = self.footprint.popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+        network = ["--net"] if self.address_ip else []
+        self.holder = self.footprint.popen(["unshare", "--mount", *network, "--propagation", "private", "sh", "-c",
                                             setup + f'touch "{ready}" && exec sleep infinity'],
                                            stdin=subprocess.DEVNULL)  # fmt: skip
         self._wait(lambda: os.path.exists(ready), timeout, "the node's mount namespace")
+        if self.address_ip:
+            listening = os.path.join(self.workdir, "forwarder-ready")
+            self.forwarder = self.footprint.popen([sys.executable, "-I", os.path.join(kubeletcheck.REPO, "tests",
+                                                                                      "apiforward.py"),
+                                                   f"/proc/{self.holder.pid}/ns/net", str(API_PORT), listening],
+                                                  stdin=subprocess.DEVNULL)  # fmt: skip
+            self._wait(lambda: os.path.exists(listening), timeout, "the API server's port in the node's network")
         self.device_plugin_dir = self.on_node(kubeletcheck.DEVICE_PLUGIN_DIR)
         self.kubelet_socket = os.path.join(self.device_plugin_dir, "kubelet.sock")
 
@@ -256,12 +321,23 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         attempt(self._kill_leftover_containers)
 
     def _daemons(self) -> list:
-        return ([(self.holder, "the node's mount namespace")] if self.holder is not None else []) + super()._daemons()
+        return self._namespace_daemons() + super()._daemons()
+
+    def _namespace_daemons(self) -> list:
+        return ([(self.holder, "the node's mount namespace")] if self.holder is not None else []) + (
+            [(self.forwarder, "the API server's forwarder")] if self.forwarder is not None else [])  # fmt: skip
 
     # --- life cycle ----------------------------------------------------------------------------
 
     def start(self, timeout: float = 90) -> Cluster:
         self.bin = programs()
+        if self.cgroup_root:
+            for top in hostcheck.hierarchies():
+                os.makedirs(os.path.join(top, self.cgroup_root.strip("/")), exist_ok=True)
+            self.footprint.own_cgroup_parent(self.cgroup_root)
+        if self.joins is not None:
+            self.kubeconfigs = {**self.joins.kubeconfigs, "kubelet": node_certificate(self.pki, self.node_name)}
+            return super().start(timeout)  # its runtime and kubelet; the control plane is joins'
         os.makedirs(self.pki, exist_ok=True)
         try:
             self._certificates()
@@ -289,7 +365,7 @@ class Cluster(kubeletcheck.ContainerdKubelet):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     raise AssertionError(f"port {port} is in use: a cluster left running?")
-        commands = control_plane_commands(self.bin, self.pki, self.kubeconfigs, self.workdir)
+        commands = control_plane_commands(self.bin, self.pki, self.kubeconfigs, self.workdir, self.control_flags)
         self._spawn("etcd", commands["etcd"])
         self._wait(lambda: self._http_ok(f"http://127.0.0.1:{ETCD_PORT}/health"), timeout, "etcd to be healthy")
         self._spawn("kube-apiserver", commands["kube-apiserver"])
@@ -316,11 +392,15 @@ class Cluster(kubeletcheck.ContainerdKubelet):
     def _kubelet_flags(self) -> list:
         config = kubelet_configuration(f"unix://{self.address}", self.pki, "cgroupfs")
         config["volumePluginDir"] = os.path.join(self.kubelet_dir, "volume-plugins")
+        if self.cgroup_root:
+            config["cgroupRoot"] = self.cgroup_root
         path = os.path.join(self.workdir, "kubelet-config.json")
         with open(path, "w") as f:
             json.dump(config, f)
+        node_ip = [f"--node-ip={self.address_ip}"] if self.address_ip else []
         return [f"--config={path}", f"--kubeconfig={self.kubeconfigs['kubelet']}",
-                f"--hostname-override={self.node_name}", f"--root-dir={self.kubelet_dir}", "--v=2"]  # fmt: skip
+                f"--hostname-override={self.node_name}", f"--root-dir={self.kubelet_dir}", *node_ip,
+                "--v=2"]  # fmt: skip
 
     def _kubelet_program(self) -> str:
         return self.bin["kubelet"]
@@ -447,7 +527,7 @@ class CrioCluster(Cluster, criocheck.CrioKubelet):
         criocheck.CrioKubelet._stop_runtime(self, attempt)
 
     def _daemons(self) -> list:
-        return [(self.holder, "the node's mount namespace")] + criocheck.CrioKubelet._daemons(self)
+        return self._namespace_daemons() + criocheck.CrioKubelet._daemons(self)
 
 
 def toolkit_rbac(namespace: str, account: str, pods: bool = False) -> list:
@@ -510,18 +590,72 @@ def cluster_of_its_own(tmp, node_files: dict, runtime: str = "containerd"):
     runtime: containerd, its config.toml the administrators' (cricheck.user_config); crio:
     CrioCluster. node_files are written there too; closed after the block, this machine then
     checked (kubeletcheck.running)."""
+    programs()
+    with kubeletcheck.running(node_of_its_own(tmp / "node", node_files, runtime)) as cluster:
+        yield cluster
+
+
+def node_of_its_own(workdir, node_files: dict, runtime: str = "containerd", **options) -> Cluster:
+    """A Cluster (not started) whose node is a host of its own running runtime (containerd: its
+    config.toml the administrators', cricheck.user_config; crio: CrioCluster), node_files written
+    there; options: Cluster's."""
     import cricheck
 
-    programs()
-    workdir = tmp / "node"
     if runtime == "crio":
-        node = CrioCluster(workdir, None, node_files=dict(node_files))
-    else:
-        files = {"/etc/containerd/config.toml": cricheck.user_config(os.path.join(str(workdir), "containerd")),
-                 **node_files}  # fmt: skip
-        node = Cluster(workdir, None, node_files=files)
-    with kubeletcheck.running(node) as cluster:
-        yield cluster
+        return CrioCluster(workdir, None, node_files=dict(node_files), **options)
+    files = {"/etc/containerd/config.toml": cricheck.user_config(os.path.join(str(workdir), "containerd")),
+             **node_files}  # fmt: skip
+    return Cluster(workdir, None, node_files=files, **options)
+
+
+# A node lost is noticed in 20 s, and its pods are evicted 10 s after (the defaults: 50 s and 300 s).
+LOST_NODE_FLAGS = {
+    "kube-controller-manager": ["--node-monitor-grace-period=20s", "--node-monitor-period=2s"],
+    "kube-apiserver": ["--default-not-ready-toleration-seconds=10", "--default-unreachable-toleration-seconds=10"],
+}  # fmt: skip
+
+
+@contextlib.contextmanager
+def nodes_of_their_own(tmp, nodes: list, control_flags: dict | None = None, timeout: float = 180):
+    """A cluster of several nodes on this machine, as kind makes one: one control plane, and each
+    node a host of its own (node_of_its_own) with a network of its own (Cluster's address), its
+    own cgroup root, its own kubelet and runtime. nodes: [{"name", "runtime", "files", "mounts"}]
+    (mounts: Cluster's node_mounts); the first node runs the control plane (control_flags its
+    flags). Yields {name: its Cluster}, in that order. After the block every workload is deleted,
+    the nodes are closed in the reverse order (each kubelet restores the sysctls it found), the
+    control plane last, and this machine is checked as it was before (kubeletcheck.host_state)."""
+    programs()
+    before = kubeletcheck.host_state()
+    started: dict = {}
+    try:
+        for n, spec in enumerate(nodes):
+            first = next(iter(started.values()), None)
+            extra = {"control_flags": control_flags} if first is None else {"joins": first}
+            node = node_of_its_own(tmp / spec["name"], spec.get("files", {}), spec.get("runtime", "containerd"),
+                                   node_name=spec["name"], address=f"10.79.0.{n + 2}",
+                                   cgroup_root=f"oci-gpu-hook-{spec['name']}-{os.getpid()}",
+                                   node_mounts=spec.get("mounts"), **extra)  # fmt: skip
+            node.start(timeout)
+            started[spec["name"]] = node
+        yield started
+    finally:
+        errors = []
+        if started:
+            first = next(iter(started.values()))
+            try:
+                first.kubectl("delete", "daemonsets,deployments,replicasets,pods", "--all", "--all-namespaces",
+                              "--grace-period=1", "--wait=true", "--timeout=120s", check=False,
+                              timeout=180)  # fmt: skip
+            except Exception as e:  # the nodes must still be closed
+                errors.append(f"deleting the workloads: {e!r}")
+        for node in reversed(list(started.values())):
+            try:
+                node.close()
+            except AssertionError as e:
+                errors.append(str(e))
+        if errors:
+            raise AssertionError("the cluster was not fully cleaned up:\n" + "\n".join(errors))
+    assert kubeletcheck.host_state() == before
 
 
 NODE_DAEMONSETS = ("oci-gpu-hook-node", "oci-gpu-hook-toolkit")  # what sees the host's driver and records

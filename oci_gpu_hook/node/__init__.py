@@ -7,13 +7,19 @@ and the start path never imports from here.
 
 def say(service: str, message: str) -> None:
     """One line on stderr (the journal's), as every node service writes its news. Printable only:
-    ids and names in it may come from the kubelet or from images."""
+    ids and names in it may come from the kubelet or from images. A line that cannot be written is
+    lost, and the service goes on: in a pod stderr is a pipe the runtime's monitor reads (conmon,
+    the shim), and with that reader gone every line failed with EPIPE, the device plugin's
+    Allocate with it (a pod refused at admission)."""
     import sys
 
     from oci_gpu_hook.errors import printable
 
-    sys.stderr.write(f"oci-gpu-hook {service}: {printable(message)}\n")
-    sys.stderr.flush()
+    try:
+        sys.stderr.write(f"oci-gpu-hook {service}: {printable(message)}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # ValueError: stderr closed
+        pass
 
 
 _unwritable: set = set()  # heartbeat files already said to be unwritable

@@ -39,8 +39,12 @@ def counters_path(records_directory: str) -> str:
 
 
 def log(entry: dict) -> None:
-    sys.stdout.write(json.dumps(entry, sort_keys=True) + "\n")
-    sys.stdout.flush()
+    """One action as a JSON line on stdout; lost, as say()'s lines are, where no one reads it."""
+    try:
+        sys.stdout.write(json.dumps(entry, sort_keys=True) + "\n")
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def say(message: str) -> None:

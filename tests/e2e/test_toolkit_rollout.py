@@ -2,7 +2,7 @@
 fresh node, with nothing of ours installed, and nothing typed on the node.
 
 The node is a host of its own (kubecheck.Cluster's node_files): the runtime and the kubelet in a
-mount namespace whose /etc, /usr/local, /usr/share, /var/lib and /run are overlays; the runtime
+mount namespace whose /etc, /usr/local, /usr/share, /var/lib, /var/cache and /run are overlays; the runtime
 reads its own configuration with no flag (containerd the administrators' /etc/containerd/config.toml, CRI-O
 /etc/crio/crio.conf.d as `crio config` prints it: no hook in either), under a supervisor that
 starts it again when it exits. The first test runs on each: containerd, and CRI-O as the

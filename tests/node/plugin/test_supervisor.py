@@ -138,13 +138,14 @@ class FakeKubelet:
 
 class Plugin:
     def __init__(self, host_config: str, socket_dir: str, config_file: str, log_dir, umask: int | None = None,
-                 options=()):  # fmt: skip
+                 options=(), output=None):  # fmt: skip
+        """output: where its stdout and stderr go (a descriptor), instead of its log file."""
         self.socket_dir = socket_dir
         self.log = open(log_dir / f"device-plugin-{time.monotonic_ns()}.log", "w+")
         self.proc = subprocess.Popen(
             [*hook_command(host_config), "device-plugin", "--socket-dir",
              socket_dir, "--config-file", config_file, "--interval", INTERVAL, *options],
-            stdout=self.log, stderr=self.log, stdin=subprocess.DEVNULL,
+            stdout=output or self.log, stderr=output or self.log, stdin=subprocess.DEVNULL,
             # Popen's own umask (set in the child by C code): a preexec_fn would run Python in a
             # child forked while this process's gRPC threads (the fake kubelet) were busy.
             umask=-1 if umask is None else umask,
@@ -250,8 +251,8 @@ def start(host_config, socket_dir, plugin_file, tmp_path):
     """start(config text) -> Plugin, stopped (and its output shown on failure) at the end."""
     started = []
 
-    def make(text=MIXED_SHARED, umask=None, options=()):
-        plugin = Plugin(host_config, socket_dir, plugin_file(text), tmp_path, umask, options)
+    def make(text=MIXED_SHARED, umask=None, options=(), output=None):
+        plugin = Plugin(host_config, socket_dir, plugin_file(text), tmp_path, umask, options, output)
         started.append(plugin)
         return plugin
 
@@ -366,6 +367,25 @@ def test_allocate_refusals_are_invalid_argument_and_the_plugin_serves_on(api, ho
     assert second.envs["NVIDIA_VISIBLE_DEVICES"] == host["gpus"][2]["uuid"]
     assert plugin.proc.poll() is None
     assert "Allocate refused: nvidia.com/gpu: unknown device id 'GPU-nope::0'" in plugin.output()
+
+
+def test_a_plugin_whose_log_reader_went_away_still_answers(api, host, kubelet, start):
+    """Its log is a pipe the runtime reads (conmon's, the shim's); found on a CRI-O node of the
+    GPU cluster (tests/e2e/test_gpu_cluster.py): with that pipe's reader gone, the line Allocate
+    says failed with EPIPE, and so did the Allocate, and the pod (UnexpectedAdmissionError). The
+    log is the service's to lose, not the answer."""
+    reader, writer = os.pipe()
+    try:
+        plugin = start(output=writer)
+    finally:
+        os.close(writer)
+    kubelet.wait_for(4, plugin)
+    os.close(reader)  # no one reads its log any more
+    ids = expected_ids(host)["nvidia.com/gpu"]
+    request = api.pb2.AllocateRequest(container_requests=[api.pb2.ContainerAllocateRequest(devices_ids=[ids[0]])])
+    (got,) = plugin.call(api, "nvidia.com/gpu", "Allocate", request).container_responses
+    assert got.envs["NVIDIA_VISIBLE_DEVICES"] == host["gpus"][0]["uuid"]
+    assert plugin.proc.poll() is None
 
 
 # ---- health ---------------------------------------------------------------------------------------
