@@ -485,14 +485,22 @@ def share_cache(settings) -> bool:
 
     path = os.path.dirname(os.path.abspath(settings.inventory_cache))
     records = os.path.abspath(settings.records_path)
-    if path in (RUN_DIR, records, os.path.dirname(records)):
-        raise LabelError(f"{path}: the hook's own directory, not shared with containers: give inventory_cache a "
-                         "directory of its own (the node pod's /var/cache/oci-gpu-hook)")  # fmt: skip
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise LabelError(f"{path}: {e.strerror or e}") from None
     try:
+        # By identity, not by name: /var/run/oci-gpu-hook is /run/oci-gpu-hook on most hosts.
+        st = os.fstat(fd)
+        for own in (RUN_DIR, records, os.path.dirname(records)):
+            try:
+                mine = os.stat(own)
+            except OSError:
+                continue  # not there: not this directory
+            if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+                raise LabelError(f"{path}: the hook's own directory ({own}), not shared with containers: give "
+                                 "inventory_cache a directory of its own (the node pod's "
+                                 "/var/cache/oci-gpu-hook)")  # fmt: skip
         return share_with_containers(fd, path, READ_ONLY_CONTAINER_FILE, "run this as SELinux type spc_t, with "
                                      "CAP_FOWNER (deploy/kubernetes/30-daemonset.yaml's init container)")  # fmt: skip
     finally:

@@ -11,7 +11,6 @@ import subprocess
 import tempfile
 import time
 
-import leftovers
 import pytest
 from hookcheck import checkout_command, config_with, expected_common, expected_gpu, expected_mig
 
@@ -596,26 +595,40 @@ def test_the_node_pod_labels_its_cache_for_the_labels_pod_to_read(host, hook_cli
         os.getxattr(bare, features.SELINUX_XATTR)
 
 
-@pytest.mark.parametrize("place", ["run-directory", "records", "records-parent", "a-link", "absent"])
-def test_the_hooks_own_directories_are_not_shared(host, hook_cli, tmp_path, place):
+@pytest.mark.parametrize("place", ["run-directory", "run-directory-by-a-linked-parent", "records", "records-parent"])
+def test_the_hooks_own_directories_are_not_shared(host, tmp_path, place):
     """The hook's run directory holds its compiled settings and journals, the records directory
-    every container's record: a cache configured there is refused in one line, and nothing is
-    labelled. Nor is a link followed to a directory elsewhere, and a missing one is named. (The
-    CLI runs in a process of its own: the host's run directory, not the one this process's tests
-    are given.)"""
+    every container's record: a cache configured there is refused, and nothing is labelled. By
+    the directory itself, not its name (/var/run/oci-gpu-hook is /run/oci-gpu-hook where /var/run
+    links to /run). In this process settings.RUN_DIR is the test's own (conftest)."""
     records = tmp_path / "records"
-    cache = {"run-directory": leftovers.RUN_DIR, "records": records, "records-parent": tmp_path,
-             "a-link": tmp_path / "link", "absent": tmp_path / "absent"}[place]  # fmt: skip
+    records.mkdir()
+    run_dir = settings_module.RUN_DIR
+    (tmp_path / "var-run").symlink_to(os.path.dirname(run_dir))
+    cache = {"run-directory": run_dir, "records": records, "records-parent": tmp_path,
+             "run-directory-by-a-linked-parent": tmp_path / "var-run" / os.path.basename(run_dir)}[place]  # fmt: skip
+    config = config_with(host, tmp_path, f"inventory_cache: {cache}/inventory.json\nrecords_directory: {records}")
+    with pytest.raises(HookError) as e:
+        features.share_cache(settings_module.load(config))
+    assert e.value.message.startswith(f"{cache}: the hook's own directory ("), e.value.message
+    assert "not shared with containers" in e.value.message
+
+
+@pytest.mark.parametrize("place", ["records", "a-link", "absent"])
+def test_cli_share_refuses_in_one_line(host, hook_cli, tmp_path, place):
+    """Refused by the CLI (a process of its own): one line naming the directory, nothing on
+    stdout. A link at the directory itself is not followed to a directory elsewhere; a missing
+    one is named."""
+    records = tmp_path / "records"
+    records.mkdir()
+    cache = {"records": records, "a-link": tmp_path / "link", "absent": tmp_path / "absent"}[place]
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "elsewhere")
     config = config_with(host, tmp_path / "elsewhere", f"inventory_cache: {cache}/inventory.json\n"
                          f"records_directory: {records}")  # fmt: skip
     p = hook_cli("--config", config, "inventory", "share")
-    assert p.returncode == 1 and len(p.stderr.splitlines()) == 1, p.stderr
+    assert (p.returncode, p.stdout, len(p.stderr.splitlines())) == (1, "", 1), p.stderr
     assert p.stderr.startswith(f"oci-gpu-hook: {cache}: "), p.stderr
-    if place in ("run-directory", "records", "records-parent"):
-        assert "the hook's own directory, not shared with containers" in p.stderr
-    assert p.stdout == ""
 
 
 def test_cli_prepare_takes_only_output(host, hook_cli, tmp_path):
