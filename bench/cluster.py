@@ -47,10 +47,11 @@ def processes_of(uids: list) -> list:
             continue
         try:
             with open(f"/proc/{name}/cgroup") as f:
-                if any(mark in f.read() for mark in marks):
-                    found.append(int(name))
+                text = f.read()
         except OSError:
             continue  # gone meanwhile
+        if any(mark in text for mark in marks):
+            found.append(int(name))
     return found
 
 
