@@ -24,7 +24,6 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import gpuclustercheck  # noqa: E402 - tests/gpuclustercheck.py: the cluster the test runs
-import kubeletcheck  # noqa: E402 - tests/kubeletcheck.py: the test image
 import results  # noqa: E402 - bench/results.py
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -90,12 +89,12 @@ def churn(api, node: str, product: str, count: list) -> None:
     """One GPU pod on node: created, run to its end (nvidia-smi -L), deleted."""
     name = f"churn-{count[0]}"
     count[0] += 1
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-           "spec": {"hostNetwork": True, "automountServiceAccountToken": False, "restartPolicy": "Never",
-                    "terminationGracePeriodSeconds": 1, "nodeSelector": {"nvidia.com/gpu.product": product},
-                    "containers": [{"name": kubeletcheck.CONTAINER, "image": kubeletcheck.IMAGE,
-                                    "imagePullPolicy": "Never", "command": ["sh", "-c", "nvidia-smi -L"],
-                                    "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}  # fmt: skip
+    pod = gpuclustercheck.pod(
+        name,
+        command="nvidia-smi -L",
+        resources={"nvidia.com/gpu": "1"},
+        nodeSelector={"nvidia.com/gpu.product": product},
+    )
     api.apply(pod)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

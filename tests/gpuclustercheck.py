@@ -146,3 +146,15 @@ def features(node) -> dict:
             return dict(line.split("=", 1) for line in f.read().splitlines() if "=" in line)
     except FileNotFoundError:
         return {}
+
+
+def pod(name: str, command: str = "nvidia-smi -L; sleep 3600", resources: dict | None = None,
+        namespace: str = "default", **spec) -> dict:  # fmt: skip
+    """A pod of the test image on the node's network (no CNI here), asking for resources."""
+    container = {"name": kubeletcheck.CONTAINER, "image": kubeletcheck.IMAGE, "imagePullPolicy": "Never",
+                 "command": ["sh", "-c", command]}  # fmt: skip
+    if resources:
+        container["resources"] = {"limits": resources}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
+            "spec": {"hostNetwork": True, "automountServiceAccountToken": False, "restartPolicy": "Never",
+                     "terminationGracePeriodSeconds": 1, "containers": [container], **spec}}  # fmt: skip

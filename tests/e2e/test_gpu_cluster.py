@@ -33,15 +33,15 @@ the GPU unhealthy and the node lost.
 from __future__ import annotations
 
 import json
-import os
 
 import gpuclustercheck
 import kubeletcheck
 import nvmlevents
 import pytest
-from gpuclustercheck import NS, REPLICAS, A, B, C, cluster_file, gpu_allocatable
+from gpuclustercheck import NS, REPLICAS, A, B, C, cluster_file, gpu_allocatable, pod
 from hookcheck import listed_uuids
 
+from oci_gpu_hook.start import container_record
 from oci_gpu_hook.toolkit.simulate import control
 
 TAINT = "nvidia.com/gpu=present:NoSchedule"  # docs/kubernetes.md, "A GPU cluster"
@@ -57,18 +57,6 @@ def gpu_cluster(tmp_path_factory, require):
 
 def product(cluster, name: str) -> str:
     return cluster[name].node()["metadata"]["labels"]["nvidia.com/gpu.product"]
-
-
-def pod(name: str, command: str = "nvidia-smi -L; sleep 3600", resources: dict | None = None,
-        namespace: str = "default", **spec) -> dict:  # fmt: skip
-    """A pod of the test image on the node's network (no CNI here), asking for resources."""
-    container = {"name": kubeletcheck.CONTAINER, "image": kubeletcheck.IMAGE, "imagePullPolicy": "Never",
-                 "command": ["sh", "-c", command]}  # fmt: skip
-    if resources:
-        container["resources"] = {"limits": resources}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace},
-            "spec": {"hostNetwork": True, "automountServiceAccountToken": False, "restartPolicy": "Never",
-                     "terminationGracePeriodSeconds": 1, "containers": [container], **spec}}  # fmt: skip
 
 
 def get_pod(api, name: str, namespace: str = "default") -> dict:
@@ -262,26 +250,15 @@ def test_a_preempting_pod_gets_the_gpu_and_the_node_services_follow(gpu_cluster)
 
 def process_of(node, name: str) -> int:
     """The host pid of the pod's container's init process, from the hook's record of it."""
-    (record,) = records_naming(node, name) or [None]
-    assert record is not None, f"no record of {name}'s container: {json.dumps(records(node))[:2000]}"
-    return record["pid"]
-
-
-def records(node) -> list:
-    directory = node.on_node("/run/oci-gpu-hook/containers")
-    found = []
-    for entry in sorted(os.listdir(directory)) if os.path.isdir(directory) else []:
-        try:
-            with open(os.path.join(directory, entry)) as f:
-                found.append(json.load(f))
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-    return found
+    named = records_naming(node, name)
+    assert len(named) == 1, f"{name}'s container records: {named}"
+    return named[0]["pid"]
 
 
 def records_naming(node, name: str) -> list:
-    """The hook's records of the node's containers of pod name."""
-    return [r for r in records(node) if (r.get("kubernetes") or {}).get("pod") == name]
+    """The hook's records of the node's containers of pod name, read as the node services read them."""
+    found = container_record.read_all(node.on_node("/run/oci-gpu-hook/containers")).values()
+    return [r for r in found if r is not None and (r.get("kubernetes") or {}).get("pod") == name]
 
 
 def test_an_xid_on_one_node_takes_its_gpu_out_of_the_cluster(gpu_cluster):
