@@ -383,7 +383,7 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
         cluster.wait_until(lambda: allocatable(cluster) == "2", 60, "two GPUs advertised")
         first = os.readlink(cluster.on_node(link))
         (old_pod,) = daemonset_pods(cluster, TOOLKIT)
-        results, linked, stop = {}, set(), threading.Event()
+        results, linked, upgrade_over = {}, set(), threading.Event()
 
         def ended(name):
             (pod,) = cluster.pods_of("app=loop,!done")
@@ -397,12 +397,17 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
         def starts():
             n = 0
             try:
-                while not stop.is_set() or n < 3:
+                while True:
+                    # One start at least begins after the gates passed on the next image, so that
+                    # one is under the next hook however quickly the upgrade went.
+                    upgraded = upgrade_over.is_set()
                     name = f"start-{n}"
                     cluster.apply(gpu_pod(name, "loop"))
                     cluster.wait_until(lambda name=name: ended(name), 120, f"{name} to end")
                     cluster.kubectl("label", "pod", name, "done=true")
                     n += 1
+                    if upgraded and n >= 3:
+                        break
             except Exception as e:  # said by the test's thread, below
                 results["error"] = ("error", [], repr(e)[-3000:])
 
@@ -418,7 +423,7 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
             cluster.wait_until(lambda: condition(cluster).get("status") == "True" and allocatable(cluster) == "2", 300,
                                "the gates passed on the next image")  # fmt: skip
         finally:
-            stop.set()
+            upgrade_over.set()
             loop.join(600)
         # Whole starts only: each got exactly one of the node's GPUs, before, during and after.
         assert "error" not in results, results["error"]
