@@ -414,6 +414,9 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
         loop = threading.Thread(target=starts)
         loop.start()
         try:
+            # One start at least ends under the first hook before the upgrade begins (CI's upgrade
+            # flipped the link before the first pod ended, and no start was under the first hook).
+            cluster.wait_until(lambda: results, 120, "a first start under the first hook")
             # The hook's upgrade: the toolkit DaemonSet names the next image. (The node pod's own
             # update restarts the device plugin, and the kubelet fails the pods it admits meanwhile,
             # UnexpectedAdmissionError: docs/deploy.md, Upgrading.)
