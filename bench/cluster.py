@@ -14,6 +14,7 @@ window's end. Writes the "cluster" part of bench/results.json (the rest kept) an
 import argparse
 import datetime
 import os
+import pathlib
 import sys
 import tempfile
 import time
@@ -113,8 +114,6 @@ def main():
     if os.geteuid() != 0:
         sys.exit("bench/cluster.py: run as root (the nodes' runtimes and kubelets)")
     with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-bench-cluster-", dir="/tmp") as work:
-        import pathlib
-
         with gpuclustercheck.gpu_cluster(pathlib.Path(work)) as (cluster, _, rolled_out):
             api = cluster[gpuclustercheck.A]
             nodes = {}

@@ -21,6 +21,7 @@ import yaml
 from hookcheck import config_with
 from imagecheck import build
 
+from oci_gpu_hook.node import gate_report
 from oci_gpu_hook.toolkit.simulate import simulate
 
 NS = "oci-gpu-hook"
@@ -128,7 +129,7 @@ def all_running(api) -> bool:
 
 def hook_ready(node) -> bool:
     conditions = (node.node() or {}).get("status", {}).get("conditions") or []
-    return any(c["type"] == "GPUHookReady" and c["status"] == "True" for c in conditions)
+    return any(c["type"] == gate_report.CONDITION and c["status"] == "True" for c in conditions)
 
 
 def allocatable(node) -> dict:
