@@ -25,6 +25,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 import gpuclustercheck  # noqa: E402 - tests/gpuclustercheck.py: the cluster the test runs
+import prerequisites  # noqa: E402 - tests/prerequisites.py: what the test requires, by the same rule
 import results  # noqa: E402 - bench/results.py
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -111,8 +112,11 @@ def main():
     parser.add_argument("--seconds", type=float, default=60)
     parser.add_argument("--output", default=os.path.join(HERE, "results.json"))
     args = parser.parse_args()
-    if os.geteuid() != 0:
-        sys.exit("bench/cluster.py: run as root (the nodes' runtimes and kubelets)")
+    # What the test requires (it fails there without them), checked before a cluster is built:
+    # one missing would end the run minutes later, in the middle of a node's start.
+    lacking = prerequisites.absent(*gpuclustercheck.NEEDS)
+    if lacking:
+        sys.exit(f"bench/cluster.py: needs {', '.join(lacking)} (run as root, after `make setup`)")
     with tempfile.TemporaryDirectory(prefix="oci-gpu-hook-bench-cluster-", dir="/tmp") as work:
         with gpuclustercheck.gpu_cluster(pathlib.Path(work)) as (cluster, _, rolled_out):
             api = cluster[gpuclustercheck.A]

@@ -2,7 +2,6 @@
 it skips where the prerequisite is missing, except under OCI_GPU_HOOK_REQUIRE_ALL=1 (set by
 .ci/run), where a missing prerequisite fails the test instead of hiding it."""
 
-import functools
 import importlib.util
 import json
 import os
@@ -12,58 +11,20 @@ import sys
 import tempfile
 import time
 
+import prerequisites
 import pytest
-
-
-@functools.cache
-def _gcc_can_build_32bit() -> bool:
-    if not shutil.which("gcc"):
-        return False
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "t.c")
-        with open(src, "w") as f:
-            f.write("int main(void) { return 0; }\n")
-        proc = subprocess.run(["gcc", "-m32", "-o", os.path.join(tmp, "t"), src], capture_output=True)
-        return proc.returncode == 0
-
-
-@functools.cache
-def _has_ipv6_loopback() -> bool:
-    import socket
-
-    try:
-        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-def _available(name: str) -> bool:
-    if name == "root":
-        return os.geteuid() == 0
-    if name == "ipv6":
-        return _has_ipv6_loopback()
-    if name == "gcc-m32":
-        return _gcc_can_build_32bit()
-    if name.startswith("/"):
-        return os.path.exists(name)
-    return bool(shutil.which(name)) or importlib.util.find_spec(name) is not None
 
 
 @pytest.fixture(scope="session")
 def require():
-    """require(*names): skip the test unless every prerequisite is there.
-
-    A name is an executable on PATH or an importable module; "root" means running as uid 0,
-    "gcc-m32" a gcc that can build 32-bit programs, "ipv6" an IPv6 loopback address (::1) and an
-    absolute path a file that exists.
+    """require(*names): skip the test unless every prerequisite is there (names as
+    tests/prerequisites.py reads them).
     With OCI_GPU_HOOK_REQUIRE_ALL=1 (CI, where everything is meant to be installed) a missing one
     fails the test instead, so a broken environment cannot pass by skipping.
     """
 
     def check(*names: str) -> None:
-        missing = [name for name in names if not _available(name)]
+        missing = prerequisites.absent(*names)
         if not missing:
             return
         message = f"needs {', '.join(missing)}, not available here"

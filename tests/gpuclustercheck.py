@@ -21,7 +21,6 @@ import yaml
 from hookcheck import config_with
 from imagecheck import build
 
-from oci_gpu_hook.node import gate_report
 from oci_gpu_hook.toolkit.simulate import simulate
 
 NS = "oci-gpu-hook"
@@ -99,7 +98,7 @@ def gpu_cluster(tmp):
         rolled_out = time.monotonic() - applied
         for name in hosts:
             node = cluster[name]
-            node.wait_until(lambda node=node: hook_ready(node), 600, f"GPUHookReady True on {name}")
+            node.wait_until(node.hook_ready, 600, f"GPUHookReady True on {name}")
         expected = {A: {"nvidia.com/gpu": str(4 * REPLICAS), "nvidia.com/mig-1g.5gb": "4",
                         "nvidia.com/mig-2g.10gb": "4", "nvidia.com/mig-3g.20gb": "4"},
                     B: {"nvidia.com/gpu": str(4 * REPLICAS)}}  # fmt: skip
@@ -113,7 +112,7 @@ def gpu_cluster(tmp):
                             f"the labels pod on {name} to write its feature file")  # fmt: skip
             api.kubectl("label", "node", name, "--overwrite",
                         *[f"{k}={v}" for k, v in features(node).items() if k.startswith("nvidia.com/")])  # fmt: skip
-        assert allocatable(cluster[C]).get("nvidia.com/gpu") is None
+        assert cluster[C].node_gpus() is None
         yield cluster, hosts, rolled_out
 
 
@@ -127,17 +126,8 @@ def all_running(api) -> bool:
     return len(ready) == len(DAEMONSETS) * len(GPU_NODES) == len(pods)
 
 
-def hook_ready(node) -> bool:
-    conditions = (node.node() or {}).get("status", {}).get("conditions") or []
-    return any(c["type"] == gate_report.CONDITION and c["status"] == "True" for c in conditions)
-
-
-def allocatable(node) -> dict:
-    return (node.node() or {}).get("status", {}).get("allocatable", {})
-
-
 def gpu_allocatable(node) -> dict:
-    return {k: v for k, v in allocatable(node).items() if k.startswith("nvidia.com/")}
+    return {k: v for k, v in node.node_allocatable().items() if k.startswith("nvidia.com/")}
 
 
 def features(node) -> dict:

@@ -30,6 +30,9 @@ import hostcheck
 import kubeletcheck
 from hookcheck import config_with
 
+from oci_gpu_hook.node import gate_report
+from oci_gpu_hook.node.plugin.config import GPU_RESOURCE
+
 ETCD_PORT, ETCD_PEER_PORT, API_PORT = 12379, 12380, 16443
 CONTROLLER_MANAGER_PORT, SCHEDULER_PORT = 10357, 10359
 KUBELET_PORT, KUBELET_HEALTHZ_PORT = 11250, 11248
@@ -453,6 +456,24 @@ class Cluster(kubeletcheck.ContainerdKubelet):
     def node(self) -> dict | None:
         proc = self.kubectl("get", "node", self.node_name, "-o", "json", check=False)
         return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+    # The Node as the API server has it, which is what the scheduler and the gates see; named
+    # apart from ContainerdKubelet.allocatable(), the kubelet's own count.
+    def node_allocatable(self) -> dict:
+        """status.allocatable ({} while there is no Node)."""
+        return (self.node() or {}).get("status", {}).get("allocatable", {})
+
+    def node_gpus(self) -> str | None:
+        """The allocatable nvidia.com/gpu (None while the node offers none)."""
+        return self.node_allocatable().get(GPU_RESOURCE)
+
+    def hook_condition(self) -> dict:
+        """The GPUHookReady condition the gates' reporter sets ({} while there is none)."""
+        conditions = (self.node() or {}).get("status", {}).get("conditions") or []
+        return next((c for c in conditions if c["type"] == gate_report.CONDITION), {})
+
+    def hook_ready(self) -> bool:
+        return self.hook_condition().get("status") == "True"
 
     def _pods(self) -> list:
         proc = self.kubectl("get", "pods", "-n", NAMESPACE, "-o", "json", check=False)

@@ -94,10 +94,6 @@ def manifests(host, tmp, records: str) -> list:
     return kubecheck.node_manifests(host, tmp, records, PORT, {"INSTALL": "--no-install"})
 
 
-def allocatable(cluster) -> str | None:
-    return (cluster.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")
-
-
 def daemonset_pod(cluster, name: str = NODE) -> dict:
     (pod,) = cluster.get("pods", "-n", NS, "-l", f"app.kubernetes.io/name={name}")["items"]
     return pod
@@ -210,7 +206,7 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
         assert pods[name]["spec"]["nodeName"] == cluster.node_name
         assert sorted(s["name"] for s in pods[name]["status"]["containerStatuses"]) == services
     assert sorted(sum(PODS.values(), [])) == list(SERVICES)
-    cluster.wait_until(lambda: allocatable(cluster) == "3", 120, "three GPUs once gate toolkit passed")
+    cluster.wait_until(lambda: cluster.node_gpus() == "3", 120, "three GPUs once gate toolkit passed")
     # Every exec probe passes where the kubelet runs it: the image's python3, the paths it reads
     # as the container sees them (the heartbeats come after each service's first round).
     exec_probes = [(p, c["name"], probe) for p in pods.values() for c in p["spec"]["containers"]
@@ -281,7 +277,7 @@ def test_the_daemonset_runs_and_its_plugin_offers_the_gpus(deployed):
 
 def test_a_gpu_pod_and_the_exporter_through_its_service(deployed):
     cluster, host, _ = deployed
-    cluster.wait_until(lambda: allocatable(cluster) == "3", 120, "the pod's plugin to offer three GPUs")
+    cluster.wait_until(lambda: cluster.node_gpus() == "3", 120, "the pod's plugin to offer three GPUs")
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "cuda", "labels": {"app": "cuda"}},
            "spec": {"hostNetwork": True, "automountServiceAccountToken": False, "restartPolicy": "Never",
                     "terminationGracePeriodSeconds": 1,
@@ -518,12 +514,12 @@ def test_the_labels_container_is_no_one_on_the_host(deployed):
 
 def test_deleting_the_daemonsets_takes_the_gpus_off_the_node(deployed):
     cluster, host, _ = deployed
-    cluster.wait_until(lambda: allocatable(cluster) == "3", 120, "the pod's plugin to offer three GPUs")
+    cluster.wait_until(lambda: cluster.node_gpus() == "3", 120, "the pod's plugin to offer three GPUs")
     # The probes held all along (a liveness probe that failed would have restarted its container).
     pods = cluster.get("pods", "-n", NS)["items"]
     restarts = {s["name"]: s["restartCount"] for pod in pods for s in pod["status"]["containerStatuses"]}
     assert restarts == dict.fromkeys(SERVICES, 0), restarts
     cluster.kubectl("delete", "-n", NS, f"daemonset/{NODE}", f"daemonset/{LABELS}", f"daemonset/{TOOLKIT}",
                     "--wait=true", "--timeout=60s")  # fmt: skip
-    cluster.wait_until(lambda: allocatable(cluster) == "0", 60, "the node to offer no GPU")
+    cluster.wait_until(lambda: cluster.node_gpus() == "0", 60, "the node to offer no GPU")
     cluster.wait_until(lambda: cluster.get("pods", "-n", NS)["items"] == [], 60, "both pods to be gone")

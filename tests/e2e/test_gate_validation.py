@@ -58,20 +58,17 @@ def test_the_gates_in_order_and_a_failure_that_withdraws_the_gpus(simulated_host
             return toolkit("validate", "--gate", gate, "--node", cluster.node_name, "--image", IMAGE, "--host-network",
                            "--timeout", "60", *more)  # fmt: skip
 
-        def allocatable():
-            return (cluster.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")
-
         gates_file = gates.gates_path(settings.load(config).records_path)
         # (b) The device plugin, following the gates: nothing is offered before gate toolkit passes.
         plugin = kubeletcheck.DevicePlugin(config, cluster, tmp_path, PLUGIN, "plugin", ("--gate", gates_file))
         try:
             cluster.wait_until(lambda: "waiting for gate toolkit to pass" in plugin.output(), 60, "the plugin waiting")
-            assert allocatable() in (None, "0") and plugin.registrations() == 0
+            assert cluster.node_gpus() in (None, "0") and plugin.registrations() == 0
             # (a) Gate toolkit, through the node's runtime: exactly the GPU asked for.
             out = validate("toolkit", "--gpu", uuids[1])
             assert (out.returncode, out.stdout) == (0, "gate toolkit passed\n"), out.stdout + out.stderr
             assert cluster.get("pods", "-n", NAMESPACE)["items"] == []  # the validation pod is gone
-            cluster.wait_until(lambda: allocatable() == "2", 60, "the GPUs advertised once gate toolkit passed")
+            cluster.wait_until(lambda: cluster.node_gpus() == "2", 60, "the GPUs advertised once gate toolkit passed")
             # (c) Gate plugin, through the scheduler and the device plugin: one of the node's GPUs.
             out = validate("plugin")
             assert (out.returncode, out.stdout) == (0, "gate plugin passed\n"), out.stdout + out.stderr
@@ -91,7 +88,7 @@ def test_the_gates_in_order_and_a_failure_that_withdraws_the_gpus(simulated_host
                     f"device nodes none (fix: kubectl describe pod -n {NAMESPACE} gate-toolkit-{cluster.node_name}; "
                     "oci-gpu-hook doctor on the node)")  # fmt: skip
             assert out.stdout == line + "\n", out.stdout
-            cluster.wait_until(lambda: allocatable() == "0", 60, "the GPUs withdrawn once gate toolkit failed")
+            cluster.wait_until(lambda: cluster.node_gpus() == "0", 60, "the GPUs withdrawn once gate toolkit failed")
             out = toolkit("report", "--node", cluster.node_name)
             assert out.returncode == 0, out.stderr
             (ready,) = [c for c in cluster.node()["status"]["conditions"] if c["type"] == "GPUHookReady"]

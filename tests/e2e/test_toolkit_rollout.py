@@ -82,11 +82,6 @@ def events(cluster) -> list:
     return sorted(((e["reason"], e["eventTime"], e.get("note", "")) for e in ours), key=lambda e: e[1])
 
 
-def condition(cluster) -> dict:
-    conditions = (cluster.node() or {}).get("status", {}).get("conditions") or []
-    return next((c for c in conditions if c["type"] == gate_report.CONDITION), {})
-
-
 def gpu_pod(name: str, app: str) -> dict:
     """A pod asking the scheduler for one GPU, which lists the GPUs it sees and ends."""
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": {"app": app}},
@@ -95,10 +90,6 @@ def gpu_pod(name: str, app: str) -> dict:
                      "containers": [{"name": kubeletcheck.CONTAINER, "image": kubeletcheck.IMAGE,
                                      "imagePullPolicy": "Never", "command": ["sh", "-c", "nvidia-smi -L"],
                                      "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}  # fmt: skip
-
-
-def allocatable(cluster) -> str | None:
-    return (cluster.node() or {}).get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")
 
 
 def node_prepared(host: dict, tmp_path) -> tuple:
@@ -138,9 +129,9 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simula
         cluster.apply(*kubecheck.node_manifests(host, tmp_path, str(records), PORT, {"RESTART": "signal"},
                                                 keep_node_selectors=True, keep_propagation=True))  # fmt: skip
 
-        cluster.wait_until(lambda: condition(cluster).get("status") == "True", 300, "GPUHookReady True")
-        assert condition(cluster)["message"] == "gates passed: toolkit, plugin"
-        cluster.wait_until(lambda: allocatable(cluster) == "2", 60, "two GPUs advertised")
+        cluster.wait_until(cluster.hook_ready, 300, "GPUHookReady True")
+        assert cluster.hook_condition()["message"] == "gates passed: toolkit, plugin"
+        cluster.wait_until(lambda: cluster.node_gpus() == "2", 60, "two GPUs advertised")
         # The gates in order, from the API's events and times.
         said = events(cluster)
         passed = [(reason, at) for reason, at, _ in said if reason.endswith("Passed")]
@@ -276,10 +267,10 @@ def test_the_daemonsets_alone_roll_the_hook_out_and_take_it_back(runtime, simula
         assert cluster.runtime_starts() == (3 if runtime == "containerd" else 2)
         labels = cluster.node()["metadata"]["labels"]
         assert not [k for k in labels if k.startswith(gate_report.LABEL_PREFIX)], labels
-        assert condition(cluster) == {}  # GPUHookReady taken back too
+        assert cluster.hook_condition() == {}  # GPUHookReady taken back too
         withdrawn = [e for e in events(cluster) if e[0] == "GateToolkitFailed"]
         assert withdrawn and "the toolkit DaemonSet is being removed" in withdrawn[-1][2], events(cluster)
-        cluster.wait_until(lambda: allocatable(cluster) == "0", 60, "the GPUs withdrawn with the hook gone")
+        cluster.wait_until(lambda: cluster.node_gpus() == "0", 60, "the GPUs withdrawn with the hook gone")
 
 
 def test_a_runtime_that_cannot_take_the_hook_fails_gate_toolkit_and_advertises_nothing(simulated_host, tmp_path,
@@ -309,8 +300,8 @@ def test_a_runtime_that_cannot_take_the_hook_fails_gate_toolkit_and_advertises_n
         cluster.kubectl("label", "node", cluster.node_name, f"{NFD_LABEL}=true")
         cluster.apply(*kubecheck.node_manifests(host, tmp_path, str(records), PORT, {"RESTART": "signal"},
                                                 keep_node_selectors=True, keep_propagation=True))  # fmt: skip
-        cluster.wait_until(lambda: condition(cluster).get("status") == "False", 300, "GPUHookReady False")
-        ready = condition(cluster)
+        cluster.wait_until(lambda: cluster.hook_condition().get("status") == "False", 300, "GPUHookReady False")
+        ready = cluster.hook_condition()
         assert ready["reason"] == "GateToolkitFailed", ready
         message = ready["message"]
         assert message.startswith("gate toolkit failed: install on the host failed: "), message
@@ -322,7 +313,7 @@ def test_a_runtime_that_cannot_take_the_hook_fails_gate_toolkit_and_advertises_n
         (node_pod,) = daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-node")
         cluster.wait_until(lambda: "waiting for gate toolkit to pass" in cluster.log_of(node_pod, "device-plugin"),
                            60, "the plugin waiting")  # fmt: skip
-        assert allocatable(cluster) in (None, "0")
+        assert cluster.node_gpus() in (None, "0")
         assert cluster.runtime_starts() == 1
         assert daemonset_pods(cluster, "app.kubernetes.io/name=oci-gpu-hook-labels") == []
         # Gate (d): the exporter runs, and its /ready keeps it out of the Service's endpoints.
@@ -379,8 +370,8 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
         docs = kubecheck.node_manifests(host, tmp_path, str(records), PORT, {"RESTART": "signal"},
                                         keep_node_selectors=True, keep_propagation=True)  # fmt: skip
         cluster.apply(*docs)
-        cluster.wait_until(lambda: condition(cluster).get("status") == "True", 300, "GPUHookReady True")
-        cluster.wait_until(lambda: allocatable(cluster) == "2", 60, "two GPUs advertised")
+        cluster.wait_until(cluster.hook_ready, 300, "GPUHookReady True")
+        cluster.wait_until(lambda: cluster.node_gpus() == "2", 60, "two GPUs advertised")
         first = os.readlink(cluster.on_node(link))
         (old_pod,) = daemonset_pods(cluster, TOOLKIT)
         results, linked, upgrade_over = {}, set(), threading.Event()
@@ -423,7 +414,7 @@ def test_an_upgrade_while_gpu_pods_start_keeps_every_start_whole(simulated_host,
             (toolkit,) = [d for d in docs if d["kind"] == "DaemonSet" and d["metadata"]["name"] == kubecheck.TOOLKIT]
             cluster.apply(json.loads(json.dumps(toolkit).replace("oci-gpu-hook-node:0.1.0", "oci-gpu-hook-node:0.1.1")))
             cluster.wait_until(lambda: os.readlink(cluster.on_node(link)) != first, 300, "the link to the next bundle")
-            cluster.wait_until(lambda: condition(cluster).get("status") == "True" and allocatable(cluster) == "2", 300,
+            cluster.wait_until(lambda: cluster.hook_ready() and cluster.node_gpus() == "2", 300,
                                "the gates passed on the next image")  # fmt: skip
         finally:
             upgrade_over.set()
