@@ -66,6 +66,7 @@ import node  # noqa: E402
 import startservercheck  # noqa: E402
 
 from oci_gpu_hook.start import prefilter_rule  # noqa: E402
+from oci_gpu_hook.start.server import code_identity  # noqa: E402
 from oci_gpu_hook.toolkit import containers, launcher, prefilter  # noqa: E402
 from oci_gpu_hook.toolkit.simulate import simulate  # noqa: E402
 
@@ -97,13 +98,27 @@ PYTHON_GPU8_X_GPU1 = 1.15
 
 
 def install(work: str) -> str:
-    """A regular install of the project and its dependencies under work/site; returns a launcher."""
+    """A regular install of the project and its dependencies under work/site; returns a launcher.
+
+    Built from a copy of what the package is made of, not from the checkout: pip builds in the
+    tree it is given, and setuptools' build/lib there keeps files the checkout no longer has (a
+    file removed, a branch switched). Installed, such a file makes the installed package other
+    code than the checkout's. The pre-filters built here carry the checkout's identity, so its
+    start server would take no start, and every served case would quietly time Python's path."""
+    source = os.path.join(work, "source")
+    os.mkdir(source)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(os.path.join(REPO, name), source)
+    shutil.copytree(os.path.join(REPO, "oci_gpu_hook"), os.path.join(source, "oci_gpu_hook"),
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     site = os.path.join(work, "site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--target", site, REPO],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--target", site, source],
         check=True,
         stderr=subprocess.DEVNULL,
     )
+    if code_identity(os.path.join(site, "oci_gpu_hook")) != code_identity():
+        sys.exit("bench: the installed package is not this checkout's code; its start server would take no start")
     subprocess.run([PYTHON, "-m", "compileall", "-q", site], check=True)
     program = os.path.join(work, "oci-gpu-hook")
     with open(program, "w") as f:
