@@ -409,9 +409,7 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         return self.bin["kubelet"]
 
     def _kubelet_ready(self) -> bool:
-        node = self.node()
-        conditions = (node or {}).get("status", {}).get("conditions") or []
-        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+        return self.node_condition("Ready").get("status") == "True"
 
     def _daemons(self) -> list:
         return super()._daemons() + [(proc, name) for proc, name, _ in self.control]
@@ -467,10 +465,14 @@ class Cluster(kubeletcheck.ContainerdKubelet):
         """The allocatable nvidia.com/gpu (None while the node offers none)."""
         return self.node_allocatable().get(GPU_RESOURCE)
 
-    def hook_condition(self) -> dict:
-        """The GPUHookReady condition the gates' reporter sets ({} while there is none)."""
+    def node_condition(self, kind: str) -> dict:
+        """The condition of that type ({} while there is none)."""
         conditions = (self.node() or {}).get("status", {}).get("conditions") or []
-        return next((c for c in conditions if c["type"] == gate_report.CONDITION), {})
+        return next((c for c in conditions if c["type"] == kind), {})
+
+    def hook_condition(self) -> dict:
+        """GPUHookReady, the condition the gates' reporter sets."""
+        return self.node_condition(gate_report.CONDITION)
 
     def hook_ready(self) -> bool:
         return self.hook_condition().get("status") == "True"

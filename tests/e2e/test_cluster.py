@@ -235,8 +235,7 @@ def test_the_watchdog_kills_the_pod_over_its_share_and_the_api_says_so(cluster):
     plugin.stop()
     shared = kubeletcheck.DevicePlugin(cluster.hook_config, cluster, cluster.tmp, SHARED, "plugin-shared")
     try:
-        cluster.wait_until(lambda: (cluster.node() or {}).get("status", {}).get("allocatable", {})
-                           .get("nvidia.com/gpu") == "6", 60, "six time-sliced replicas")  # fmt: skip
+        cluster.wait_until(lambda: cluster.node_gpus() == "6", 60, "six time-sliced replicas")
         # Six replicas of three GPUs and four pods: at least one GPU is shared by two pods.
         names = [f"sliced-{i}" for i in range(4)]
         cluster.apply(*[pod(n, {"nvidia.com/gpu": 1}, restart="Always") for n in names])

@@ -74,8 +74,8 @@ def test_the_gates_in_order_and_a_failure_that_withdraws_the_gpus(simulated_host
             assert (out.returncode, out.stdout) == (0, "gate plugin passed\n"), out.stdout + out.stderr
             out = toolkit("report", "--node", cluster.node_name)
             assert out.returncode == 0, out.stderr
-            (ready,) = [c for c in cluster.node()["status"]["conditions"] if c["type"] == "GPUHookReady"]
-            assert (ready["status"], ready["message"]) == ("True", "gates passed: toolkit, plugin")
+            ready = cluster.hook_condition()
+            assert (ready.get("status"), ready.get("message")) == ("True", "gates passed: toolkit, plugin"), ready
             # The hook no longer reads the device plugin's mounts: gate toolkit fails with what the
             # container saw, the plugin withdraws every GPU, and the Node says why.
             with open(config) as f:
@@ -91,8 +91,8 @@ def test_the_gates_in_order_and_a_failure_that_withdraws_the_gpus(simulated_host
             cluster.wait_until(lambda: cluster.node_gpus() == "0", 60, "the GPUs withdrawn once gate toolkit failed")
             out = toolkit("report", "--node", cluster.node_name)
             assert out.returncode == 0, out.stderr
-            (ready,) = [c for c in cluster.node()["status"]["conditions"] if c["type"] == "GPUHookReady"]
-            assert (ready["status"], ready["message"]) == ("False", line)
+            ready = cluster.hook_condition()
+            assert (ready.get("status"), ready.get("message")) == ("False", line), ready
             assert plugin.registrations() == 1  # registered once, withdrawn by health
         finally:
             plugin.stop()
