@@ -46,6 +46,18 @@ def logged(log: str, container_prefix: str) -> dict:
     return {name: statistics.median(values) for name, values in figures.items()}
 
 
+def sandboxes(log: str) -> dict:
+    """{who made ldconfig's sandbox ("helper", "fork"): how many starts} over the start server's
+    records: a warm spare's helper, or the worker's own fork where none was ready."""
+    made = {}
+    with open(log) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("via") == "start server" and "ldconfig_sandbox" in record:
+                made[record["ldconfig_sandbox"]] = made.get(record["ldconfig_sandbox"], 0) + 1
+    return made
+
+
 def breakdown(total_ms: float, interpreter_ms: float, imports_ms: float, timings: dict) -> list:
     """[(part, ms, what it is)] of one start, in its order, adding up to total_ms (ldconfig's
     own time overlaps the mounts: only what they did not hide is a part)."""

@@ -491,6 +491,7 @@ def main():
             results[name]["x_rpm"] = results[name]["median_ms"] / gpu1
         peak = max(r["peak_rss_kib"] for n, r in results.items() if n.startswith("hook:"))
         server_logged = breakdown.logged(os.path.join(host["root"], "hook.log"), "bench-server-gpu1-")
+        server_sandboxes = breakdown.sandboxes(os.path.join(host["root"], "hook.log"))
         imports = breakdown.import_ms(PYTHON, os.path.join(work, "site"), args.runs)
         logged = breakdown.logged(os.path.join(host["root"], "hook.log"), "bench-gpu1-")
         parts = breakdown.breakdown(gpu1, results["floor -IS"]["median_ms"], imports, logged)
@@ -567,6 +568,7 @@ def main():
                "cycle_server_gpu8same_x_gpu1": served_gpu8same_x_gpu1, "nvidia_legacy_taken_from_issue_41": nvidia,
                "server_worker_timings_gpu1_ms": server_logged,
                "server_cpu_per_served_start_ms": server_cpu * 1e3,
+               "server_ldconfig_sandboxes": server_sandboxes,
                "node": {"container_record": record, "exporter": exporter, "watchdog": watchdog},
                "docker": {"runs": args.docker_runs, **dockers},
                "docker_start_server": {"runs": args.docker_runs, **dockers_served}, "concurrent": load_figures,
@@ -593,6 +595,8 @@ def main():
               f"x{served_gpu8_x_gpu1:.3f}, with the 1-GPU capabilities x{served_gpu8same_x_gpu1:.3f}")  # fmt: skip
         print(f"  the start server's CPU per served start (not in the cycles' CPU above): {server_cpu * 1e3:.1f} ms "
               "(mean; its workers included)")  # fmt: skip
+        print("  ldconfig's sandbox in served starts, made by: "
+              + ", ".join(f"{who} {count}" for who, count in sorted(server_sandboxes.items())))  # fmt: skip
         print(
             f"container record: {record['total_ms']:.3f} ms (import {record['import_ms']:.3f}, build and write "
             f"{record['write_ms']:.3f})"

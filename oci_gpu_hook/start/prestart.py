@@ -188,6 +188,8 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     if unprivileged:
         left["unprivileged"] = f"a user namespace ({userns.user()}): device nodes bind-mounted, never made"
         left["left_to_runtime"].append(f"the container record: {NO_RECORD}")
+    if "ldconfig_sandbox" in result:
+        left["ldconfig_sandbox"] = result["ldconfig_sandbox"]
     report.log(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],

@@ -500,7 +500,7 @@ def work(conn: socket.socket, offer: Offer) -> None:
         _log(f"worker {os.getpid()}: taken too late ({(taken - offer.accepted) * 1000:.0f} ms after the server "
              f"accepted its connection; a pre-filter waits {prefilter_rule.START_SERVER_TAKE_MS} ms): no go came, "
              "and its start went to Python")  # fmt: skip
-        os._exit(WORKER_LATE)
+        _exit_worker(WORKER_LATE)
     _as_a_runtimes_hook()
     code = 70
     try:
@@ -541,7 +541,18 @@ def work(conn: socket.socket, offer: Offer) -> None:
         try:
             conn.send(VERDICT + bytes([code & 0xFF]))
         finally:
-            os._exit(WORKER_SERVED)
+            _exit_worker(WORKER_SERVED)
+
+
+def _exit_worker(status: int) -> None:
+    """os._exit, once the ldconfig helper this worker holds unused, if any (Spare._warm), is
+    stopped and reaped: nothing of the worker's is left for another process to reap."""
+    ldconfig = sys.modules.get("oci_gpu_hook.start.linux.ldconfig")  # imported where one was made
+    try:
+        if ldconfig is not None:
+            ldconfig.drop_helper()
+    finally:
+        os._exit(status)
 
 
 def _as_a_runtimes_hook() -> None:
@@ -610,13 +621,14 @@ class Spare:
                     self._warm(theirs, config)
                 self._wait(theirs)  # never returns
             finally:
-                os._exit(70)
+                _exit_worker(70)
         theirs.close()
         self.pid, self.socket = pid, ours
 
     @staticmethod
     def _warm(pair: socket.socket, config: str | None) -> None:
         from oci_gpu_hook.start import prestart
+        from oci_gpu_hook.start.linux import ldconfig
 
         # Forked while the previous start's worker runs: on a small machine, reading now would
         # take a CPU from it. So it waits for a quiet moment: WARM_AFTER_SECONDS with no offer,
@@ -630,6 +642,8 @@ class Spare:
             if _only_child():
                 break
         prestart.warm(config)
+        if not select.select([pair], [], [], 0)[0]:  # still quiet: its start would wait on none of this
+            ldconfig.hold_helper(WORKER_NICE)
         wait = COLLECT_IDLE_SECONDS
         while not select.select([pair], [], [], wait)[0]:
             if not _only_child():
@@ -647,9 +661,9 @@ class Spare:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
         except OSError:
-            os._exit(WORKER_IDLE)
+            _exit_worker(WORKER_IDLE)
         if not payload or len(fds) != 1:  # the server went away: no offer
-            os._exit(WORKER_IDLE)
+            _exit_worker(WORKER_IDLE)
         pair.close()
         pid = int.from_bytes(payload[:4], sys.byteorder)
         accepted = int.from_bytes(payload[4:12], sys.byteorder) / 1e9

@@ -17,6 +17,7 @@ import subprocess
 import textwrap
 
 import pytest
+import startservercheck
 
 from oci_gpu_hook.start.linux import ldconfig
 from oci_gpu_hook.start.linux.rootfs import Rootfs
@@ -55,6 +56,28 @@ def disk(tmp_path, require):
         yield path, os.stat(path).st_rdev, backing
     finally:
         subprocess.run(["losetup", "--detach", path], capture_output=True)
+
+
+@pytest.fixture(params=["fork", "helper"])
+def started_by(request, require):
+    """Who makes ldconfig's sandbox: the hook's own fork, or a Helper made ahead, as a start
+    server's warm spare holds one (the tests assert which one the Sandbox used)."""
+    require("root")
+    if request.param == "helper":
+        ldconfig.hold_helper()
+        assert ldconfig._held is not None
+        startservercheck.wait_until("the helper ready", ldconfig._held.usable, timeout=30)
+    try:
+        yield request.param
+    finally:
+        ldconfig.drop_helper()
+
+
+def sandboxed(started_by: str, *args, **kwargs) -> bytes:
+    """ldconfig.Sandbox(*args, **kwargs)'s cache, started the way started_by says."""
+    sandbox = ldconfig.Sandbox(*args, **kwargs)
+    assert sandbox.via_helper == (started_by == "helper")
+    return sandbox.result()
 
 
 def plant(rootfs: str, relative: str, make) -> None:
@@ -236,10 +259,9 @@ def test_names_in_the_configuration_are_kept_as_the_image_wrote_them(tmp_path):
     assert notes == ["/etc/ld.so.conf.d/\udcfe2.conf in the image ignored: not a regular file with one link"]
 
 
-def test_ldconfig_indexes_a_directory_with_a_non_utf8_name(tmp_path, require):
+def test_ldconfig_indexes_a_directory_with_a_non_utf8_name(tmp_path, started_by):
     """The sandboxed ldconfig gets the image's ld.so.conf with its bytes: the library in the
     directory only it names is in the cache, under that directory's own name."""
-    require("root")
     from oci_gpu_hook.start import ldcache
 
     root = tmp_path / "rootfs"
@@ -247,7 +269,7 @@ def test_ldconfig_indexes_a_directory_with_a_non_utf8_name(tmp_path, require):
     rootfs = Rootfs(str(root))
     try:
         conf, _ = ldconfig.flatten_conf(rootfs)
-        data = ldconfig.Sandbox(rootfs.fd, conf, [], timeout=20).result()
+        data = sandboxed(started_by, rootfs.fd, conf, [], timeout=20)
     finally:
         rootfs.close()
     paths = [os.fsencode(entry.path) for entry in ldcache.parse(data, "the new cache")]
@@ -348,8 +370,9 @@ int main(int argc, char **argv) {
 """
 
 
-def test_a_compromised_ldconfig_reaches_nothing(tmp_path, monkeypatch, disk, require):
-    """A static program in ldconfig's place reports what it can do from inside the sandbox."""
+def test_a_compromised_ldconfig_reaches_nothing(tmp_path, monkeypatch, disk, require, started_by):
+    """A static program in ldconfig's place reports what it can do from inside the sandbox,
+    whoever made it: the hook's fork or a start server's helper."""
     require("root", "gcc")
     import socket
 
@@ -377,7 +400,7 @@ def test_a_compromised_ldconfig_reaches_nothing(tmp_path, monkeypatch, disk, req
     leaked = open(tmp_path / "an-open-host-file", "w")  # must not be inherited
     rootfs = Rootfs(str(root))
     try:
-        report = ldconfig.Sandbox(rootfs.fd, "", [str(port), str(canary)], timeout=20).result()
+        report = sandboxed(started_by, rootfs.fd, "", [str(port), str(canary)], timeout=20)
     finally:
         rootfs.close()
         leaked.close()

@@ -172,6 +172,60 @@ def test_an_idle_spare_collects_the_records_of_containers_that_are_gone(live_con
     assert sorted(os.listdir(directory)) == sorted([running_record, new])
 
 
+def helper_of(spare_pid: int) -> int:
+    """The ldconfig helper a warm spare holds (ldconfig.Helper): its one child, running
+    ldconfig.helper_main, once it has made its namespaces and waits (asleep)."""
+
+    def waiting():
+        kids = startservercheck.children(spare_pid)
+        if len(kids) != 1 or startservercheck.process_state(kids[0]) != "S":
+            return 0
+        with open(f"/proc/{kids[0]}/cmdline", "rb") as f:
+            return kids[0] if b"ldconfig.helper_main(3, 0)" in f.read() else 0
+
+    return startservercheck.wait_until("the spare's ldconfig helper", waiting, timeout=server.WARM_AFTER_SECONDS + 30)
+
+
+def gone(pid: int) -> bool:
+    return startservercheck.process_state(pid) == ""
+
+
+def test_a_warm_spare_starts_ldconfig_through_its_helper(live_container, offering, running, tmp_path):
+    """The first start finds a cold spare and forks ldconfig's sandbox itself; the spare after it,
+    warm, holds a helper that the next start hands its sandbox to: both records say which, and
+    both containers are the same. A helper killed while it waits is not used: that start forks
+    its own, and succeeds. A spare's unused helper is stopped with it: after the server stops,
+    none is left, not even a zombie."""
+    containers = [live_container(GPU_ENV) for _ in range(3)]
+    config = startservercheck.config(containers[0][4], tmp_path)
+    first = startservercheck.spare(running)
+    assert startservercheck.children(first) == []  # cold: warmed by no start yet
+    done = startservercheck.run(offering, config, containers[0][0].encode())
+    assert (done.returncode, done.stderr) == (0, b""), done.stderr
+    second = startservercheck.spare(running, besides=[first])
+    held = helper_of(second)
+    with open(f"/proc/{held}/status") as f:
+        status = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+    assert status["NSpid"].split() == [str(held), "1"], status  # pid 1 of a PID namespace of its own
+    assert os.readlink(f"/proc/{held}/ns/net") != os.readlink("/proc/self/ns/net")
+    done = startservercheck.run(offering, config, containers[1][0].encode())
+    assert (done.returncode, done.stderr) == (0, b""), done.stderr
+    startservercheck.wait_until("the used helper reaped", lambda: gone(held))
+    third = startservercheck.spare(running, besides=[first, second])
+    killed = helper_of(third)
+    os.kill(killed, signal.SIGKILL)
+    done = startservercheck.run(offering, config, containers[2][0].encode())
+    assert (done.returncode, done.stderr) == (0, b""), done.stderr
+    startservercheck.wait_until("the killed helper reaped", lambda: gone(killed))
+    records = startservercheck.log_records(config)
+    assert [r["message"] for r in records] == ["GPU devices configured"] * 3, records
+    assert [r["ldconfig_sandbox"] for r in records] == ["fork", "helper", "fork"], records
+    assert len({tuple(mounts_in(c)) for c in containers}) == 1
+    last = helper_of(startservercheck.spare(running, besides=[first, second, third]))
+    assert running.stop() == 0
+    startservercheck.wait_until("the last spare's helper gone", lambda: gone(last))
+
+
 def test_the_budget_counts_from_the_prefilters_start(live_container, offering, running, tmp_path):
     """deadline_seconds 2.5. A pre-filter that offers at once to a server (and any spare worker)
     older than that: the start is made. One that waited 3.5 s for its state before offering: the

@@ -27,6 +27,7 @@ import errno
 import os
 import resource
 import stat
+import sys
 import time
 
 from oci_gpu_hook.errors import Exit, HookError
@@ -49,7 +50,7 @@ MAX_CONF_BYTES = 64 << 10
 MAX_CONF_FILES = 128
 MAX_LISTED = 4096  # directory entries looked at per include pattern
 CACHE_MAGICS = (b"glibc-ld.so.cache", b"ld.so-1.7.0")
-_NAMESPACES = _linux.CLONE_NEWNS | _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS | _linux.CLONE_NEWNET
+_NAMESPACES = _linux.CLONE_NEWIPC | _linux.CLONE_NEWUTS | _linux.CLONE_NEWNET  # and a mount namespace, last
 _VIEW_ATTRS = _linux.MOUNT_ATTR_RDONLY | _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC
 
 
@@ -255,31 +256,49 @@ class Sandbox:
         self.deadline = time.monotonic() + timeout
         self.pid = None
         self.out = None
+        self.errors = None
+        self.via_helper = False
         self.exe = _open_ldconfig(sources)
         try:
-            try:
-                self.out = _linux.fsmount_new(
-                    "tmpfs",
-                    {"mode": "0700", "uid": str(SANDBOX_ID), "gid": str(SANDBOX_ID), "size": str(MAX_CACHE_BYTES * 2),
-                     "nr_inodes": "16"},
-                    _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC,
-                )  # fmt: skip
-            except OSError as e:
-                needs = " (it needs Linux 5.12 or newer)" if e.errno == errno.ENOSYS else ""
-                raise LdconfigError(f"cannot make the ldconfig sandbox{needs}: {e.strerror}") from None
-            conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self.out)
-            with os.fdopen(conf_fd, "wb") as f:
-                f.write(os.fsencode(conf))  # the image's bytes again (_ConfReader._text)
-            argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
-            self.pid, self.errors = _start_sandboxed(self.exe, argv, rootfs_fd, self.out)
+            self.conf = conf
+            self.argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
+            self._start(rootfs_fd, through_helper=True)
         except BaseException:
             self._release()
             raise
+
+    def _start(self, rootfs_fd: int, through_helper: bool) -> None:
+        """A fresh output tmpfs with the configuration in it, and ldconfig started over it by the
+        Helper this process holds (through_helper) or, where there is none or it is not ready, by
+        a fork of our own."""
+        try:
+            self.out = _linux.fsmount_new(
+                "tmpfs",
+                {"mode": "0700", "uid": str(SANDBOX_ID), "gid": str(SANDBOX_ID), "size": str(MAX_CACHE_BYTES * 2),
+                 "nr_inodes": "16"},
+                _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC,
+            )  # fmt: skip
+        except OSError as e:
+            needs = " (it needs Linux 5.12 or newer)" if e.errno == errno.ENOSYS else ""
+            raise LdconfigError(f"cannot make the ldconfig sandbox{needs}: {e.strerror}") from None
+        conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self.out)
+        with os.fdopen(conf_fd, "wb") as f:
+            f.write(os.fsencode(self.conf))  # the image's bytes again (_ConfReader._text)
+        started = _start_through_helper(self.exe, self.argv, rootfs_fd, self.out) if through_helper else None
+        self.via_helper = started is not None
+        self.pid, self.errors = started or _start_sandboxed(self.exe, self.argv, rootfs_fd, self.out)
+        self.rootfs_fd = rootfs_fd  # the caller's, open until result(): a retry without the helper
 
     def result(self) -> bytes:
         """Wait for ldconfig (killing it past the timeout) and return the cache it wrote."""
         try:
             code, errors = self._wait()
+            if self.via_helper and code == 127 and errors.startswith(HELPER_FAILED):
+                # The helper could not build the view (whatever the reason, it is not the image's
+                # doing: it had not yet run anything over it). Once more as without a helper.
+                self._release(keep_exe=True)
+                self._start(self.rootfs_fd, through_helper=False)
+                code, errors = self._wait()
             if code != 0:
                 lines = errors.decode("utf-8", "replace").strip().splitlines()
                 raise LdconfigError(f"ldconfig failed: {lines[-1] if lines else f'exit status {code}'}")
@@ -318,8 +337,8 @@ class Sandbox:
             os.waitpid(pid, 0)
         self._release()
 
-    def _release(self) -> None:
-        for name in ("exe", "out", "errors"):
+    def _release(self, keep_exe: bool = False) -> None:
+        for name in ("out", "errors") if keep_exe else ("exe", "out", "errors"):
             fd = getattr(self, name, None)
             if fd is not None:
                 setattr(self, name, None)
@@ -429,8 +448,16 @@ def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, orphan
     orphan_signal: sent to ldconfig when its parent exits (_start_in_middle)."""
     null = os.open("/dev/null", os.O_RDWR)  # before the host disappears from view
     _stay_in_own_domain()  # while the host's /proc and /sys are in view
-    os.fchdir(rootfs_fd)  # unshare moves the cwd into the new namespace's copy: no path walked again
     _linux.unshare(_NAMESPACES)
+    _enter_view_and_exec(exe, argv, rootfs_fd, out, err_fd, null, orphan_signal)
+
+
+def _enter_view_and_exec(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, null: int, orphan_signal: int = 0):
+    """The view over the rootfs, in a mount namespace of its own made from the caller's, then
+    ldconfig in it with nothing else: the second half of _sandbox_child, and all a Helper does
+    once its start comes. Never returns."""
+    os.fchdir(rootfs_fd)  # unshare moves the cwd into the new namespace's copy: no path walked again
+    _linux.unshare(_linux.CLONE_NEWNS)
     _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
     clone = _linux.OPEN_TREE_CLONE | _linux.OPEN_TREE_CLOEXEC | _linux.AT_RECURSIVE
     view = _linux.open_tree(_linux.AT_FDCWD, ".", clone)
@@ -458,6 +485,199 @@ def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, orphan
     os.closerange(3, exe)
     os.closerange(exe + 1, 1 << 16)
     os.execve(exe, argv, {})
+
+
+# --- the sandbox made ahead: a helper -----------------------------------------------------------
+
+HELPER_READY = b"ready"
+HELPER_FAILED = b"the ldconfig helper could not start it: "  # what a helper writes that could not exec
+HELPER_FDS = 5  # the mount namespace, the rootfs, the output tmpfs, ldconfig, the stderr pipe
+MAX_HELPER_MESSAGE = 1 << 20
+_held = None  # the Helper this process holds for its next Sandbox (a start server's spare)
+
+
+class Helper:
+    """A process that holds the first half of ldconfig's sandbox ready, made while a start
+    server's spare worker is idle: a small interpreter exec'd as pid 1 of its own PID namespace,
+    which makes its network, IPC and UTS namespaces, says it is ready and waits on a socket pair
+    that only this process holds. A start hands it the mount namespace, rootfs, output tmpfs,
+    ldconfig and a stderr pipe; it then does what the worker's own fork would (_enter_view_and_exec).
+
+    Why: the worker is a large process; forking it on the start's path costs its page tables and
+    then a copy of every page either side writes (docs/performance.md, "The ldconfig helper").
+    The helper is one use, a child of the process that made it, and dies with it (its parent-death
+    signal, and the end of its socket)."""
+
+    def __init__(self, nice: int | None = None):
+        import socket
+
+        self.pid = self.channel = None
+        self.killed = False
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # The package the helper imports is the one this process runs, found where it was found,
+        # after the standard library (nothing beside the package shadows it). -I -S: no
+        # environment, no user or site directories, no current directory in the path.
+        top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        code = (f"import sys; sys.path[:] = [*(p for p in sys.path if p), {top!r}]; "
+                f"from oci_gpu_hook.start.linux import ldconfig; ldconfig.helper_main(3, {nice!r})")  # fmt: skip
+        try:
+            own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _linux.unshare(_linux.CLONE_NEWPID)
+                try:
+                    self.pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", code], {},
+                                              file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])  # fmt: skip
+                finally:
+                    _linux.setns(own_pid_ns, _linux.CLONE_NEWPID)
+            finally:
+                os.close(own_pid_ns)
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        self.channel = ours
+        self.ready = self.killed = False
+
+    def usable(self) -> bool:
+        """Whether it has said it is ready, and nothing else since (a helper that died, or said
+        anything more, is not used). Never waits."""
+        import socket
+
+        try:
+            if not self.ready:
+                self.ready = self.channel.recv(16, socket.MSG_DONTWAIT) == HELPER_READY
+                if not self.ready:
+                    return False
+            self.channel.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+            return False  # anything to read now (its end closed: b"") means it is no longer waiting
+        except BlockingIOError:
+            return self.ready
+        except OSError:
+            return False
+
+    def start(self, exe: int, argv, rootfs_fd: int, out: int):
+        """(pid, read end of its stderr) of ldconfig started by the helper in this process's
+        mount namespace; None if the helper could not be handed the start: it is then killed
+        at once (a helper still starting takes no more CPU from the start) and reaped by stop(),
+        once the start is over."""
+        import array
+        import socket
+
+        if self.pid is None or not self.usable():
+            self._kill()
+            return None
+        read_fd, write_fd = os.pipe()
+        try:
+            mntns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fds = array.array("i", [mntns, rootfs_fd, out, exe, write_fd])
+                message = b"\0".join(os.fsencode(a) for a in argv)
+                self.channel.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)], socket.MSG_DONTWAIT)
+            finally:
+                os.close(mntns)
+        except OSError:
+            os.close(read_fd)
+            self._kill()
+            return None
+        finally:
+            os.close(write_fd)
+        pid, self.pid = self.pid, None  # the Sandbox's now: it reaps it
+        self.channel.close()
+        return pid, read_fd
+
+    def _kill(self) -> None:
+        if self.pid is not None and not self.killed:
+            self.killed = True
+            os.kill(self.pid, signal.SIGKILL)  # a zombie's kill succeeds too: it is ours until reaped
+
+    def stop(self) -> None:
+        """Kill and reap it, if not handed a start. Idempotent."""
+        self._kill()
+        if self.pid is not None:
+            pid, self.pid = self.pid, None
+            os.waitpid(pid, 0)
+        if self.channel is not None:
+            self.channel.close()
+
+
+def hold_helper(nice: int | None = None) -> None:
+    """In a start server's spare, at idle: make the Helper its Sandbox will use, if it has none.
+    Nothing where the hook is in a user namespace (its fork then needs a middle process), and
+    nothing if it cannot be made: the start forks its own sandbox, as it always could."""
+    global _held
+    if _held is not None or userns.unprivileged() or not sys.executable:
+        return
+    try:
+        _held = Helper(nice)
+    except OSError:
+        pass
+
+
+def drop_helper() -> None:
+    """Stop the held Helper, if there is one: before the process that holds it exits, so that it
+    is reaped here and left to no one."""
+    global _held
+    helper, _held = _held, None
+    if helper is not None:
+        helper.stop()
+
+
+def _start_through_helper(exe: int, argv, rootfs_fd: int, out: int):
+    """(pid, read end of its stderr) of ldconfig started by the held Helper, which is then the
+    caller's to reap; None where none is held, where the sandbox runs in a user namespace (its
+    fork then needs a middle process), or where the helper could not take the start (killed
+    now, reaped by drop_helper as the process exits)."""
+    global _held
+    if _held is None or userns.unprivileged():
+        return None
+    started = _held.start(exe, argv, rootfs_fd, out)
+    if started is not None:
+        _held = None  # used once: the Sandbox reaps it as it reaps a fork
+    return started
+
+
+def helper_main(channel: int, nice: int | None = None) -> None:
+    """The Helper's own process (python -I -S, pid 1 of its PID namespace). Never returns."""
+    import array
+    import socket
+
+    err_fd = None
+    try:
+        _linux.set_parent_death_signal(signal.SIGKILL)  # its parent gone before this: the socket's end says so
+        if nice is not None and os.getpriority(os.PRIO_PROCESS, 0) < nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)  # ldconfig runs as the worker's own fork would
+        os.closerange(channel + 1, 1 << 16)  # anything its holder let be inherited: not its to keep
+        null = os.open("/dev/null", os.O_RDWR)  # before the host disappears from view
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+        _stay_in_own_domain()
+        _linux.unshare(_NAMESPACES)
+        pair = socket.socket(fileno=channel)
+        pair.send(HELPER_READY)
+        fds = array.array("i")
+        # Close-on-exec, as the worker's own are: ldconfig is exec'd from one (the probe of
+        # test_a_compromised_ldconfig_reaches_nothing counts its descriptors).
+        message, ancillary, flags, _ = pair.recvmsg(MAX_HELPER_MESSAGE, socket.CMSG_SPACE(HELPER_FDS * fds.itemsize),
+                                                    socket.MSG_CMSG_CLOEXEC)  # fmt: skip
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        if len(fds) != HELPER_FDS or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+            os._exit(127)  # the socket's end (its parent gone), or not a start: nothing to say it to
+        mntns, rootfs_fd, out, exe, err_fd = fds
+        argv = [os.fsdecode(a) for a in message.split(b"\0")]
+        _linux.setns(mntns, _linux.CLONE_NEWNS)
+        os.close(mntns)
+        _enter_view_and_exec(exe, argv, rootfs_fd, out, err_fd, null, orphan_signal=signal.SIGKILL)
+    except BaseException as e:
+        if err_fd is not None:
+            try:
+                os.write(err_fd, HELPER_FAILED + str(e).encode(errors="replace") + b"\n")
+            except OSError:
+                pass
+    finally:
+        os._exit(127)
 
 
 def _read_cache(out: int) -> bytes:
