@@ -538,10 +538,33 @@ def work(conn: socket.socket, offer: Offer) -> None:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
+        _let_go_of_the_runtimes_pipes()
         try:
             conn.send(VERDICT + bytes([code & 0xFF]))
         finally:
             _exit_worker(WORKER_SERVED)
+
+
+def _let_go_of_the_runtimes_pipes() -> None:
+    """In a worker that has answered its start, before it replies: its descriptors 0 to 2, the
+    pre-filter's (the runtime's pipes), put on /dev/null. A runtime reads its hook's output until
+    the end (runc: Go's exec waits for its pipes as well as for the process), so while the worker
+    held them the start ended only once the worker's own exit was over (its memory torn down, an
+    unused ldconfig helper reaped); now it ends when the pre-filter exits."""
+    try:
+        null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        null = None
+    for fd in range(3):
+        try:
+            if null is None:
+                os.close(fd)
+            else:
+                os.dup2(null, fd)
+        except OSError:
+            pass
+    if null is not None:
+        os.close(null)
 
 
 def _exit_worker(status: int) -> None:

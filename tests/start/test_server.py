@@ -19,6 +19,7 @@ import errno
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -224,6 +225,38 @@ def test_a_warm_spare_starts_ldconfig_through_its_helper(live_container, offerin
     last = helper_of(startservercheck.spare(running, besides=[first, second, third]))
     assert running.stop() == 0
     startservercheck.wait_until("the last spare's helper gone", lambda: gone(last))
+
+
+def test_a_worker_lets_go_of_the_runtimes_pipes_before_it_replies():
+    """The pipes a runtime reads its hook's output from (runc: until their end, as well as the
+    process's exit) are at their end once the worker has answered, while the worker itself still
+    runs: the start then ends with the pre-filter, not with the worker's own exit."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    hold_r, hold_w = os.pipe()
+    worker = os.fork()
+    if worker == 0:
+        try:
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            for fd in (out_r, out_w, err_r, err_w, hold_w):
+                os.close(fd)
+            server._let_go_of_the_runtimes_pipes()
+            os.read(hold_r, 1)  # the worker's exit, held until the test has looked
+        finally:
+            os._exit(0)
+    for fd in (out_w, err_w, hold_r):
+        os.close(fd)
+    try:
+        for end in (out_r, err_r):
+            ready, _, _ = select.select([end], [], [], 30)
+            assert ready and os.read(end, 1) == b""  # the end of the pipe, not a timeout
+        assert os.waitpid(worker, os.WNOHANG) == (0, 0)  # and the worker still runs
+    finally:
+        os.close(hold_w)
+        os.waitpid(worker, 0)
+        os.close(out_r)
+        os.close(err_r)
 
 
 def test_the_budget_counts_from_the_prefilters_start(live_container, offering, running, tmp_path):
