@@ -423,6 +423,49 @@ def test_a_compromised_ldconfig_reaches_nothing(tmp_path, monkeypatch, disk, req
     assert sha256(backing) == before
 
 
+def test_nothing_the_sandbox_mounts_is_seen_beside_it(tmp_path, started_by):
+    """The rootfs a shared mount, as a runtime may leave it: once ldconfig has run, the namespace
+    the hook works in has no mount more than before (the view and the tmpfs on its /etc were
+    made private before anything was mounted on them). In a child with a mount namespace of its
+    own, so that the host's table is not touched."""
+    from oci_gpu_hook.start.linux import _linux
+
+    root = tmp_path / "rootfs"
+    _odd_image(root)
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 1
+        try:
+            _linux.unshare(_linux.CLONE_NEWNS)
+            _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+            _linux.mount(str(root), str(root), None, _linux.MS_BIND)
+            _linux.mount(None, str(root), None, 1 << 20)  # MS_SHARED
+            ldconfig._held = None  # the fixture's is the test process's child, not this one's
+            if started_by == "helper":  # one made here, in this namespace
+                ldconfig.hold_helper()
+                startservercheck.wait_until("the helper ready", ldconfig._held.usable, timeout=30)
+            with open("/proc/self/mountinfo") as f:
+                before = f.read()
+            rootfs = Rootfs(str(root))
+            conf, _ = ldconfig.flatten_conf(rootfs)
+            sandboxed(started_by, rootfs.fd, conf, [], timeout=20)
+            rootfs.close()
+            with open("/proc/self/mountinfo") as f:
+                after = f.read()
+            os.write(writer, b"same" if after == before else after.encode())
+            code = 0
+        finally:
+            ldconfig.drop_helper()
+            os._exit(code)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as f:
+        seen = f.read()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert seen == b"same", seen.decode()
+
+
 def test_a_dynamic_or_foreign_ldconfig_is_refused(tmp_path, monkeypatch, require):
     """A dynamically linked program would have its loader looked up inside the image."""
     require("root")

@@ -449,13 +449,6 @@ def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, orphan
     null = os.open("/dev/null", os.O_RDWR)  # before the host disappears from view
     _stay_in_own_domain()  # while the host's /proc and /sys are in view
     _linux.unshare(_NAMESPACES)
-    _enter_view_and_exec(exe, argv, rootfs_fd, out, err_fd, null, orphan_signal)
-
-
-def _enter_view_and_exec(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, null: int, orphan_signal: int = 0):
-    """The view over the rootfs, in a mount namespace of its own made from the caller's, then
-    ldconfig in it with nothing else: the second half of _sandbox_child, and all a Helper does
-    once its start comes. Never returns."""
     os.fchdir(rootfs_fd)  # unshare moves the cwd into the new namespace's copy: no path walked again
     _linux.unshare(_linux.CLONE_NEWNS)
     _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
@@ -463,12 +456,19 @@ def _enter_view_and_exec(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, 
     view = _linux.open_tree(_linux.AT_FDCWD, ".", clone)
     _linux.mount_setattr(view, _VIEW_ATTRS)
     _linux.move_mount(view, "", _linux.AT_FDCWD, ".", _linux.MOVE_MOUNT_F_EMPTY_PATH)
+    _enter_view_and_exec(view, exe, argv, out, err_fd, null, orphan_signal)
+
+
+def _enter_view_and_exec(view: int, exe: int, argv, out: int, err_fd: int, null: int, orphan_signal: int = 0):
+    """With the view attached in this process's own private mount namespace: its /etc on the
+    output tmpfs, the view made the root (the old one detached), everything dropped, ldconfig
+    exec'd. The end of _sandbox_child and of a Helper's start alike. Never returns."""
     # /etc of the view, resolved inside it (never through a magic link), gets the private tmpfs.
     etc = _linux.openat2(view, "etc", os.O_PATH | os.O_DIRECTORY, _linux.RESOLVE_IN_ROOT | _linux.RESOLVE_NO_MAGICLINKS)
     _linux.move_mount(out, "", etc, "", _linux.MOVE_MOUNT_F_EMPTY_PATH | _linux.MOVE_MOUNT_T_EMPTY_PATH)
     os.fchdir(view)
     _linux.pivot_root(".", ".")
-    _linux.umount2(".", _linux.MNT_DETACH)  # the old root (the host) is gone from this namespace
+    _linux.umount2(".", _linux.MNT_DETACH)  # the old root (the host, or a Helper's empty tmpfs) is gone
     os.chdir("/")
     for limit, value in LIMITS.items():
         resource.setrlimit(limit, (value, value))
@@ -637,6 +637,28 @@ def _start_through_helper(exe: int, argv, rootfs_fd: int, out: int):
     return started
 
 
+VIEW_MOUNT_POINT = "/view"  # in a Helper's empty mount namespace
+
+
+def _empty_mount_namespace() -> int:
+    """In a Helper, at idle: a mount namespace of its own whose one mount, and root, is a small
+    empty tmpfs with VIEW_MOUNT_POINT in it (the host's table, copied by unshare, detached now
+    rather than on a start's path); a descriptor of it, for setns."""
+    _linux.unshare(_linux.CLONE_NEWNS)
+    _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
+    namespace = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)  # while /proc is in view
+    attrs = _linux.MOUNT_ATTR_NOSUID | _linux.MOUNT_ATTR_NODEV | _linux.MOUNT_ATTR_NOEXEC
+    root = _linux.fsmount_new("tmpfs", {"mode": "0700", "size": "4k", "nr_inodes": "4"}, attrs)
+    os.mkdir(VIEW_MOUNT_POINT.lstrip("/"), 0o700, dir_fd=root)
+    _linux.move_mount(root, "", _linux.AT_FDCWD, "/", _linux.MOVE_MOUNT_F_EMPTY_PATH)  # over the host's root
+    os.fchdir(root)
+    _linux.pivot_root(".", ".")
+    _linux.umount2(".", _linux.MNT_DETACH)
+    os.chdir("/")
+    os.close(root)
+    return namespace
+
+
 def helper_main(channel: int, nice: int | None = None) -> None:
     """The Helper's own process (python -I -S, pid 1 of its PID namespace). Never returns."""
     import array
@@ -653,6 +675,7 @@ def helper_main(channel: int, nice: int | None = None) -> None:
         os.dup2(null, 1)
         _stay_in_own_domain()
         _linux.unshare(_NAMESPACES)
+        empty = _empty_mount_namespace()
         pair = socket.socket(fileno=channel)
         pair.send(HELPER_READY)
         fds = array.array("i")
@@ -667,9 +690,19 @@ def helper_main(channel: int, nice: int | None = None) -> None:
             os._exit(127)  # the socket's end (its parent gone), or not a start: nothing to say it to
         mntns, rootfs_fd, out, exe, err_fd = fds
         argv = [os.fsdecode(a) for a in message.split(b"\0")]
+        # The view is cloned where the rootfs is (open_tree clones only from the caller's own
+        # namespace) and attached in the empty one: the start copies the rootfs's mounts once,
+        # never the whole table of the container's namespace (the host's mounts with it).
         _linux.setns(mntns, _linux.CLONE_NEWNS)
         os.close(mntns)
-        _enter_view_and_exec(exe, argv, rootfs_fd, out, err_fd, null, orphan_signal=signal.SIGKILL)
+        clone = _linux.OPEN_TREE_CLONE | _linux.OPEN_TREE_CLOEXEC | _linux.AT_RECURSIVE | _linux.AT_EMPTY_PATH
+        view = _linux.open_tree(rootfs_fd, "", clone)
+        _linux.setns(empty, _linux.CLONE_NEWNS)
+        # A clone keeps its originals' propagation (a peer, a slave): made private first, so that
+        # nothing mounted on it below is seen anywhere else, nor anything from there seen here.
+        _linux.mount_setattr(view, _VIEW_ATTRS, propagation=_linux.MS_PRIVATE)
+        _linux.move_mount(view, "", _linux.AT_FDCWD, VIEW_MOUNT_POINT, _linux.MOVE_MOUNT_F_EMPTY_PATH)
+        _enter_view_and_exec(view, exe, argv, out, err_fd, null, orphan_signal=signal.SIGKILL)
     except BaseException as e:
         if err_fd is not None:
             try:
