@@ -80,6 +80,16 @@ def sandboxed(started_by: str, *args, **kwargs) -> bytes:
     return sandbox.result()
 
 
+def helper_of_its_own(started_by: str) -> None:
+    """In a child the test forked: the fixture's helper is the test process's child, not this
+    one's (it could neither be handed a start nor reaped here); a helper of its own instead, made
+    in its own namespaces, where started_by says so."""
+    ldconfig._held = None
+    if started_by == "helper":
+        ldconfig.hold_helper()
+        startservercheck.wait_until("the helper ready", ldconfig._held.usable, timeout=30)
+
+
 def plant(rootfs: str, relative: str, make) -> None:
     path = os.path.join(rootfs, relative)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -441,10 +451,7 @@ def test_nothing_the_sandbox_mounts_is_seen_beside_it(tmp_path, started_by):
             _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
             _linux.mount(str(root), str(root), None, _linux.MS_BIND)
             _linux.mount(None, str(root), None, 1 << 20)  # MS_SHARED
-            ldconfig._held = None  # the fixture's is the test process's child, not this one's
-            if started_by == "helper":  # one made here, in this namespace
-                ldconfig.hold_helper()
-                startservercheck.wait_until("the helper ready", ldconfig._held.usable, timeout=30)
+            helper_of_its_own(started_by)
             with open("/proc/self/mountinfo") as f:
                 before = f.read()
             rootfs = Rootfs(str(root))
@@ -464,6 +471,60 @@ def test_nothing_the_sandbox_mounts_is_seen_beside_it(tmp_path, started_by):
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert seen == b"same", seen.decode()
+
+
+FLOOD = r"""
+#include <string.h>
+#include <unistd.h>
+int main(void) {
+    static char block[1 << 16];
+    memset(block, 'x', sizeof block);
+    for (int i = 0; i < 4096; i++)  /* 256 MiB */
+        if (write(2, block, sizeof block) < 0) return 2;
+    write(2, "\nthe last line\n", 15);
+    return 1;
+}
+"""
+
+
+def test_an_ldconfig_that_floods_its_stderr_costs_the_hook_no_memory(tmp_path, monkeypatch, require, started_by):
+    """256 MiB written to stderr, then a line and a failure: the hook keeps only the end (the
+    line it reports comes from there), so its memory does not grow with what ldconfig writes."""
+    require("gcc")
+    import resource
+
+    src = tmp_path / "flood.c"
+    src.write_text(FLOOD)
+    flood = tmp_path / "bin" / "ldconfig"
+    flood.parent.mkdir()
+    built = subprocess.run(["gcc", "-static", "-O1", "-o", str(flood), str(src)], capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr
+    monkeypatch.setattr(ldconfig, "LDCONFIG_PATHS", (str(flood),))
+    (tmp_path / "rootfs" / "etc").mkdir(parents=True)
+    rootfs = Rootfs(str(tmp_path / "rootfs"))
+    reader, writer = os.pipe()
+    child = os.fork()  # its own peak resident size, apart from pytest's
+    if child == 0:
+        try:
+            helper_of_its_own(started_by)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            try:
+                sandboxed(started_by, rootfs.fd, "", [], timeout=60)
+                said = "no failure"
+            except ldconfig.LdconfigError as e:
+                said = e.message
+            grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+            os.write(writer, f"{grown}\n{said}".encode())
+        finally:
+            ldconfig.drop_helper()
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as f:
+        grown, said = f.read().split("\n", 1)
+    os.waitpid(child, 0)
+    rootfs.close()
+    assert said == "ldconfig failed: the last line"
+    assert int(grown) < 16 << 10, f"the hook grew by {int(grown) >> 10} MiB"  # KiB; 256 MiB were written
 
 
 def test_a_dynamic_or_foreign_ldconfig_is_refused(tmp_path, monkeypatch, require):

@@ -46,6 +46,7 @@ LIMITS = {
     resource.RLIMIT_CORE: 0,
 }
 MAX_CACHE_BYTES = 64 << 20
+MAX_ERROR_BYTES = 4096  # of ldconfig's stderr, its end: what a failure's line is taken from
 MAX_CONF_BYTES = 64 << 10
 MAX_CONF_FILES = 128
 MAX_LISTED = 4096  # directory entries looked at per include pattern
@@ -284,18 +285,26 @@ class Sandbox:
         conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self.out)
         with os.fdopen(conf_fd, "wb") as f:
             f.write(os.fsencode(self.conf))  # the image's bytes again (_ConfReader._text)
-        started = _start_through_helper(self.exe, self.argv, rootfs_fd, self.out) if through_helper else None
+        started = None
+        if through_helper:
+            with no_deadline_between():  # handed and owned as one: cut between, ldconfig would be no one's
+                started = _start_through_helper(self.exe, self.argv, rootfs_fd, self.out)
+                if started is not None:
+                    self.pid, self.errors = started
         self.via_helper = started is not None
-        self.pid, self.errors = started or _start_sandboxed(self.exe, self.argv, rootfs_fd, self.out)
+        if started is None:
+            self.pid, self.errors = _start_sandboxed(self.exe, self.argv, rootfs_fd, self.out)
         self.rootfs_fd = rootfs_fd  # the caller's, open until result(): a retry without the helper
 
     def result(self) -> bytes:
         """Wait for ldconfig (killing it past the timeout) and return the cache it wrote."""
         try:
             code, errors = self._wait()
-            if self.via_helper and code == 127 and errors.startswith(HELPER_FAILED):
-                # The helper could not build the view (whatever the reason, it is not the image's
-                # doing: it had not yet run anything over it). Once more as without a helper.
+            if self.via_helper and code == 127 and (errors.startswith(HELPER_FAILED) or not errors):
+                # The helper could not start ldconfig: it said why, or it said nothing (a message
+                # it did not understand: a helper of newer code, spawned from the disk just before
+                # an upgrade's code watch retired its spare). Once more, as without a helper. (An
+                # ldconfig that fakes this gains one more run in the same sandbox, nothing else.)
                 self._release(keep_exe=True)
                 self._start(self.rootfs_fd, through_helper=False)
                 code, errors = self._wait()
@@ -312,7 +321,7 @@ class Sandbox:
         sleeping loop."""
         import select
 
-        chunks = []
+        tail = b""  # only the end is kept: a compromised ldconfig may write without end
         poller = select.poll()
         poller.register(self.errors, select.POLLIN | select.POLLHUP)
         while True:
@@ -324,11 +333,11 @@ class Sandbox:
             chunk = os.read(self.errors, 1 << 16)
             if not chunk:  # the child's end closed: it has exited (or exec failed and it is exiting)
                 break
-            chunks.append(chunk)
+            tail = (tail + chunk)[-MAX_ERROR_BYTES:]
         with no_deadline_between():  # reaped and forgotten as one: cancel() kills only ours
             _, status = os.waitpid(self.pid, 0)
             self.pid = None
-        return os.waitstatus_to_exitcode(status), b"".join(chunks)[-4096:]
+        return os.waitstatus_to_exitcode(status), tail
 
     def cancel(self) -> None:
         if self.pid is not None:
@@ -533,6 +542,10 @@ class Helper:
                 os.close(own_pid_ns)
         except BaseException:
             ours.close()
+            if self.pid is not None:  # spawned, and the way back to our own PID namespace failed
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                self.pid = None
             raise
         finally:
             theirs.close()
@@ -564,7 +577,7 @@ class Helper:
         import array
         import socket
 
-        if self.pid is None or not self.usable():
+        if self.pid is None or self.killed or not self.usable():
             self._kill()
             return None
         read_fd, write_fd = os.pipe()

@@ -58,9 +58,10 @@ def status_of(pid: int) -> dict:
 
 
 def test_a_waiting_helper_is_alone_and_holds_nothing_of_its_holders(image, tmp_path):
-    """pid 1 of its own PID namespace, with network, IPC and UTS namespaces of its own (the mount
-    namespace comes with its start), an empty environment, an isolated interpreter, and of its
-    holder's descriptors only its socket: not even one its holder let be inherited."""
+    """pid 1 of its own PID namespace, with network, IPC and UTS namespaces of its own, a mount
+    namespace of its own whose one mount is an empty tmpfs (the host's tree detached at idle), an
+    empty environment, an isolated interpreter, and of its holder's descriptors only its socket:
+    not even one its holder let be inherited."""
     careless = os.open(tmp_path / "inheritable", os.O_WRONLY | os.O_CREAT)
     os.set_inheritable(careless, True)
     try:
@@ -68,7 +69,10 @@ def test_a_waiting_helper_is_alone_and_holds_nothing_of_its_holders(image, tmp_p
     finally:
         os.close(careless)
     assert status_of(helper.pid)["NSpid"].split() == [str(helper.pid), "1"]
-    for kind in ("pid_for_children", "net", "ipc", "uts"):
+    with open(f"/proc/{helper.pid}/mountinfo") as f:
+        (mount,) = f.read().splitlines()
+    assert mount.split()[4] == "/" and " - tmpfs " in mount, mount
+    for kind in ("pid_for_children", "net", "ipc", "uts", "mnt"):
         assert os.readlink(f"/proc/{helper.pid}/ns/{kind}") != os.readlink(f"/proc/self/ns/{kind}"), kind
     with open(f"/proc/{helper.pid}/environ", "rb") as f:
         assert f.read() == b""
