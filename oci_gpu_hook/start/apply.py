@@ -109,7 +109,6 @@ class Applier:
         self._v1_list: str | None = None  # devices.list as it was before the first rule
         self.allowed: list = []  # (major, minor, access) the hook added to the cgroup: systemd is told
         self._ldcache = None  # ldconfig.Refresh under way while the plan's later operations run
-        self.ldconfig_sandbox = None  # who made ldconfig's sandbox: a start server's helper, or a fork
         self.timings: dict[str, float] = {}  # milliseconds, for the log record (docs/performance.md)
         fault, _, how = os.environ.get(FAULT_ENV, "").partition(":")
         self.fault_at = decimal(fault)
@@ -145,7 +144,6 @@ class Applier:
             done = time.perf_counter()
             self.timings["ldconfig_wait"] = (done - waited) * 1e3  # what the overlap did not hide
             self.timings["ldconfig"] = (done - self._ldcache.started) * 1e3
-            self.ldconfig_sandbox = "helper" if self._ldcache.sandbox.via_helper else "fork"  # for the record
 
     # --- mounts -------------------------------------------------------------------------------
 
@@ -495,8 +493,8 @@ def _carry_out(plan: Plan, state: ContainerState, spec: Spec, settings: Settings
             timings["setup"] = (ready - started) * 1e3  # join the namespace, the checks, the journal
             timings["operations"] = (time.perf_counter() - ready) * 1e3 - timings.get("ldconfig_wait", 0.0)
             report = {"ok": True, "skipped": applier.skipped, "left": applier.left, "timings": timings}
-            if applier.ldconfig_sandbox:
-                report["ldconfig_sandbox"] = applier.ldconfig_sandbox
+            if applier._ldcache is not None:  # who made ldconfig's sandbox: a server's helper, or a fork
+                report["ldconfig_sandbox"] = "helper" if applier._ldcache.sandbox.via_helper else "fork"
             if applier.allowed:
                 report["cgroup"] = (applier._cgroup_dir, applier.allowed)
             return report

@@ -261,7 +261,7 @@ class Sandbox:
         self.via_helper = False
         self.exe = _open_ldconfig(sources)
         try:
-            self.conf = conf
+            self.conf, self.rootfs_fd = conf, rootfs_fd  # the caller's, open until result(): for a retry
             self.argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
             self._start(rootfs_fd, through_helper=True)
         except BaseException:
@@ -294,7 +294,6 @@ class Sandbox:
         self.via_helper = started is not None
         if started is None:
             self.pid, self.errors = _start_sandboxed(self.exe, self.argv, rootfs_fd, self.out)
-        self.rootfs_fd = rootfs_fd  # the caller's, open until result(): a retry without the helper
 
     def result(self) -> bytes:
         """Wait for ldconfig (killing it past the timeout) and return the cache it wrote."""
