@@ -182,18 +182,18 @@ def _configure(container, spec, settings, started: float | None, timings: dict) 
     clock = time.perf_counter()
     _keep_record(settings, container, spec, plan.devices, started, limits=limits, record=(prepared or [None])[0])
     timings["record"] = _since(clock)
-    left = {}
+    some_starts = {}  # the log record's fields that only some starts have
     if result.get("left") or unprivileged:  # said here once, for the whole start
-        left["left_to_runtime"] = list(result.get("left", ()))
+        some_starts["left_to_runtime"] = list(result.get("left", ()))
     if unprivileged:
-        left["unprivileged"] = f"a user namespace ({userns.user()}): device nodes bind-mounted, never made"
-        left["left_to_runtime"].append(f"the container record: {NO_RECORD}")
+        some_starts["unprivileged"] = f"a user namespace ({userns.user()}): device nodes bind-mounted, never made"
+        some_starts["left_to_runtime"].append(f"the container record: {NO_RECORD}")
     if "ldconfig_sandbox" in result:
-        left["ldconfig_sandbox"] = result["ldconfig_sandbox"]
+        some_starts["ldconfig_sandbox"] = result["ldconfig_sandbox"]
     report.log(
         settings, container.id, "info", "GPU devices configured",
         devices=[d.name for d in plan.devices], operations=len(plan.operations), skipped=result["skipped"],
-        notes=list(gpu_request.notes), timings_ms={k: round(v, 2) for k, v in timings.items()}, **left,
+        notes=list(gpu_request.notes), timings_ms={k: round(v, 2) for k, v in timings.items()}, **some_starts,
     )  # fmt: skip
     return 0
 

@@ -54,6 +54,7 @@ import time
 
 from oci_gpu_hook.start import prefilter_rule
 from oci_gpu_hook.start.digits import decimal
+from oci_gpu_hook.start.linux import scm_rights
 
 DEFAULT_SOCKET = prefilter_rule.START_SERVER_SOCKET
 # The pre-filter's payload room, and its version line.
@@ -406,17 +407,10 @@ def receive(conn: socket.socket, identity: str, counts: Counts, accepted: float)
     peer_lacks() and whose message has come (the read does not wait); accepted: when its
     connection was. An offer carries no descriptor: any that came are closed here. A query
     (doctor) is answered here, with the code identity and counts, and is no offer."""
-    fds = array.array("i")
     try:
-        payload, ancillary, flags, _ = conn.recvmsg(
-            MAX_OFFER_BYTES + 1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize), socket.MSG_DONTWAIT
-        )
+        payload, fds, flags = scm_rights.receive(conn, MAX_OFFER_BYTES + 1, DESCRIPTORS, socket.MSG_DONTWAIT)
     except OSError as e:
         return None, not_taken("unreadable", error=e.strerror or e), "unreadable"
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    fds = list(fds)
 
     def refuse(key: str, **fields):
         for fd in fds:
@@ -455,20 +449,16 @@ def _until_go(conn: socket.socket) -> list | None:
     three descriptors (the state, its stdout, its stderr). None when it never comes (the
     pre-filter's wait for "taken" ended first, and the start is Python's): nothing may be done
     then, and nothing was."""
-    fds = array.array("i")
     try:
         conn.setblocking(True)  # the server's copy was not: one open file, shared
         conn.send(TAKEN)
         if not select.select([conn], [], [], GO_TIMEOUT_SECONDS)[0]:
             return None
-        message, ancillary, flags, _ = conn.recvmsg(2, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize))
+        message, fds, flags = scm_rights.receive(conn, 2, DESCRIPTORS)
     except OSError:
         return None
-    for level, kind, data in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
     if message == GO and len(fds) == DESCRIPTORS and not flags & socket.MSG_CTRUNC:
-        return list(fds)
+        return fds
     for fd in fds:
         os.close(fd)
     return None
@@ -677,12 +667,8 @@ class Spare:
 
     @staticmethod
     def _wait(pair: socket.socket) -> None:
-        fds = array.array("i")
         try:
-            payload, ancillary, flags, _ = pair.recvmsg(MAX_OFFER_BYTES + 16, socket.CMSG_SPACE(4 * fds.itemsize))
-            for level, kind, data in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+            payload, fds, _ = scm_rights.receive(pair, MAX_OFFER_BYTES + 16, 1)
         except OSError:
             _exit_worker(WORKER_IDLE)
         if not payload or len(fds) != 1:  # the server went away: no offer
@@ -932,14 +918,10 @@ def _pass_and_close(conn: socket.socket) -> None:
     closed), for a Unix socket closed with a message still queued resets the connection, and the
     peer would read the reset instead of the answer."""
     _reply(conn, PASS)
-    fds = array.array("i")
     try:
-        _, ancillary, _, _ = conn.recvmsg(1, socket.CMSG_SPACE(DESCRIPTORS * fds.itemsize), socket.MSG_DONTWAIT)
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        fds = scm_rights.receive(conn, 1, DESCRIPTORS, socket.MSG_DONTWAIT)[1]
     except OSError:
-        pass
+        fds = []
     for fd in fds:
         os.close(fd)
     conn.close()

@@ -364,32 +364,49 @@ def _start_sandboxed(exe: int, argv, rootfs_fd: int, out: int):
             raise
         finally:
             os.close(write_fd)
-    # The child is pid 1 of a new PID namespace: it can neither see nor signal anything else, and
-    # whatever it leaves running dies with it. Only the child goes there: our own PID namespace
-    # for later children is restored right after the fork.
-    try:
-        own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            _linux.unshare(_linux.CLONE_NEWPID)
+
+    def fork() -> int:
+        pid = os.fork()
+        if pid == 0:
             try:
-                pid = os.fork()
-                if pid == 0:
-                    try:
-                        _sandbox_child(exe, argv, rootfs_fd, out, write_fd)
-                    except BaseException as e:
-                        os.write(write_fd, f"cannot start ldconfig: {e}\n".encode())
-                    finally:
-                        os._exit(127)
+                _sandbox_child(exe, argv, rootfs_fd, out, write_fd)
+            except BaseException as e:
+                os.write(write_fd, f"cannot start ldconfig: {e}\n".encode())
             finally:
-                _linux.setns(own_pid_ns, _linux.CLONE_NEWPID)
-        finally:
-            os.close(own_pid_ns)
+                os._exit(127)
+        return pid
+
+    try:
+        return _as_pid_one(fork), read_fd
     except BaseException:
         os.close(read_fd)
         raise
     finally:
         os.close(write_fd)
-    return pid, read_fd
+
+
+def _as_pid_one(start) -> int:
+    """The pid of the child that start() makes (a fork or a spawn; it returns the pid), made pid 1
+    of a new PID namespace: it can neither see nor signal anything else, and whatever it leaves
+    running dies with it. Only the child goes there: our own PID namespace, for our later
+    children, is restored right after; a child whose way back failed is killed and reaped."""
+    own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _linux.unshare(_linux.CLONE_NEWPID)
+        pid = None
+        try:
+            pid = start()
+        finally:
+            try:
+                _linux.setns(own_pid_ns, _linux.CLONE_NEWPID)
+            except BaseException:
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                raise
+    finally:
+        os.close(own_pid_ns)
+    return pid
 
 
 def _start_in_middle(exe: int, argv, rootfs_fd: int, out: int, write_fd: int) -> int:
@@ -529,22 +546,12 @@ class Helper:
         code = (f"import sys; sys.path[:] = [*(p for p in sys.path if p), {top!r}]; "
                 f"from oci_gpu_hook.start.linux import ldconfig; ldconfig.helper_main(3, {nice!r})")  # fmt: skip
         try:
-            own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _linux.unshare(_linux.CLONE_NEWPID)
-                try:
-                    self.pid = os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", code], {},
-                                              file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])  # fmt: skip
-                finally:
-                    _linux.setns(own_pid_ns, _linux.CLONE_NEWPID)
-            finally:
-                os.close(own_pid_ns)
+            self.pid = _as_pid_one(
+                lambda: os.posix_spawn(sys.executable, [sys.executable, "-I", "-S", "-c", code], {},
+                                       file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 3)])
+            )  # fmt: skip
         except BaseException:
             ours.close()
-            if self.pid is not None:  # spawned, and the way back to our own PID namespace failed
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-                self.pid = None
             raise
         finally:
             theirs.close()
@@ -673,8 +680,9 @@ def _empty_mount_namespace() -> int:
 
 def helper_main(channel: int, nice: int | None = None) -> None:
     """The Helper's own process (python -I -S, pid 1 of its PID namespace). Never returns."""
-    import array
-    import socket
+    import _socket as socket  # what scm_rights imports, for the same reason
+
+    from oci_gpu_hook.start.linux import scm_rights
 
     err_fd = None
     try:
@@ -690,14 +698,9 @@ def helper_main(channel: int, nice: int | None = None) -> None:
         empty = _empty_mount_namespace()
         pair = socket.socket(fileno=channel)
         pair.send(HELPER_READY)
-        fds = array.array("i")
         # Close-on-exec, as the worker's own are: ldconfig is exec'd from one (the probe of
         # test_a_compromised_ldconfig_reaches_nothing counts its descriptors).
-        message, ancillary, flags, _ = pair.recvmsg(MAX_HELPER_MESSAGE, socket.CMSG_SPACE(HELPER_FDS * fds.itemsize),
-                                                    socket.MSG_CMSG_CLOEXEC)  # fmt: skip
-        for level, kind, data in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        message, fds, flags = scm_rights.receive(pair, MAX_HELPER_MESSAGE, HELPER_FDS, socket.MSG_CMSG_CLOEXEC)
         if len(fds) != HELPER_FDS or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
             os._exit(127)  # the socket's end (its parent gone), or not a start: nothing to say it to
         mntns, rootfs_fd, out, exe, err_fd = fds

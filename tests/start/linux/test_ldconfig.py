@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 
 import pytest
 import startservercheck
 
 from oci_gpu_hook.start import ldcache
-from oci_gpu_hook.start.linux import ldconfig
+from oci_gpu_hook.start.linux import ldconfig, scm_rights
 from oci_gpu_hook.start.linux.rootfs import Rootfs
 from oci_gpu_hook.toolkit import containers
 
@@ -149,13 +150,15 @@ def test_a_helper_that_cannot_start_ldconfig_leaves_it_to_a_fork(image, monkeypa
 @pytest.mark.parametrize("how", ["its-socket-closed", "its-holder-killed"])
 def test_a_helper_dies_with_its_holder(image, how):
     """Its holder closes its end (a spare that exits): the helper exits on its own. Its holder is
-    killed: the parent-death signal kills it."""
-    reader, writer = os.pipe()
+    killed while this test keeps a copy of the holder's end open, so that the socket never ends:
+    the parent-death signal alone must kill it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     holder = os.fork()
     if holder == 0:
         try:
+            ours.close()
             helper = ready_helper()
-            os.write(writer, helper.pid.to_bytes(4, "little"))
+            socket.send_fds(theirs, [helper.pid.to_bytes(4, "little")], [helper.channel.fileno()])
             if how == "its-socket-closed":
                 helper.channel.close()
                 _, status = os.waitpid(helper.pid, 0)
@@ -163,15 +166,50 @@ def test_a_helper_dies_with_its_holder(image, how):
             signal.pause()
         finally:
             os._exit(1)
-    os.close(writer)
-    pid = int.from_bytes(os.read(reader, 4), "little")
-    os.close(reader)
-    if how == "its-holder-killed":
-        os.kill(holder, signal.SIGKILL)
-    _, status = os.waitpid(holder, 0)
-    if how == "its-socket-closed":
-        assert os.waitstatus_to_exitcode(status) == 127  # the helper's own exit, seen by its holder
-    else:
-        # Reparented to this namespace's init: gone, or a zombie there if that init never reaps.
-        state = startservercheck.process_state
-        startservercheck.wait_until("the orphaned helper dead", lambda: state(pid) in ("", "Z"))
+    theirs.close()
+    message, fds, _ = scm_rights.receive(ours, 4, 1)
+    ours.close()
+    pid = int.from_bytes(message, "little")
+    assert len(fds) == 1 and pid > 0
+    holders_end = fds[0]  # a copy of the holder's end of the helper's socket
+    try:
+        if how == "its-socket-closed":
+            os.close(holders_end)  # ours would keep the socket open
+            holders_end = None
+        else:
+            os.kill(holder, signal.SIGKILL)
+        _, status = os.waitpid(holder, 0)
+        if how == "its-socket-closed":
+            assert os.waitstatus_to_exitcode(status) == 127  # the helper's own exit, seen by its holder
+        else:
+            # Reparented to this namespace's init: gone, or a zombie there if that init never reaps.
+            # Its socket is still open (holders_end): only the signal can have ended it.
+            state = startservercheck.process_state
+            startservercheck.wait_until("the orphaned helper dead", lambda: state(pid) in ("", "Z"))
+    finally:
+        if holders_end is not None:
+            os.close(holders_end)
+
+
+def test_a_child_whose_way_back_to_our_pid_namespace_fails_is_killed_and_reaped(image, monkeypatch):
+    """The sandbox's and the helper's one way to be pid 1 of a namespace (_as_pid_one): if the
+    setns back to our own PID namespace fails after the child is made, the child is not left
+    running, nor as a zombie, and the failure is raised. No real fault makes that setns fail
+    here: it alone is made to."""
+    real_setns, made = ldconfig._linux.setns, []
+
+    def refused(fd, nstype):
+        if nstype == ldconfig._linux.CLONE_NEWPID and made:
+            real_setns(fd, nstype)  # back for real (this test's later children), then said to fail
+            raise PermissionError(1, "Operation not permitted")
+        return real_setns(fd, nstype)
+
+    def start():
+        made.append(os.posix_spawn("/bin/sleep", ["sleep", "60"], {}))
+        return made[-1]
+
+    monkeypatch.setattr(ldconfig._linux, "setns", refused)
+    with pytest.raises(PermissionError):
+        ldconfig._as_pid_one(start)
+    assert startservercheck.process_state(made[0]) == ""
+    assert os.readlink("/proc/self/ns/pid_for_children") == os.readlink("/proc/self/ns/pid")
