@@ -73,6 +73,7 @@ bench: setup
 	$(PY) bench/cdi.py --cdi-runs 10
 	$(PY) bench/soak.py --starts $(SOAK_STARTS)
 	$(PY) bench/exporter_fields.py
+	$(PY) bench/sandbox_mounts.py
 	$(PY) bench/cluster.py
 
 # `make rpm`: the oci-gpu-hook (per architecture: the compiled pre-filter) and oci-gpu-hook-selinux

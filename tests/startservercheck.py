@@ -214,6 +214,20 @@ def state_memfd(data: bytes) -> int:
     return fd
 
 
+def held(pid: int, kind: str) -> set:
+    """What the process's descriptors of one kind (socket, pipe, mnt, ...) are on: the part of
+    each link between the brackets ("socket:[123]" gives "123")."""
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed while listed
+        if link.startswith(f"{kind}:["):
+            found.add(link[len(kind) + 2 : -1])
+    return found
+
+
 def pipe_holders(fd: int) -> list:
     """Pids of the processes with a descriptor on the pipe fd is an end of."""
     target = f"pipe:[{os.fstat(fd).st_ino}]"

@@ -38,13 +38,14 @@ class no_deadline_between:
     """Holds the deadline's SIGALRM back for a step that must not be cut in two: a change and the
     record of its undo (raised between the two, the change would stay with nothing to undo it), a
     child reaped and forgotten (a pid forgotten late could be killed after another process got
-    it). A signal that came meanwhile is delivered on leaving."""
+    it). A signal that came meanwhile is delivered on leaving. Nests: leaving an inner one keeps
+    what the outer one holds back."""
 
     _ALARM = {signal.SIGALRM}
 
     def __enter__(self):
-        signal.pthread_sigmask(signal.SIG_BLOCK, self._ALARM)
+        self._before = signal.pthread_sigmask(signal.SIG_BLOCK, self._ALARM)
 
     def __exit__(self, *exc):
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, self._ALARM)
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._before)
         return False

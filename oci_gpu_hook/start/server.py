@@ -749,11 +749,14 @@ def serve(listener: socket.socket, package: str = PACKAGE) -> None:
     whose offer has not come within OFFER_TIMEOUT_SECONDS is closed, and a worker is had (a spare,
     or a fork) before anything is said; with none, the start is "not taken"."""
     from oci_gpu_hook.start import prestart
+    from oci_gpu_hook.start.linux import ldconfig, userns
 
     counts = Counts()
     watch = CodeWatch(package)
     identity = code_identity(package)
     prestart.preload()  # everything a GPU start imports, once, before the first fork
+    if not ldconfig.hold_empty_namespace() and not userns.unprivileged():  # what every sandbox copies
+        _log("no empty mount namespace could be made: each ldconfig sandbox copies its container's mounts")
     gc.collect()
     gc.freeze()  # what exists now is never collected: a worker touches none of it to scan it
     gc.disable()  # workers live milliseconds and make no cycles they need freed (hook.main)

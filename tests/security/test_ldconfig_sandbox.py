@@ -58,19 +58,27 @@ def disk(tmp_path, require):
         subprocess.run(["losetup", "--detach", path], capture_output=True)
 
 
-@pytest.fixture(params=["fork", "helper"])
+@pytest.fixture(params=["fork", "fork-into-empty", "helper"])
 def started_by(request, require):
-    """Who makes ldconfig's sandbox: the hook's own fork, or a Helper made ahead, as a start
-    server's warm spare holds one (the tests assert which one the Sandbox used)."""
+    """Who makes ldconfig's sandbox: the hook's own fork (copying the container's mount table),
+    the fork of a start server's worker (into a copy of the server's empty mount namespace), or a
+    Helper made ahead, as a start server's warm spare holds one (the tests assert which one the
+    Sandbox used)."""
     require("root")
     if request.param == "helper":
         ldconfig.hold_helper()
         assert ldconfig._held is not None
         startservercheck.wait_until("the helper ready", ldconfig._held.usable, timeout=30)
+    elif request.param == "fork-into-empty":
+        ldconfig.hold_empty_namespace()
+        assert ldconfig._empty is not None
     try:
         yield request.param
     finally:
         ldconfig.drop_helper()
+        if ldconfig._empty is not None:
+            os.close(ldconfig._empty)
+            ldconfig._empty = None
 
 
 def sandboxed(started_by: str, *args, **kwargs) -> bytes:
@@ -362,6 +370,14 @@ int main(int argc, char **argv) {
             d[1].permitted, d[0].permitted, d[1].inheritable, d[0].inheritable);
     int bounding = 0; for (int c = 0; c < 64; c++) if (prctl(PR_CAPBSET_READ, c, 0, 0, 0) == 1) bounding++;
     fprintf(out, "bounding=%d nnp=%d\n", bounding, prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0));
+    sigset_t blocked; sigprocmask(SIG_SETMASK, NULL, &blocked);
+    int held = 0, ignored = 0;
+    for (int sig = 1; sig < 65; sig++) {
+        struct sigaction was;
+        if (sigismember(&blocked, sig) == 1) held++;
+        if (sigaction(sig, NULL, &was) == 0 && was.sa_handler == SIG_IGN) ignored++;
+    }
+    fprintf(out, "signals_blocked=%d signals_ignored=%d\n", held, ignored);
     attempt("write_image", open("/probe-was-here", O_WRONLY | O_CREAT, 0644));
     attempt("open_block_device", open("/disk", O_RDWR));
     attempt("host_canary", open(argv[argc - 1], O_RDONLY));
@@ -422,6 +438,9 @@ def test_a_compromised_ldconfig_reaches_nothing(tmp_path, monkeypatch, disk, req
     assert facts["fds"] == "3"  # stdin and stdout on /dev/null, stderr to the hook, and nothing else
     assert facts["cap_eff"] == facts["cap_prm"] == facts["cap_inh"] == "00"
     assert facts["bounding"] == "0" and facts["nnp"] == "1"
+    # The hook's signal state is not ldconfig's: the deadline's SIGALRM is held back while the
+    # start is handed over, and Python ignores SIGPIPE and SIGXFSZ; exec would keep both.
+    assert facts["signals_blocked"] == facts["signals_ignored"] == "0"
     assert facts["write_image"] == "EROFS"
     assert facts["open_block_device"] == "EACCES"  # nodev
     assert facts["host_canary"] == "ENOENT"  # the host is not in its view at all

@@ -196,11 +196,17 @@ def test_a_warm_spare_starts_ldconfig_through_its_helper(live_container, offerin
     warm, holds a helper that the next start hands its sandbox to: both records say which, and
     both containers are the same. A helper killed while it waits is not used: that start forks
     its own, and succeeds. A spare's unused helper is stopped with it: after the server stops,
-    none is left, not even a zombie."""
+    none is left, not even a zombie. The forks copy the server's empty mount namespace, which the
+    server holds and its spares inherit."""
     containers = [live_container(GPU_ENV) for _ in range(3)]
     config = startservercheck.config(containers[0][4], tmp_path)
     first = startservercheck.spare(running)
     assert startservercheck.children(first) == []  # cold: warmed by no start yet
+    # The empty mount namespace that the forks copy (not the container's table), the server's and
+    # its spares' by inheritance.
+    held = [startservercheck.held(pid, "mnt") for pid in (running.pid, first)]
+    assert len(held[0]) == 1 and held[1] == held[0], held
+    assert held[0] != {os.readlink(f"/proc/{running.pid}/ns/mnt")[len("mnt:[") : -1]}
     done = startservercheck.run(offering, config, containers[0][0].encode())
     assert (done.returncode, done.stderr) == (0, b""), done.stderr
     second = startservercheck.spare(running, besides=[first])

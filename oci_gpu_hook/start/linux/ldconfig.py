@@ -265,7 +265,7 @@ class Sandbox:
             self.argv = ["ldconfig", "-X", "-f", "/etc/ld.so.conf", "-C", "/etc/ld.so.cache", *directories]
             self._start(rootfs_fd, through_helper=True)
         except BaseException:
-            self._release()
+            self.cancel()  # ldconfig too, if it was started (the deadline, delivered as _start ends)
             raise
 
     def _start(self, rootfs_fd: int, through_helper: bool) -> None:
@@ -285,15 +285,10 @@ class Sandbox:
         conf_fd = os.open("ld.so.conf", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644, dir_fd=self.out)
         with os.fdopen(conf_fd, "wb") as f:
             f.write(os.fsencode(self.conf))  # the image's bytes again (_ConfReader._text)
-        started = None
-        if through_helper:
-            with no_deadline_between():  # handed and owned as one: cut between, ldconfig would be no one's
-                started = _start_through_helper(self.exe, self.argv, rootfs_fd, self.out)
-                if started is not None:
-                    self.pid, self.errors = started
-        self.via_helper = started is not None
-        if started is None:
-            self.pid, self.errors = _start_sandboxed(self.exe, self.argv, rootfs_fd, self.out)
+        with no_deadline_between():  # started and owned as one: cut between, ldconfig would be no one's
+            started = _start_through_helper(self.exe, self.argv, rootfs_fd, self.out) if through_helper else None
+            self.via_helper = started is not None
+            self.pid, self.errors = started or _start_sandboxed(self.exe, self.argv, rootfs_fd, self.out)
 
     def result(self) -> bytes:
         """Wait for ldconfig (killing it past the timeout) and return the cache it wrote."""
@@ -474,6 +469,20 @@ def _sandbox_child(exe: int, argv, rootfs_fd: int, out: int, err_fd: int, orphan
     null = os.open("/dev/null", os.O_RDWR)  # before the host disappears from view
     _stay_in_own_domain()  # while the host's /proc and /sys are in view
     _linux.unshare(_NAMESPACES)
+    if _empty is not None:
+        view = None
+        try:
+            view = _linux.open_tree(rootfs_fd, "", _VIEW_CLONE)
+            _linux.setns(_empty, _linux.CLONE_NEWNS)
+        except OSError:
+            # An unbindable rootfs (EINVAL; EPERM if also locked), or not a namespace we may join:
+            # as without one, by the copy (which keeps unbindable mounts, made private below).
+            if view is not None:
+                os.close(view)
+        else:
+            _linux.unshare(_linux.CLONE_NEWNS)  # a copy of its one mount, this child's own to change
+            _attach_view(view)
+            _enter_view_and_exec(view, exe, argv, out, err_fd, null, orphan_signal)
     os.fchdir(rootfs_fd)  # unshare moves the cwd into the new namespace's copy: no path walked again
     _linux.unshare(_linux.CLONE_NEWNS)
     _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
@@ -493,7 +502,7 @@ def _enter_view_and_exec(view: int, exe: int, argv, out: int, err_fd: int, null:
     _linux.move_mount(out, "", etc, "", _linux.MOVE_MOUNT_F_EMPTY_PATH | _linux.MOVE_MOUNT_T_EMPTY_PATH)
     os.fchdir(view)
     _linux.pivot_root(".", ".")
-    _linux.umount2(".", _linux.MNT_DETACH)  # the old root (the host, or a Helper's empty tmpfs) is gone
+    _linux.umount2(".", _linux.MNT_DETACH)  # the old root (the host's, or an empty tmpfs) is gone
     os.chdir("/")
     for limit, value in LIMITS.items():
         resource.setrlimit(limit, (value, value))
@@ -509,6 +518,11 @@ def _enter_view_and_exec(view: int, exe: int, argv, out: int, err_fd: int, null:
     os.dup2(err_fd, 2)
     os.closerange(3, exe)
     os.closerange(exe + 1, 1 << 16)
+    # What exec keeps: the mask (the deadline's SIGALRM is held back while the start is handed
+    # over) and ignored signals (Python ignores SIGPIPE and SIGXFSZ). ldconfig gets neither.
+    for ignored in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(ignored, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
     os.execve(exe, argv, {})
 
 
@@ -656,13 +670,77 @@ def _start_through_helper(exe: int, argv, rootfs_fd: int, out: int):
     return started
 
 
-VIEW_MOUNT_POINT = "/view"  # in a Helper's empty mount namespace
+VIEW_MOUNT_POINT = "/view"  # in an empty mount namespace: a Helper's own, or a copy of the server's
+# The rootfs and every mount below it, cloned where it is (open_tree clones only from the
+# caller's own namespace) to be attached in an empty one: a start then copies the rootfs's
+# mounts once, never the whole table of the container's namespace (the host's mounts with it).
+_VIEW_CLONE = _linux.OPEN_TREE_CLONE | _linux.OPEN_TREE_CLOEXEC | _linux.AT_RECURSIVE | _linux.AT_EMPTY_PATH
+_empty = None  # an empty mount namespace this process holds (a start server's, its workers inherit it)
+
+
+def _attach_view(view: int) -> None:
+    """In an empty mount namespace of the caller's own: the cloned view made read-only, nodev,
+    nosuid, noexec and private, recursively, and attached at VIEW_MOUNT_POINT. A clone keeps its
+    originals' propagation (a peer, a slave): made private first, so that nothing mounted on it
+    below is seen anywhere else, nor anything from there seen here."""
+    _linux.mount_setattr(view, _VIEW_ATTRS, propagation=_linux.MS_PRIVATE)
+    _linux.move_mount(view, "", _linux.AT_FDCWD, VIEW_MOUNT_POINT, _linux.MOVE_MOUNT_F_EMPTY_PATH)
+
+
+def hold_empty_namespace(timeout: float = 5.0) -> bool:
+    """In a start server, once, before its first fork: an empty mount namespace (_empty) that
+    every sandbox its workers fork copies instead of the container's (the copy, and the detach
+    after pivot_root, cost about 1 µs a mount each: 2,000 mounts on a busy node are 4 ms a
+    start). Made by a child, which sends it back and exits. Whether one is held: none where the
+    hook is in a user namespace, and none if it cannot be made within timeout (the child is then
+    killed): the sandbox then copies, as it always could."""
+    global _empty
+    if _empty is not None:
+        return True
+    if userns.unprivileged():
+        return False
+    import select
+    import socket
+
+    from oci_gpu_hook.start.linux import scm_rights
+
+    fds, pid = [], None
+    try:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError:
+        return False
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                _linux.set_parent_death_signal(signal.SIGKILL)
+                socket.send_fds(theirs, [b"empty"], [_empty_mount_namespace()])
+            finally:
+                os._exit(0)
+        theirs.close()
+        if select.select([ours], [], [], timeout)[0]:
+            _, fds, _ = scm_rights.receive(ours, 16, 1, socket.MSG_CMSG_CLOEXEC)
+    except OSError:
+        pass
+    finally:
+        if pid:
+            try:
+                os.kill(pid, signal.SIGKILL)  # done already, or past its time
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+        ours.close()
+        theirs.close()
+    if fds:  # one at most (room for one)
+        _empty = fds[0]
+    return _empty is not None
 
 
 def _empty_mount_namespace() -> int:
-    """In a Helper, at idle: a mount namespace of its own whose one mount, and root, is a small
-    empty tmpfs with VIEW_MOUNT_POINT in it (the host's table, copied by unshare, detached now
-    rather than on a start's path); a descriptor of it, for setns."""
+    """In a Helper at idle, or the child of hold_empty_namespace: a mount namespace of its own
+    whose one mount, and root, is a small empty tmpfs with VIEW_MOUNT_POINT in it (the host's
+    table, copied by unshare, detached now rather than on a start's path); a descriptor of it,
+    for setns."""
     _linux.unshare(_linux.CLONE_NEWNS)
     _linux.mount(None, "/", None, _linux.MS_REC | _linux.MS_PRIVATE)
     namespace = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)  # while /proc is in view
@@ -680,7 +758,7 @@ def _empty_mount_namespace() -> int:
 
 def helper_main(channel: int, nice: int | None = None) -> None:
     """The Helper's own process (python -I -S, pid 1 of its PID namespace). Never returns."""
-    import _socket as socket  # what scm_rights imports, for the same reason
+    import _socket  # socket's C core, as scm_rights imports it and for the same reason
 
     from oci_gpu_hook.start.linux import scm_rights
 
@@ -696,27 +774,21 @@ def helper_main(channel: int, nice: int | None = None) -> None:
         _stay_in_own_domain()
         _linux.unshare(_NAMESPACES)
         empty = _empty_mount_namespace()
-        pair = socket.socket(fileno=channel)
+        pair = _socket.socket(fileno=channel)
         pair.send(HELPER_READY)
         # Close-on-exec, as the worker's own are: ldconfig is exec'd from one (the probe of
         # test_a_compromised_ldconfig_reaches_nothing counts its descriptors).
-        message, fds, flags = scm_rights.receive(pair, MAX_HELPER_MESSAGE, HELPER_FDS, socket.MSG_CMSG_CLOEXEC)
-        if len(fds) != HELPER_FDS or flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+        message, fds, flags = scm_rights.receive(pair, MAX_HELPER_MESSAGE, HELPER_FDS, _socket.MSG_CMSG_CLOEXEC)
+        if len(fds) != HELPER_FDS or flags & (_socket.MSG_TRUNC | _socket.MSG_CTRUNC):
             os._exit(127)  # the socket's end (its parent gone), or not a start: nothing to say it to
         mntns, rootfs_fd, out, exe, err_fd = fds
         argv = [os.fsdecode(a) for a in message.split(b"\0")]
-        # The view is cloned where the rootfs is (open_tree clones only from the caller's own
-        # namespace) and attached in the empty one: the start copies the rootfs's mounts once,
-        # never the whole table of the container's namespace (the host's mounts with it).
+        # Cloned in the worker's namespace, attached in the empty one (_VIEW_CLONE).
         _linux.setns(mntns, _linux.CLONE_NEWNS)
         os.close(mntns)
-        clone = _linux.OPEN_TREE_CLONE | _linux.OPEN_TREE_CLOEXEC | _linux.AT_RECURSIVE | _linux.AT_EMPTY_PATH
-        view = _linux.open_tree(rootfs_fd, "", clone)
+        view = _linux.open_tree(rootfs_fd, "", _VIEW_CLONE)
         _linux.setns(empty, _linux.CLONE_NEWNS)
-        # A clone keeps its originals' propagation (a peer, a slave): made private first, so that
-        # nothing mounted on it below is seen anywhere else, nor anything from there seen here.
-        _linux.mount_setattr(view, _VIEW_ATTRS, propagation=_linux.MS_PRIVATE)
-        _linux.move_mount(view, "", _linux.AT_FDCWD, VIEW_MOUNT_POINT, _linux.MOVE_MOUNT_F_EMPTY_PATH)
+        _attach_view(view)
         _enter_view_and_exec(view, exe, argv, out, err_fd, null, orphan_signal=signal.SIGKILL)
     except BaseException as e:
         if err_fd is not None:
@@ -759,8 +831,9 @@ class Refresh:
             self.etc = undo.keep_fd(rootfs.ensure_dir("/etc", undo))
         except OSError as e:
             raise LdconfigError(f"/etc in the container: {e.strerror or e}") from None
-        self.sandbox = Sandbox(rootfs.fd, conf, directories, timeout, sources)
-        undo.on_close.append(self.sandbox.cancel)
+        with no_deadline_between():  # made and registered as one: cut between, ldconfig would be no one's
+            self.sandbox = Sandbox(rootfs.fd, conf, directories, timeout, sources)
+            undo.on_close.append(self.sandbox.cancel)
 
     def finish(self) -> list[str]:
         """Install the new cache (recorded in the undo log); returns the notes (image

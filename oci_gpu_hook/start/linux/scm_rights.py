@@ -1,10 +1,11 @@
 """Descriptors passed over a Unix socket (SCM_RIGHTS): the one receiving side, for the start
 server's offers, its workers' "go" and the ldconfig helper's start.
 
-Not socket.recv_fds: it ignores its flags argument (3.9 to 3.13 alike), and the callers need
-MSG_DONTWAIT (never wait on the start's path) and MSG_CMSG_CLOEXEC (nothing received may leak into
-a process exec'd later). And _socket, not socket: socket's enum wrappers and selectors would cost
-the ldconfig helper, which imports this at idle, some 5 ms of its start (docs/performance.md).
+Not socket.recv_fds: it ignores its flags argument (3.9 to 3.13 alike), and callers need
+MSG_DONTWAIT (the server: never wait on the start's path) and MSG_CMSG_CLOEXEC (the helper:
+nothing received may leak into the ldconfig it execs). And _socket, not socket: socket's enum
+wrappers and selectors would cost the ldconfig helper, which imports this at idle, some 5 ms of
+its start (docs/performance.md).
 """
 
 from __future__ import annotations

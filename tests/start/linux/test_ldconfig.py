@@ -213,3 +213,105 @@ def test_a_child_whose_way_back_to_our_pid_namespace_fails_is_killed_and_reaped(
         ldconfig._as_pid_one(start)
     assert startservercheck.process_state(made[0]) == ""
     assert os.readlink("/proc/self/ns/pid_for_children") == os.readlink("/proc/self/ns/pid")
+
+
+@pytest.fixture
+def empty_namespace(image):
+    """The empty mount namespace a start server holds (ldconfig._empty), held by this process."""
+    try:
+        assert ldconfig.hold_empty_namespace() and ldconfig._empty is not None
+        yield ldconfig._empty
+    finally:
+        if ldconfig._empty is not None:
+            os.close(ldconfig._empty)
+            ldconfig._empty = None
+
+
+def root_listing_in(namespace: int) -> dict:
+    """{directory: its entries} for / and VIEW_MOUNT_POINT, as seen from inside the namespace
+    (a child joins it: /proc is not there to read its mount table from)."""
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            ldconfig._linux.setns(namespace, ldconfig._linux.CLONE_NEWNS)
+            seen = {d: sorted(os.listdir(d)) for d in ("/", ldconfig.VIEW_MOUNT_POINT)}
+            os.write(writer, repr(seen).encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    with os.fdopen(reader) as f:
+        said = f.read()
+    os.waitpid(child, 0)
+    import ast
+
+    return ast.literal_eval(said)
+
+
+def test_a_servers_empty_namespace_is_empty_and_stays_so(empty_namespace, image):
+    """What hold_empty_namespace makes: a mount namespace other than ours, close-on-exec, with
+    nothing in it but VIEW_MOUNT_POINT; and after sandboxes have been made from it, still nothing
+    there (each sandbox mounts its view in a copy of its own, never in the shared one)."""
+    assert os.readlink(f"/proc/self/fd/{empty_namespace}") != os.readlink("/proc/self/ns/mnt")
+    assert os.readlink(f"/proc/self/fd/{empty_namespace}").startswith("mnt:")
+    assert not os.get_inheritable(empty_namespace)
+    empty = {"/": ["view"], ldconfig.VIEW_MOUNT_POINT: []}
+    assert root_listing_in(empty_namespace) == empty
+    for _ in range(2):
+        sandbox = ldconfig.Sandbox(image.fd, "/opt/lib\n", [], timeout=20)
+        assert not sandbox.via_helper
+        assert "/opt/lib/libc.so.6" in indexed(sandbox.result())
+    assert root_listing_in(empty_namespace) == empty
+    held = ldconfig._empty
+    assert ldconfig.hold_empty_namespace() and ldconfig._empty == held  # once
+
+
+def test_a_fork_builds_its_view_in_the_held_namespace(image, monkeypatch):
+    """The route is taken whenever a namespace is held: given one that is not empty (ours, which
+    has no VIEW_MOUNT_POINT), the start fails where only that route looks for it."""
+    ours = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    assert not os.path.exists(ldconfig.VIEW_MOUNT_POINT)  # this host's root has none
+    monkeypatch.setattr(ldconfig, "_empty", ours)
+    with open("/proc/self/mountinfo") as f:
+        before = f.read()
+    try:
+        with pytest.raises(ldconfig.LdconfigError, match="No such file or directory"):
+            ldconfig.Sandbox(image.fd, "/opt/lib\n", [], timeout=20).result()
+    finally:
+        os.close(ours)
+    with open("/proc/self/mountinfo") as f:
+        assert f.read() == before  # it failed in a copy of its own: the namespace it joined is as it was
+
+
+def test_a_held_namespace_that_cannot_be_joined_leaves_the_fork_as_it_was(image, monkeypatch):
+    """Not a namespace at all (setns refuses it): the fork copies the container's table, as
+    without one, and the start gets its cache."""
+    null = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    monkeypatch.setattr(ldconfig, "_empty", null)
+    try:
+        assert "/opt/lib/libc.so.6" in indexed(ldconfig.Sandbox(image.fd, "/opt/lib\n", [], timeout=20).result())
+    finally:
+        os.close(null)
+
+
+@pytest.mark.parametrize("fault", ["hangs", "fails"])
+def test_a_server_whose_empty_namespace_cannot_be_made_holds_none(image, monkeypatch, fault):
+    """The child that makes it hangs (killed after the timeout) or fails: none is held, the
+    server goes on (its sandboxes copy), and the child is reaped. Only the child's work is
+    replaced, in the child: no real fault here makes a mount namespace hang or fail."""
+    import time
+
+    def hang():
+        time.sleep(600)
+
+    def fail():
+        raise OSError(1, "Operation not permitted")
+
+    monkeypatch.setattr(ldconfig, "_empty_mount_namespace", hang if fault == "hangs" else fail)
+    children = startservercheck.children(os.getpid())
+    began = time.monotonic()
+    assert ldconfig.hold_empty_namespace(timeout=0.5) is False
+    assert ldconfig._empty is None
+    # Not a measure of speed: the wait ended at its timeout, not at the hanging child's end (600 s).
+    assert time.monotonic() - began < 300
+    assert startservercheck.children(os.getpid()) == children  # the child killed and reaped
