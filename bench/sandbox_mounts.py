@@ -10,6 +10,7 @@ kept) and prints the figures.
 """
 
 import argparse
+import ast
 import datetime
 import os
 import shutil
@@ -107,8 +108,6 @@ def main() -> int:
         _, status = os.waitpid(child, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         return 1
-    import ast
-
     rows = ast.literal_eval(said)
     for row in rows:
         print(f"{row['mounts']:>5} mounts: copying {row['copying_ms']:.2f} ms, "

@@ -230,17 +230,16 @@ def held(pid: int, kind: str) -> set:
 
 def pipe_holders(fd: int) -> list:
     """Pids of the processes with a descriptor on the pipe fd is an end of."""
-    target = f"pipe:[{os.fstat(fd).st_ino}]"
+    pipe = str(os.fstat(fd).st_ino)
     holders = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            links = [os.readlink(f"/proc/{entry}/fd/{n}") for n in os.listdir(f"/proc/{entry}/fd")]
+            if pipe in held(int(entry), "pipe"):
+                holders.append(int(entry))
         except OSError:
-            continue  # gone meanwhile, or a descriptor closed while listed
-        if target in links:
-            holders.append(int(entry))
+            continue  # gone meanwhile
     return holders
 
 

@@ -6,6 +6,7 @@ both paths. A served start that uses one: tests/start/test_server.py."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import signal
@@ -243,8 +244,6 @@ def root_listing_in(namespace: int) -> dict:
     with os.fdopen(reader) as f:
         said = f.read()
     os.waitpid(child, 0)
-    import ast
-
     return ast.literal_eval(said)
 
 
